@@ -1,0 +1,127 @@
+"""Pure-torch paged attention: the CPU path and the reference the kernels are checked against.
+
+Decode-only sequences are attended as one padded batch; sequences with several new
+tokens (prefill, chunked prefill on top of a prefix hit) are attended one by one with a
+causal mask offset by their cached context. Accumulation is float32 when the inputs are
+16-bit; fp8 caches are dequantized with the per-tensor scales on load.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvpilot.engine.attention.metadata import AttentionMetadata
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def quantize_kv(x: torch.Tensor, scale: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """Cast new K or V to the cache dtype; fp8 divides by ``scale`` and saturates."""
+    if cache_dtype not in FP8_DTYPES:
+        return x.to(cache_dtype)
+    limit = torch.finfo(cache_dtype).max
+    return (x.float() / scale).clamp_(-limit, limit).to(cache_dtype)
+
+
+def dequantize_kv(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if x.dtype not in FP8_DTYPES:
+        return x.to(dtype)
+    return (x.float() * scale).to(dtype)
+
+
+def store_kv(
+    key: torch.Tensor,           # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,         # [num_tokens, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor,      # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+) -> None:
+    num_tokens = slot_mapping.shape[0]
+    key, value = key[:num_tokens], value[:num_tokens]
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+    k_new = quantize_kv(key, k_scale, kv_cache.dtype)
+    v_new = quantize_kv(value, v_scale, kv_cache.dtype)
+    if kv_cache.dtype in FP8_DTYPES:
+        # index_put_ is not implemented for fp8 on every device; write the bytes.
+        flat = flat.view(torch.uint8)
+        k_new, v_new = k_new.view(torch.uint8), v_new.view(torch.uint8)
+    flat[0].index_copy_(0, slot_mapping, k_new)
+    flat[1].index_copy_(0, slot_mapping, v_new)
+
+
+def gather_kv(
+    kv_cache: torch.Tensor,      # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_table: torch.Tensor,   # [num_blocks_used] int32 for one sequence, or [n, blocks]
+    num_tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of the first ``num_tokens`` tokens of one or more sequences, in cache dtype."""
+    blocks = kv_cache[:, block_table.long()]   # [2, (n,) blocks, block_size, heads, dim]
+    shape = (*blocks.shape[:-4], -1, *blocks.shape[-2:])
+    k, v = blocks[0].reshape(shape[1:]), blocks[1].reshape(shape[1:])
+    return k[..., :num_tokens, :, :], v[..., :num_tokens, :, :]
+
+
+def paged_attention(
+    query: torch.Tensor,          # [num_tokens, num_heads, head_dim]
+    kv_cache: torch.Tensor,       # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    metadata: AttentionMetadata,
+    scale: float,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+) -> torch.Tensor:
+    """Causal attention of every query row over its sequence's paged K/V (padding rows: 0)."""
+    out = torch.zeros_like(query)
+    compute_dtype = torch.float32 if query.dtype != torch.float64 else query.dtype
+    block_size = kv_cache.shape[2]
+    starts = metadata.query_start_loc.tolist()
+    decode_ids = [i for i, q in enumerate(metadata.query_lens_cpu) if q == 1]
+    other_ids = [i for i, q in enumerate(metadata.query_lens_cpu) if q > 1]
+
+    if decode_ids:
+        idx = torch.tensor(decode_ids, device=query.device)
+        seq_lens = metadata.seq_lens[idx].long()
+        max_len = max(metadata.seq_lens_cpu[i] for i in decode_ids)
+        num_blocks = -(-max_len // block_size)
+        k, v = gather_kv(kv_cache, metadata.block_tables[idx, :num_blocks], max_len)
+        k = dequantize_kv(k, k_scale, compute_dtype)   # [n, L, kv_heads, dim]
+        v = dequantize_kv(v, v_scale, compute_dtype)
+        rows = torch.tensor([starts[i] for i in decode_ids], device=query.device)
+        q = query[rows].to(compute_dtype).unsqueeze(2)            # [n, heads, 1, dim]
+        mask = torch.arange(max_len, device=query.device)[None, :] < seq_lens[:, None]
+        o = F.scaled_dot_product_attention(
+            q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None, None, :],
+            scale=scale, enable_gqa=True,
+        )
+        out[rows] = o.squeeze(2).to(query.dtype)
+
+    for i in other_ids:
+        start, end = starts[i], starts[i + 1]
+        q_len, seq_len = end - start, metadata.seq_lens_cpu[i]
+        context = seq_len - q_len
+        num_blocks = -(-seq_len // block_size)
+        k, v = gather_kv(kv_cache, metadata.block_tables[i, :num_blocks], seq_len)
+        k = dequantize_kv(k, k_scale, compute_dtype).transpose(0, 1)   # [kv_heads, L, dim]
+        v = dequantize_kv(v, v_scale, compute_dtype).transpose(0, 1)
+        q = query[start:end].to(compute_dtype).transpose(0, 1)          # [heads, q_len, dim]
+        if context == 0:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            pos_q = torch.arange(context, seq_len, device=query.device)
+            mask = torch.arange(seq_len, device=query.device)[None, :] <= pos_q[:, None]
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[start:end] = o.transpose(0, 1).to(query.dtype)
+    return out
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def forward(self, query, key, value, kv_cache, metadata, scale, k_scale, v_scale):
+        store_kv(key, value, kv_cache, metadata.slot_mapping, k_scale, v_scale)
+        return paged_attention(query, kv_cache, metadata, scale, k_scale, v_scale)

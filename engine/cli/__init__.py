@@ -1,0 +1,1 @@
+"""The `kvpilot` command line."""

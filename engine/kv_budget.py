@@ -1,0 +1,93 @@
+"""The KV-cache memory formula, shared by the engine and the operator's planner.
+
+Torch-free on purpose: the operator image has no torch, and the planner's promise
+("an engine given these bytes gets exactly this many blocks") only holds if both
+sides compute the block count with this one function.
+
+    bytes/token = 2 (K and V) x layers x kv_heads x head_dim x dtype_bytes
+    bytes/block = bytes/token x block_size
+    num_blocks  = floor(kv_cache_memory_bytes / bytes/block)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+# Bytes per element of each KV cache dtype name accepted by the engine and the CLI.
+KV_DTYPE_BYTES: dict[str, int] = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "fp8": 1,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
+}
+
+FP8_KV_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+def kv_dtype_bytes(kv_cache_dtype: str, model_dtype: str) -> int:
+    """Bytes per KV element: ``auto`` follows the model dtype, ``fp8*`` is one byte."""
+    name = model_dtype if kv_cache_dtype == "auto" else kv_cache_dtype
+    try:
+        return KV_DTYPE_BYTES[name]
+    except KeyError:
+        known = ", ".join(["auto", *KV_DTYPE_BYTES])
+        raise ValueError(f"unknown KV cache dtype {name!r}; expected one of: {known}") from None
+
+
+def kv_heads_per_rank(num_kv_heads: int, tensor_parallel_size: int) -> int:
+    """KV heads held by one GPU under tensor parallelism.
+
+    Heads are split across ranks; when there are fewer KV heads than ranks each
+    rank keeps a replica of one head (as vLLM does), so the count never drops below 1.
+    """
+    if num_kv_heads < 1 or tensor_parallel_size < 1:
+        raise ValueError("num_kv_heads and tensor_parallel_size must be >= 1")
+    return max(1, math.ceil(num_kv_heads / tensor_parallel_size))
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
+    """2 x layers x kv_heads x head_dim x dtype_bytes (the 2 is one K and one V)."""
+    for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
+                        ("head_dim", head_dim), ("dtype_bytes", dtype_bytes)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """Shape of one rank's paged KV cache: what a block costs and how many fit."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype_bytes: int
+    block_size: int = 16
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype_bytes)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype_bytes)
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_token * self.block_size
+
+    def num_blocks(self, kv_cache_memory_bytes: int) -> int:
+        """Whole blocks that fit in ``kv_cache_memory_bytes`` (floor; never negative)."""
+        if kv_cache_memory_bytes < 0:
+            raise ValueError(f"kv_cache_memory_bytes must be >= 0, got {kv_cache_memory_bytes}")
+        return kv_cache_memory_bytes // self.bytes_per_block
+
+    def token_capacity(self, num_blocks: int) -> int:
+        return num_blocks * self.block_size
+
+    def memory_for_blocks(self, num_blocks: int) -> int:
+        return num_blocks * self.bytes_per_block

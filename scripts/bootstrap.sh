@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Creates .venv and installs kvpilot into it, from scratch on a fresh machine.
+#   scripts/bootstrap.sh          runtime only (serving)
+#   scripts/bootstrap.sh test     runtime + test tools (+ Prometheus, LMCache's CPU pieces)
+# Idempotent: a second run with an unchanged pyproject.toml is a no-op.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+want="${1:-run}"
+venv=.venv
+stamp="$venv/.kvpilot-$want"
+py="${PYTHON:-python3}"
+
+if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && [ "$stamp" -nt scripts/bootstrap.sh ]; then
+  exit 0
+fi
+
+[ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
+pip=("$venv/bin/python" -m pip install --disable-pip-version-check -q)
+# torch first, pinned: the CPU build lies on local disk; an unpinned torch pulls CUDA wheels.
+"${pip[@]}" "torch==2.13.0"
+constraints="$venv/constraints.txt"
+echo "torch==2.13.0" > "$constraints"
+if [ "$want" = test ]; then
+  "${pip[@]}" -c "$constraints" -e ".[test]"
+  # LMCache's full dependency set pulls CUDA packages and downgrades numpy/fastapi;
+  # on CPU we install it without deps plus the light ones its CPU paths import.
+  "${pip[@]}" -c "$constraints" --no-deps "lmcache>=0.3"
+  "${pip[@]}" -c "$constraints" py-cpuinfo psutil msgspec pyzmq sortedcontainers aiofile aiofiles \
+    blake3 aiohttp redis cachetools httptools nvtx numba cryptography
+  if ! command -v prometheus >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ]; then
+      (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus) >/dev/null \
+        || echo "WARNING: could not install prometheus; its test will be skipped" >&2
+    else
+      echo "WARNING: prometheus not installed (needs root for apt-get); its test will be skipped" >&2
+    fi
+  fi
+else
+  "${pip[@]}" -c "$constraints" -e .
+fi
+touch "$stamp"
