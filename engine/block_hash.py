@@ -1,0 +1,56 @@
+"""Hash chain for prefix caching (torch-free).
+
+The hash of full block ``i`` of a request covers everything the KV in that block
+depends on: the hash of block ``i - 1`` (so equal hashes mean equal prefixes, not
+just equal blocks), the block's token ids, and extra keys. The first block also
+carries the request's ``cache_salt``, which therefore separates whole chains: two
+tenants with different salts never share a block. The chain's root is derived from a
+configurable seed plus a fingerprint of everything that changes the bytes in a block
+(model, KV dtype, block size), so that hashes stay stable across restarts (the disk
+and LMCache tiers rely on that) yet never match KV of another model or layout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+
+BlockHash = bytes
+
+
+def root_hash(seed: str | None, fingerprint: str = "") -> BlockHash:
+    """The parent hash of a chain's first block."""
+    return hashlib.sha256(f"kvpilot-prefix-v1|{seed or ''}|{fingerprint}".encode()).digest()
+
+
+def hash_block_tokens(
+    parent: BlockHash,
+    token_ids: Sequence[int],
+    extra_keys: tuple[str, ...] = (),
+) -> BlockHash:
+    """sha256(parent || len || token ids as int64 || extra keys)."""
+    h = hashlib.sha256(parent)
+    h.update(len(token_ids).to_bytes(4, "little"))
+    h.update(array("q", token_ids).tobytes())
+    for key in extra_keys:
+        data = key.encode()
+        h.update(len(data).to_bytes(4, "little"))
+        h.update(data)
+    return h.digest()
+
+
+def extend_block_hashes(
+    block_hashes: list[BlockHash],
+    token_ids: Sequence[int],
+    block_size: int,
+    root: BlockHash,
+    cache_salt: str | None = None,
+) -> None:
+    """Append the hashes of newly full blocks of ``token_ids`` to ``block_hashes`` in place."""
+    num_full = len(token_ids) // block_size
+    for i in range(len(block_hashes), num_full):
+        parent = block_hashes[i - 1] if i > 0 else root
+        extra = ("salt:" + cache_salt,) if (i == 0 and cache_salt) else ()
+        block = token_ids[i * block_size:(i + 1) * block_size]
+        block_hashes.append(hash_block_tokens(parent, block, extra))

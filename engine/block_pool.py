@@ -1,0 +1,161 @@
+"""KV cache blocks, the free queue and the prefix-cache map (torch-free).
+
+A block is either *used* (``ref_cnt > 0``: referenced by that many running requests'
+block tables) or *free* (``ref_cnt == 0``: in the free queue). A free block may still
+hold a block hash, meaning its KV is valid and can be revived by a prefix-cache hit;
+it loses the hash only when it is handed out again (lazy eviction).
+
+Eviction order: the free queue is least-recently-freed first. A finished request's
+blocks are appended tail first, so its last blocks (least likely to be shared) go
+before its first blocks, and everything freed earlier goes before both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+
+from kvpilot.engine.block_hash import BlockHash
+
+
+class KVCacheBlock:
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: BlockHash | None = None
+        # Links of the free queue; both None when the block is not in it.
+        self.prev_free: KVCacheBlock | None = None
+        self.next_free: KVCacheBlock | None = None
+
+    def __repr__(self) -> str:
+        h = self.block_hash.hex()[:8] if self.block_hash else None
+        return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt}, hash={h})"
+
+
+class FreeBlockQueue:
+    """Doubly linked list threaded through the blocks: O(1) popleft, append and remove.
+
+    Removal from the middle is what a prefix-cache hit on a free block needs, which is
+    why a deque does not do.
+    """
+
+    def __init__(self, blocks: Iterable[KVCacheBlock]) -> None:
+        self._head = KVCacheBlock(-1)   # sentinels
+        self._tail = KVCacheBlock(-1)
+        self._head.next_free, self._tail.prev_free = self._tail, self._head
+        self.num_free_blocks = 0
+        for block in blocks:
+            self.append(block)
+
+    def __len__(self) -> int:
+        return self.num_free_blocks
+
+    def append(self, block: KVCacheBlock) -> None:
+        last = self._tail.prev_free
+        assert last is not None
+        last.next_free, block.prev_free = block, last
+        block.next_free, self._tail.prev_free = self._tail, block
+        self.num_free_blocks += 1
+
+    def remove(self, block: KVCacheBlock) -> None:
+        prev, nxt = block.prev_free, block.next_free
+        if prev is None or nxt is None:
+            raise RuntimeError(f"{block} is not in the free queue")
+        prev.next_free, nxt.prev_free = nxt, prev
+        block.prev_free = block.next_free = None
+        self.num_free_blocks -= 1
+
+    def popleft(self) -> KVCacheBlock:
+        first = self._head.next_free
+        if first is None or first is self._tail:
+            raise RuntimeError("no free KV cache blocks")
+        self.remove(first)
+        return first
+
+    def __iter__(self) -> Iterator[KVCacheBlock]:
+        node = self._head.next_free
+        while node is not None and node is not self._tail:
+            yield node
+            node = node.next_free
+
+
+class BlockPool:
+    """Owns every block, their ref counts and the hash -> block map."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[BlockHash, KVCacheBlock] = {}
+        # Called with (block_id, block_hash) just before a cached block is evicted;
+        # the offload tier uses it to save the KV before the block is reused.
+        self.on_evict: Callable[[int, BlockHash], None] | None = None
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by running requests (0..1)."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        return self.cached.get(block_hash)
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take a reference on prefix-hit blocks, reviving free ones."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        if num_blocks > self.num_free_blocks:
+            raise RuntimeError(f"asked for {num_blocks} blocks, {self.num_free_blocks} free")
+        new = []
+        for _ in range(num_blocks):
+            block = self.free_queue.popleft()
+            self._evict(block)
+            block.ref_cnt = 1
+            new.append(block)
+        return new
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        if block.block_hash is None:
+            return
+        if self.cached.get(block.block_hash) is block:
+            if self.on_evict is not None:
+                self.on_evict(block.block_id, block.block_hash)
+            del self.cached[block.block_hash]
+        block.block_hash = None
+
+    def cache_full_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
+        """Register a full block under its hash (first writer wins on duplicates)."""
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        if block_hash not in self.cached:
+            block.block_hash = block_hash
+            self.cached[block_hash] = block
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference from each block; blocks reaching 0 join the queue in order."""
+        for block in ordered_blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt < 0:
+                raise RuntimeError(f"{block} freed more often than referenced")
+            if block.ref_cnt == 0:
+                self.free_queue.append(block)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; only possible when no block is in use."""
+        if self.num_free_blocks != self.num_blocks:
+            return False
+        for block in self.blocks:
+            block.block_hash = None
+        self.cached.clear()
+        return True

@@ -1,0 +1,102 @@
+"""Frozen engine configuration, grouped by concern (torch-free).
+
+Values computed at start-up (the number of KV blocks) live in ``KVCacheInfo``, not here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvpilot.engine.hf_config import ArchConfig
+from kvpilot.engine.kv_budget import FP8_KV_DTYPES, KV_DTYPE_BYTES
+from kvpilot.engine.request_queue import SCHEDULING_POLICIES
+
+KV_CACHE_DTYPES = ("auto", *FP8_KV_DTYPES)
+MODEL_DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    model: str                   # local checkpoint directory
+    served_model_name: str
+    arch: ArchConfig
+    dtype: str                   # resolved compute dtype name ("float32", "bfloat16", ...)
+    max_model_len: int
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in MODEL_DTYPES[1:]:
+            raise ValueError(f"dtype must be one of {MODEL_DTYPES}, got {self.dtype!r}")
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_dtype: str = "auto"
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks: int | None = None      # explicit override (tests, planner round trips)
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_seed: str | None = None
+    calculate_kv_scales: bool = False
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.block_size <= 1024:
+            raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
+        if self.num_gpu_blocks is not None and self.num_gpu_blocks < 1:
+            raise ValueError(f"num_gpu_blocks must be >= 1, got {self.num_gpu_blocks}")
+
+    def kv_dtype_name(self, model_dtype: str) -> str:
+        """The cache's dtype name: ``auto`` follows the model, ``fp8`` means e4m3."""
+        if self.kv_cache_dtype == "auto":
+            return model_dtype
+        return "fp8_e4m3" if self.kv_cache_dtype == "fp8" else self.kv_cache_dtype
+
+    def kv_dtype_bytes(self, model_dtype: str) -> int:
+        return KV_DTYPE_BYTES[self.kv_dtype_name(model_dtype)]
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    policy: str = "fcfs"
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling policy must be one of {SCHEDULING_POLICIES}, got {self.policy!r}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) "
+                f"must be >= max_model_len ({self.max_model_len})")
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheInfo:
+    """What the engine allocated at start-up (computed, hence not config)."""
+
+    num_gpu_blocks: int
+    block_size: int
+    kv_cache_dtype: str          # resolved name: "bfloat16", "fp8_e4m3", ...
+    bytes_per_block: int
+    kv_cache_memory_bytes: int   # num_gpu_blocks * bytes_per_block
+    enable_prefix_caching: bool
+    gpu_memory_utilization: float
+
+    @property
+    def token_capacity(self) -> int:
+        return self.num_gpu_blocks * self.block_size

@@ -1,0 +1,115 @@
+"""User-facing engine arguments (vLLM names) and their resolution into configs."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvpilot.engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from kvpilot.engine.hf_config import load_arch_config
+
+logger = logging.getLogger(__name__)
+
+GIB = 1 << 30
+# CPU has no memory profiler to size the cache from: this is the default KV budget there
+# (vLLM's CPU backend takes a fixed KV space too).
+DEFAULT_CPU_KV_CACHE_BYTES = 1 * GIB
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+@dataclass(frozen=True, slots=True)
+class EngineArgs:
+    model: str | None = None                  # None => the built-in demo model
+    served_model_name: str | None = None
+    architecture: str | None = None           # override config.json's architectures[0]
+    dtype: str = "auto"
+    seed: int = 0
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_seed: str | None = None
+    enable_chunked_prefill: bool = True
+    attention_backend: str = "auto"
+    device: str = "auto"
+    scheduling_policy: str = "fcfs"
+
+    def resolve_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def create_configs(self) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
+        """Validate and resolve everything that does not need the model loaded."""
+        model_dir = self.model
+        if model_dir is None:
+            from kvpilot.engine.demo_model import ensure_demo_model
+
+            model_dir = str(ensure_demo_model())
+        if not Path(model_dir).is_dir():
+            raise FileNotFoundError(f"model directory {model_dir} does not exist")
+        arch = load_arch_config(model_dir, self.architecture)
+        device = self.resolve_device()
+        dtype = self.dtype
+        if dtype == "auto":
+            # 16-bit matmuls are slow on most CPUs: compute in float32 there.
+            dtype = arch.dtype if device != "cpu" else "float32"
+            if dtype not in ("float32", "float16", "bfloat16"):
+                dtype = "bfloat16"
+        max_model_len = self.max_model_len or arch.max_position_embeddings
+        if arch.sliding_window and max_model_len > arch.sliding_window:
+            raise ValueError(
+                f"{arch.architecture} uses sliding-window attention (window {arch.sliding_window}), "
+                f"which this engine does not implement; set max_model_len <= {arch.sliding_window}")
+        name = self.served_model_name or (Path(model_dir).name if self.model else "kvpilot-demo")
+        model_config = ModelConfig(model=model_dir, served_model_name=name, arch=arch, dtype=dtype,
+                                   max_model_len=max_model_len, seed=self.seed)
+        kv_bytes = self.kv_cache_memory_bytes
+        if kv_bytes is None and self.num_gpu_blocks is None and device == "cpu":
+            kv_bytes = DEFAULT_CPU_KV_CACHE_BYTES
+        cache_config = CacheConfig(
+            block_size=self.block_size, kv_cache_dtype=self.kv_cache_dtype,
+            gpu_memory_utilization=self.gpu_memory_utilization, kv_cache_memory_bytes=kv_bytes,
+            num_gpu_blocks=self.num_gpu_blocks, enable_prefix_caching=self.enable_prefix_caching,
+            prefix_caching_hash_seed=self.prefix_caching_hash_seed,
+            calculate_kv_scales=self.calculate_kv_scales,
+        )
+        batched = self.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                                                    0 if self.enable_chunked_prefill else max_model_len)
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched,
+            max_model_len=max_model_len, policy=self.scheduling_policy,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+        )
+        return model_config, cache_config, scheduler_config
+
+
+def model_fingerprint(model_dir: str) -> str:
+    """Identity of a checkpoint for prefix-cache hashing, cheap to compute.
+
+    config.json plus, per weight file, its size and a digest of its first and last MiB
+    (the header and real tensor bytes): two fine-tunes of one base model differ there,
+    so their KV blocks never match on a shared offload tier.
+    """
+    h = hashlib.sha256()
+    config = Path(model_dir) / "config.json"
+    h.update(json.dumps(json.loads(config.read_text()), sort_keys=True).encode())
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        size = path.stat().st_size
+        h.update(f"{path.name}:{size}".encode())
+        with path.open("rb") as f:
+            h.update(f.read(1 << 20))
+            f.seek(max(0, size - (1 << 20)))
+            h.update(f.read(1 << 20))
+    return h.hexdigest()

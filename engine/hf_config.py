@@ -1,0 +1,142 @@
+"""Reading an HF ``config.json`` into the architecture the engine runs (torch-free).
+
+Handles both layouts seen in the wild: transformers 4.x (``torch_dtype``, top-level
+``rope_theta`` / ``rope_scaling``) and 5.x (``dtype``, ``rope_parameters``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# architecture name -> (q/k/v bias, per-head q/k RMSNorm)
+SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
+    "LlamaForCausalLM": (False, False),
+    "Qwen2ForCausalLM": (True, False),
+    "Qwen3ForCausalLM": (False, True),
+}
+
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+
+
+@dataclass(frozen=True, slots=True)
+class RopeConfig:
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    low_freq_factor: float = 1.0     # llama3
+    high_freq_factor: float = 4.0    # llama3
+    beta_fast: float = 32.0          # yarn
+    beta_slow: float = 1.0           # yarn
+    attention_factor: float | None = None   # yarn (mscale); None = derived from factor
+    partial_rotary_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"unsupported rope scaling type {self.rope_type!r}; supported: {ROPE_TYPES}")
+
+
+@dataclass(frozen=True, slots=True)
+class ArchConfig:
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    hidden_act: str
+    rope: RopeConfig
+    dtype: str                        # checkpoint dtype name, e.g. "bfloat16"
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+
+def _rope_config(cfg: dict[str, Any]) -> RopeConfig:
+    params = dict(cfg.get("rope_parameters") or {})       # 5.x
+    scaling = cfg.get("rope_scaling") or {}                # 4.x
+    params = {**scaling, **params}
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    kwargs = {k: params[k] for k in ("factor", "original_max_position_embeddings", "low_freq_factor",
+                                     "high_freq_factor", "beta_fast", "beta_slow", "attention_factor",
+                                     "partial_rotary_factor") if params.get(k) is not None}
+    if "partial_rotary_factor" not in kwargs and cfg.get("partial_rotary_factor") is not None:
+        kwargs["partial_rotary_factor"] = cfg["partial_rotary_factor"]
+    return RopeConfig(theta=float(theta), rope_type=rope_type, **kwargs)
+
+
+def _eos_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, list) else (int(value),)
+
+
+def parse_arch_config(cfg: dict[str, Any], architecture: str | None = None) -> ArchConfig:
+    """Build an ArchConfig from a config.json dict; ``architecture`` overrides the file's."""
+    archs = cfg.get("architectures") or []
+    arch = architecture or (archs[0] if archs else None)
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported model architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    qkv_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
+    try:
+        hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+        num_layers = int(cfg["num_hidden_layers"])
+        intermediate, vocab = int(cfg["intermediate_size"]), int(cfg["vocab_size"])
+    except KeyError as exc:
+        raise ValueError(f"config.json is missing required field {exc.args[0]!r}") from None
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    if heads % kv_heads:
+        raise ValueError(f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})")
+    attention_bias = bool(cfg.get("attention_bias", False))
+    use_sliding = cfg.get("use_sliding_window", True)
+    return ArchConfig(
+        architecture=arch,
+        model_type=cfg.get("model_type", ""),
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=qkv_bias or attention_bias,
+        o_bias=attention_bias and arch == "LlamaForCausalLM",
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        qk_norm=qk_norm,
+        hidden_act=cfg.get("hidden_act", "silu"),
+        rope=_rope_config(cfg),
+        dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
+        sliding_window=cfg.get("sliding_window") if use_sliding and cfg.get("use_sliding_window") else None,
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=_eos_ids(cfg.get("eos_token_id")),
+    )
+
+
+def load_arch_config(model_dir: str | Path, architecture: str | None = None) -> ArchConfig:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"model directory {model_dir} has no config.json")
+    return parse_arch_config(json.loads(path.read_text()), architecture)

@@ -1,0 +1,139 @@
+"""Per-request block tables on top of the block pool (torch-free).
+
+Blocks are allocated only when a request's tokens spill into a new block. Full blocks
+are registered in the prefix cache as soon as the tokens they will hold are scheduled
+(their KV is written by the same step's forward pass, layer by layer, before any
+attention of that layer reads it, so a hit taken in the same step is still correct).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvpilot.engine.block_hash import BlockHash, extend_block_hashes
+from kvpilot.engine.block_pool import BlockPool, KVCacheBlock
+from kvpilot.engine.request import Request
+
+
+@dataclass(slots=True)
+class PrefixHit:
+    """Result of a prefix-cache lookup at admission."""
+
+    blocks: list[KVCacheBlock]
+    num_tokens: int
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    queries: int = 0   # prompt tokens looked up (cumulative)
+    hits: int = 0      # of which served from the cache
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool,
+        hash_root: BlockHash,
+    ) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.hash_root = hash_root
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_blocks: dict[str, list[KVCacheBlock]] = {}
+        self._num_registered: dict[str, int] = {}
+        self.stats = PrefixCacheStats()
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def update_block_hashes(self, request: Request) -> None:
+        """Hash the request's newly full blocks (prompt at admission, outputs as they come)."""
+        if self.enable_caching:
+            num_full = request.num_tokens // self.block_size
+            if num_full > len(request.block_hashes):
+                extend_block_hashes(
+                    request.block_hashes, request.token_ids_slice(0, num_full * self.block_size),
+                    self.block_size, self.hash_root, request.cache_salt,
+                )
+
+    def find_prefix_hit(self, request: Request) -> PrefixHit:
+        """Longest chain of cached blocks for a request being admitted.
+
+        At most ``num_tokens - 1`` tokens can hit: the last token is always computed so
+        that the step produces logits to sample from.
+        """
+        if not self.enable_caching:
+            return PrefixHit([], 0)
+        self.update_block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        blocks = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        return PrefixHit(blocks, len(blocks) * self.block_size)
+
+    def record_admission(self, request: Request, hit: PrefixHit) -> None:
+        self.stats.queries += request.num_tokens
+        self.stats.hits += hit.num_tokens
+
+    def num_blocks_needed(self, request: Request, num_new_tokens: int, hit: PrefixHit | None) -> int:
+        """New blocks an allocation would take from the free queue (incl. revived hits)."""
+        held = len(self.req_blocks.get(request.request_id, ()))
+        hit_blocks = hit.blocks if hit else []
+        computed = request.num_computed_tokens + (hit.num_tokens if hit else 0)
+        required = -(-(computed + num_new_tokens) // self.block_size)
+        revived = sum(1 for b in hit_blocks if b.ref_cnt == 0)
+        return max(0, required - held - len(hit_blocks)) + revived
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:
+        """Reserve blocks for ``num_new_tokens`` more tokens; False if they do not fit.
+
+        ``hit`` (admission only) is the prefix-cache hit whose blocks the request takes.
+        """
+        if self.num_blocks_needed(request, num_new_tokens, hit) > self.pool.num_free_blocks:
+            return False
+        blocks = self.req_blocks.setdefault(request.request_id, [])
+        computed = request.num_computed_tokens
+        if hit is not None and hit.blocks:
+            self.pool.touch(hit.blocks)
+            blocks.extend(hit.blocks)
+            computed += hit.num_tokens
+        total = computed + num_new_tokens
+        required = -(-total // self.block_size)
+        if required > len(blocks):
+            blocks.extend(self.pool.get_new_blocks(required - len(blocks)))
+        if self.enable_caching:
+            self._register_full_blocks(request, blocks, total)
+        return True
+
+    def _register_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int) -> None:
+        rid = request.request_id
+        start = self._num_registered.get(rid, 0)
+        num_full = min(num_tokens, request.num_tokens) // self.block_size
+        if num_full <= start:
+            return
+        self.update_block_hashes(request)
+        for i in range(start, num_full):
+            self.pool.cache_full_block(blocks[i], request.block_hashes[i])
+        self._num_registered[rid] = num_full
+
+    def free(self, request: Request) -> None:
+        """Release a request's blocks, tail first (so its tail is evicted first)."""
+        blocks = self.req_blocks.pop(request.request_id, [])
+        self._num_registered.pop(request.request_id, None)
+        self.pool.free_blocks(reversed(blocks))
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()

@@ -1,0 +1,90 @@
+"""Offline batch inference in the shape vLLM users know: ``LLM(...).generate(...)``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from kvpilot.engine.engine_args import EngineArgs
+from kvpilot.engine.llm_engine import LLMEngine
+from kvpilot.engine.outputs import RequestOutput
+from kvpilot.engine.sampling_params import SamplingParams
+from kvpilot.engine.stats import EngineStats
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """``LLM(model=path, block_size=16, max_num_seqs=..., kv_cache_memory_bytes=..., ...)``.
+
+    Keyword arguments are ``EngineArgs`` fields; ``model=None`` uses the built-in demo model.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+        priority: Sequence[int] | None = None,
+        cache_salt: str | Sequence[str | None] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order.
+
+        A prompt is a string or a list of token ids (a single list of ints is one prompt).
+        """
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = sampling_params or SamplingParams()
+        params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
+        salts = [cache_salt] * len(prompts) if cache_salt is None or isinstance(cache_salt, str) else list(cache_salt)
+        ids = []
+        for i, (prompt, p) in enumerate(zip(prompts, params_list, strict=True)):
+            rid = f"offline-{next(self._ids)}"
+            self.llm_engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0,
+                                        cache_salt=salts[i])
+            ids.append(rid)
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[dict] | Sequence[list[dict]],
+             sampling_params: SamplingParams | None = None, *, use_tqdm: bool = False,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tok = self.llm_engine.tokenizer
+        prompts = [tok.encode(tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt),
+                              add_special_tokens=False) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        pending = set(ids)
+        with tqdm(total=len(ids), desc="Generating", disable=not use_tqdm) as bar:
+            while pending:
+                outputs = self.llm_engine.step()
+                if not outputs and not self.llm_engine.has_unfinished_requests():
+                    raise RuntimeError(f"engine went idle with {len(pending)} requests unfinished")
+                for out in outputs:
+                    if out.finished and out.request_id in pending:
+                        finished[out.request_id] = out
+                        pending.discard(out.request_id)
+                        bar.update(1)
+        return [finished[rid] for rid in ids]
+
+    def get_stats(self) -> EngineStats:
+        return self.llm_engine.get_stats()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.llm_engine.reset_prefix_cache()

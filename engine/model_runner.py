@@ -1,0 +1,142 @@
+"""Turns a scheduler step into tensors, runs the model and samples.
+
+Owns the model, the paged KV cache tensor ``[num_layers, 2, num_blocks, block_size,
+num_kv_heads, head_dim]`` and the per-request seeded generators.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from kvpilot.engine.attention import AttentionMetadata, select_attention_backend
+from kvpilot.engine.config import CacheConfig, ModelConfig
+from kvpilot.engine.model_loader import load_model
+from kvpilot.engine.sampler import SampleResult, SamplingRow, sample
+from kvpilot.engine.scheduler import SchedulerOutput
+
+TORCH_DTYPES = {
+    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2,
+}
+
+
+def build_attention_metadata(out: SchedulerOutput, block_size: int, device: torch.device
+                             ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """(input_ids, positions, metadata) for one step's varlen batch."""
+    seqs = [(s.request.token_ids_slice(s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens),
+             s.num_computed_tokens, s.block_ids) for s in out.scheduled]
+    return metadata_from_seqs(seqs, block_size, device)
+
+
+def metadata_from_seqs(seqs: list[tuple[list[int], int, list[int]]], block_size: int,
+                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """Batch of (new token ids, tokens already cached, block ids) per sequence."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    starts = [0]
+    seq_lens, context_lens = [], []
+    for token_ids, start, block_ids in seqs:
+        end = start + len(token_ids)
+        input_ids += token_ids
+        positions += range(start, end)
+        slots += [block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)]
+        starts.append(end - start + starts[-1])
+        seq_lens.append(end)
+        context_lens.append(start)
+    width = max(len(b) for _, _, b in seqs)
+    table = torch.zeros((len(seqs), width), dtype=torch.int32)
+    for i, (_, _, block_ids) in enumerate(seqs):
+        table[i, : len(block_ids)] = torch.tensor(block_ids, dtype=torch.int32)
+    query_lens = [b - a for a, b in itertools.pairwise(starts)]
+
+    def as_tensor(values, dtype):
+        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+    metadata = AttentionMetadata(
+        num_actual_tokens=len(input_ids),
+        query_start_loc=as_tensor(starts, torch.int32),
+        seq_lens=as_tensor(seq_lens, torch.int32),
+        context_lens=as_tensor(context_lens, torch.int32),
+        block_tables=table.to(device, non_blocking=True),
+        slot_mapping=as_tensor(slots, torch.int64),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        query_lens_cpu=tuple(query_lens),
+        seq_lens_cpu=tuple(seq_lens),
+    )
+    return as_tensor(input_ids, torch.long), as_tensor(positions, torch.long), metadata
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
+                 device: torch.device, attention_backend: str = "auto") -> None:
+        self.model_config = model_config
+        self.cache_config = cache_config
+        self.device = device
+        self.dtype = TORCH_DTYPES[model_config.dtype]
+        self.kv_dtype = TORCH_DTYPES[cache_config.kv_dtype_name(model_config.dtype)]
+        torch.manual_seed(model_config.seed)
+        self.model = load_model(model_config.model, model_config.arch, model_config.max_model_len,
+                                self.dtype, device)
+        self.backend = select_attention_backend(attention_backend, device)
+        self.kv_caches: torch.Tensor | None = None
+        self.block_size = cache_config.block_size
+        self._generators: dict[str, torch.Generator] = {}
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        arch = self.model_config.arch
+        shape = (arch.num_hidden_layers, 2, num_blocks, self.block_size,
+                 arch.num_key_value_heads, arch.head_dim)
+        # Zeroed, not empty: masked-out padding slots are still multiplied by 0 weights.
+        self.kv_caches = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+
+    def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
+        if seed is None:
+            return None
+        gen = self._generators.get(request_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(seed)
+            self._generators[request_id] = gen
+        return gen
+
+    def release(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+
+    @torch.inference_mode()
+    def profile_run(self, num_tokens: int) -> None:
+        """A worst-case forward (a full token budget of prefill) for memory profiling."""
+        max_len = self.model_config.max_model_len - 1
+        seqs, next_block = [], 0
+        for start in range(0, num_tokens, max_len):
+            n = min(max_len, num_tokens - start)
+            blocks = list(range(next_block, next_block + -(-n // self.block_size)))
+            next_block += len(blocks)
+            seqs.append(([0] * n, 0, blocks))
+        self.allocate_kv_cache(next_block)
+        input_ids, positions, metadata = metadata_from_seqs(seqs, self.block_size, self.device)
+        hidden = self.model(input_ids, positions, self.kv_caches, metadata, self.backend)
+        ends = torch.tensor(list(itertools.accumulate(metadata.query_lens_cpu)), device=self.device) - 1
+        self.model.compute_logits(hidden[ends])
+        self.kv_caches = None
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[str, SampleResult]:
+        """Run one step; returns the sampled token of each request that reached its end."""
+        input_ids, positions, metadata = build_attention_metadata(out, self.block_size, self.device)
+        hidden = self.model(input_ids, positions, self.kv_caches, metadata, self.backend)
+        ends = list(itertools.accumulate(metadata.query_lens_cpu))
+        sampling = [(i, s) for i, s in enumerate(out.scheduled) if s.samples]
+        if not sampling:
+            return {}
+        rows_idx = torch.tensor([ends[i] - 1 for i, _ in sampling], device=self.device)
+        logits = self.model.compute_logits(hidden[rows_idx])
+        rows = [SamplingRow(s.request.sampling_params, s.request.prompt_token_ids,
+                            s.request.output_token_ids,
+                            self._generator(s.request.request_id, s.request.sampling_params.seed))
+                for _, s in sampling]
+        results = sample(logits, rows)
+        return {s.request.request_id: r for (_, s), r in zip(sampling, results, strict=True)}

@@ -1,0 +1,88 @@
+"""A request as the scheduler sees it (torch-free).
+
+Every request simply has ``num_computed_tokens``: the scheduler's job each step is to
+move it towards ``num_tokens`` (prompt + generated so far). Prefill, chunked prefill,
+decode and recompute after preemption are all the same operation.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from kvpilot.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.value if self.is_finished else None
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = field(default_factory=time.time)
+    priority: int = 0
+    cache_salt: str | None = None
+    max_tokens: int = 16                 # resolved: never beyond max_model_len
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int | None = None  # prefix-cache hit at first admission
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+    # Hashes of this request's full blocks, in order; extended as tokens arrive.
+    block_hashes: list[bytes] = field(default_factory=list)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids_slice(self, start: int, end: int) -> list[int]:
+        """Token ids in ``[start, end)`` without building the full list."""
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt:end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - num_prompt]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def sort_key(self) -> tuple[int, float]:
+        """Lower sorts first: higher priority (smaller value), then earlier arrival."""
+        return (self.priority, self.arrival_time)

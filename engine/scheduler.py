@@ -1,0 +1,203 @@
+"""Continuous batching with chunked prefill and preemption by recompute (torch-free).
+
+Each step: ``schedule()`` spends a token budget (``max_num_batched_tokens``) first on
+running requests, then on admitting waiting ones (FCFS or priority); the runner
+computes the scheduled tokens; ``update_from_output()`` advances ``num_computed_tokens``
+and appends sampled tokens. When a running request needs a block and none is free,
+the lowest-priority / newest running request is preempted: its blocks are freed (their
+cached hashes survive, so resuming is often a prefix hit) and it goes back to the front
+of the waiting queue to be recomputed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from kvpilot.engine.config import SchedulerConfig
+from kvpilot.engine.kv_cache_manager import KVCacheManager
+from kvpilot.engine.request import Request, RequestStatus
+from kvpilot.engine.request_queue import make_request_queue
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_computed_tokens: int     # tokens already in the cache before this step
+    num_new_tokens: int          # tokens computed this step
+    block_ids: list[int]
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the request's last token (so it yields a new token)."""
+        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv_cache_manager
+        self.waiting = make_request_queue(config.policy)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        # Prompt tokens run through the model (prefix hits excluded, recomputes included).
+        self.num_computed_prompt_tokens = 0
+
+    # ---- queue management -------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Finish (or abort) a request wherever it is and free its blocks."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status = status
+        request.finished_time = time.time()
+        self.kv.free(request)
+        return request
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- scheduling ---------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted_request_ids:
+            self._schedule_waiting(out, budget)
+        self._check_invariants(out)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        for request in list(self.running):
+            if budget <= 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue   # preempted earlier in this step as someone else's victim
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(request, num_new):
+                victim = self._pick_victim()
+                budget += self._preempt(victim, out)
+                if victim is request:
+                    break
+            else:
+                out.scheduled.append(self._scheduled(request, num_new))
+                budget -= num_new
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            hit = self.kv.find_prefix_hit(request)
+            num_new = request.num_tokens - hit.num_tokens
+            if num_new > budget and not self.config.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            if not self.kv.allocate_slots(request, num_new, hit):
+                break
+            self.waiting.pop()
+            self.kv.record_admission(request, hit)
+            request.num_computed_tokens = hit.num_tokens
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = hit.num_tokens
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.time()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        return ScheduledRequest(request, request.num_computed_tokens, num_new,
+                                self.kv.block_ids(request.request_id))
+
+    def _pick_victim(self) -> Request:
+        if self.config.policy == "priority":
+            return max(self.running, key=Request.sort_key)
+        return self.running[-1]
+
+    def _preempt(self, victim: Request, out: SchedulerOutput) -> int:
+        """Preempt ``victim``; returns the token budget it gives back if already scheduled."""
+        self.running.remove(victim)
+        returned = 0
+        for i, s in enumerate(out.scheduled):
+            if s.request is victim:
+                returned = s.num_new_tokens
+                del out.scheduled[i]
+                break
+        self.kv.free(victim)
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        victim.status = RequestStatus.PREEMPTED
+        self.waiting.add_preempted(victim)
+        self.num_preemptions += 1
+        out.preempted_request_ids.append(victim.request_id)
+        logger.warning(
+            "Preempted request %s (recompute of %d tokens); free KV blocks: %d. "
+            "Raise the KV cache size or lower max_num_seqs to avoid this.",
+            victim.request_id, victim.num_tokens, self.kv.num_free_blocks,
+        )
+        return returned
+
+    def _check_invariants(self, out: SchedulerOutput) -> None:
+        total = out.num_scheduled_tokens
+        if total > self.config.max_num_batched_tokens:
+            raise RuntimeError(f"scheduled {total} tokens over the budget")
+        if len(self.running) > self.config.max_num_seqs:
+            raise RuntimeError(f"{len(self.running)} running requests over max_num_seqs")
+
+    # ---- results ------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance computed tokens and append sampled ones; returns requests that got a token."""
+        now = time.time()
+        advanced = []
+        for s in out.scheduled:
+            request = s.request
+            prompt_end = min(s.num_computed_tokens + s.num_new_tokens, request.num_prompt_tokens)
+            self.num_computed_prompt_tokens += max(0, prompt_end - s.num_computed_tokens)
+            request.num_computed_tokens += s.num_new_tokens
+            token = sampled.get(request.request_id)
+            if token is None:
+                continue
+            request.output_token_ids.append(token)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            request.last_token_time = now
+            self.kv.update_block_hashes(request)
+            advanced.append(request)
+        return advanced
