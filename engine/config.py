@@ -41,6 +41,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     prefix_caching_hash_seed: str | None = None
     calculate_kv_scales: bool = False
+    kv_cache_dtype_skip_sliding_window: bool = False   # keep sliding-window layers 16-bit
 
     def __post_init__(self) -> None:
         if not 1 <= self.block_size <= 1024:

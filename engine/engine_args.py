@@ -36,6 +36,7 @@ class EngineArgs:
     max_model_len: int | None = None
     kv_cache_dtype: str = "auto"
     calculate_kv_scales: bool = False
+    kv_cache_dtype_skip_sliding_window: bool = False
     enable_prefix_caching: bool = True
     prefix_caching_hash_seed: str | None = None
     enable_chunked_prefill: bool = True
@@ -84,6 +85,7 @@ class EngineArgs:
             num_gpu_blocks=self.num_gpu_blocks, enable_prefix_caching=self.enable_prefix_caching,
             prefix_caching_hash_seed=self.prefix_caching_hash_seed,
             calculate_kv_scales=self.calculate_kv_scales,
+            kv_cache_dtype_skip_sliding_window=self.kv_cache_dtype_skip_sliding_window,
         )
         batched = self.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS,
                                                     0 if self.enable_chunked_prefill else max_model_len)

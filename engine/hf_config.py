@@ -60,7 +60,8 @@ class ArchConfig:
     hidden_act: str
     rope: RopeConfig
     dtype: str                        # checkpoint dtype name, e.g. "bfloat16"
-    sliding_window: int | None = None
+    sliding_window: int | None = None            # window of the sliding-window layers
+    sliding_window_layers: tuple[int, ...] = ()  # layer indices that use it
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -89,6 +90,19 @@ def _eos_ids(value: Any) -> tuple[int, ...]:
     return tuple(value) if isinstance(value, list) else (int(value),)
 
 
+def _sliding_window_layers(cfg: dict[str, Any], num_layers: int) -> tuple[int, ...]:
+    """Layers with sliding-window attention: ``layer_types`` (transformers 5), else the
+    Qwen2 convention (``use_sliding_window``: layers from ``max_window_layers`` on)."""
+    if not cfg.get("sliding_window"):
+        return ()
+    types = cfg.get("layer_types")
+    if types:
+        return tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    if cfg.get("use_sliding_window"):
+        return tuple(range(int(cfg.get("max_window_layers", 0)), num_layers))
+    return ()
+
+
 def parse_arch_config(cfg: dict[str, Any], architecture: str | None = None) -> ArchConfig:
     """Build an ArchConfig from a config.json dict; ``architecture`` overrides the file's."""
     archs = cfg.get("architectures") or []
@@ -108,7 +122,7 @@ def parse_arch_config(cfg: dict[str, Any], architecture: str | None = None) -> A
     if heads % kv_heads:
         raise ValueError(f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})")
     attention_bias = bool(cfg.get("attention_bias", False))
-    use_sliding = cfg.get("use_sliding_window", True)
+    sliding_layers = _sliding_window_layers(cfg, num_layers)
     return ArchConfig(
         architecture=arch,
         model_type=cfg.get("model_type", ""),
@@ -129,7 +143,8 @@ def parse_arch_config(cfg: dict[str, Any], architecture: str | None = None) -> A
         hidden_act=cfg.get("hidden_act", "silu"),
         rope=_rope_config(cfg),
         dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
-        sliding_window=cfg.get("sliding_window") if use_sliding and cfg.get("use_sliding_window") else None,
+        sliding_window=int(cfg["sliding_window"]) if sliding_layers else None,
+        sliding_window_layers=sliding_layers,
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=_eos_ids(cfg.get("eos_token_id")),
     )

@@ -66,14 +66,23 @@ class KVLayout:
     head_dim: int
     dtype_bytes: int
     block_size: int = 16
+    # Per-layer element sizes when layers differ (e.g. fp8 cache with sliding-window
+    # layers kept 16-bit); empty means every layer uses ``dtype_bytes``.
+    layer_dtype_bytes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype_bytes)
+        if self.layer_dtype_bytes and (len(self.layer_dtype_bytes) != self.num_layers
+                                       or min(self.layer_dtype_bytes) < 1):
+            raise ValueError(f"layer_dtype_bytes needs {self.num_layers} positive entries, "
+                             f"got {self.layer_dtype_bytes}")
 
     @property
     def bytes_per_token(self) -> int:
+        if self.layer_dtype_bytes:
+            return 2 * self.num_kv_heads * self.head_dim * sum(self.layer_dtype_bytes)
         return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype_bytes)
 
     @property

@@ -70,6 +70,16 @@ def metadata_from_seqs(seqs: list[tuple[list[int], int, list[int]]], block_size:
     return as_tensor(input_ids, torch.long), as_tensor(positions, torch.long), metadata
 
 
+def layer_kv_dtypes(model_config: ModelConfig, cache_config: CacheConfig) -> list[torch.dtype]:
+    """KV dtype of each layer: the cache dtype, except sliding-window layers kept in the
+    model dtype when ``kv_cache_dtype_skip_sliding_window`` is set."""
+    arch = model_config.arch
+    kv = TORCH_DTYPES[cache_config.kv_dtype_name(model_config.dtype)]
+    keep = set(arch.sliding_window_layers) if cache_config.kv_cache_dtype_skip_sliding_window else set()
+    model_dtype = TORCH_DTYPES[model_config.dtype]
+    return [model_dtype if i in keep else kv for i in range(arch.num_hidden_layers)]
+
+
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
                  device: torch.device, attention_backend: str = "auto") -> None:
@@ -78,20 +88,36 @@ class ModelRunner:
         self.device = device
         self.dtype = TORCH_DTYPES[model_config.dtype]
         self.kv_dtype = TORCH_DTYPES[cache_config.kv_dtype_name(model_config.dtype)]
+        self.layer_kv_dtypes = layer_kv_dtypes(model_config, cache_config)
         torch.manual_seed(model_config.seed)
         self.model = load_model(model_config.model, model_config.arch, model_config.max_model_len,
                                 self.dtype, device)
         self.backend = select_attention_backend(attention_backend, device)
-        self.kv_caches: torch.Tensor | None = None
+        self.kv_caches: torch.Tensor | list[torch.Tensor] | None = None
         self.block_size = cache_config.block_size
         self._generators: dict[str, torch.Generator] = {}
+        # Calibrate fp8 scales on the first batch unless the checkpoint brought its own.
+        self._calibrate_pending = cache_config.calculate_kv_scales and not self.model.loaded_kv_scales
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
+        """One ``[layers, 2, blocks, block_size, kv_heads, head_dim]`` tensor per KV dtype.
+
+        Zeroed, not empty: masked-out padding slots are still multiplied by 0 weights.
+        ``kv_caches[layer]`` is that layer's view whichever tensor holds it.
+        """
         arch = self.model_config.arch
-        shape = (arch.num_hidden_layers, 2, num_blocks, self.block_size,
-                 arch.num_key_value_heads, arch.head_dim)
-        # Zeroed, not empty: masked-out padding slots are still multiplied by 0 weights.
-        self.kv_caches = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        shape = (2, num_blocks, self.block_size, arch.num_key_value_heads, arch.head_dim)
+        dtypes = self.layer_kv_dtypes
+        if len(set(dtypes)) == 1:
+            self.kv_caches = torch.zeros((len(dtypes), *shape), dtype=dtypes[0], device=self.device)
+            return
+        groups = {d: torch.zeros((dtypes.count(d), *shape), dtype=d, device=self.device) for d in set(dtypes)}
+        seen = dict.fromkeys(groups, 0)
+        views = []
+        for d in dtypes:
+            views.append(groups[d][seen[d]])
+            seen[d] += 1
+        self.kv_caches = views
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:
@@ -127,6 +153,10 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> dict[str, SampleResult]:
         """Run one step; returns the sampled token of each request that reached its end."""
         input_ids, positions, metadata = build_attention_metadata(out, self.block_size, self.device)
+        if self._calibrate_pending:
+            self._calibrate_pending = False
+            for layer in self.model.layers:
+                layer.self_attn.calibrate_kv_scales = True
         hidden = self.model(input_ids, positions, self.kv_caches, metadata, self.backend)
         ends = list(itertools.accumulate(metadata.query_lens_cpu))
         sampling = [(i, s) for i, s in enumerate(out.scheduled) if s.samples]

@@ -89,11 +89,14 @@ def paged_attention(
         max_len = max(metadata.seq_lens_cpu[i] for i in decode_ids)
         num_blocks = -(-max_len // block_size)
         k, v = gather_kv(kv_cache, metadata.block_tables[idx, :num_blocks], max_len)
-        k = dequantize_kv(k, k_scale, compute_dtype)   # [n, L, kv_heads, dim]
-        v = dequantize_kv(v, v_scale, compute_dtype)
+        mask = torch.arange(max_len, device=query.device)[None, :] < seq_lens[:, None]
+        # Slots past a sequence's end are padding from the longest sequence: zero them, as
+        # a masked weight of 0 times a stale NaN there would still be NaN.
+        keep = mask[:, :, None, None]
+        k = dequantize_kv(k, k_scale, compute_dtype).masked_fill(~keep, 0)   # [n, L, kv_heads, dim]
+        v = dequantize_kv(v, v_scale, compute_dtype).masked_fill(~keep, 0)
         rows = torch.tensor([starts[i] for i in decode_ids], device=query.device)
         q = query[rows].to(compute_dtype).unsqueeze(2)            # [n, heads, 1, dim]
-        mask = torch.arange(max_len, device=query.device)[None, :] < seq_lens[:, None]
         o = F.scaled_dot_product_attention(
             q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None, None, :],
             scale=scale, enable_gqa=True,

@@ -6,6 +6,7 @@ complete (config.json + safetensors + tokenizer files) without any download.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -76,7 +77,7 @@ def tiny_checkpoint(tmp_path_factory):
     cache: dict[tuple, Path] = {}
 
     def make(kind: str = "qwen3", **overrides) -> Path:
-        key = (kind, tuple(sorted(overrides.items(), key=str)))
+        key = (kind, json.dumps(overrides, sort_keys=True))
         if key not in cache:
             path = tmp_path_factory.mktemp(f"ckpt-{kind}")
             cache[key] = build_checkpoint(path, kind, **overrides)

@@ -1,0 +1,1 @@
+"""Benchmarks run by `kvpilot bench ...` (ratios measured side by side in one run)."""
