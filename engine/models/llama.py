@@ -38,6 +38,8 @@ class Attention(nn.Module):
         # Per-tensor fp8 KV scales (1.0 unless calibrated or loaded from the checkpoint).
         self.register_buffer("k_scale", torch.tensor(1.0), persistent=False)
         self.register_buffer("v_scale", torch.tensor(1.0), persistent=False)
+        # Set by the runner for the first batch when calculate_kv_scales is on.
+        self.calibrate_kv_scales = False
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
@@ -49,8 +51,21 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
+        if self.calibrate_kv_scales:
+            self._calibrate(k, v, kv_cache.dtype)
         out = backend.forward(q, k, v, kv_cache, metadata, self.scale, self.k_scale, self.v_scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+    def _calibrate(self, k: torch.Tensor, v: torch.Tensor, cache_dtype: torch.dtype) -> None:
+        """Scales = amax / dtype max of this batch's K and V (fp8 caches only), then fixed."""
+        self.calibrate_kv_scales = False
+        if cache_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+            return
+        limit = torch.finfo(cache_dtype).max
+        tiny = torch.finfo(torch.float32).tiny
+        self.k_scale.copy_((k.abs().max().float() / limit).clamp(min=tiny))
+        self.v_scale.copy_((v.abs().max().float() / limit).clamp(min=tiny))
 
 
 class MLP(nn.Module):
