@@ -86,13 +86,20 @@ def _random_sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
     return (probs / noise).argmax(dim=-1)
 
 
+def _needs_logit_edits(row: SamplingRow) -> bool:
+    p = row.params
+    return (p.repetition_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty)
+            or (len(row.output_token_ids) < p.min_tokens and bool(p.all_stop_token_ids)))
+
+
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
     """Pick one token per row of ``logits`` ``[num_rows, vocab]`` (float32)."""
     want_logprobs = [r.params.logprobs for r in rows]
     raw_logprobs = logits.log_softmax(dim=-1) if any(k is not None for k in want_logprobs) else None
-    logits = logits.clone()
-    _apply_penalties(logits, rows)
-    _suppress_stop_tokens(logits, rows)
+    if any(_needs_logit_edits(r) for r in rows):
+        logits = logits.clone()
+        _apply_penalties(logits, rows)
+        _suppress_stop_tokens(logits, rows)
     greedy = [r.params.is_greedy for r in rows]
     tokens = logits.argmax(dim=-1)
     if not all(greedy):

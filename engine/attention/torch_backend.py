@@ -90,11 +90,11 @@ def paged_attention(
         num_blocks = -(-max_len // block_size)
         k, v = gather_kv(kv_cache, metadata.block_tables[idx, :num_blocks], max_len)
         mask = torch.arange(max_len, device=query.device)[None, :] < seq_lens[:, None]
-        # Slots past a sequence's end are padding from the longest sequence: zero them, as
-        # a masked weight of 0 times a stale NaN there would still be NaN.
-        keep = mask[:, :, None, None]
-        k = dequantize_kv(k, k_scale, compute_dtype).masked_fill(~keep, 0)   # [n, L, kv_heads, dim]
-        v = dequantize_kv(v, v_scale, compute_dtype).masked_fill(~keep, 0)
+        # Slots past a shorter sequence's end are read and masked out. That is only safe
+        # because cache slots are always finite (zero-initialised, written with saturated
+        # values): 0 x NaN would still be NaN. Zeroing them here cost ~15% of a decode step.
+        k = dequantize_kv(k, k_scale, compute_dtype)   # [n, L, kv_heads, dim]
+        v = dequantize_kv(v, v_scale, compute_dtype)
         rows = torch.tensor([starts[i] for i in decode_ids], device=query.device)
         q = query[rows].to(compute_dtype).unsqueeze(2)            # [n, heads, 1, dim]
         o = F.scaled_dot_product_attention(

@@ -1,0 +1,135 @@
+"""``kvpilot plan``: size the engine from SLOs and print the plan.
+
+Exit status: 0 feasible, 2 infeasible (the plan and its suggestions are still
+printed; ``-o args`` prints nothing on stdout then), 1 bad input (message on
+stderr; unknown GPUs and models list the known ones). Argument errors exit 1
+too, because 2 means "infeasible" here.
+
+Torch-free: imported by the console script in the operator image.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from kvpilot.operator.planner.catalog import model_presets
+from kvpilot.operator.planner.gpu import GPU_CATALOG
+from kvpilot.operator.planner.plan import make_plan
+from kvpilot.operator.planner.render import FORMATS, render
+from kvpilot.operator.planner.request import PlanRequest
+from kvpilot.operator.planner.slo import KV_CACHE_DTYPES, OFFLOAD_BACKENDS
+from kvpilot.operator.planner.weights import WEIGHT_QUANT_BYTES
+
+EXIT_FEASIBLE, EXIT_BAD_INPUT, EXIT_INFEASIBLE = 0, 1, 2
+
+_SLO_FLAGS = ("max_context", "p95_prompt_tokens", "p95_output_tokens", "p50_prompt_tokens",
+              "p50_output_tokens", "concurrency", "requests_per_second", "ttft_p95_ms", "itl_p95_ms",
+              "shared_prefix_tokens", "distinct_prefixes")
+_OVERRIDE_FLAGS = ("replicas", "gpu_memory_utilization", "block_size", "kv_cache_dtype", "max_num_seqs",
+                   "max_num_batched_tokens", "enable_prefix_caching", "cpu_offload_gib", "disk_offload_gib",
+                   "offload_backend", "weight_quantization")
+
+
+def _fail(parser: argparse.ArgumentParser, message: str) -> None:
+    parser.print_usage(sys.stderr)
+    print(f"kvpilot plan: error: {message}", file=sys.stderr)
+    sys.exit(EXIT_BAD_INPUT)
+
+
+def register(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``plan`` subcommand to the ``kvpilot`` dispatcher."""
+    p = subparsers.add_parser("plan", help="size the engine from SLOs (torch-free)",
+                              description=__doc__.split("\n\n")[0])
+    # Exit 1 on any argument error, not argparse's 2 (which means "infeasible" here). The
+    # dispatcher's top-level parser reports leftover arguments itself, so they are caught here.
+    p.error = lambda message: _fail(p, message)
+    parse_known = p.parse_known_args
+
+    def parse_known_args(args=None, namespace=None):
+        parsed, extras = parse_known(args, namespace)
+        if extras:
+            _fail(p, f"unrecognized arguments: {' '.join(extras)}")
+        return parsed, extras
+
+    p.parse_known_args = parse_known_args
+    m = p.add_argument_group("model and hardware")
+    m.add_argument("--model", help="preset name, hub id, config.json or checkpoint directory")
+    m.add_argument("--gpu", help=f"GPU name ({', '.join(GPU_CATALOG)}) or 'custom'")
+    m.add_argument("--gpus", metavar="N", type=int, dest="tensor_parallel_size",
+                   help="GPUs per replica (tensor parallel); default: smallest of 1, 2, 4, 8 that works")
+    m.add_argument("--gpu-memory-gib", metavar="GIB", type=float, help="GPU memory, GiB (overrides the catalogue)")
+    m.add_argument("--gpu-bandwidth-gbps", metavar="GB_S", type=float, help="GPU memory bandwidth, GB/s")
+    m.add_argument("--gpu-tflops", metavar="TFLOPS", type=float, help="GPU dense BF16 TFLOP/s")
+    s = p.add_argument_group("service level")
+    s.add_argument("--max-context", metavar="TOKENS", type=int, help="longest prompt + output accepted (max_model_len)")
+    s.add_argument("--p95-prompt-tokens", metavar="TOKENS", type=int)
+    s.add_argument("--p95-output-tokens", metavar="TOKENS", type=int)
+    s.add_argument("--p50-prompt-tokens", metavar="TOKENS", type=int, help="default: the p95 value")
+    s.add_argument("--p50-output-tokens", metavar="TOKENS", type=int, help="default: the p95 value")
+    s.add_argument("--concurrency", metavar="N", type=int, help="concurrent sequences across all replicas")
+    s.add_argument("--requests-per-second", metavar="RPS", type=float, help="arrival rate across all replicas")
+    s.add_argument("--ttft-p95-ms", metavar="MS", type=float)
+    s.add_argument("--itl-p95-ms", metavar="MS", type=float)
+    s.add_argument("--shared-prefix-tokens", metavar="TOKENS", type=int, default=0, help="system prompt / few-shot tokens")
+    s.add_argument("--distinct-prefixes", metavar="K", type=int, default=1)
+    s.add_argument("--allow-fp8-kv", action="store_true", help="let the planner pick an FP8 KV cache")
+    o = p.add_argument_group("pinned engine settings (used as given, then checked)")
+    o.add_argument("--replicas", metavar="N", type=int)
+    o.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES)
+    o.add_argument("--gpu-memory-utilization", metavar="FRACTION", type=float)
+    o.add_argument("--block-size", metavar="TOKENS", type=int)
+    o.add_argument("--max-num-seqs", metavar="N", type=int)
+    o.add_argument("--max-num-batched-tokens", metavar="TOKENS", type=int)
+    o.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    o.add_argument("--cpu-offload-gib", metavar="GIB", type=float)
+    o.add_argument("--disk-offload-gib", metavar="GIB", type=float)
+    o.add_argument("--offload-backend", choices=OFFLOAD_BACKENDS)
+    o.add_argument("--weight-quantization", choices=tuple(WEIGHT_QUANT_BYTES))
+    p.add_argument("-o", "--output", choices=FORMATS, default="text")
+    p.add_argument("--list", action="store_true", help="list model presets and GPUs, then exit")
+    p.set_defaults(func=run)
+    return p
+
+
+def request_from_args(args: argparse.Namespace) -> PlanRequest:
+    """The PlanRequest the flags describe; ValueError for missing or bad values."""
+    missing = [f"--{name.replace('_', '-')}" for name in ("model", "gpu", "max_context", "p95_prompt_tokens",
+                                                           "p95_output_tokens") if getattr(args, name) is None]
+    if missing:
+        raise ValueError(f"missing required flag(s): {', '.join(missing)}")
+    gpu: dict[str, Any] = {"name": args.gpu}
+    for flag, key in (("gpu_memory_gib", "memory_gib"), ("gpu_bandwidth_gbps", "memory_bandwidth_gbps"),
+                      ("gpu_tflops", "bf16_tflops")):
+        if getattr(args, flag) is not None:
+            gpu[key] = getattr(args, flag)
+    slo = {name: getattr(args, name) for name in _SLO_FLAGS if getattr(args, name) is not None}
+    slo["allow_fp8_kv"] = args.allow_fp8_kv
+    overrides = {name: getattr(args, name) for name in (*_OVERRIDE_FLAGS, "tensor_parallel_size")
+                 if getattr(args, name) is not None}
+    return PlanRequest.from_dict({"model": args.model, "gpu": gpu, "slo": slo, "overrides": overrides})
+
+
+def _listing() -> str:
+    gpus = [f"  {name:<12} {g.description}: {g.memory_bytes / 2**30:.2f} GiB, "
+            f"{g.memory_bandwidth_bytes_per_s / 1e9:,.0f} GB/s, {g.bf16_flops / 1e12:,.0f} TFLOP/s"
+            for name, g in GPU_CATALOG.items()]
+    return "\n".join(["Model presets:", *(f"  {name}" for name in model_presets()), "GPUs:", *gpus]) + "\n"
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point set as the subparser's ``func``; returns the exit status."""
+    if args.list:
+        sys.stdout.write(_listing())
+        return EXIT_FEASIBLE
+    try:
+        plan = make_plan(request_from_args(args))
+    except ValueError as exc:
+        print(f"kvpilot plan: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if plan.feasible or args.output != "args":
+        sys.stdout.write(render(plan, args.output))
+    else:
+        print(f"kvpilot plan: infeasible ({plan.binding_constraint}): {plan.binding_detail}", file=sys.stderr)
+    return EXIT_FEASIBLE if plan.feasible else EXIT_INFEASIBLE

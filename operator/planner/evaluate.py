@@ -1,0 +1,236 @@
+"""Evaluate one deployment shape (GPUs per replica, KV dtype) against the request.
+
+``max_num_seqs`` is the smallest of these limits (each is documented where computed):
+
+- ``target``: the per-replica concurrency target (``concurrency``, divided by pinned
+  replicas), else vLLM's default for the GPU; a pinned ``max_num_seqs`` replaces it;
+- ``kv_capacity``: sequences that fit in the KV blocks without preemption
+  (``memory.kv_seq_limit``);
+- ``itl``: the decode step must stay under the ITL target (``latency.Roofline``);
+- ``ttft``: a p95 prompt must prefill under the TTFT target while the batch decodes;
+- ``max_num_batched_tokens``: when pinned, a step cannot hold more sequences.
+
+Every step keeps one block of its token budget for prefill (``max_num_seqs`` <=
+``max_num_batched_tokens - block_size``), so new prompts progress even with a full
+batch. ``max_num_batched_tokens`` is vLLM's default for the GPU (8192 on H100-class,
+2048 elsewhere), lowered to the largest chunk whose compute fits the ITL target.
+
+Each check that fails makes the plan infeasible; the first failing one is the
+binding constraint.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from kvpilot.engine.kv_budget import KVLayout, kv_heads_per_rank
+from kvpilot.operator.planner import kv_dtype
+from kvpilot.operator.planner.checks import Check, run_checks
+from kvpilot.operator.planner.latency import (
+    REPLICA_UTILIZATION,
+    Roofline,
+    flops_per_token,
+    largest_batch,
+)
+from kvpilot.operator.planner.memory import (
+    Budget,
+    PrefixTiers,
+    blocks_for,
+    kv_seq_limit,
+    place_prefixes,
+    reserve,
+)
+from kvpilot.operator.planner.request import PlanRequest
+from kvpilot.operator.planner.weights import WEIGHT_QUANT_BYTES
+
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.90
+DEFAULT_BLOCK_SIZE = 16
+LIMIT_ORDER = ("target", "kv_capacity", "itl", "ttft", "max_num_batched_tokens")
+
+
+@dataclass(frozen=True, slots=True)
+class Throughput:
+    ttft_s: float
+    decode_step_s: float
+    request_s: float
+    rps_by_concurrency: float
+    rps_by_compute: float
+
+    @property
+    def rps(self) -> float:
+        return min(self.rps_by_concurrency, self.rps_by_compute)
+
+
+@dataclass(frozen=True, slots=True)
+class Evaluation:
+    """Everything computed for one (tensor_parallel_size, kv_cache_dtype) candidate."""
+
+    tp: int
+    kv_cache_dtype: str
+    weight_bytes_total: int
+    weight_source: str
+    budget: Budget
+    layout: KVLayout
+    num_blocks: int
+    seq_blocks: int
+    max_context_blocks: int
+    target: int
+    target_source: str
+    limits: dict[str, int]
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    mnbt_source: str
+    roofline: Roofline
+    prompt_uncached: int
+    ttft_factor: float
+    enable_prefix_caching: bool
+    prefixes: PrefixTiers | None
+    throughput: Throughput | None
+    replicas: int
+    replicas_needed: int
+    replicas_source: str
+    checks: tuple[Check, ...] = field(default_factory=tuple)
+
+    @property
+    def feasible(self) -> bool:
+        return all(c.ok for c in self.checks)
+
+    @property
+    def binding(self) -> Check:
+        """The first failing check, or (feasible) the limit that set max_num_seqs."""
+        for check in self.checks:
+            if not check.ok:
+                return check
+        name = min(LIMIT_ORDER, key=lambda n: (self.limits.get(n, math.inf), LIMIT_ORDER.index(n)))
+        why = {"target": self.target_source, "kv_capacity": "the KV blocks that fit without preemption",
+               "itl": "the ITL p95 target", "ttft": "the TTFT p95 target",
+               "max_num_batched_tokens": "the pinned max_num_batched_tokens"}[name]
+        return Check(name, True, f"max_num_seqs {self.max_num_seqs:,} is set by {why}")
+
+    @property
+    def itl_s(self) -> float:
+        return self.roofline.step_s(max(1, self.max_num_seqs), self.max_num_batched_tokens)
+
+    @property
+    def ttft_s(self) -> float:
+        b = max(1, self.max_num_seqs)
+        return self.roofline.ttft_s(b, self.max_num_batched_tokens, self.prompt_uncached) * self.ttft_factor
+
+
+def _weights(req: PlanRequest) -> tuple[int, str]:
+    model, quant = req.model, req.overrides.weight_quantization
+    if quant is None:
+        return model.total_weight_bytes, model.weight_source
+    return math.ceil(model.num_params * WEIGHT_QUANT_BYTES[quant]), f"{quant} weight quantization"
+
+
+def _target(req: PlanRequest) -> tuple[int, str]:
+    slo, ov = req.slo, req.overrides
+    if ov.max_num_seqs is not None:
+        return ov.max_num_seqs, "max_num_seqs override"
+    if slo.concurrency is not None:
+        if ov.replicas:
+            return math.ceil(slo.concurrency / ov.replicas), \
+                f"concurrency {slo.concurrency:,} over {ov.replicas} pinned replica(s)"
+        return slo.concurrency, f"target concurrency {slo.concurrency:,}"
+    return req.gpu.default_max_num_seqs, f"vLLM's default max_num_seqs on {req.gpu.name}"
+
+
+def evaluate(req: PlanRequest, tp: int, kv_cache_dtype: str) -> Evaluation:
+    """Size one replica of ``tp`` GPUs with ``kv_cache_dtype`` KV; see module docstring."""
+    model, gpu, slo, ov = req.model, req.gpu, req.slo, req.overrides
+    block_size = ov.block_size or DEFAULT_BLOCK_SIZE
+    weight_total, weight_source = _weights(req)
+    target, target_source = _target(req)
+    mnbt_cap = ov.max_num_batched_tokens or gpu.default_max_num_batched_tokens
+    budget = Budget(gpu.memory_bytes, ov.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION,
+                    math.ceil(weight_total / tp), reserve(model, tp, mnbt_cap, target))
+    layout = KVLayout(model.num_layers, kv_heads_per_rank(model.num_kv_heads, tp), model.head_dim,
+                      kv_dtype.dtype_bytes(model, kv_cache_dtype), block_size)
+    num_blocks = layout.num_blocks(max(0, budget.kv_bytes))
+    seq_blocks = blocks_for(model, slo.seq_tokens_p95, block_size)
+    ctx_blocks = blocks_for(model, slo.max_context, block_size)
+    roof = Roofline(budget.weight_bytes, model.kv_tokens(slo.seq_tokens_p95) * layout.bytes_per_token,
+                    gpu.memory_bandwidth_bytes_per_s, gpu.bf16_flops * tp,
+                    flops_per_token(model, slo.p95_prompt_tokens))
+
+    limits = {"target": target, "kv_capacity": kv_seq_limit(num_blocks, ctx_blocks, seq_blocks)}
+    itl_s = slo.itl_p95_ms / 1000 if slo.itl_p95_ms else None
+    if itl_s is not None:
+        limits["itl"] = max(0, min(roof.batch_limit(itl_s), roof.token_limit(itl_s) - block_size))
+    if ov.max_num_batched_tokens is not None:
+        limits["max_num_batched_tokens"] = max(0, ov.max_num_batched_tokens - block_size)
+    pre = min(limits.values())
+    if ov.max_num_batched_tokens is not None:
+        mnbt, mnbt_source = ov.max_num_batched_tokens, "override"
+    else:
+        mnbt, mnbt_source = mnbt_cap, f"vLLM's default on {gpu.name}"
+        if itl_s is not None and roof.token_limit(itl_s) < mnbt:
+            mnbt = roof.token_limit(itl_s) // block_size * block_size
+            mnbt_source = "largest prefill chunk within the ITL target"
+        mnbt = max(mnbt, pre + block_size)
+
+    caching = ov.enable_prefix_caching if ov.enable_prefix_caching is not None else True
+    cached = slo.shared_prefix_tokens // block_size * block_size if caching else 0
+    prompt_u = max(1, slo.p95_prompt_tokens - cached)
+    factor = kv_dtype.ttft_factor(model, kv_cache_dtype)
+    if slo.ttft_p95_ms is not None:
+        limit_s = slo.ttft_p95_ms / 1000
+        limits["ttft"] = largest_batch(target, lambda b: roof.ttft_s(b, mnbt, prompt_u) * factor <= limit_s)
+    cap = min(limits.values())
+    msq = ov.max_num_seqs if ov.max_num_seqs is not None else cap
+
+    prefixes = None
+    if caching and slo.shared_prefix_tokens:
+        blocks_each = slo.shared_prefix_tokens // block_size
+        free = num_blocks - ctx_blocks - max(0, msq - 1) * seq_blocks
+        prefixes = place_prefixes(
+            blocks_each=blocks_each, bytes_each=blocks_each * block_size * layout.bytes_per_token * tp,
+            distinct=slo.distinct_prefixes, free_blocks=free if msq >= 1 else 0,
+            replica_gpu_memory_bytes=gpu.memory_bytes * tp, cpu_offload_gib=ov.cpu_offload_gib,
+            disk_offload_gib=ov.disk_offload_gib)
+
+    throughput = _throughput(req, tp, layout, budget, msq, mnbt, cached, factor) if msq >= 1 else None
+    replicas, need, replicas_source = _replicas(req, msq, throughput)
+    ev = Evaluation(tp, kv_cache_dtype, weight_total, weight_source, budget, layout, num_blocks, seq_blocks,
+                    ctx_blocks, target, target_source, limits, msq, mnbt, mnbt_source, roof, prompt_u,
+                    factor, caching, prefixes, throughput, replicas, need, replicas_source)
+    return replace(ev, checks=run_checks(req, ev))
+
+
+def _throughput(req: PlanRequest, tp: int, layout: KVLayout, budget: Budget, msq: int, mnbt: int,
+                cached: int, factor: float) -> Throughput:
+    """Requests/s one replica sustains at p50 lengths (Little's law, capped by compute)."""
+    model, slo = req.model, req.slo
+    prompt, output = slo.prompt_tokens_p50, slo.output_tokens_p50
+    prompt_u = max(1, prompt - cached)
+    f_tok = flops_per_token(model, prompt)
+    roof = Roofline(budget.weight_bytes, model.kv_tokens(prompt + output // 2) * layout.bytes_per_token,
+                    req.gpu.memory_bandwidth_bytes_per_s, req.gpu.bf16_flops * tp, f_tok)
+    ttft = roof.ttft_s(msq, mnbt, prompt_u) * factor
+    decode = roof.step_s(msq, msq)
+    request_s = ttft + output * decode
+    by_compute = roof.effective_flops / (prompt_u * f_tok + output * 2.0 * model.num_params)
+    return Throughput(ttft, decode, request_s, msq / request_s, by_compute)
+
+
+def _replicas(req: PlanRequest, msq: int, tput: Throughput | None) -> tuple[int, int, str]:
+    """(replicas, replicas needed, why): the larger of concurrency / max_num_seqs and
+    request rate / (REPLICA_UTILIZATION x per-replica throughput); a pinned value wins."""
+    slo, pinned = req.slo, req.overrides.replicas
+    if msq < 1:
+        return pinned or 1, 1, "not computed: no sequence fits"
+    needs: list[tuple[int, str]] = []
+    if slo.concurrency is not None:
+        needs.append((math.ceil(slo.concurrency / msq),
+                      f"concurrency {slo.concurrency:,} / max_num_seqs {msq:,}"))
+    if slo.requests_per_second is not None and tput is not None:
+        needs.append((math.ceil(slo.requests_per_second / (REPLICA_UTILIZATION * tput.rps)),
+                      f"{slo.requests_per_second:g} req/s / ({REPLICA_UTILIZATION:.0%} x "
+                      f"{tput.rps:.2f} req/s per replica)"))
+    need, why = max(needs, default=(1, "no concurrency or request-rate target"))
+    need = max(1, need)
+    if pinned is not None:
+        return pinned, need, f"pinned by override; needed {need} from {why}"
+    return need, need, why

@@ -1,0 +1,160 @@
+"""The derivation: ordered sentences with the numbers of every step, checkable by hand.
+
+Units: GiB (2^30 bytes) with two decimals, bytes with thousands separators, tokens,
+milliseconds. Each line is one step of ``evaluate`` in the order it happens.
+"""
+
+from __future__ import annotations
+
+from kvpilot.operator.planner import kv_dtype
+from kvpilot.operator.planner.evaluate import Evaluation
+from kvpilot.operator.planner.latency import FLOPS_EFFICIENCY, HBM_EFFICIENCY, REPLICA_UTILIZATION
+from kvpilot.operator.planner.memory import (
+    HOST_BASE_GIB,
+    HOST_PER_RANK_GIB,
+    LOGIT_BYTES_PER_VOCAB_ENTRY,
+    SHM_BASE_GIB,
+    gib,
+    host_memory_gib,
+)
+from kvpilot.operator.planner.request import PlanRequest
+
+
+def _g(num_bytes: float) -> str:
+    return f"{gib(num_bytes):,.2f} GiB"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:,.1f} ms"
+
+
+def _model_lines(req: PlanRequest, ev: Evaluation) -> list[str]:
+    m = req.model
+    sliding = (f" ({m.num_sliding_layers} of them sliding-window layers of {m.sliding_window:,} tokens)"
+               if m.num_sliding_layers else "")
+    lines = [f"Model {m.name}: {m.num_layers} layers{sliding}, {m.num_attention_heads} query / "
+             f"{m.num_kv_heads} KV heads, head_dim {m.head_dim}, hidden {m.hidden_size:,}, {m.dtype}; "
+             f"{m.num_params / 1e9:,.2f} B parameters; up to {m.max_position_embeddings:,} positions."]
+    if req.overrides.weight_quantization or m.weight_bytes is None:
+        per = ev.weight_bytes_total / m.num_params
+        lines.append(f"Weights: {m.num_params:,} parameters x {per:g} B = {ev.weight_bytes_total:,} B "
+                     f"= {_g(ev.weight_bytes_total)} ({ev.weight_source}).")
+    else:
+        lines.append(f"Weights: {ev.weight_bytes_total:,} B = {_g(ev.weight_bytes_total)} ({ev.weight_source}).")
+    lines[-1] += f" Over {ev.tp} GPU(s): {_g(ev.budget.weight_bytes)} per GPU."
+    return lines
+
+
+def _memory_lines(req: PlanRequest, ev: Evaluation, dtype_notes: list[str]) -> list[str]:
+    g, b, r, lay, m = req.gpu, ev.budget, ev.budget.reserve, ev.layout, req.model
+    nccl = ", NCCL buffers" if ev.tp > 1 else ""
+    heads = (f"; {m.num_kv_heads} KV heads over {ev.tp} GPUs = {lay.num_kv_heads} per GPU"
+             if ev.tp > 1 else "")
+    return [
+        f"GPU {g.description or g.name}: {_g(g.memory_bytes)}, {g.memory_bandwidth_bytes_per_s / 1e9:,.0f} GB/s, "
+        f"{g.bf16_flops / 1e12:,.0f} TFLOP/s dense BF16. Budget = {b.gpu_memory_utilization:.2f} x "
+        f"{_g(g.memory_bytes)} = {_g(b.budget_bytes)} per GPU.",
+        f"Reserve = {_g(r.fixed_bytes)} fixed (CUDA context, workspaces, CUDA graphs{nccl}) + activations "
+        f"{r.activation_tokens:,} tokens x {r.activation_bytes_per_token:,} B (4 x hidden + 3 x intermediate/TP, "
+        f"{m.dtype}) = {_g(r.activation_bytes)} + logits {r.logit_seqs:,} seqs x {m.vocab_size:,} vocab x "
+        f"{LOGIT_BYTES_PER_VOCAB_ENTRY} B = {_g(r.logit_bytes)}; total {_g(r.total_bytes)}.",
+        f"KV memory per GPU = {_g(b.budget_bytes)} - {_g(b.weight_bytes)} weights - {_g(r.total_bytes)} reserve "
+        f"= {_g(b.kv_bytes)}.",
+        f"KV dtype {kv_dtype.dtype_label(m, ev.kv_cache_dtype)}: {'; '.join(dtype_notes)}.",
+        f"KV bytes/token per GPU = 2 (K,V) x {lay.num_layers} layers x {lay.num_kv_heads} KV heads x "
+        f"{lay.head_dim} head_dim x {lay.dtype_bytes} B = {lay.bytes_per_token:,} B "
+        f"({lay.bytes_per_token / 1024:,.1f} KiB){heads}.",
+        f"Blocks: {max(0, b.kv_bytes):,} B / ({lay.block_size} tokens x {lay.bytes_per_token:,} B = "
+        f"{lay.bytes_per_block:,} B per block) = {ev.num_blocks:,} blocks = kv_token_capacity "
+        f"{ev.num_blocks * lay.block_size:,} tokens; kv_cache_memory_bytes = {ev.num_blocks:,} x "
+        f"{lay.bytes_per_block:,} = {lay.memory_for_blocks(ev.num_blocks):,} B.",
+    ]
+
+
+def _sequence_lines(req: PlanRequest, ev: Evaluation) -> list[str]:
+    slo, m, lay = req.slo, req.model, ev.layout
+    seq = slo.seq_tokens_p95
+    window = ""
+    if m.num_sliding_layers:
+        window = (f"; on the {m.num_sliding_layers} sliding-window layers KV is capped at the "
+                  f"{m.sliding_window:,}-token window, so it holds ({m.num_full_layers} x {seq:,} + "
+                  f"{m.num_sliding_layers} x {min(seq, m.sliding_window):,}) / {m.num_layers} = "
+                  f"{m.kv_tokens(seq):,} token slots (assumes the engine frees out-of-window blocks)")
+    return [
+        f"Sequence: p95 {slo.p95_prompt_tokens:,} prompt + {slo.p95_output_tokens:,} output = {seq:,} tokens"
+        f"{window} -> {ev.seq_blocks:,} blocks ({_g(lay.memory_for_blocks(ev.seq_blocks))} per GPU); "
+        f"a max_context sequence ({slo.max_context:,} tokens) -> {ev.max_context_blocks:,} blocks.",
+        f"KV limit (room for one max_context sequence, the rest at p95 length): "
+        f"({ev.num_blocks:,} - {ev.max_context_blocks:,}) // {ev.seq_blocks:,} + 1 = "
+        f"{ev.limits['kv_capacity']:,} sequences." if ev.limits["kv_capacity"] else
+        f"KV limit: 0 sequences (one max_context sequence needs {ev.max_context_blocks:,} blocks, "
+        f"{ev.num_blocks:,} available).",
+    ]
+
+
+def _latency_lines(req: PlanRequest, ev: Evaluation) -> list[str]:
+    slo, roof, out = req.slo, ev.roofline, []
+    bw = f"{HBM_EFFICIENCY:.0%} x {req.gpu.memory_bandwidth_bytes_per_s / 1e9:,.0f} GB/s"
+    flops = f"{FLOPS_EFFICIENCY:.0%} x {roof.replica_flops / 1e12:,.0f} TFLOP/s"
+    if slo.itl_p95_ms is not None:
+        t = slo.itl_p95_ms / 1000
+        out.append(f"ITL limit: a decode step reads {_g(roof.weight_bytes)} weights + B x "
+                   f"{roof.seq_kv_bytes / 2**20:,.1f} MiB KV per GPU at {bw}; within {slo.itl_p95_ms:g} ms "
+                   f"B <= {roof.batch_limit(t):,}; a step computes {roof.flops_per_token / 1e9:,.2f} GFLOP "
+                   f"per token at {flops}: <= {roof.token_limit(t):,} tokens per step, less one block kept for "
+                   f"prefill -> {ev.limits['itl']:,}.")
+    out.append(f"max_num_batched_tokens = {ev.max_num_batched_tokens:,} ({ev.mnbt_source}).")
+    if slo.ttft_p95_ms is not None:
+        b = max(1, ev.max_num_seqs)
+        share = ev.max_num_batched_tokens - b
+        factor = f" x {ev.ttft_factor:g} (FP8 KV, head_dim {req.model.head_dim})" if ev.ttft_factor != 1 else ""
+        steps = max(1.0, ev.prompt_uncached / share) if share > 0 else float("inf")
+        step = roof.step_s(b, min(ev.max_num_batched_tokens, ev.prompt_uncached + b))
+        out.append(f"TTFT: {ev.prompt_uncached:,} uncached prompt tokens in chunks of {share:,} "
+                   f"(max_num_batched_tokens - {b:,} decoding) = {steps:,.2f} step(s) x {_ms(step)}{factor} "
+                   f"= {_ms(ev.ttft_s)} at {b:,} sequences; largest batch (up to the target) within {slo.ttft_p95_ms:g} ms: "
+                   f"{ev.limits['ttft']:,}.")
+    parts = ", ".join(f"{n} {v:,}" for n, v in ev.limits.items())
+    out.append(f"max_num_seqs = min({parts}) = {min(ev.limits.values()):,} (the target is the {ev.target_source})"
+               + (f"; pinned to {ev.max_num_seqs:,}" if req.overrides.max_num_seqs is not None else "") + ".")
+    if ev.max_num_seqs >= 1:
+        b = ev.max_num_seqs
+        out.append(f"Estimates at {b:,} sequences: ITL p95 ~ {_ms(ev.itl_s)} (a step with a full prefill "
+                   f"chunk: memory {_ms(roof.memory_s(b))}, compute {_ms(roof.compute_s(ev.max_num_batched_tokens))}); "
+                   f"TTFT p95 ~ {_ms(ev.ttft_s)}.")
+    tp = ev.throughput
+    if tp is not None:
+        out.append(f"Throughput at p50 ({slo.prompt_tokens_p50:,} + {slo.output_tokens_p50:,} tokens): a request "
+                   f"takes {_ms(tp.ttft_s)} prefill + {slo.output_tokens_p50:,} x {_ms(tp.decode_step_s)} = "
+                   f"{tp.request_s:,.2f} s -> {ev.max_num_seqs:,} / {tp.request_s:,.2f} s = "
+                   f"{tp.rps_by_concurrency:,.2f} req/s; compute allows {tp.rps_by_compute:,.2f} req/s -> "
+                   f"{tp.rps:,.2f} req/s per replica (planned at {REPLICA_UTILIZATION:.0%}).")
+    out.append(f"Replicas = {ev.replicas} ({ev.replicas_source}).")
+    return out
+
+
+def _host_lines(req: PlanRequest, ev: Evaluation) -> list[str]:
+    out, p, slo = [], ev.prefixes, req.slo
+    if slo.shared_prefix_tokens and not ev.enable_prefix_caching:
+        out.append("Shared prefixes: prefix caching is off, so every request prefills its prefix.")
+    if p is not None:
+        free = ev.num_blocks - ev.max_context_blocks - max(0, ev.max_num_seqs - 1) * ev.seq_blocks
+        out.append(f"Shared prefixes: {p.distinct:,} distinct x {slo.shared_prefix_tokens:,} tokens = "
+                   f"{p.blocks_each:,} full blocks each ({_g(p.bytes_each)} across the replica); "
+                   f"{max(0, free):,} blocks are left after the sequences: {p.on_gpu:,} stay on the GPU, "
+                   f"{p.on_cpu:,} go to the CPU tier ({p.cpu_offload_gib:g} GiB), {p.on_disk:,} to disk "
+                   f"({p.disk_offload_gib:g} GiB)" + (f", {p.uncached:,} are not cached" if p.uncached else "")
+                   + ".")
+    cpu = p.cpu_offload_gib if p is not None else (req.overrides.cpu_offload_gib or 0)
+    pod, shm = host_memory_gib(ev.tp, cpu)
+    out.append(f"Host: /dev/shm {shm:g} GiB ({cpu:g} GiB CPU KV tier + {SHM_BASE_GIB} GiB IPC); pod memory "
+               f"{pod:g} GiB = {HOST_BASE_GIB} GiB base + {HOST_PER_RANK_GIB} GiB x {ev.tp} GPU worker(s) + "
+               "/dev/shm (tmpfs counts against the pod's memory limit).")
+    return out
+
+
+def derivation(req: PlanRequest, ev: Evaluation, dtype_notes: list[str], shape_notes: list[str]) -> list[str]:
+    """Numbered derivation lines for the chosen candidate."""
+    lines = (_model_lines(req, ev) + _memory_lines(req, ev, dtype_notes) + _sequence_lines(req, ev)
+             + _latency_lines(req, ev) + _host_lines(req, ev) + shape_notes)
+    return [f"{i}. {line}" for i, line in enumerate(lines, 1)]

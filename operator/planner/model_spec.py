@@ -1,0 +1,213 @@
+"""A model's architecture as the planner needs it, read from an HF ``config.json`` dict.
+
+Both config layouts are read: transformers 4.x (``torch_dtype``, top-level ``rope_theta``
+and ``rope_scaling``) and 5.x (``dtype``, ``rope_parameters``). Defaults follow
+transformers: ``num_key_value_heads`` defaults to ``num_attention_heads`` and
+``head_dim`` to ``hidden_size // num_attention_heads`` (Qwen3 and Gemma 2 set it
+explicitly to something else). A missing dtype means float32, as in transformers
+and in the engine's own config reader, so ``kv_cache_dtype=auto`` means the same
+bytes on both sides.
+
+Sliding-window layers: ``layer_types`` when present; otherwise Gemma 2 alternates
+(even-indexed layers slide), Gemma 3 slides all but every ``sliding_window_pattern``-th
+layer, Qwen2/Qwen3 slide layers from ``max_window_layers`` on when
+``use_sliding_window`` is true, and any other config with ``sliding_window`` slides
+every layer (Mistral v0.1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, asdict, dataclass, fields
+from typing import Any
+
+from kvpilot.operator.planner.weights import DTYPE_BYTES, estimate_num_params
+
+# rope scaling types whose factor stretches the usable context beyond the trained length
+_STRETCHING_ROPE = ("yarn", "dynamic", "linear")
+_MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """Architecture numbers of a dense decoder-only model.
+
+    Args:
+        name: display name (preset key, hub id or directory name).
+        num_layers / num_attention_heads / num_kv_heads / head_dim / hidden_size /
+            intermediate_size / vocab_size: as in config.json.
+        max_position_embeddings: longest context the model supports (after rope stretching).
+        dtype: checkpoint dtype name (``bfloat16``, ``float16``, ``float32``).
+        num_params: parameter count held on the GPUs (tied embeddings counted once).
+        weight_bytes: bytes of weights to load; None = num_params x dtype bytes.
+        weight_source: where weight_bytes / num_params came from, for the derivation.
+        sliding_window: window of the sliding-window layers (None = none).
+        num_sliding_layers: how many layers use that window.
+        rope_theta: rotary base (informational).
+    """
+
+    name: str
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    dtype: str
+    num_params: int
+    weight_bytes: int | None = None
+    weight_source: str = "parameter-count estimate"
+    sliding_window: int | None = None
+    num_sliding_layers: int = 0
+    rope_theta: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_attention_heads", "num_kv_heads", "head_dim", "hidden_size",
+                     "intermediate_size", "vocab_size", "max_position_embeddings", "num_params"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"model {name} must be a positive integer, got {value!r}")
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"model dtype must be one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}")
+        if self.num_attention_heads % self.num_kv_heads:
+            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple "
+                             f"of num_key_value_heads ({self.num_kv_heads})")
+        if self.weight_bytes is not None and self.weight_bytes < 1:
+            raise ValueError(f"weight_bytes must be positive, got {self.weight_bytes}")
+        if not 0 <= self.num_sliding_layers <= self.num_layers:
+            raise ValueError(f"num_sliding_layers must be in [0, {self.num_layers}]")
+        if self.num_sliding_layers and (self.sliding_window is None or self.sliding_window < 1):
+            raise ValueError("sliding-window layers need a positive sliding_window")
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def total_weight_bytes(self) -> int:
+        """Weight bytes to load: measured if known, else parameters x dtype bytes."""
+        return self.weight_bytes if self.weight_bytes is not None else self.num_params * self.dtype_bytes
+
+    @property
+    def num_full_layers(self) -> int:
+        return self.num_layers - self.num_sliding_layers
+
+    def kv_tokens(self, num_tokens: int) -> int:
+        """Whole-model token slots the KV of one ``num_tokens`` sequence occupies.
+
+        Full-attention layers keep all tokens; sliding-window layers keep at most the
+        window (assuming the engine frees blocks that fall out of the window).
+        """
+        if not self.num_sliding_layers:
+            return num_tokens
+        kept = self.num_full_layers * num_tokens + self.num_sliding_layers * min(num_tokens, self.sliding_window)
+        return -(-kept // self.num_layers)
+
+    def valid_tensor_parallel_sizes(self, choices: tuple[int, ...] = (1, 2, 4, 8)) -> list[int]:
+        """TP sizes that split the query heads evenly and the KV heads evenly (or replicate them)."""
+        return [tp for tp in choices if tp >= 1 and self.num_attention_heads % tp == 0
+                and (self.num_kv_heads % tp == 0 or tp % self.num_kv_heads == 0)]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelSpec:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown model field(s) {unknown}; known: {sorted(known)}")
+        missing = sorted(f.name for f in fields(cls) if f.name not in data
+                         and f.default is MISSING)
+        if missing:
+            raise ValueError(f"model is missing field(s) {', '.join(missing)} (or give a preset, path or config)")
+        return cls(**data)
+
+
+def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Multimodal checkpoints nest the language model's config under ``text_config``."""
+    return {**cfg, **cfg["text_config"]} if isinstance(cfg.get("text_config"), dict) else cfg
+
+
+def _sliding_layers(cfg: dict[str, Any], num_layers: int) -> tuple[int | None, int]:
+    window = cfg.get("sliding_window")
+    types = cfg.get("layer_types")
+    if isinstance(types, list) and types:
+        count = sum(1 for t in types if t == "sliding_attention")
+        return (int(window), count) if count and window else (None, 0)
+    if not window:
+        return None, 0
+    model_type = cfg.get("model_type", "")
+    if model_type == "gemma2":
+        return int(window), (num_layers + 1) // 2
+    if model_type in ("gemma3", "gemma3_text"):
+        pattern = int(cfg.get("sliding_window_pattern") or 6)
+        return int(window), num_layers - num_layers // pattern
+    if "use_sliding_window" in cfg:
+        if not cfg["use_sliding_window"]:
+            return None, 0
+        first = int(cfg.get("max_window_layers") or 0)
+        count = max(0, num_layers - first)
+        return (int(window), count) if count else (None, 0)
+    return int(window), num_layers
+
+
+def _rope(cfg: dict[str, Any]) -> tuple[float | None, dict[str, Any]]:
+    params = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+    theta = params.get("rope_theta", cfg.get("rope_theta"))
+    return (float(theta) if theta is not None else None), params
+
+
+def _max_positions(cfg: dict[str, Any], rope: dict[str, Any]) -> int:
+    max_pos = int(cfg.get("max_position_embeddings") or 2048)
+    rope_type = rope.get("rope_type", rope.get("type"))
+    factor = rope.get("factor")
+    if rope_type in _STRETCHING_ROPE and factor:
+        original = rope.get("original_max_position_embeddings") or max_pos
+        return max(max_pos, int(original * float(factor)))
+    return max_pos
+
+
+def model_from_config(cfg: dict[str, Any], name: str, *, num_params: int | None = None,
+                      weight_bytes: int | None = None, weight_source: str | None = None) -> ModelSpec:
+    """Build a ModelSpec from a config.json dict.
+
+    Args:
+        cfg: the parsed config.json.
+        name: display name for reports.
+        num_params: published parameter count; None = estimate from the architecture.
+        weight_bytes: measured checkpoint bytes (safetensors); None = num_params x dtype.
+        weight_source: how weight_bytes / num_params were obtained (for the derivation).
+    """
+    cfg = _text_config(cfg)
+    moe = [k for k in _MOE_KEYS if cfg.get(k)]
+    if moe:
+        raise ValueError(f"{name}: mixture-of-experts configs ({moe[0]}={cfg[moe[0]]}) are not "
+                         "supported by the planner; it sizes dense decoder models")
+    try:
+        hidden = int(cfg["hidden_size"])
+        heads = int(cfg["num_attention_heads"])
+        num_layers = int(cfg["num_hidden_layers"])
+        intermediate = int(cfg["intermediate_size"])
+        vocab = int(cfg["vocab_size"])
+    except KeyError as exc:
+        raise ValueError(f"{name}: config.json is missing required field {exc.args[0]!r}") from None
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}: config.json has a non-integer size field") from None
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
+    dtype = {"half": "float16", "bf16": "bfloat16", "fp16": "float16", "float": "float32"}.get(dtype, dtype)
+    theta, rope = _rope(cfg)
+    window, num_sliding = _sliding_layers(cfg, num_layers)
+    if num_params is None:
+        num_params = estimate_num_params(cfg, hidden=hidden, heads=heads, kv_heads=kv_heads,
+                                         head_dim=head_dim, num_layers=num_layers,
+                                         intermediate=intermediate, vocab=vocab)
+    source = weight_source or ("safetensors" if weight_bytes else "parameter-count estimate")
+    return ModelSpec(name=name, num_layers=num_layers, num_attention_heads=heads, num_kv_heads=kv_heads,
+                     head_dim=head_dim, hidden_size=hidden, intermediate_size=intermediate,
+                     vocab_size=vocab, max_position_embeddings=_max_positions(cfg, rope), dtype=dtype,
+                     num_params=num_params, weight_bytes=weight_bytes, weight_source=source,
+                     sliding_window=window, num_sliding_layers=num_sliding, rope_theta=theta)

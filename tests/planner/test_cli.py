@@ -1,0 +1,119 @@
+"""``kvpilot plan`` end to end in subprocesses: output formats, exit codes, no torch."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+QWEN_H100 = ["--model", "qwen3-8b", "--gpu", "h100-80gb", "--gpus", "1", "--max-context", "32768",
+             "--concurrency", "64", "--p95-prompt-tokens", "4096", "--p95-output-tokens", "1024",
+             "--ttft-p95-ms", "1000", "--itl-p95-ms", "50", "--shared-prefix-tokens", "1024",
+             "--distinct-prefixes", "600"]
+TOO_BIG = ["--model", "qwen3-8b", "--gpu", "l4", "--gpus", "1", "--max-context", "32768",
+           "--p95-prompt-tokens", "8000", "--p95-output-tokens", "1000"]
+
+
+def kvpilot(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvpilot.engine.cli.main", "plan", *args],
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def as_json():
+    result = kvpilot(*QWEN_H100, "-o", "json")
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_json_has_the_fields(as_json):
+    for name in ("feasible", "binding_constraint", "kv_bytes_per_token", "kv_cache_dtype",
+                 "gpu_memory_utilization", "kv_cache_memory_bytes", "num_gpu_blocks", "block_size",
+                 "kv_token_capacity", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+                 "tensor_parallel_size", "replicas", "cpu_offload_gib", "disk_offload_gib", "pod_memory_gib",
+                 "shm_gib", "derivation", "warnings", "suggestions", "serve_args"):
+        assert name in as_json, name
+    assert as_json["feasible"] is True and as_json["max_model_len"] == 32768
+    assert as_json["cpu_offload_gib"] > 0                     # 600 prefixes do not all fit on the GPU
+    assert all(isinstance(line, str) for line in as_json["derivation"])
+
+
+def test_yaml_matches_json(as_json):
+    result = kvpilot(*QWEN_H100, "-o", "yaml")
+    assert result.returncode == 0
+    assert yaml.safe_load(result.stdout) == as_json
+
+
+def test_args_parse_with_the_serve_parser(as_json):
+    args_module = pytest.importorskip("kvpilot.engine.server.args")
+    result = kvpilot(*QWEN_H100, "-o", "args")
+    assert result.returncode == 0
+    flags = shlex.split(result.stdout)
+    assert flags == as_json["serve_args"]
+    ns = args_module.make_serve_parser().parse_args(flags)       # the engine's own parser
+    assert ns.max_model_len == as_json["max_model_len"]
+    assert ns.max_num_seqs == as_json["max_num_seqs"]
+    assert ns.max_num_batched_tokens == as_json["max_num_batched_tokens"]
+    assert ns.block_size == as_json["block_size"]
+    assert ns.kv_cache_dtype == as_json["kv_cache_dtype"]
+    assert ns.gpu_memory_utilization == as_json["gpu_memory_utilization"]
+    assert ns.kv_cache_memory_bytes == as_json["kv_cache_memory_bytes"]
+    assert ns.enable_prefix_caching is True and ns.tensor_parallel_size == 1
+    assert ns.kv_offloading_size == as_json["cpu_offload_gib"]
+    assert ns.kv_offloading_backend == as_json["offload_backend"] == "native"
+    assert ns.kv_offloading_disk_path is None
+
+
+def test_text_report():
+    result = kvpilot(*QWEN_H100)
+    assert result.returncode == 0
+    for heading in ("Result: FEASIBLE", "Engine settings", "Derivation", "kvpilot serve flags"):
+        assert heading in result.stdout
+
+
+def test_infeasible_exits_2_with_the_structured_answer():
+    result = kvpilot(*TOO_BIG, "-o", "json")
+    assert result.returncode == 2
+    plan = json.loads(result.stdout)
+    assert plan["feasible"] is False and plan["binding_constraint"] == "kv_capacity"
+    assert plan["suggestions"]
+    text = kvpilot(*TOO_BIG)
+    assert text.returncode == 2 and "INFEASIBLE" in text.stdout and "Suggestions" in text.stdout
+    args = kvpilot(*TOO_BIG, "-o", "args")
+    assert args.returncode == 2 and args.stdout == "" and "infeasible (kv_capacity)" in args.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "qwen3-8b", "--gpu", "tpu-v9", "--max-context", "4096", "--p95-prompt-tokens", "100",
+      "--p95-output-tokens", "100"], "unknown GPU 'tpu-v9'; known GPUs: l4, a10g"),
+    (["--model", "nope-7b", "--gpu", "l4", "--max-context", "4096", "--p95-prompt-tokens", "100",
+      "--p95-output-tokens", "100"], "unknown model 'nope-7b'"),
+    (["--model", "qwen3-8b", "--gpu", "l4"], "missing required flag(s): --max-context"),
+    (["--model", "qwen3-8b", "--gpu", "l4", "--max-context", "many"], "invalid int value: 'many'"),
+    (["--model", "qwen3-8b", "--gpu", "l4", "--max-ctx", "4096"], "unrecognized arguments: --max-ctx 4096"),
+    (["--model", "qwen3-8b", "--gpu", "l4", "--max-context", "4096", "--p95-prompt-tokens", "4000",
+      "--p95-output-tokens", "1000"], "exceed max_context"),
+    (["--model", "qwen3-8b", "--gpu", "custom", "--max-context", "4096", "--p95-prompt-tokens", "100",
+      "--p95-output-tokens", "100", "--gpu-memory-gib", "48"], "a custom GPU needs memory_bandwidth_gbps"),
+])
+def test_bad_input_exits_1_with_a_clear_message(args, message):
+    result = kvpilot(*args)
+    assert result.returncode == 1
+    assert message in result.stderr
+    assert result.stdout == ""
+
+
+def test_list_names_models_and_gpus():
+    result = kvpilot("--list")
+    assert result.returncode == 0 and "gemma-2-9b" in result.stdout and "h200" in result.stdout
+
+
+def test_planner_imports_without_torch():
+    code = ("import kvpilot.operator.planner, kvpilot.operator.planner.cli, sys; "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
