@@ -1,0 +1,109 @@
+"""The FastAPI application factory (no module-level app: every app owns its state)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+from fastapi import Depends, FastAPI
+from prometheus_client import CollectorRegistry
+
+from kvpilot.engine.server import routes_chat, routes_completions, routes_misc
+from kvpilot.engine.server.async_engine import AsyncEngine
+from kvpilot.engine.server.config import ServerConfig
+from kvpilot.engine.server.errors import install_error_handlers
+from kvpilot.engine.server.metrics import ServerMetrics, make_registry
+from kvpilot.engine.server.routes_common import check_api_key
+from kvpilot.engine.server.routes_misc import server_version
+from kvpilot.engine.server.state import ServerState
+from kvpilot.engine.server.stats_logger import run_stats_logger
+
+logger = logging.getLogger(__name__)
+
+
+def build_async_engine(build_engine: Callable, config: ServerConfig,
+                       registry: CollectorRegistry) -> tuple[AsyncEngine, ServerState]:
+    """An AsyncEngine whose metrics are created, in ``registry``, once the engine is built.
+
+    Args:
+        build_engine: no-argument callable returning an ``LLMEngine``.
+        config: server settings (waiting-queue bound, served model names).
+        registry: the Prometheus registry the metrics go to.
+    """
+    state: ServerState | None = None
+
+    def on_ready(engine):
+        names = config.served_model_names
+        model_name = names[0] if names else engine.model_config.served_model_name
+        metrics = ServerMetrics(registry, model_name, engine.cache_info,
+                                engine.model_config.max_model_len, lambda: async_engine.stats)
+        state.metrics = metrics
+        return metrics.record
+
+    async_engine = AsyncEngine(build_engine, max_waiting_requests=config.max_waiting_requests,
+                               on_ready=on_ready)
+    state = ServerState(engine=async_engine, config=config, registry=registry)
+    return async_engine, state
+
+
+def build_app(state: ServerState) -> FastAPI:
+    """The HTTP app serving ``state.engine``.
+
+    The lifespan starts the engine thread (which builds the engine in the
+    background, so the port opens at once and /health answers 503 until the engine
+    is ready), runs the periodic stats log line, and stops the engine at shutdown.
+    """
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        state.engine.start()
+        interval = state.config.log_stats_interval
+        stats_task = (asyncio.ensure_future(run_stats_logger(lambda: state.engine.stats, interval))
+                      if interval > 0 else None)
+        try:
+            yield
+        finally:
+            if stats_task is not None:
+                stats_task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await stats_task
+            await asyncio.to_thread(state.engine.shutdown)
+
+    app = FastAPI(title="kvpilot", version=server_version(), lifespan=lifespan,
+                  description="OpenAI-compatible API of the kvpilot inference engine")
+    app.state.server = state
+    install_error_handlers(app)
+    guarded = [Depends(check_api_key)]
+    app.include_router(routes_completions.router, dependencies=guarded)
+    app.include_router(routes_chat.router, dependencies=guarded)
+    app.include_router(routes_misc.router)
+    _document_400_not_422(app)
+    return app
+
+
+def _document_400_not_422(app: FastAPI) -> None:
+    """Drops FastAPI's automatic 422 responses from /openapi.json: validation errors are
+    answered with 400 and OpenAI error JSON (see errors.py), which each route documents."""
+    original = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = original()
+            for path in schema.get("paths", {}).values():
+                for operation in path.values():
+                    operation.get("responses", {}).pop("422", None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
+def create_app(build_engine: Callable, config: ServerConfig | None = None,
+               registry: CollectorRegistry | None = None) -> FastAPI:
+    """Convenience: the app for an engine built by ``build_engine`` (a fresh registry by default)."""
+    config = config or ServerConfig()
+    _, state = build_async_engine(build_engine, config, registry or make_registry())
+    return build_app(state)

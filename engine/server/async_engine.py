@@ -1,0 +1,421 @@
+"""One ``LLMEngine`` stepping on its own thread beside the asyncio event loop.
+
+The engine is single-threaded and its ``step()`` blocks for a whole model forward,
+so it never runs on the event loop. The event loop hands commands (add, abort) to
+the engine thread through a locked deque and a condition variable; the engine
+thread delivers each request's cumulative ``RequestOutput``s into that request's
+``asyncio.Queue`` with ``loop.call_soon_threadsafe``.
+
+NOTE (threading invariants):
+- Only the engine thread touches the engine's mutable state and ``_live``; the
+  event loop reads just immutable attributes (tokenizer, configs, cache info) and
+  the published ``EngineStats`` snapshot.
+- The engine thread sleeps on the condition when it has neither commands nor
+  unfinished requests, so an idle server burns no CPU.
+- A step that raises fails every live request (their consumers see
+  ``RequestFailed``) and aborts them in the engine; the thread keeps serving. If
+  the engine cannot even abort, it is declared dead: new requests get
+  ``EngineDead`` and ``healthy`` turns False.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvpilot.engine.server.request_stats import ABORT, ERROR, IterationStats, RequestStatsTracker
+
+if TYPE_CHECKING:
+    from kvpilot.engine.llm_engine import LLMEngine
+    from kvpilot.engine.outputs import RequestOutput
+    from kvpilot.engine.sampling_params import SamplingParams
+    from kvpilot.engine.stats import EngineStats
+
+logger = logging.getLogger(__name__)
+
+# Consecutive failed steps after which the engine is declared dead.
+MAX_CONSECUTIVE_STEP_FAILURES = 3
+
+
+class EngineNotReady(RuntimeError):
+    """The engine is still being built."""
+
+
+class EngineDead(RuntimeError):
+    """The engine failed to build, broke down or is shutting down."""
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is at ``max_waiting_requests``."""
+
+
+class RequestRejected(ValueError):
+    """The engine refused the request (``add_request`` raised ValueError)."""
+
+
+class RequestFailed(RuntimeError):
+    """The engine raised while serving the request."""
+
+
+@dataclass(slots=True)
+class _Live:
+    """Engine-thread record of a request whose consumer waits on ``queue``."""
+
+    queue: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+
+    def deliver(self, item: Any) -> None:
+        # A closed loop raises RuntimeError: nobody is listening any more.
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+@dataclass(slots=True)
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None
+    arrival_time: float
+    live: _Live
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_id: str
+
+
+def _snapshot(out: RequestOutput) -> RequestOutput:
+    """Copies the lists the engine keeps appending to, so the event loop reads a stable view."""
+    return dataclasses.replace(out, outputs=[
+        dataclasses.replace(c, token_ids=list(c.token_ids),
+                            logprobs=None if c.logprobs is None else list(c.logprobs))
+        for c in out.outputs
+    ])
+
+
+class AsyncEngine:
+    """Runs an engine on a background thread and streams outputs to asyncio consumers.
+
+    Args:
+        build_engine: constructs the engine; called on the engine thread by ``start``.
+        max_waiting_requests: requests allowed to wait for a batch slot (engine
+            waiting queue plus not-yet-admitted submissions); None = unbounded.
+        on_ready: called on the engine thread with the built engine, before any
+            request is accepted; returns the per-iteration stats recorder (or None).
+    """
+
+    def __init__(
+        self,
+        build_engine: Callable[[], LLMEngine],
+        *,
+        max_waiting_requests: int | None = None,
+        on_ready: Callable[[LLMEngine], Callable[[IterationStats], None] | None] | None = None,
+    ) -> None:
+        self._build_engine = build_engine
+        self._max_waiting = max_waiting_requests
+        self._on_ready = on_ready
+        self._cond = threading.Condition()
+        self._commands: deque[_Add | _Abort] = deque()
+        self._num_pending_adds = 0   # submitted, not yet reflected in the stats snapshot
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._engine: LLMEngine | None = None
+        self._stats: EngineStats | None = None
+        self._error: BaseException | None = None
+        self._dead = False
+        self._ready = threading.Event()
+        self._done = threading.Event()  # set when the engine is ready or has failed
+        self._live: dict[str, _Live] = {}
+        self._tracker = RequestStatsTracker()
+        self._record: Callable[[IterationStats], None] | None = None
+        self._max_num_seqs: int | None = None
+
+    # ------------------------------------------------------------ life cycle
+
+    def start(self) -> None:
+        """Starts the engine thread (which builds the engine); idempotent."""
+        with self._cond:
+            if self._thread is not None:
+                return
+            self._thread = threading.Thread(target=self._run, name="kvpilot-engine", daemon=True)
+            self._thread.start()
+
+    async def wait_ready(self) -> None:
+        """Returns once the engine serves; raises the build error if it failed."""
+        while not self._done.is_set():
+            await asyncio.sleep(0.05)
+        if self._error is not None and not self._ready.is_set():
+            raise self._error
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stops the engine thread and fails requests still in flight."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set()
+
+    @property
+    def healthy(self) -> bool:
+        """Built, thread alive, not declared dead."""
+        thread = self._thread
+        return self._ready.is_set() and not self._dead and thread is not None and thread.is_alive()
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why the engine failed to build or died, if it did."""
+        return self._error
+
+    @property
+    def engine(self) -> LLMEngine:
+        """The engine, for its immutable attributes (tokenizer, model_config, cache_info)."""
+        if self._engine is None:
+            raise EngineNotReady("the engine is still loading")
+        return self._engine
+
+    @property
+    def stats(self) -> EngineStats | None:
+        """The latest stats snapshot (None before the engine is built).
+
+        ``num_waiting_reqs`` includes submissions the engine has not taken in yet
+        beyond the free batch slots (see ``_num_waiting_locked``).
+        """
+        with self._cond:
+            stats = self._stats
+            if stats is None or not self._num_pending_adds:
+                return stats
+            waiting = self._num_waiting_locked()
+        return dataclasses.replace(stats, num_waiting_reqs=waiting)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting for a batch slot (engine queue plus submissions that will wait)."""
+        with self._cond:
+            return self._num_waiting_locked()
+
+    def _num_waiting_locked(self, extra: int = 0) -> int:
+        # Submissions the engine thread has not drained yet (a burst arrives faster than
+        # a step takes) fill the free batch slots first; only the rest will wait. Free
+        # slots count only while nothing waits in the engine (else blocks are short).
+        stats = self._stats
+        pending = self._num_pending_adds + extra
+        if stats is None:
+            return pending
+        free = 0
+        if stats.num_waiting_reqs == 0 and self._max_num_seqs is not None:
+            free = max(0, self._max_num_seqs - stats.num_running_reqs)
+        return stats.num_waiting_reqs + max(0, pending - free)
+
+    # ------------------------------------------------------------ event-loop side
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Submits a request and yields its cumulative outputs until it finishes.
+
+        Outputs that pile up while the consumer is busy are coalesced (each one is
+        cumulative, so only the newest matters). Closing or cancelling the iterator
+        before the request finishes aborts it in the engine, freeing its blocks.
+
+        Raises (on the first iteration): EngineNotReady, EngineDead, QueueFull,
+        RequestRejected; later RequestFailed if the engine breaks mid-request.
+        """
+        loop = asyncio.get_running_loop()
+        live = _Live(asyncio.Queue(), loop)
+        self._submit_add(_Add(request_id, prompt_token_ids, params, cache_salt,
+                              time.time() if arrival_time is None else arrival_time, live))
+        finished = False
+        try:
+            while True:
+                item = await live.queue.get()
+                while not isinstance(item, BaseException) and not live.queue.empty():
+                    item = live.queue.get_nowait()
+                if isinstance(item, BaseException):
+                    finished = True  # the engine thread already forgot the request
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._submit(_Abort(request_id))
+
+    def abort(self, request_id: str) -> None:
+        """Aborts a request (thread-safe; unknown ids are ignored)."""
+        self._submit(_Abort(request_id))
+
+    def _submit_add(self, cmd: _Add) -> None:
+        with self._cond:
+            if self._dead or self._stopping:
+                raise EngineDead(f"the engine is not serving: {self._error or 'shutting down'}")
+            if not self._ready.is_set():
+                raise EngineNotReady("the engine is still loading")
+            # Would this request have to wait beyond the bound?
+            if self._max_waiting is not None and self._num_waiting_locked(1) > self._max_waiting:
+                raise QueueFull(f"{self._num_waiting_locked()} requests are waiting for a batch "
+                                f"slot (the limit is {self._max_waiting})")
+            self._num_pending_adds += 1
+            self._commands.append(cmd)
+            self._cond.notify()
+
+    def _submit(self, cmd: _Abort) -> None:
+        with self._cond:
+            self._commands.append(cmd)
+            self._cond.notify()
+
+    # ------------------------------------------------------------ engine thread
+
+    def _run(self) -> None:
+        try:
+            engine = self._build_engine()
+            record = self._on_ready(engine) if self._on_ready is not None else None
+        except BaseException as exc:  # noqa: BLE001 - reported through wait_ready()
+            logger.error("engine failed to start: %s", exc)
+            self._error = exc
+            self._dead = True
+            self._done.set()
+            return
+        self._engine = engine
+        self._record = record
+        scheduler_config = getattr(engine, "scheduler_config", None)
+        self._max_num_seqs = getattr(scheduler_config, "max_num_seqs", None)
+        self._stats = engine.get_stats()
+        self._ready.set()
+        self._done.set()
+        try:
+            self._loop(engine)
+        except BaseException as exc:  # noqa: BLE001 - keep the process up, report unhealthy
+            logger.exception("engine thread crashed")
+            self._declare_dead(exc)
+        finally:
+            self._fail_all(EngineDead("the engine stopped"))
+
+    def _loop(self, engine: LLMEngine) -> None:
+        consecutive_failures = 0
+        while True:
+            busy = engine.has_unfinished_requests()
+            with self._cond:
+                while not self._commands and not busy and not self._stopping:
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                commands = list(self._commands)
+                self._commands.clear()
+            num_adds = self._apply(engine, commands)
+            outputs: list[RequestOutput] = []
+            if engine.has_unfinished_requests():
+                try:
+                    outputs = engine.step()
+                    consecutive_failures = 0
+                except Exception as exc:  # noqa: BLE001 - fail the batch, keep serving
+                    consecutive_failures += 1
+                    logger.exception("engine step failed; failing %d request(s)", len(self._live))
+                    self._fail_step(engine, exc, consecutive_failures)
+                    if self._dead:
+                        self._publish_stats(engine, num_adds)
+                        return
+            self._deliver(outputs)
+            self._publish_stats(engine, num_adds)
+
+    def _apply(self, engine: LLMEngine, commands: list[_Add | _Abort]) -> int:
+        """Applies queued commands; returns the number of adds among them."""
+        num_adds = 0
+        aborts = []
+        for cmd in commands:
+            if isinstance(cmd, _Abort):
+                if self._live.pop(cmd.request_id, None) is not None:
+                    aborts.append(cmd.request_id)
+                    self._tracker.remove(cmd.request_id, ABORT)
+                continue
+            num_adds += 1
+            try:
+                engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params,
+                                   arrival_time=cmd.arrival_time, cache_salt=cmd.cache_salt)
+            except ValueError as exc:
+                cmd.live.deliver(RequestRejected(str(exc)))
+                continue
+            except Exception as exc:  # noqa: BLE001 - a broken add fails only this request
+                logger.exception("add_request failed for %s", cmd.request_id)
+                cmd.live.deliver(RequestFailed(f"{type(exc).__name__}: {exc}"))
+                continue
+            self._live[cmd.request_id] = cmd.live
+            self._tracker.add(cmd.request_id, cmd.params.n, cmd.arrival_time)
+        if aborts:
+            engine.abort_request(aborts)
+        return num_adds
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        now = time.time()
+        for out in outputs:
+            live = self._live.get(out.request_id)
+            if live is None:
+                continue  # aborted meanwhile
+            live.deliver(_snapshot(out))
+            if out.finished:
+                del self._live[out.request_id]
+        iteration = self._tracker.on_outputs(outputs, now)
+        if self._record is not None and not iteration.empty:
+            try:
+                self._record(iteration)
+            except Exception:  # noqa: BLE001 - metrics must never stop serving
+                logger.exception("recording request metrics failed")
+
+    def _fail_step(self, engine: LLMEngine, exc: Exception, consecutive_failures: int) -> None:
+        failed = list(self._live)
+        error = RequestFailed(f"the engine failed while serving this request: "
+                              f"{type(exc).__name__}: {exc}")
+        for request_id in failed:
+            self._live.pop(request_id).deliver(error)
+            self._tracker.remove(request_id, ERROR)
+        try:
+            engine.abort_request(failed)
+        except Exception as abort_exc:  # noqa: BLE001
+            logger.exception("cannot abort after a failed step: the engine is broken")
+            self._declare_dead(abort_exc)
+            return
+        if consecutive_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+            self._declare_dead(exc)
+
+    def _declare_dead(self, exc: BaseException) -> None:
+        with self._cond:
+            self._dead = True
+            self._error = exc
+        logger.error("the engine is dead: %s", exc)
+
+    def _publish_stats(self, engine: LLMEngine, num_adds: int) -> None:
+        stats = engine.get_stats()
+        with self._cond:
+            self._stats = stats
+            self._num_pending_adds -= num_adds
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._cond:
+            commands = list(self._commands)
+            self._commands.clear()
+            self._dead = True
+        for cmd in commands:
+            if isinstance(cmd, _Add):
+                cmd.live.deliver(error)
+        for live in self._live.values():
+            live.deliver(error)
+        self._live.clear()

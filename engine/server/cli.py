@@ -1,0 +1,84 @@
+"""``kvpilot serve``: build the engine in the background and serve it with uvicorn.
+
+Imports nothing heavy at module level (the dispatcher imports every subcommand's
+module to build its parser); torch and the engine load inside ``run``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import sys
+
+from kvpilot.engine.server.args import (
+    HelpFormatter,
+    add_serve_arguments,
+    engine_args_from_namespace,
+)
+from kvpilot.engine.server.config import server_config_from_namespace
+
+logger = logging.getLogger("kvpilot.engine.server")
+
+DESCRIPTION = """\
+Serve a model through an OpenAI-compatible HTTP API: POST /v1/completions,
+/v1/chat/completions (both with stream=true), GET /v1/models, /health (503 until the
+engine is ready), /version, /metrics (Prometheus, vLLM metric names), POST /tokenize,
+/detokenize. Without --model the built-in demo model is served."""
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        description=DESCRIPTION, formatter_class=HelpFormatter)
+    add_serve_arguments(parser)
+    parser.set_defaults(func=run)
+
+
+def run(ns: argparse.Namespace) -> int:
+    """Entry point of ``kvpilot serve``; returns the process exit status."""
+    logging.basicConfig(level=logging.INFO,
+                        format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    try:
+        engine_args = engine_args_from_namespace(ns)
+        config = server_config_from_namespace(ns)
+    except ValueError as exc:
+        print(f"kvpilot serve: error: {exc}", file=sys.stderr)
+        return 2
+    return asyncio.run(_serve(ns, engine_args, config))
+
+
+async def _serve(ns: argparse.Namespace, engine_args, config) -> int:
+    import prometheus_client
+    import uvicorn
+
+    from kvpilot.engine.llm_engine import LLMEngine
+    from kvpilot.engine.server.app import build_app, build_async_engine
+    from kvpilot.engine.server.metrics import make_registry
+
+    # The *_created series vLLM also switches off; a process-wide setting, hence here.
+    prometheus_client.disable_created_metrics()
+    async_engine, state = build_async_engine(
+        lambda: LLMEngine.from_engine_args(engine_args), config, make_registry())
+    server = uvicorn.Server(uvicorn.Config(
+        build_app(state), host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
+        timeout_graceful_shutdown=5))
+    async_engine.start()  # the lifespan would too; starting here overlaps loading with binding
+    serve_task = asyncio.ensure_future(server.serve())
+    ready_task = asyncio.ensure_future(async_engine.wait_ready())
+    await asyncio.wait({serve_task, ready_task}, return_when=asyncio.FIRST_COMPLETED)
+    if ready_task.done() and ready_task.exception() is not None:
+        exc = ready_task.exception()
+        print(f"kvpilot serve: error: the engine failed to start: {exc}", file=sys.stderr)
+        server.should_exit = True
+        with contextlib.suppress(BaseException):
+            await serve_task
+        return 1
+    if ready_task.done():
+        logger.info("engine ready: serving %s on http://%s:%d", state.model_name, ns.host, ns.port)
+    try:
+        await serve_task
+    finally:
+        ready_task.cancel()
+    return 0

@@ -1,0 +1,250 @@
+"""Shared request handling of /v1/completions and /v1/chat/completions.
+
+Builds ``SamplingParams`` from a request, checks lengths against the context,
+submits one engine request per prompt and turns engine exceptions into HTTP
+errors. The OpenAI-specific response shapes live in the route modules.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from http import HTTPStatus
+from typing import TypeVar
+
+from fastapi import Request
+
+from kvpilot.engine.outputs import RequestOutput
+from kvpilot.engine.sampling_params import SamplingParams
+from kvpilot.engine.server.async_engine import (
+    EngineDead,
+    EngineNotReady,
+    QueueFull,
+    RequestFailed,
+    RequestRejected,
+)
+from kvpilot.engine.server.errors import (
+    RATE_LIMIT,
+    SERVER_ERROR,
+    UNAVAILABLE,
+    APIError,
+    bad_request,
+)
+from kvpilot.engine.server.protocol import SamplingRequest, UsageInfo
+from kvpilot.engine.server.state import ServerState
+
+T = TypeVar("T")
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def to_api_error(exc: BaseException, state: ServerState) -> APIError:
+    """Maps an async-engine exception onto the HTTP error the client should see."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, QueueFull):
+        seconds = str(state.config.retry_after_seconds)
+        return APIError(HTTPStatus.TOO_MANY_REQUESTS, f"server overloaded: {exc}; retry later",
+                        type=RATE_LIMIT, code="rate_limit_exceeded", headers={"Retry-After": seconds})
+    if isinstance(exc, RequestRejected):
+        return bad_request(str(exc))
+    if isinstance(exc, EngineNotReady | EngineDead):
+        return APIError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), type=UNAVAILABLE,
+                        headers={"Retry-After": "5"})
+    if isinstance(exc, RequestFailed):
+        return APIError(HTTPStatus.INTERNAL_SERVER_ERROR, str(exc), type=SERVER_ERROR)
+    return APIError(HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(exc).__name__}: {exc}",
+                    type=SERVER_ERROR)
+
+
+def check_unsupported(body: SamplingRequest) -> None:
+    if body.logit_bias:
+        raise bad_request("logit_bias is not supported", param="logit_bias")
+
+
+def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int,
+                       param: str) -> int:
+    """The number of tokens to generate; 400 when the prompt plus it exceed the context.
+
+    ``requested=None`` means "up to the context length".
+    """
+    if prompt_len >= max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
+            f"{prompt_len} tokens (at least one token must remain for the completion). "
+            "Shorten the prompt.", param=param, code="context_length_exceeded")
+    room = max_model_len - prompt_len
+    if requested is None:
+        return room
+    if requested > room:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} "
+            "for the completion). Reduce the prompt or the completion length.",
+            param="max_tokens", code="context_length_exceeded")
+    return requested
+
+
+def sampling_params(body: SamplingRequest, *, max_tokens: int,
+                    logprobs: int | None) -> SamplingParams:
+    """The engine's SamplingParams for a request; 400 on a combination it rejects."""
+    stop = [body.stop] if isinstance(body.stop, str) else body.stop
+    try:
+        return SamplingParams(
+            n=body.n,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=0 if body.top_k is None else body.top_k,
+            min_p=0.0 if body.min_p is None else body.min_p,
+            seed=body.seed,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            max_tokens=max_tokens,
+            min_tokens=body.min_tokens,
+            stop=stop,
+            stop_token_ids=body.stop_token_ids,
+            ignore_eos=body.ignore_eos,
+            logprobs=logprobs,
+            skip_special_tokens=body.skip_special_tokens,
+            include_stop_str_in_output=body.include_stop_str_in_output,
+        )
+    except ValueError as exc:
+        raise bad_request(str(exc)) from None
+
+
+def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise bad_request(f"token ids must be in [0, {vocab_size}); got {bad[:5]}", param=param)
+
+
+def usage(outputs: list[RequestOutput]) -> UsageInfo:
+    """Token usage over all prompts and choices of one API request."""
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    cached = sum(o.num_cached_tokens for o in outputs)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
+                     total_tokens=prompt + completion,
+                     prompt_tokens_details={"cached_tokens": cached})
+
+
+class Generation:
+    """The engine requests behind one API request (one per prompt, each with its params).
+
+    ``start`` waits until every request has produced its first output, so that a
+    rejection (context too long, queue full) is reported as an HTTP error before a
+    streaming response begins. Cancelling any awaiting method aborts every request.
+    """
+
+    def __init__(self, state: ServerState, request_id: str, prompts: list[list[int]],
+                 params: list[SamplingParams], cache_salt: str | None) -> None:
+        self._state = state
+        self._streams = [
+            state.engine.generate(f"{request_id}-{i}", ids, p, cache_salt=cache_salt)
+            for i, (ids, p) in enumerate(zip(prompts, params, strict=True))
+        ]
+        self.first: list[RequestOutput] = []
+
+    async def start(self) -> list[RequestOutput]:
+        tasks = [asyncio.ensure_future(anext(s)) for s in self._streams]
+        try:
+            self.first = list(await asyncio.gather(*tasks))
+        except BaseException as exc:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self.close()
+            if isinstance(exc, Exception):
+                raise to_api_error(exc, self._state) from exc
+            raise
+        return self.first
+
+    async def final(self) -> list[RequestOutput]:
+        """Waits for every request to finish; returns the last output of each."""
+
+        async def last(first: RequestOutput, stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+            out = first
+            async for out in stream:  # noqa: B007 - the last one is wanted
+                pass
+            return out
+
+        try:
+            return list(await asyncio.gather(*(last(f, s) for f, s in
+                                               zip(self.first, self._streams, strict=True))))
+        except Exception as exc:
+            await self.close()
+            raise to_api_error(exc, self._state) from exc
+
+    async def stream(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Yields ``(prompt_index, output)``: the first outputs, then the rest as they come."""
+        for i, out in enumerate(self.first):
+            yield i, out
+        if len(self._streams) == 1:
+            async for out in self._streams[0]:
+                yield 0, out
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+            try:
+                async for out in stream:
+                    queue.put_nowait((i, out))
+            except Exception as exc:  # noqa: BLE001 - handed to the consumer
+                queue.put_nowait((i, exc))
+            queue.put_nowait((i, None))
+
+        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(self._streams)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                i, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def close(self) -> None:
+        """Aborts whatever is still running."""
+        for stream in self._streams:
+            with contextlib.suppress(Exception):
+                await stream.aclose()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T | None:
+    """Runs ``work`` until it finishes or the client disconnects (then cancels it).
+
+    Cancelling aborts the engine requests behind it, freeing their KV blocks. Returns
+    None when the client went away. Used before a response has started; once a
+    stream has begun, Starlette's own disconnect listener cancels the stream.
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+        # Let the cancelled work run its clean-up (the engine aborts) before returning.
+        await asyncio.gather(task, watcher, return_exceptions=True)
+    if task.cancelled():
+        return None
+    return task.result()

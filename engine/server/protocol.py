@@ -1,0 +1,271 @@
+"""Request and response bodies of the OpenAI-compatible API (pydantic models).
+
+Field names, defaults and ranges follow the OpenAI API reference; vLLM's sampling
+extensions (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
+``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``,
+``include_stop_str_in_output``) and ``cache_salt`` are accepted as extra body fields
+(``extra_body=`` in the openai SDK). Unknown fields are ignored, as OpenAI does.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, Field
+
+# Torch's generator seeds are 64-bit; the engine derives child seeds as seed + i.
+MAX_SEED = 2**63 - 1 - 1024
+MAX_N = 128
+MAX_LOGPROBS = 20
+
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+TokenId = Annotated[int, Field(ge=0)]
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = Field(False, description="send a last chunk with token usage")
+
+
+class SamplingRequest(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = Field(None, description="a served model name; omitted = the default model")
+    n: int = Field(1, ge=1, le=MAX_N, description="completions to generate for each prompt")
+    temperature: float | None = Field(None, ge=0.0, le=2.0, description="0 = greedy; default 1")
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED,
+                             description="makes sampling reproducible for the same request")
+    stop: NonEmptyStr | list[NonEmptyStr] | None = Field(
+        None, description="strings that end generation (not included in the text)")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = Field(None, description="not supported; must be empty")
+    user: str | None = Field(None, description="end-user id (accepted, not used)")
+    cache_salt: NonEmptyStr | None = Field(
+        None, description="kvpilot/vLLM extension: requests share prefix-cache blocks only "
+                          "when their cache_salt is equal (tenant isolation)")
+    # vLLM sampling extensions
+    top_k: int | None = Field(None, ge=-1, description="0 or -1 = off")
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[TokenId] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: (NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)]
+             | Annotated[list[TokenId], Field(min_length=1)]
+             | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
+    max_tokens: int | None = Field(16, ge=1, description="None = up to the context length")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
+                                 description="log-probabilities of the sampled and this many top tokens")
+    echo: bool = Field(False, description="not supported; must be false")
+    best_of: int | None = Field(None, ge=1, le=MAX_N, description="only equal to n is supported")
+    suffix: str | None = Field(None, description="not supported; must be null")
+
+
+class TextContentPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: int | None = Field(None, ge=1, description="deprecated alias of max_completion_tokens")
+    max_completion_tokens: int | None = Field(None, ge=1, description="None = up to the context length")
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[dict[str, Any]] | None = Field(None, description="not supported; must be empty")
+    response_format: dict[str, Any] | None = Field(None, description="only {'type': 'text'}")
+    add_generation_prompt: bool = Field(True, description="vLLM extension")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="vLLM extension: extra variables for the chat template")
+
+
+# ---------------------------------------------------------------- responses
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="prompt tokens served from the prefix cache")
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionLogProbs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = Field(None, description="the stop token id or string that fired")
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+
+
+class CompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatLogProb(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogProbsContent(ChatLogProb):
+    top_logprobs: list[ChatLogProb] = Field(default_factory=list)
+
+
+class ChatChoiceLogProbs(BaseModel):
+    content: list[ChatLogProbsContent] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatChoiceLogProbs | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatChoiceLogProbs | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "kvpilot"
+    root: str | None = None
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizePromptRequest(BaseModel):
+    """Tokenize plain text."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = Field(True, description="add BOS etc. as the model does")
+
+
+class TokenizeChatRequest(BaseModel):
+    """Tokenize a conversation rendered with the chat template."""
+
+    model: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    add_generation_prompt: bool = True
+
+
+TokenizeRequest = TokenizePromptRequest | TokenizeChatRequest
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo

@@ -1,0 +1,97 @@
+"""Everything but generation: models, health, version, metrics, tokenize, detokenize."""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+from importlib import metadata
+
+from fastapi import APIRouter, Depends, Response
+from fastapi.responses import JSONResponse
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
+
+from kvpilot.engine.server.errors import UNAVAILABLE, bad_request, error_body
+from kvpilot.engine.server.generation import check_token_ids
+from kvpilot.engine.server.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenizeChatRequest,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
+)
+from kvpilot.engine.server.routes_chat import render_chat
+from kvpilot.engine.server.routes_common import ERROR_RESPONSES, check_api_key
+from kvpilot.engine.server.state import ServerState, ready_state, server_state
+
+router = APIRouter()
+
+
+def server_version() -> str:
+    try:
+        return metadata.version("kvpilot")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+@router.get("/health", response_class=Response, responses={
+    200: {"description": "the engine is built and its loop is running"},
+    503: {"model": ErrorResponse, "description": "the engine is loading or broken"}})
+async def health(state: ServerState = Depends(server_state)) -> Response:
+    engine = state.engine
+    if engine.healthy:
+        return Response(status_code=HTTPStatus.OK)
+    if engine.error is not None:
+        message = f"the engine is not serving: {type(engine.error).__name__}: {engine.error}"
+    else:
+        message = "the engine is loading"
+    return JSONResponse(error_body(message, UNAVAILABLE), status_code=HTTPStatus.SERVICE_UNAVAILABLE)
+
+
+@router.get("/version", response_model=VersionResponse)
+async def version() -> VersionResponse:
+    return VersionResponse(version=server_version())
+
+
+@router.get("/metrics", response_class=Response,
+            responses={200: {"content": {CONTENT_TYPE_PLAIN_0_0_4: {}},
+                             "description": "Prometheus text exposition format 0.0.4"}})
+async def metrics(state: ServerState = Depends(server_state)) -> Response:
+    # Always the classic text format, whatever the scraper's Accept header: it keeps the
+    # vllm: names intact, while prometheus_client's OpenMetrics encoder rewrites ':' to '_'.
+    return Response(generate_latest(state.registry),
+                    headers={"Content-Type": CONTENT_TYPE_PLAIN_0_0_4})
+
+
+@router.get("/v1/models", response_model=ModelList, responses=ERROR_RESPONSES,
+            dependencies=[Depends(check_api_key)])
+async def list_models(state: ServerState = Depends(ready_state)) -> ModelList:
+    config = state.engine.engine.model_config
+    cards = [ModelCard(id=name, created=state.created, root=config.model,
+                       max_model_len=config.max_model_len) for name in state.model_names]
+    return ModelList(data=cards)
+
+
+@router.post("/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES)
+async def tokenize(body: TokenizeRequest, state: ServerState = Depends(ready_state)):
+    state.check_model(body.model)
+    engine = state.engine.engine
+    if isinstance(body, TokenizeChatRequest):
+        tokens = render_chat(engine.tokenizer, body.messages, body.add_generation_prompt)
+    else:
+        try:
+            tokens = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        except Exception as exc:  # noqa: BLE001 - e.g. lone surrogates
+            raise bad_request(f"cannot tokenize the prompt: {exc}", param="prompt") from None
+    return TokenizeResponse(count=len(tokens), max_model_len=engine.model_config.max_model_len,
+                            tokens=tokens)
+
+
+@router.post("/detokenize", response_model=DetokenizeResponse, responses=ERROR_RESPONSES)
+async def detokenize(body: DetokenizeRequest, state: ServerState = Depends(ready_state)):
+    state.check_model(body.model)
+    engine = state.engine.engine
+    check_token_ids(body.tokens, engine.model_config.arch.vocab_size, "tokens")
+    return DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens))

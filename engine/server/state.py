@@ -1,0 +1,66 @@
+"""What the routes share: the async engine, the server config and the metrics."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from http import HTTPStatus
+
+from fastapi import Request
+from prometheus_client import CollectorRegistry
+
+from kvpilot.engine.server.async_engine import AsyncEngine
+from kvpilot.engine.server.config import ServerConfig
+from kvpilot.engine.server.errors import UNAVAILABLE, APIError
+from kvpilot.engine.server.metrics import ServerMetrics
+
+
+@dataclass(slots=True)
+class ServerState:
+    """Per-app state, reached from a route as ``request.app.state.server``."""
+
+    engine: AsyncEngine
+    config: ServerConfig
+    registry: CollectorRegistry
+    metrics: ServerMetrics | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def model_name(self) -> str:
+        """The name reported in responses and in the metrics' ``model_name`` label."""
+        if self.config.served_model_names:
+            return self.config.served_model_names[0]
+        return self.engine.engine.model_config.served_model_name
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return self.config.served_model_names or (self.model_name,)
+
+    def check_model(self, name: str | None) -> str:
+        """Returns the name to report; raises 404 for a model this server does not serve."""
+        if name is not None and name not in self.model_names:
+            served = ", ".join(self.model_names)
+            raise APIError(HTTPStatus.NOT_FOUND,
+                           f"The model `{name}` does not exist; this server serves: {served}",
+                           param="model", code="model_not_found")
+        return self.model_name
+
+
+def server_state(request: Request) -> ServerState:
+    """FastAPI dependency: the app's state, whatever the engine's condition."""
+    return request.app.state.server
+
+
+def ready_state(request: Request) -> ServerState:
+    """FastAPI dependency: the app's state once the engine serves; 503 before that."""
+    state: ServerState = request.app.state.server
+    engine = state.engine
+    if not engine.healthy:
+        if engine.error is not None:
+            message = f"the engine is not serving: {type(engine.error).__name__}: {engine.error}"
+            code = "engine_dead"
+        else:
+            message, code = "the engine is still loading; retry shortly", "engine_loading"
+        raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, message, type=UNAVAILABLE, code=code,
+                       headers={"Retry-After": "5"})
+    return state
