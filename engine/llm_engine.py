@@ -62,6 +62,7 @@ class _Parent:
     prompt_token_ids: list[int]
     arrival_time: float
     children: list[_Child] = field(default_factory=list)
+    prompt_counted: bool = False   # the prompt counts once per request, not per child
 
     @property
     def finished(self) -> bool:
@@ -225,7 +226,8 @@ class LLMEngine:
 
     def _process_token(self, child: _Child, result: SampleResult) -> None:
         request = child.request
-        if request.num_output_tokens == 1:
+        if not child.parent.prompt_counted:
+            child.parent.prompt_counted = True
             self._prompt_tokens += request.num_prompt_tokens
         self._generation_tokens += 1
         if child.logprobs is not None:
