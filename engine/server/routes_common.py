@@ -14,9 +14,8 @@ from kvpilot.engine.server.protocol import ErrorResponse
 CLIENT_CLOSED = 499
 
 ERROR_RESPONSES: dict[int | str, dict] = {
-    int(HTTPStatus.BAD_REQUEST): {"model": ErrorResponse, "description": "invalid request"},
+    int(HTTPStatus.BAD_REQUEST): {"model": ErrorResponse, "description": "invalid request or unknown model"},
     int(HTTPStatus.UNAUTHORIZED): {"model": ErrorResponse, "description": "missing or wrong API key"},
-    int(HTTPStatus.NOT_FOUND): {"model": ErrorResponse, "description": "unknown model"},
     int(HTTPStatus.TOO_MANY_REQUESTS): {"model": ErrorResponse,
                                         "description": "waiting queue full; see Retry-After"},
     int(HTTPStatus.SERVICE_UNAVAILABLE): {"model": ErrorResponse,

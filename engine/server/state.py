@@ -37,10 +37,14 @@ class ServerState:
         return self.config.served_model_names or (self.model_name,)
 
     def check_model(self, name: str | None) -> str:
-        """Returns the name to report; raises 404 for a model this server does not serve."""
+        """Returns the name to report; raises 400 for a model this server does not serve.
+
+        400, not OpenAI's 404: kvpilot's API contract (issue 4) files an unknown model
+        with the other invalid request parameters; the code stays ``model_not_found``.
+        """
         if name is not None and name not in self.model_names:
             served = ", ".join(self.model_names)
-            raise APIError(HTTPStatus.NOT_FOUND,
+            raise APIError(HTTPStatus.BAD_REQUEST,
                            f"The model `{name}` does not exist; this server serves: {served}",
                            param="model", code="model_not_found")
         return self.model_name

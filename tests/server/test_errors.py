@@ -81,8 +81,8 @@ def test_malformed_json_is_400(http):
     assert_error(resp, 400)
 
 
-def test_unknown_model_is_404_through_the_sdk(client):
-    with pytest.raises(openai.NotFoundError) as info:
+def test_unknown_model_is_400_through_the_sdk(client):
+    with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model="no-such-model", prompt="x", max_tokens=1)
     assert info.value.body["code"] == "model_not_found"
     assert "no-such-model" in info.value.body["message"]
