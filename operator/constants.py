@@ -1,0 +1,38 @@
+"""Names shared by the CRD, the builders and the handlers (group/version/plural, labels)."""
+
+from __future__ import annotations
+
+GROUP = "serving.kvpilot.dev"
+VERSION = "v1alpha1"
+PLURAL = "inferenceservices"
+KIND = "InferenceService"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+# app.kubernetes.io/* recommended labels, stamped on every child.
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+APP_NAME = "kvpilot"
+MANAGER = "kvpilot-operator"
+
+# Annotation on each child holding the JSON it was last applied with: fields that were
+# applied before and are no longer wanted are removed (set to null) by the next patch.
+ANNOTATION_LAST_APPLIED = f"{GROUP}/last-applied"
+FINALIZER = f"{GROUP}/finalizer"
+
+# Engine container layout.
+ENGINE_CONTAINER = "engine"
+HTTP_PORT = 8000
+SERVICE_HTTP_PORT = 80
+SERVICE_METRICS_PORT = 8000
+MODEL_MOUNT = "/models"
+KV_DISK_MOUNT = "/var/cache/kvpilot/kv"
+API_KEY_ENV = "KVPILOT_API_KEY"
+
+# Condition types in status.conditions.
+PLANNED = "Planned"
+READY = "Ready"
+PROGRESSING = "Progressing"
+DEGRADED = "Degraded"
+CONDITION_TYPES = (PLANNED, READY, PROGRESSING, DEGRADED)

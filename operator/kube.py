@@ -1,0 +1,124 @@
+"""Raw JSON access to the Kubernetes REST API through the ``kubernetes`` asyncio client.
+
+The operator reads and writes plain dicts (its builders produce dicts), so it uses the
+client's transport, authentication and TLS handling (``kubernetes.aio``) and not its
+generated model classes. Credentials: in-cluster service account, else ``$KUBECONFIG``
+(read when connecting, not at import), else ``~/.kube/config``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+from typing import Any
+
+from kubernetes.aio import client as aio_client
+from kubernetes.aio import config as aio_config
+from kubernetes.aio.client.exceptions import ApiException
+
+MERGE_PATCH = "application/merge-patch+json"
+
+logger = logging.getLogger(__name__)
+
+
+class KubeError(Exception):
+    """A non-2xx answer from the API server."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+        self.message = message
+
+
+class KubeApi:
+    """Plain-dict GET/POST/PATCH/DELETE on API paths.
+
+    Args:
+        api_client: a connected ``kubernetes.aio.client.ApiClient``.
+    """
+
+    def __init__(self, api_client: aio_client.ApiClient) -> None:
+        self._client = api_client
+        self._active = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.closing = False
+
+    @classmethod
+    async def connect(cls) -> KubeApi:
+        """Configure from the service account in a pod, else from the kubeconfig file."""
+        configuration = aio_client.Configuration()
+        try:
+            aio_config.load_incluster_config(client_configuration=configuration)
+        except aio_config.ConfigException:
+            path = os.environ.get("KUBECONFIG") or os.path.expanduser("~/.kube/config")
+            await aio_config.load_kube_config(config_file=path, client_configuration=configuration,
+                                              persist_config=False)
+        return cls(aio_client.ApiClient(configuration))
+
+    async def close(self, timeout: float = 10.0) -> None:
+        """Refuse new requests, let the ones in flight finish (up to ``timeout``), close."""
+        self.closing = True
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        await self._client.close()
+
+    async def request(self, method: str, path: str, body: Any = None,
+                      content_type: str = "application/json") -> dict:
+        """One API call; returns the decoded JSON answer, raises KubeError on non-2xx."""
+        if self.closing:
+            raise KubeError(0, "the API client is closing (operator shutdown)")
+        headers = {"Accept": "application/json", "Content-Type": content_type}
+        self._active += 1
+        self._idle.clear()
+        try:
+            serialized = await self._client.param_serialize(method, path, header_params=headers,
+                                                            body=body, auth_settings=["BearerToken"])
+            response = await self._client.call_api(*serialized)
+            data = await response.read()
+        except ApiException as exc:  # raised by some transports instead of a response
+            raise KubeError(exc.status or 0, str(exc.reason)) from exc
+        finally:
+            self._active -= 1
+            if not self._active:
+                self._idle.set()
+        if not 200 <= response.status <= 299:
+            try:
+                message = json.loads(data).get("message") or data.decode(errors="replace")
+            except (ValueError, AttributeError):
+                message = data.decode(errors="replace")
+            raise KubeError(response.status, message)
+        return json.loads(data) if data else {}
+
+    async def get(self, path: str) -> dict | None:
+        """The object at ``path``, or None when it does not exist."""
+        try:
+            return await self.request("GET", path)
+        except KubeError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    async def create(self, collection_path: str, body: dict) -> dict:
+        return await self.request("POST", collection_path, body)
+
+    async def merge_patch(self, path: str, patch: dict) -> dict:
+        return await self.request("PATCH", path, patch, content_type=MERGE_PATCH)
+
+    async def delete(self, path: str) -> bool:
+        """Delete (background propagation); False when it was already gone."""
+        try:
+            await self.request("DELETE", path, {"kind": "DeleteOptions", "apiVersion": "v1",
+                                                "propagationPolicy": "Background"})
+            return True
+        except KubeError as exc:
+            if exc.status == 404:
+                return False
+            raise
+
+    async def has_api(self, group: str, version: str) -> bool:
+        """Whether the server serves ``group/version`` (discovery)."""
+        return await self.get(f"/apis/{group}/{version}") is not None

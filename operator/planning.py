@@ -1,0 +1,167 @@
+"""The operator's use of the planner: spec -> ``PlanRequest`` -> ``Plan`` -> sizing + status.
+
+Mapping rules (the planner's own rules decide everything else):
+
+- the model is a catalogue preset: ``spec.model.architecture``, else the hf:// repo id,
+  else the last one or two path parts of a pvc:// / s3:// / image path URI. The operator
+  never reads a path the spec names (``{"preset": ...}`` only);
+- ``gpu.count`` pins ``tensor_parallel_size``; ``spec.replicas`` pins replicas while
+  autoscaling is off (0, scaled to zero, is passed to the Deployment only);
+  ``spec.engine`` fields pin the engine settings;
+- offload is opt-in: with ``offload.enabled`` false both tiers are pinned to 0; when
+  enabled, ``cpuGiB`` / ``disk.sizeGiB`` pin the tiers and an unset size is the planner's
+  (a disk tier exists only when ``offload.disk`` is given); ``offload.backend`` is passed.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from kvpilot.operator.planner.catalog import MODEL_PRESETS, model_presets
+from kvpilot.operator.planner.plan import make_plan
+from kvpilot.operator.planner.request import PlanRequest
+from kvpilot.operator.planner.result import Plan
+from kvpilot.operator.sizing import EngineSizing
+from kvpilot.operator.spec import InferenceServiceSpec
+
+# GPUs per replica the engine can use (it has no tensor parallelism yet). The CRD keeps
+# gpu.count up to 8 so that specs stay valid once it does.
+ENGINE_MAX_TENSOR_PARALLEL = 1
+
+# Plan fields copied into status.plan (camelCase there); the CRD's status schema lists them.
+STATUS_FIELDS = (
+    "model", "gpu", "tensor_parallel_size", "replicas", "kv_cache_dtype", "kv_dtype_bytes",
+    "kv_bytes_per_token", "gpu_memory_utilization", "kv_cache_memory_bytes", "num_gpu_blocks",
+    "block_size", "kv_token_capacity", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+    "enable_prefix_caching", "resident_prefix_tokens", "cpu_offload_gib", "disk_offload_gib",
+    "offload_backend", "pod_memory_gib", "shm_gib", "binding_constraint", "binding_detail",
+    "estimates", "limits", "derivation", "warnings",
+)
+_CAMEL = re.compile(r"_([a-z0-9])")
+
+
+def camel(name: str) -> str:
+    """snake_case -> camelCase (``cpu_offload_gib`` -> ``cpuOffloadGib``)."""
+    return _CAMEL.sub(lambda m: m[1].upper(), name)
+
+
+@dataclass(frozen=True, slots=True)
+class PlanOutcome:
+    """The planner's verdict in the operator's terms.
+
+    Args:
+        feasible: a plan the children can be built from exists.
+        reason: condition reason: ``Planned``, ``Infeasible``, ``Unsupported`` or ``InvalidSpec``.
+        message: one paragraph for the condition and the Event.
+        binding_constraint: the planner's binding constraint (None for an invalid spec).
+        suggestions: the planner's verified suggestions, as sentences.
+        sizing: what the builders need (feasible plans only).
+    """
+
+    feasible: bool
+    reason: str
+    message: str
+    binding_constraint: str | None = None
+    suggestions: tuple[str, ...] = ()
+    sizing: EngineSizing | None = None
+
+    @classmethod
+    def rejected(cls, reason: str, message: str) -> PlanOutcome:
+        return cls(False, reason, message)
+
+
+def model_preset(spec: InferenceServiceSpec) -> str:
+    """The catalogue name the planner should size ``spec.model`` as; ValueError if none fits."""
+    presets = model_presets()
+    if spec.model.architecture:
+        return spec.model.architecture
+    candidates = []
+    if spec.model.repo_id:
+        candidates.append(spec.model.repo_id)
+    parts = (spec.model.sub_path or spec.model.image_path or "").strip("/").split("/")
+    if parts and parts[-1]:
+        candidates += ["/".join(parts[-2:]), parts[-1]]
+    known = {p.lower() for p in presets} | {hub.lower() for hub, _, _ in MODEL_PRESETS.values()}
+    for name in candidates:
+        if name.lower() in known:
+            return name
+    raise ValueError(f"cannot tell the architecture of {spec.model.uri!r}: set spec.model.architecture "
+                     f"to one of: {', '.join(presets)}")
+
+
+def plan_request(spec: InferenceServiceSpec) -> dict[str, Any]:
+    """The plain-dict ``PlanRequest`` for ``spec`` (see the module docstring for the rules)."""
+    slo = spec.slo
+    slo_dict = {
+        "max_context": slo.max_context, "p95_prompt_tokens": slo.p95_prompt_tokens,
+        "p95_output_tokens": slo.p95_output_tokens, "p50_prompt_tokens": slo.p50_prompt_tokens,
+        "p50_output_tokens": slo.p50_output_tokens, "concurrency": slo.concurrency,
+        "requests_per_second": slo.requests_per_second, "ttft_p95_ms": slo.ttft_p95_ms,
+        "itl_p95_ms": slo.itl_p95_ms, "shared_prefix_tokens": slo.shared_prefix_tokens or 0,
+        "distinct_prefixes": slo.distinct_prefixes or 1, "allow_fp8_kv": slo.allow_fp8_kv_cache,
+    }
+    engine, offload = spec.engine, spec.offload
+    overrides = {
+        "tensor_parallel_size": spec.gpu.count,
+        # 0 (scaled to zero) is not a size to plan for: plan one replica's worth
+        "replicas": spec.replicas if spec.replicas and not spec.autoscaling.enabled else None,
+        "gpu_memory_utilization": engine.gpu_memory_utilization,
+        "block_size": engine.block_size,
+        "kv_cache_dtype": engine.kv_cache_dtype,
+        "max_num_seqs": engine.max_num_seqs,
+        "max_num_batched_tokens": engine.max_num_batched_tokens,
+        "enable_prefix_caching": engine.enable_prefix_caching,
+    }
+    if offload.enabled:
+        overrides["cpu_offload_gib"] = offload.cpu_gib
+        overrides["disk_offload_gib"] = (offload.disk_gib if offload.disk else 0)
+        overrides["offload_backend"] = offload.backend
+    else:
+        overrides["cpu_offload_gib"] = overrides["disk_offload_gib"] = 0
+    return {"model": {"preset": model_preset(spec)}, "gpu": spec.gpu.type,
+            "slo": {k: v for k, v in slo_dict.items() if v is not None},
+            "overrides": {k: v for k, v in overrides.items() if v is not None}}
+
+
+def plan_status(plan: Plan) -> dict[str, Any]:
+    """``status.plan``: the plan's main outputs, its derivation and the exact serve flags."""
+    data = plan.to_dict()
+    status = {camel(name): data[name] for name in STATUS_FIELDS}
+    status["estimates"] = {camel(k): v for k, v in data["estimates"].items() if v is not None}
+    status["limits"] = {camel(k): v for k, v in data["limits"].items()}
+    status["serveArgs"] = list(plan.serve_args())
+    return {k: v for k, v in status.items() if v is not None}
+
+
+def sizing_of(plan: Plan) -> EngineSizing:
+    return EngineSizing(
+        serve_args=tuple(plan.serve_args()), replicas=plan.replicas,
+        cpu_offload_gib=float(plan.cpu_offload_gib), disk_offload_gib=float(plan.disk_offload_gib),
+        offload_backend=plan.offload_backend, disk_path=plan.offload_disk_path,
+        shm_gib=float(plan.shm_gib), memory_gib=float(plan.pod_memory_gib), status=plan_status(plan))
+
+
+def plan_service(spec: InferenceServiceSpec) -> PlanOutcome:
+    """Plan ``spec``; an invalid request or an infeasible plan is an outcome, not an error."""
+    try:
+        plan = make_plan(PlanRequest.from_dict(plan_request(spec)))
+    except ValueError as exc:
+        return PlanOutcome.rejected("InvalidSpec", str(exc))
+    if not plan.feasible:
+        suggestions = tuple(s.description for s in plan.suggestions)
+        hint = (" Suggestions: " + " | ".join(suggestions)) if suggestions else ""
+        return PlanOutcome(False, "Infeasible",
+                           f"no feasible plan: {plan.binding_constraint}: {plan.binding_detail}.{hint}",
+                           plan.binding_constraint, suggestions)
+    if plan.tensor_parallel_size > ENGINE_MAX_TENSOR_PARALLEL:
+        return PlanOutcome(False, "Unsupported",
+                           f"the plan needs {plan.tensor_parallel_size} GPUs per replica (tensor "
+                           f"parallelism), which the kvpilot engine does not implement yet: use "
+                           f"gpu.count 1 with a GPU type that holds the model, and scale with replicas",
+                           plan.binding_constraint)
+    summary = (f"{plan.model} on {plan.tensor_parallel_size}x {plan.gpu}: KV {plan.kv_cache_dtype}, "
+               f"{plan.kv_token_capacity:,} tokens, max_num_seqs {plan.max_num_seqs}, "
+               f"{plan.replicas} replica(s); bound by {plan.binding_constraint}")
+    return PlanOutcome(True, "Planned", summary, plan.binding_constraint, (), sizing_of(plan))

@@ -1,0 +1,122 @@
+"""Pure builders of an InferenceService's children, and the kinds the operator manages.
+
+``desired_children`` is the single place that decides which children exist:
+
+| child                   | when                                                        |
+|-------------------------|-------------------------------------------------------------|
+| Deployment, Service     | always (once the spec is planned)                           |
+| PersistentVolumeClaim   | a disk KV tier and at most one replica (else per-pod claims) |
+| HorizontalPodAutoscaler | autoscaling.mode = hpa                                       |
+| ScaledObject (KEDA)     | autoscaling.mode = keda                                      |
+| PodMonitor              | the monitoring.coreos.com/v1 API exists                      |
+| PodDisruptionBudget     | more than one replica (autoscaled: minReplicas > 1)          |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvpilot.operator.resources.autoscaling import KEDA_API, build_hpa, build_scaledobject
+from kvpilot.operator.resources.common import Owner
+from kvpilot.operator.resources.deployment import (
+    ReplicaPolicy,
+    build_deployment,
+    disk_claim_is_shared_child,
+)
+from kvpilot.operator.resources.disruption import build_pdb
+from kvpilot.operator.resources.monitoring import PODMONITOR_API, build_podmonitor
+from kvpilot.operator.resources.service import build_service
+from kvpilot.operator.resources.storage import build_kv_disk_claim
+from kvpilot.operator.settings import OperatorSettings
+from kvpilot.operator.sizing import EngineSizing
+from kvpilot.operator.spec import InferenceServiceSpec
+
+
+@dataclass(frozen=True, slots=True)
+class ChildKind:
+    """A namespaced resource kind the operator creates: ``apps/v1`` ``Deployment`` ``deployments``."""
+
+    api_version: str
+    kind: str
+    plural: str
+
+    @property
+    def group(self) -> str:
+        return self.api_version.rpartition("/")[0]
+
+    @property
+    def version(self) -> str:
+        return self.api_version.rpartition("/")[2]
+
+    def path(self, namespace: str, name: str | None = None) -> str:
+        """REST path of the collection in ``namespace``, or of one object."""
+        base = "/api/v1" if not self.group else f"/apis/{self.api_version}"
+        tail = f"/{name}" if name else ""
+        return f"{base}/namespaces/{namespace}/{self.plural}{tail}"
+
+
+DEPLOYMENT = ChildKind("apps/v1", "Deployment", "deployments")
+SERVICE = ChildKind("v1", "Service", "services")
+PVC = ChildKind("v1", "PersistentVolumeClaim", "persistentvolumeclaims")
+HPA = ChildKind("autoscaling/v2", "HorizontalPodAutoscaler", "horizontalpodautoscalers")
+SCALED_OBJECT = ChildKind("/".join(KEDA_API), "ScaledObject", "scaledobjects")
+POD_MONITOR = ChildKind("/".join(PODMONITOR_API), "PodMonitor", "podmonitors")
+PDB = ChildKind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets")
+KINDS: dict[str, ChildKind] = {k.kind: k for k in (DEPLOYMENT, SERVICE, PVC, HPA, SCALED_OBJECT,
+                                                   POD_MONITOR, PDB)}
+
+
+@dataclass(frozen=True, slots=True)
+class Child:
+    """One desired child object.
+
+    Args:
+        kind: its resource kind.
+        body: the full object to create.
+        create_only: dotted paths set at creation and then owned by someone else
+            (``spec.replicas`` of an autoscaled Deployment): never compared or patched.
+    """
+
+    kind: ChildKind
+    body: dict
+    create_only: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return self.body["metadata"]["name"]
+
+
+def possible_children(owner: Owner) -> list[tuple[ChildKind, str]]:
+    """Every (kind, name) this owner may have: those not desired are removed if present."""
+    return [(DEPLOYMENT, owner.name), (SERVICE, owner.name), (PVC, owner.kv_disk_claim),
+            (HPA, owner.name), (SCALED_OBJECT, owner.name), (POD_MONITOR, owner.name),
+            (PDB, owner.name)]
+
+
+def desired_children(owner: Owner, spec: InferenceServiceSpec, sizing: EngineSizing,
+                     settings: OperatorSettings, *, podmonitor_api: bool) -> list[Child]:
+    """The children that should exist for ``spec`` planned as ``sizing``.
+
+    Args:
+        owner: the InferenceService's identity.
+        spec: its parsed spec.
+        sizing: the plan's flags and sizes.
+        settings: operator settings.
+        podmonitor_api: whether the cluster serves monitoring.coreos.com/v1 PodMonitors.
+    """
+    policy = ReplicaPolicy.of(spec, sizing)
+    deployment = Child(DEPLOYMENT, build_deployment(owner, spec, sizing, settings),
+                       create_only=("spec.replicas",) if policy.autoscaled else ())
+    children = [deployment, Child(SERVICE, build_service(owner))]
+    if sizing.disk_offload_gib > 0 and disk_claim_is_shared_child(policy):
+        children.append(Child(PVC, build_kv_disk_claim(owner, spec, sizing)))
+    if spec.autoscaling.mode == "hpa":
+        children.append(Child(HPA, build_hpa(owner, spec, settings)))
+    elif spec.autoscaling.mode == "keda":
+        children.append(Child(SCALED_OBJECT, build_scaledobject(owner, spec)))
+    if podmonitor_api:
+        children.append(Child(POD_MONITOR, build_podmonitor(owner)))
+    least = spec.autoscaling.min_replicas if policy.autoscaled else policy.replicas
+    if least > 1:
+        children.append(Child(PDB, build_pdb(owner)))
+    return children

@@ -1,0 +1,216 @@
+"""The engine Deployment: ``kvpilot serve`` with the planned flags.
+
+Pod layout: an optional model-download init container; the engine container with the GPU
+limit, probes on ``/health``, a memory-backed ``/dev/shm`` sized for the CPU KV tier, the
+disk KV tier (the PVC child when the service has one replica, else a per-pod ephemeral
+claim, since a ReadWriteOnce claim cannot follow several pods), a writable ``/tmp`` and a
+read-only root filesystem; Prometheus scrape annotations; non-root; and a graceful stop
+(``preStop`` sleep so endpoints drop the pod first, then SIGTERM lets the server drain).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvpilot.operator import constants as c
+from kvpilot.operator.resources.common import Owner, format_gib, gib_quantity
+from kvpilot.operator.resources.model import model_delivery
+from kvpilot.operator.settings import OperatorSettings
+from kvpilot.operator.sizing import EngineSizing
+from kvpilot.operator.spec import InferenceServiceSpec
+
+GPU_RESOURCE = "nvidia.com/gpu"
+PRESTOP_SLEEP_SECONDS = 10
+POD_SECURITY_CONTEXT = {
+    "runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000,
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+CONTAINER_SECURITY_CONTEXT = {
+    "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+    "capabilities": {"drop": ["ALL"]},
+}
+TMP_MOUNT = {"name": "tmp", "mountPath": "/tmp"}
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaPolicy:
+    """How many replicas, and who decides.
+
+    Args:
+        replicas: the Deployment's count at creation (and always, when not autoscaled).
+        autoscaled: an HPA/ScaledObject owns the count after creation.
+        max_replicas: the most replicas there can be (decides PDB and disk-claim layout).
+    """
+
+    replicas: int
+    autoscaled: bool
+    max_replicas: int
+
+    @classmethod
+    def of(cls, spec: InferenceServiceSpec, sizing: EngineSizing) -> ReplicaPolicy:
+        auto = spec.autoscaling
+        if auto.enabled:
+            top = auto.max_replicas or auto.min_replicas
+            return cls(min(max(sizing.replicas, auto.min_replicas), top), True, top)
+        n = spec.replicas if spec.replicas is not None else sizing.replicas
+        return cls(n, False, n)
+
+
+def disk_claim_is_shared_child(policy: ReplicaPolicy) -> bool:
+    """True when the disk tier is the PVC child (one replica at most), not per-pod claims."""
+    return policy.max_replicas <= 1
+
+
+def engine_args(spec: InferenceServiceSpec, sizing: EngineSizing, model_path: str) -> list[str]:
+    """The ``kvpilot serve`` flags of the engine container (the API key is never here)."""
+    return ["--model", model_path, "--served-model-name", spec.model.served_name,
+            "--host", "0.0.0.0", "--port", str(c.HTTP_PORT), *sizing.serve_args,
+            *spec.engine.extra_args]
+
+
+def _lmcache_env(spec: InferenceServiceSpec, sizing: EngineSizing) -> list[dict]:
+    """LMCache reads its configuration from LMCACHE_* variables (usage tracking off)."""
+    env = {"LMCACHE_TRACK_USAGE": "false",
+           "LMCACHE_LOCAL_CPU": "True" if sizing.cpu_offload_gib > 0 else "False",
+           "LMCACHE_MAX_LOCAL_CPU_SIZE": format_gib(sizing.cpu_offload_gib)}
+    if sizing.disk_offload_gib > 0:
+        env["LMCACHE_LOCAL_DISK"] = f"file://{sizing.disk_path or c.KV_DISK_MOUNT}/"
+        env["LMCACHE_MAX_LOCAL_DISK_SIZE"] = format_gib(sizing.disk_offload_gib)
+    if spec.offload.lmcache_remote_url:
+        env["LMCACHE_REMOTE_URL"] = spec.offload.lmcache_remote_url
+    if spec.offload.lmcache_chunk_size:
+        env["LMCACHE_CHUNK_SIZE"] = str(spec.offload.lmcache_chunk_size)
+    return [{"name": k, "value": v} for k, v in env.items()]
+
+
+def _env(spec: InferenceServiceSpec, sizing: EngineSizing) -> list[dict]:
+    env = [{"name": "HOME", "value": "/tmp"}]
+    if spec.api_key_secret is not None:
+        name, key = spec.api_key_secret
+        env.append({"name": c.API_KEY_ENV,
+                    "valueFrom": {"secretKeyRef": {"name": name, "key": key}}})
+    if sizing.offload_backend == "lmcache":
+        env += _lmcache_env(spec, sizing)
+    own = {e["name"] for e in env}
+    return env + [dict(e) for e in spec.env if e["name"] not in own]
+
+
+def _resources(spec: InferenceServiceSpec, sizing: EngineSizing) -> dict:
+    limits: dict = {}
+    requests: dict = {}
+    if sizing.memory_gib is not None:
+        limits["memory"] = requests["memory"] = gib_quantity(sizing.memory_gib)
+    limits.update(spec.resources.get("limits") or {})
+    requests.update(spec.resources.get("requests") or {})
+    # quantities as strings: the server stores them so, and desired must equal stored
+    limits[GPU_RESOURCE] = requests[GPU_RESOURCE] = str(spec.gpu.count)
+    return {"limits": limits, "requests": requests}
+
+
+def _probe(period: int, failures: int, timeout: int) -> dict:
+    return {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": period,
+            "failureThreshold": failures, "timeoutSeconds": timeout}
+
+
+def _disk_volume(owner: Owner, spec: InferenceServiceSpec, sizing: EngineSizing,
+                 policy: ReplicaPolicy) -> dict:
+    if disk_claim_is_shared_child(policy):
+        return {"name": "kv-disk", "persistentVolumeClaim": {"claimName": owner.kv_disk_claim}}
+    claim_spec: dict = {"accessModes": ["ReadWriteOnce"],
+                        "resources": {"requests": {"storage": gib_quantity(disk_claim_gib(sizing))}}}
+    if spec.offload.storage_class:
+        claim_spec["storageClassName"] = spec.offload.storage_class
+    return {"name": "kv-disk", "ephemeral": {"volumeClaimTemplate": {
+        "metadata": {"labels": owner.labels("kv-disk")}, "spec": claim_spec}}}
+
+
+def disk_claim_gib(sizing: EngineSizing) -> float:
+    """Claim size for a disk tier: the tier plus 5% + 1 GiB for the filesystem and temp files."""
+    return sizing.disk_offload_gib * 1.05 + 1.0
+
+
+def build_deployment(owner: Owner, spec: InferenceServiceSpec, sizing: EngineSizing,
+                     settings: OperatorSettings) -> dict:
+    """The engine Deployment for one InferenceService.
+
+    Args:
+        owner: the InferenceService's name/namespace.
+        spec: its parsed spec.
+        sizing: the plan's flags and sizes (with spec overrides already applied).
+        settings: operator settings (default image, metric names, grace period).
+    """
+    policy = ReplicaPolicy.of(spec, sizing)
+    image = spec.image or settings.engine_image
+    delivery = model_delivery(spec.model, image, settings.s3_fetch_image,
+                              CONTAINER_SECURITY_CONTEXT, TMP_MOUNT)
+    volumes = [*delivery.volumes,
+               {"name": "dshm", "emptyDir": {"medium": "Memory",
+                                             "sizeLimit": gib_quantity(sizing.shm_gib)}},
+               {"name": "tmp", "emptyDir": {}}]
+    mounts = [*delivery.engine_mounts, {"name": "dshm", "mountPath": "/dev/shm"}, TMP_MOUNT]
+    if sizing.disk_offload_gib > 0:
+        volumes.append(_disk_volume(owner, spec, sizing, policy))
+        mounts.append({"name": "kv-disk", "mountPath": sizing.disk_path or c.KV_DISK_MOUNT})
+
+    container = {
+        "name": c.ENGINE_CONTAINER,
+        "image": image,
+        "command": ["kvpilot", "serve"],
+        "args": engine_args(spec, sizing, delivery.model_path),
+        "ports": [{"name": "http", "containerPort": c.HTTP_PORT, "protocol": "TCP"}],
+        "env": _env(spec, sizing),
+        "resources": _resources(spec, sizing),
+        "volumeMounts": mounts,
+        # Loading weights can take minutes: the startup probe allows 30 of them before
+        # liveness takes over; readiness gates traffic.
+        "startupProbe": _probe(period=10, failures=180, timeout=5),
+        "readinessProbe": _probe(period=5, failures=3, timeout=3),
+        "livenessProbe": _probe(period=10, failures=6, timeout=5),
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_SECONDS}}},
+        "securityContext": CONTAINER_SECURITY_CONTEXT,
+    }
+    if spec.image_pull_policy:
+        container["imagePullPolicy"] = spec.image_pull_policy
+
+    pod_spec: dict = {
+        "securityContext": POD_SECURITY_CONTEXT,
+        "terminationGracePeriodSeconds": settings.termination_grace_seconds + PRESTOP_SLEEP_SECONDS,
+        "enableServiceLinks": False,
+        "containers": [container],
+        "volumes": volumes,
+        "tolerations": [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"},
+                        *spec.tolerations],
+    }
+    if delivery.init_containers:
+        pod_spec["initContainers"] = delivery.init_containers
+    if spec.node_selector:
+        pod_spec["nodeSelector"] = dict(spec.node_selector)
+    if spec.service_account_name:
+        pod_spec["serviceAccountName"] = spec.service_account_name
+
+    # A single replica on a ReadWriteOnce disk claim cannot surge (the new pod could land on
+    # another node and wait forever for the volume): replace it instead.
+    uses_rwo_child = sizing.disk_offload_gib > 0 and disk_claim_is_shared_child(policy)
+    strategy = ({"type": "Recreate"} if uses_rwo_child else
+                {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}})
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": owner.metadata("engine"),
+        "spec": {
+            "replicas": policy.replicas,
+            "selector": {"matchLabels": owner.selector_labels},
+            "strategy": strategy,
+            "revisionHistoryLimit": 3,
+            "progressDeadlineSeconds": 3600,
+            "template": {
+                "metadata": {
+                    "labels": owner.labels("engine"),
+                    "annotations": {"prometheus.io/scrape": "true",
+                                    "prometheus.io/port": str(c.HTTP_PORT),
+                                    "prometheus.io/path": "/metrics"},
+                },
+                "spec": pod_spec,
+            },
+        },
+    }

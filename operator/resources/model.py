@@ -1,0 +1,86 @@
+"""Model delivery: the volume, mounts and init container that put the weights on local disk.
+
+- ``pvc://claim/path``: the claim is mounted read-only; the engine reads ``/models/path``.
+- ``hf://org/name[@rev]``: an init container (engine image, ``kvpilot.operator.model_fetch``)
+  downloads into an emptyDir shared with the engine, which mounts it read-only.
+- ``s3://bucket/prefix``: the same with the AWS CLI image (``aws s3 sync``).
+- ``/path``: weights baked into the image; nothing to mount.
+
+Credentials (HF_TOKEN, AWS_*) come from ``spec.model.credentialsSecretRef`` as ``envFrom``
+of the init container only: the engine container never sees them.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from dataclasses import dataclass, field
+
+from kvpilot.operator import constants as c
+from kvpilot.operator.spec import ModelSource
+
+MODEL_VOLUME = "model"
+DOWNLOAD_DIR = f"{c.MODEL_MOUNT}/model"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelDelivery:
+    """What the pod needs so that the engine finds the weights at ``model_path``."""
+
+    model_path: str
+    volumes: list[dict] = field(default_factory=list)
+    engine_mounts: list[dict] = field(default_factory=list)
+    init_containers: list[dict] = field(default_factory=list)
+
+
+def _fetch_container(name: str, image: str, command: list[str], model: ModelSource,
+                     security_context: dict, tmp_mount: dict) -> dict:
+    container = {
+        "name": name,
+        "image": image,
+        "command": command,
+        "env": [{"name": "HOME", "value": "/tmp"},
+                {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"}],
+        "volumeMounts": [{"name": MODEL_VOLUME, "mountPath": c.MODEL_MOUNT}, tmp_mount],
+        "securityContext": security_context,
+    }
+    if model.credentials_secret:
+        container["envFrom"] = [{"secretRef": {"name": model.credentials_secret}}]
+    return container
+
+
+def model_delivery(model: ModelSource, engine_image: str, s3_image: str,
+                   security_context: dict, tmp_mount: dict) -> ModelDelivery:
+    """Volumes, mounts and init containers for ``model``.
+
+    Args:
+        model: the parsed ``spec.model``.
+        engine_image: image of the hf:// download init container (it has kvpilot).
+        s3_image: image with the AWS CLI for s3:// downloads.
+        security_context: container securityContext to give the init container.
+        tmp_mount: the pod's writable /tmp mount (HOME of the download tools).
+    """
+    mount = {"name": MODEL_VOLUME, "mountPath": c.MODEL_MOUNT, "readOnly": True}
+    if model.scheme == "pvc":
+        return ModelDelivery(
+            model_path=posixpath.normpath(posixpath.join(c.MODEL_MOUNT, model.sub_path)),
+            volumes=[{"name": MODEL_VOLUME,
+                      "persistentVolumeClaim": {"claimName": model.claim, "readOnly": True}}],
+            engine_mounts=[mount],
+        )
+    if model.scheme == "hf":
+        command = ["python", "-m", "kvpilot.operator.model_fetch", "--uri", model.uri,
+                   "--dest", DOWNLOAD_DIR]
+        image = engine_image
+    elif model.scheme == "s3":
+        source = f"s3://{model.bucket}/{model.sub_path}".rstrip("/")
+        command = ["aws", "s3", "sync", source, DOWNLOAD_DIR, "--only-show-errors"]
+        image = s3_image
+    else:  # a path inside the image
+        return ModelDelivery(model_path=model.image_path or "/")
+    return ModelDelivery(
+        model_path=DOWNLOAD_DIR,
+        volumes=[{"name": MODEL_VOLUME, "emptyDir": {}}],
+        engine_mounts=[mount],
+        init_containers=[_fetch_container("model-fetch", image, command, model,
+                                          security_context, tmp_mount)],
+    )

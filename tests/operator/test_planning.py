@@ -1,0 +1,87 @@
+"""How a spec becomes a planner request, and the planner's verdict in operator terms."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from kvpilot.operator.planner.plan import make_plan
+from kvpilot.operator.planner.request import PlanRequest
+from kvpilot.operator.planning import model_preset, plan_request, plan_service
+from kvpilot.operator.resources import desired_children
+from kvpilot.operator.resources.common import Owner
+from kvpilot.operator.settings import OperatorSettings
+from kvpilot.operator.spec import parse_spec
+
+BASE = {"model": {"uri": "hf://Qwen/Qwen3-8B"}, "gpu": {"type": "h100-80gb"},
+        "slo": {"maxContext": 16384, "p95PromptTokens": 8192, "p95OutputTokens": 1024, "concurrency": 32,
+                "sharedPrefixTokens": 4096, "distinctPrefixes": 500}}
+
+
+def _spec(**changes):
+    spec = copy.deepcopy(BASE)
+    spec.update(changes)
+    return parse_spec(spec, "svc")
+
+
+def test_the_model_is_a_catalogue_preset_never_a_path():
+    assert model_preset(_spec()) == "Qwen/Qwen3-8B"
+    assert model_preset(_spec(model={"uri": "pvc://models/Qwen/Qwen3-8B"})) == "Qwen/Qwen3-8B"
+    assert model_preset(_spec(model={"uri": "s3://bucket/weights/qwen3-8b"})) == "qwen3-8b"
+    assert model_preset(_spec(model={"uri": "/etc", "architecture": "llama-3.1-8b"})) == "llama-3.1-8b"
+    with pytest.raises(ValueError, match="spec.model.architecture"):
+        model_preset(_spec(model={"uri": "pvc://models/finetune-v3"}))
+    assert plan_request(_spec())["model"] == {"preset": "Qwen/Qwen3-8B"}
+
+
+def test_offload_is_opt_in_and_explicit_values_are_pinned():
+    off = plan_request(_spec())["overrides"]
+    assert (off["cpu_offload_gib"], off["disk_offload_gib"]) == (0, 0)
+    auto = plan_request(_spec(offload={"enabled": True}))["overrides"]
+    assert "cpu_offload_gib" not in auto and auto["disk_offload_gib"] == 0  # no disk tier asked for
+    sized = plan_request(_spec(offload={"enabled": True, "backend": "lmcache", "cpuGiB": 24,
+                                        "disk": {}}))["overrides"]
+    assert sized["cpu_offload_gib"] == 24 and "disk_offload_gib" not in sized
+    assert sized["offload_backend"] == "lmcache"
+    planned = make_plan(PlanRequest.from_dict(plan_request(_spec(offload={"enabled": True, "disk": {}}))))
+    unplanned = make_plan(PlanRequest.from_dict(plan_request(_spec())))
+    assert planned.cpu_offload_gib > 0 and unplanned.cpu_offload_gib == 0
+
+
+def test_pins_follow_the_spec():
+    over = plan_request(_spec(gpu={"type": "l4", "count": 2}, replicas=3,
+                              engine={"kvCacheDtype": "fp8", "blockSize": 32, "maxNumSeqs": 8}))["overrides"]
+    assert over["tensor_parallel_size"] == 2 and over["replicas"] == 3
+    assert (over["kv_cache_dtype"], over["block_size"], over["max_num_seqs"]) == ("fp8", 32, 8)
+    autoscaled = plan_request(_spec(replicas=3, autoscaling={"mode": "hpa", "maxReplicas": 4}))
+    assert "replicas" not in autoscaled["overrides"]  # the autoscaler decides
+
+
+def test_scaled_to_zero_plans_one_replica_and_runs_none():
+    spec = _spec(replicas=0)
+    assert "replicas" not in plan_request(spec)["overrides"]
+    outcome = plan_service(spec)
+    assert outcome.feasible
+    children = desired_children(Owner("svc", "ns"), spec, outcome.sizing, OperatorSettings(), podmonitor_api=False)
+    assert children[0].body["spec"]["replicas"] == 0
+    assert [ch.kind.kind for ch in children] == ["Deployment", "Service"]
+
+
+def test_outcomes():
+    ok = plan_service(_spec())
+    assert ok.feasible and ok.reason == "Planned" and ok.sizing is not None
+    assert ok.sizing.status["maxNumSeqs"] > 0 and ok.sizing.status["derivation"]
+    bad = plan_service(_spec(gpu={"type": "l4"}, model={"uri": "hf://Qwen/Qwen3-32B"}))
+    assert not bad.feasible and bad.reason == "Infeasible" and bad.sizing is None
+    assert bad.binding_constraint == "gpu_memory" and bad.suggestions
+    assert all(s in bad.message for s in bad.suggestions)
+    invalid = plan_service(_spec(model={"uri": "pvc://models/unknown"}))
+    assert invalid.reason == "InvalidSpec" and "architecture" in invalid.message
+
+
+def test_more_than_one_gpu_per_replica_is_refused_until_the_engine_has_tensor_parallelism():
+    outcome = plan_service(_spec(gpu={"type": "l4", "count": 2}))
+    assert not outcome.feasible and outcome.reason == "Unsupported"
+    assert "tensor parallelism" in outcome.message and outcome.sizing is None
+    assert plan_service(_spec(gpu={"type": "h100-80gb", "count": 1})).feasible
