@@ -1,5 +1,10 @@
 # The two commands on a fresh machine:  `make serve`  and  `make test`.
-.PHONY: serve test lint bench-offline
+.PHONY: serve test lint
+
+# The repository's folder `operator/` would shadow the standard library's `operator`
+# module for any Python that puts the current directory first on sys.path (`python -m`,
+# `python -c`); PYTHONSAFEPATH (Python >= 3.11) stops that for every process we start.
+export PYTHONSAFEPATH = 1
 
 serve:
 	@scripts/bootstrap.sh

@@ -142,6 +142,12 @@ class BlockPool:
             block.block_hash = block_hash
             self.cached[block_hash] = block
 
+    def uncache(self, block: KVCacheBlock) -> None:
+        """Drop a block's hash registration without eviction side effects (its KV is invalid)."""
+        if block.block_hash is not None and self.cached.get(block.block_hash) is block:
+            del self.cached[block.block_hash]
+        block.block_hash = None
+
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each block; blocks reaching 0 join the queue in order."""
         for block in ordered_blocks:

@@ -43,6 +43,11 @@ class EngineArgs:
     attention_backend: str = "auto"
     device: str = "auto"
     scheduling_policy: str = "fcfs"
+    # KV offload (vLLM's names): CPU tier GiB (None = off), backend, optional disk tier.
+    kv_offloading_size: float | None = None
+    kv_offloading_backend: str = "native"
+    kv_offloading_disk_path: str | None = None
+    kv_offloading_disk_size: float | None = None
 
     def resolve_device(self) -> str:
         if self.device != "auto":
@@ -94,7 +99,26 @@ class EngineArgs:
             max_model_len=max_model_len, policy=self.scheduling_policy,
             enable_chunked_prefill=self.enable_chunked_prefill,
         )
+        self.create_offload_config()   # validates the kv_offloading_* values early
         return model_config, cache_config, scheduler_config
+
+    def create_offload_config(self):
+        """The ``OffloadConfig``, or None when KV offloading is off; ValueError for bad values."""
+        from kvpilot.engine.offload.config import OffloadConfig
+
+        config = OffloadConfig.from_engine_args(self.kv_offloading_size, self.kv_offloading_backend,
+                                                self.kv_offloading_disk_path,
+                                                self.kv_offloading_disk_size)
+        if config is None:
+            return None
+        if not self.enable_prefix_caching:
+            raise ValueError("KV offloading extends the prefix cache: it needs "
+                             "enable_prefix_caching=True")
+        if self.calculate_kv_scales and (config.disk_path is not None or config.backend == "lmcache"):
+            raise ValueError("calculate_kv_scales calibrates fp8 scales per engine start, so KV "
+                             "blocks kept on disk or in LMCache would be read back with other "
+                             "scales; use the CPU tier of the native backend only, or fixed scales")
+        return config
 
 
 def model_fingerprint(model_dir: str) -> str:

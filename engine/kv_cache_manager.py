@@ -9,10 +9,14 @@ attention of that layer reads it, so a hit taken in the same step is still corre
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvpilot.engine.block_hash import BlockHash, extend_block_hashes
 from kvpilot.engine.block_pool import BlockPool, KVCacheBlock
 from kvpilot.engine.request import Request
+
+if TYPE_CHECKING:
+    from kvpilot.engine.offload.base import OffloadBase
 
 
 @dataclass(slots=True)
@@ -20,7 +24,8 @@ class PrefixHit:
     """Result of a prefix-cache lookup at admission."""
 
     blocks: list[KVCacheBlock]
-    num_tokens: int
+    num_tokens: int              # device hit plus offload hit
+    num_offload_blocks: int = 0  # blocks after ``blocks`` that the offload tiers serve
 
 
 @dataclass(slots=True)
@@ -44,6 +49,12 @@ class KVCacheManager:
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
         self._num_registered: dict[str, int] = {}
         self.stats = PrefixCacheStats()
+        self.offload: OffloadBase | None = None
+
+    def set_offload(self, offload: OffloadBase | None) -> None:
+        """Attach the KV offload strategy (kvpilot.engine.offload.base); None detaches it."""
+        self.offload = offload
+        self.pool.on_evict = offload.on_evict if offload is not None else None
 
     @property
     def usage(self) -> float:
@@ -79,11 +90,17 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
-        return PrefixHit(blocks, len(blocks) * self.block_size)
+        if self.offload is None:
+            return PrefixHit(blocks, len(blocks) * self.block_size)
+        num_offload = self.offload.find_hit(request, len(blocks))
+        return PrefixHit(blocks, (len(blocks) + num_offload) * self.block_size, num_offload)
 
     def record_admission(self, request: Request, hit: PrefixHit) -> None:
         self.stats.queries += request.num_tokens
-        self.stats.hits += hit.num_tokens
+        self.stats.hits += hit.num_tokens - hit.num_offload_blocks * self.block_size
+        if self.offload is not None:
+            self.offload.on_admitted(request, len(hit.blocks), hit.num_offload_blocks,
+                                     self.block_ids(request.request_id))
 
     def num_blocks_needed(self, request: Request, num_new_tokens: int, hit: PrefixHit | None) -> int:
         """New blocks an allocation would take from the free queue (incl. revived hits)."""
@@ -103,10 +120,11 @@ class KVCacheManager:
             return False
         blocks = self.req_blocks.setdefault(request.request_id, [])
         computed = request.num_computed_tokens
-        if hit is not None and hit.blocks:
-            self.pool.touch(hit.blocks)
-            blocks.extend(hit.blocks)
-            computed += hit.num_tokens
+        if hit is not None:
+            if hit.blocks:
+                self.pool.touch(hit.blocks)
+                blocks.extend(hit.blocks)
+            computed += hit.num_tokens   # offload-hit blocks are allocated below, as new ones
         total = computed + num_new_tokens
         required = -(-total // self.block_size)
         if required > len(blocks):
@@ -130,6 +148,12 @@ class KVCacheManager:
         """Release a request's blocks, tail first (so its tail is evicted first)."""
         blocks = self.req_blocks.pop(request.request_id, [])
         self._num_registered.pop(request.request_id, None)
+        # Blocks registered for tokens scheduled but never computed (a request preempted in
+        # the very step that scheduled it) must not stay cached, nor be saved on eviction.
+        for block in blocks[request.num_computed_tokens // self.block_size:]:
+            self.pool.uncache(block)
+        if self.offload is not None:
+            self.offload.on_free(request, [b.block_id for b in blocks])
         self.pool.free_blocks(reversed(blocks))
 
     def block_ids(self, request_id: str) -> list[int]:

@@ -124,6 +124,17 @@ class LLMEngine:
             num_blocks, layout.block_size, cache_config.enable_prefix_caching,
             root_hash(cache_config.prefix_caching_hash_seed, fingerprint))
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager)
+        # KV offload strategy (kvpilot.engine.offload); None when off, so nothing changes.
+        self.kv_offload = None
+        offload_config = args.create_offload_config()
+        if offload_config is not None:
+            from kvpilot.engine.offload import create_kv_offload
+
+            self.kv_offload = create_kv_offload(offload_config, kv_caches=self.runner.kv_caches,
+                                                block_size=layout.block_size,
+                                                hash_root=self.kv_cache_manager.hash_root)
+            self.kv_cache_manager.set_offload(self.kv_offload)
+            self.runner.kv_transfer = self.kv_offload
         self._parents: dict[str, _Parent] = {}
         self._children: dict[str, _Child] = {}
         self._prompt_tokens = 0
@@ -222,6 +233,8 @@ class LLMEngine:
             outputs.append(parent.output())
             if parent.finished:
                 self._parents.pop(rid, None)
+        if self.kv_offload is not None and not self.scheduler.has_unfinished_requests():
+            self.kv_offload.on_idle()   # save finished requests' blocks now, not next step
         return outputs
 
     def _process_token(self, child: _Child, result: SampleResult) -> None:
@@ -285,7 +298,14 @@ class LLMEngine:
             computed_prompt_tokens=self.scheduler.num_computed_prompt_tokens,
             generation_tokens=self._generation_tokens,
             num_steps=self._num_steps,
+            **(self.kv_offload.stats().engine_stat_fields() if self.kv_offload is not None else {}),
         )
 
     def reset_prefix_cache(self) -> bool:
+        """Forget the device pool's cached blocks (offload tiers keep theirs)."""
         return self.kv_cache_manager.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Finish background work (KV offload saves and disk writes) and release it."""
+        if self.kv_offload is not None:
+            self.kv_offload.close()

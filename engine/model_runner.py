@@ -96,6 +96,9 @@ class ModelRunner:
         self.kv_caches: torch.Tensor | list[torch.Tensor] | None = None
         self.block_size = cache_config.block_size
         self._generators: dict[str, torch.Generator] = {}
+        # KV offload strategy (kvpilot.engine.offload), None when off: its queued block
+        # saves and loads run at the start of execute(), before the forward pass.
+        self.kv_transfer = None
         # Calibrate fp8 scales on the first batch unless the checkpoint brought its own.
         self._calibrate_pending = cache_config.calculate_kv_scales and not self.model.loaded_kv_scales
 
@@ -152,6 +155,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, SampleResult]:
         """Run one step; returns the sampled token of each request that reached its end."""
+        if self.kv_transfer is not None:
+            self.kv_transfer.execute_transfers()
         input_ids, positions, metadata = build_attention_metadata(out, self.block_size, self.device)
         if self._calibrate_pending:
             self._calibrate_pending = False

@@ -19,7 +19,26 @@ class EngineStats:
     computed_prompt_tokens: int    # prompt tokens run through the model: hits excluded, recompute included
     generation_tokens: int         # tokens generated (cumulative)
     num_steps: int                 # model steps run (cumulative)
+    # KV offload (None when offload is off, or where the backend cannot tell):
+    external_prefix_cache_queries: int | None = None   # prompt tokens looked up in offload tiers
+    external_prefix_cache_hits: int | None = None      # of which loaded from them, not computed
+    kv_offload_gpu_to_cpu_bytes: int | None = None     # device KV cache -> host memory
+    kv_offload_cpu_to_gpu_bytes: int | None = None     # host memory -> device KV cache
+    kv_offload_cpu_to_disk_bytes: int | None = None    # written to the disk tier
+    kv_offload_disk_to_cpu_bytes: int | None = None    # read back from the disk tier
+    kv_offload_cpu_used_bytes: int | None = None       # CPU tier contents
+    kv_offload_cpu_capacity_bytes: int | None = None
+    kv_offload_disk_used_bytes: int | None = None      # disk tier contents
+    kv_offload_disk_capacity_bytes: int | None = None
 
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    @property
+    def external_prefix_cache_hit_rate(self) -> float | None:
+        """Offload-tier hits / queries (tokens); None when offload is off."""
+        if self.external_prefix_cache_queries is None:
+            return None
+        queries = self.external_prefix_cache_queries
+        return (self.external_prefix_cache_hits or 0) / queries if queries else 0.0

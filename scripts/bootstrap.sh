@@ -14,8 +14,10 @@ if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && [ "$stamp" -nt scripts/
   exit 0
 fi
 
-[ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
-pip=("$venv/bin/python" -m pip install --disable-pip-version-check -q)
+# -I: the repository's top-level folder `operator/` must never shadow the standard
+# library's `operator` module, which `python -m` would allow by putting the cwd first.
+[ -x "$venv/bin/python" ] || "$py" -I -m venv "$venv"
+pip=("$venv/bin/python" -I -m pip install --disable-pip-version-check -q)
 # torch first, pinned: the CPU build lies on local disk; an unpinned torch pulls CUDA wheels.
 "${pip[@]}" "torch==2.13.0"
 constraints="$venv/constraints.txt"
@@ -24,7 +26,7 @@ if [ "$want" = test ]; then
   "${pip[@]}" -c "$constraints" -e ".[test]"
   # LMCache's full dependency set pulls CUDA packages and downgrades numpy/fastapi;
   # on CPU we install it without deps plus the light ones its CPU paths import.
-  "${pip[@]}" -c "$constraints" --no-deps "lmcache>=0.3"
+  "${pip[@]}" -c "$constraints" --no-deps "lmcache>=0.5,<0.6"
   "${pip[@]}" -c "$constraints" py-cpuinfo psutil msgspec pyzmq sortedcontainers aiofile aiofiles \
     blake3 aiohttp redis cachetools httptools nvtx numba cryptography
   if ! command -v prometheus >/dev/null 2>&1; then

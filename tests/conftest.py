@@ -17,6 +17,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Subprocesses start in the repository root, whose `operator/` folder would shadow the
+# standard library's `operator` for `python -m` / `python -c` (see the Makefile).
+os.environ.setdefault("PYTHONSAFEPATH", "1")
 _CACHE = tempfile.TemporaryDirectory(prefix="kvpilot-test-cache-")
 os.environ["KVPILOT_CACHE_DIR"] = _CACHE.name
 

@@ -14,6 +14,7 @@ from importlib import import_module
 BENCHMARKS: dict[str, str] = {
     "offline": "kvpilot.engine.bench.offline",
     "serve": "kvpilot.engine.bench.serve",
+    "offload": "kvpilot.engine.bench.offload",
 }
 
 

@@ -309,6 +309,18 @@ class AsyncEngine:
             self._declare_dead(exc)
         finally:
             self._fail_all(EngineDead("the engine stopped"))
+            self._close(engine)
+
+    @staticmethod
+    def _close(engine: LLMEngine) -> None:
+        """Lets the engine finish background work (KV offload saves, disk writes)."""
+        close = getattr(engine, "close", None)
+        if close is None:
+            return
+        try:
+            close()
+        except Exception:  # noqa: BLE001 - shutting down anyway
+            logger.exception("closing the engine failed")
 
     def _loop(self, engine: LLMEngine) -> None:
         consecutive_failures = 0

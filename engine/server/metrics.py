@@ -1,12 +1,14 @@
-"""Every Prometheus object of the server, under vLLM's metric names.
+"""Every Prometheus object of the server, under vLLM's metric names (``kvpilot:`` where
+vLLM has no metric for the figure).
 
 Dashboards, KEDA triggers, AIBrix and the Gateway API inference extension read
 vLLM's names, so kvpilot exports the same ones. Two sources feed them:
 
 - engine state and cumulative counters (KV usage, queue lengths, prefix-cache and
-  token counters) are read from the latest ``EngineStats`` snapshot at scrape time by
-  a custom collector, driven by the ``ENGINE_STAT_METRICS`` table: a later feature
-  (KV offloading) adds rows there, and a row whose field the snapshot lacks is skipped;
+  token counters, KV offloading) are read from the latest ``EngineStats`` snapshot at
+  scrape time by a custom collector, driven by the ``ENGINE_STAT_METRICS`` table; a row
+  whose field the snapshot lacks (or holds None, as offload fields do when offloading
+  is off) is skipped;
 - per-request histograms and the success counter are recorded from the
   ``IterationStats`` the engine thread reports.
 
@@ -62,14 +64,43 @@ class StatMetric:
     """One metric read from an ``EngineStats`` field at scrape time.
 
     ``name`` is the exposed name; counters are declared without ``_total`` (the
-    client library appends it).
+    client library appends it). Rows sharing a name form one metric whose samples
+    differ in the fixed ``labels`` (e.g. ``transfer_type``); such rows must agree on
+    kind, documentation and label names.
     """
 
     name: str
     kind: Literal["gauge", "counter"]
     field: str
     documentation: str
+    labels: tuple[tuple[str, str], ...] = ()
 
+
+_OFFLOAD_BYTES_DOC = ("Bytes of KV blocks moved by KV offloading, by transfer_type: GPU_to_CPU "
+                      "(device cache to host memory), CPU_to_GPU (back into the device cache), "
+                      "CPU_to_disk (written to the disk tier), disk_to_CPU (read from it).")
+
+# KV offloading (--kv-offloading-size ...): exported only when the engine reports them.
+OFFLOAD_STAT_METRICS: tuple[StatMetric, ...] = (
+    StatMetric("vllm:external_prefix_cache_queries", "counter", "external_prefix_cache_queries",
+               "Prompt tokens of admitted requests looked up in the KV offload tiers."),
+    StatMetric("vllm:external_prefix_cache_hits", "counter", "external_prefix_cache_hits",
+               "Prompt tokens loaded from the KV offload tiers instead of being computed."),
+    *(StatMetric("vllm:kv_offload_total_bytes", "counter", field, _OFFLOAD_BYTES_DOC,
+                 (("transfer_type", transfer),))
+      for transfer, field in (("GPU_to_CPU", "kv_offload_gpu_to_cpu_bytes"),
+                              ("CPU_to_GPU", "kv_offload_cpu_to_gpu_bytes"),
+                              ("CPU_to_disk", "kv_offload_cpu_to_disk_bytes"),
+                              ("disk_to_CPU", "kv_offload_disk_to_cpu_bytes"))),
+    StatMetric("kvpilot:kv_offload_cpu_usage_bytes", "gauge", "kv_offload_cpu_used_bytes",
+               "Bytes of KV blocks held in the CPU (host memory) offload tier."),
+    StatMetric("kvpilot:kv_offload_cpu_capacity_bytes", "gauge", "kv_offload_cpu_capacity_bytes",
+               "Capacity of the CPU offload tier in bytes (--kv-offloading-size)."),
+    StatMetric("kvpilot:kv_offload_disk_usage_bytes", "gauge", "kv_offload_disk_used_bytes",
+               "Bytes of KV block files in the disk offload tier."),
+    StatMetric("kvpilot:kv_offload_disk_capacity_bytes", "gauge", "kv_offload_disk_capacity_bytes",
+               "Capacity of the disk offload tier in bytes (--kv-offloading-disk-size)."),
+)
 
 ENGINE_STAT_METRICS: tuple[StatMetric, ...] = (
     StatMetric("vllm:kv_cache_usage_perc", "gauge", "kv_cache_usage",
@@ -90,6 +121,7 @@ ENGINE_STAT_METRICS: tuple[StatMetric, ...] = (
                "Prompt tokens of requests that started generating (prefix-cache hits included)."),
     StatMetric("vllm:generation_tokens", "counter", "generation_tokens",
                "Tokens generated."),
+    *OFFLOAD_STAT_METRICS,
 )
 
 
@@ -111,24 +143,35 @@ class EngineStatsCollector:
 
     def describe(self) -> list[Metric]:
         # Non-empty describe() lets the registry catch name clashes at registration.
-        return [self._family(m) for m in self._metrics]
+        return [self._family(rows[0]) for rows in self._groups().values()]
 
     def collect(self) -> Iterator[Metric]:
         stats = self._source()
         if stats is None:
             return
+        for rows in self._groups().values():
+            family = None
+            for metric in rows:
+                value = getattr(stats, metric.field, None)
+                if value is None:
+                    continue
+                if family is None:
+                    family = self._family(metric)
+                family.add_metric([self._model_name, *(v for _, v in metric.labels)], float(value))
+            if family is not None:
+                yield family
+
+    def _groups(self) -> dict[str, list[StatMetric]]:
+        groups: dict[str, list[StatMetric]] = {}
         for metric in self._metrics:
-            value = getattr(stats, metric.field, None)
-            if value is None:
-                continue
-            family = self._family(metric)
-            family.add_metric([self._model_name], float(value))
-            yield family
+            groups.setdefault(metric.name, []).append(metric)
+        return groups
 
     @staticmethod
     def _family(metric: StatMetric) -> Metric:
         cls = GaugeMetricFamily if metric.kind == "gauge" else CounterMetricFamily
-        return cls(metric.name, metric.documentation, labels=["model_name"])
+        return cls(metric.name, metric.documentation,
+                   labels=["model_name", *(k for k, _ in metric.labels)])
 
 
 def make_registry() -> CollectorRegistry:

@@ -20,7 +20,8 @@ class StatsLogger:
     ``update`` returns (and logs) a line only when something happened since the
     previous call: tokens were processed, or requests are running or waiting.
     The hit rate is over the interval's prefix-cache lookups (cumulative when the
-    interval had none).
+    interval had none); with KV offloading on, the line adds the offload tiers' hit
+    rate ("External prefix cache hit rate", vLLM's wording) the same way.
     """
 
     log: Callable[[str], None] = field(default=logger.info)
@@ -47,6 +48,11 @@ class StatsLogger:
             f"KV cache usage: {stats.kv_cache_usage * 100:.1f}%, "
             f"Prefix cache hit rate: {hit_rate * 100:.1f}%"
         )
+        if stats.external_prefix_cache_queries is not None:   # KV offloading is on
+            ext_queries = stats.external_prefix_cache_queries - (last.external_prefix_cache_queries or 0)
+            ext_hits = stats.external_prefix_cache_hits - (last.external_prefix_cache_hits or 0)
+            ext_rate = ext_hits / ext_queries if ext_queries else stats.external_prefix_cache_hit_rate
+            line += f", External prefix cache hit rate: {ext_rate * 100:.1f}%"
         preempted = stats.num_preemptions - last.num_preemptions
         if preempted:
             line += f", Preemptions: {preempted}"

@@ -21,31 +21,35 @@ from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.scheduler import Scheduler
 
 BLOCK = 4
-NUM_BLOCKS = 20
+NUM_BLOCKS = 14
 MAX_LEN = 48
 PREFIXES = [[random.Random(k).randrange(50) for _ in range(24)] for k in range(3)]
 
 
 class BlockBooks(RuleBasedStateMachine):
+    POLICY = "fcfs"
+
     def __init__(self) -> None:
         super().__init__()
         self.kv = KVCacheManager(NUM_BLOCKS, BLOCK, enable_caching=True, hash_root=root_hash("t"))
         self.sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16,
-                                               max_model_len=MAX_LEN), self.kv)
+                                               max_model_len=MAX_LEN, policy=self.POLICY), self.kv)
         self.ids = itertools.count()
         self.slot_tokens: dict[int, tuple[int, int]] = {}   # slot -> (position, token) written
         self.hash_prefix: dict[bytes, tuple] = {}           # hash -> (salt, prefix tokens)
         self.rng = random.Random(0)
 
     @rule(prefix=st.integers(0, 2), keep=st.integers(0, 24), tail=st.integers(0, 12),
-          max_tokens=st.integers(1, 10), salt=st.sampled_from([None, None, "tenant-b"]))
-    def add(self, prefix, keep, tail, max_tokens, salt):
+          max_tokens=st.integers(1, 24), salt=st.sampled_from([None, None, "tenant-b"]),
+          priority=st.integers(-2, 2))
+    def add(self, prefix, keep, tail, max_tokens, salt, priority):
         tokens = PREFIXES[prefix][:keep] + [self.rng.randrange(50) for _ in range(tail)]
         if not tokens:
             tokens = [1]
         max_tokens = min(max_tokens, MAX_LEN - len(tokens))
         req = Request(f"r{next(self.ids)}", tokens, SamplingParams(max_tokens=max_tokens),
-                      cache_salt=salt, max_tokens=max_tokens)
+                      cache_salt=salt, max_tokens=max_tokens, priority=priority,
+                      arrival_time=float(len(self.sched.requests)))
         self.sched.add_request(req)
 
     @rule()
@@ -122,5 +126,34 @@ class BlockBooks(RuleBasedStateMachine):
             assert all(b.ref_cnt == 0 for b in self.kv.pool.blocks)
 
 
+class PriorityBlockBooks(BlockBooks):
+    """Priority preemption may pick a victim already scheduled in the same step."""
+
+    POLICY = "priority"
+
+
 BlockBooks.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+PriorityBlockBooks.TestCase.settings = BlockBooks.TestCase.settings
 test_block_books = BlockBooks.TestCase
+test_block_books_priority = PriorityBlockBooks.TestCase
+
+
+def test_blocks_scheduled_but_never_computed_do_not_stay_cached():
+    """A request preempted in the step that scheduled it (priority preemption can pick an
+    already-scheduled victim) had full blocks registered for tokens that were never
+    computed: freeing it must drop those registrations, so neither a prefix hit nor an
+    offload save on eviction can ever see that KV."""
+    kv = KVCacheManager(8, BLOCK, enable_caching=True, hash_root=root_hash("t"))
+    evicted = []
+    kv.pool.on_evict = lambda block_id, block_hash: evicted.append(block_id)
+    req = Request("a", list(range(10)), SamplingParams(max_tokens=4), max_tokens=4)
+    assert kv.allocate_slots(req, 4)          # step 1: tokens 0..3 scheduled ...
+    req.num_computed_tokens = 4                # ... and computed
+    assert kv.allocate_slots(req, 6)          # step 2: tokens 4..9 scheduled, then preempted
+    computed_block, uncomputed_block = kv.req_blocks["a"][0], kv.req_blocks["a"][1]
+    assert uncomputed_block.block_hash in kv.pool.cached
+    kv.free(req)
+    assert computed_block.block_hash in kv.pool.cached
+    assert uncomputed_block.block_hash is None and len(kv.pool.cached) == 1
+    kv.pool.get_new_blocks(8)                 # reuse everything: only the valid block is "saved"
+    assert evicted == [computed_block.block_id]

@@ -1,0 +1,230 @@
+"""The offload strategy the engine core calls, and what every backend shares.
+
+The core holds one strategy object (``None`` when offload is off) and calls it at these
+points; nothing else in the core knows about offloading:
+
+- admission (``KVCacheManager.find_prefix_hit``): ``find_hit(request, num_device_blocks)``
+  extends the device-pool prefix hit with blocks from the offload tiers. The blocks are
+  fetched into host memory right here (a disk read or an LMCache retrieve; a host-tier
+  hit is just a reference), so a granted hit can never fail later; the fetch is kept
+  for the request if it cannot be admitted this step.
+- after the blocks are allocated (``record_admission``): ``on_admitted`` queues the
+  host-to-device loads into the request's new blocks.
+- eviction (``BlockPool.on_evict``) and a finished request's release
+  (``KVCacheManager.free``): ``on_evict`` / ``on_free`` queue device-to-host saves.
+- the start of ``ModelRunner.execute``, before the forward pass: ``execute_transfers``
+  runs the queued saves, then the queued loads.
+
+Invariant that makes this safe: between the moment a save is queued and the start of
+the next ``execute`` nothing writes to the device block (blocks are only written by
+loads and the forward pass), and saves run before loads, so a block that is evicted
+and reused in the same step is saved before it is overwritten, and loaded KV is in
+place before attention reads it. When the engine goes idle, ``on_idle`` runs the saves
+that would otherwise wait for the next step.
+
+Preemption still means recompute: a preempted request's blocks are not written through
+as a finished request's are (only, like any cached block, saved if the pool evicts
+them), and at re-admission it takes whatever hits the device pool and tiers have.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvpilot.engine.block_hash import BlockHash
+from kvpilot.engine.offload.block_io import BlockIO
+from kvpilot.engine.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+class PendingBlock:
+    """A block queued for saving; ``payload`` is set when the save runs."""
+
+    __slots__ = ("block_id", "block_hash", "payload")
+
+    def __init__(self, block_id: int, block_hash: BlockHash) -> None:
+        self.block_id = block_id
+        self.block_hash = block_hash
+        self.payload: torch.Tensor | None = None
+
+
+Source = torch.Tensor | PendingBlock   # where a granted block's payload comes from
+
+
+@dataclass(slots=True)
+class OffloadCounters:
+    """Cumulative counters kept by the shared half (tokens for the hit rate, bytes moved)."""
+
+    queries: int = 0          # prompt tokens of admitted requests looked up in the tiers
+    hits: int = 0             # of which served from the tiers (loaded, not computed)
+    gpu_to_cpu: int = 0       # bytes saved from the device KV cache into host memory
+    cpu_to_gpu: int = 0       # bytes loaded from host memory into the device KV cache
+    fetch_seconds: float = 0.0      # time spent fetching hits at admission (disk reads...)
+    transfer_seconds: float = 0.0   # time spent in execute_transfers (saves + loads)
+
+
+TRANSFER_TYPES = ("GPU_to_CPU", "CPU_to_GPU", "CPU_to_disk", "disk_to_CPU")
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadStats:
+    """A snapshot of the counters and tier usage; None where a backend cannot tell."""
+
+    queries: int
+    hits: int
+    bytes_by_transfer: dict[str, int | None]   # keys: TRANSFER_TYPES
+    cpu_used_bytes: int | None
+    cpu_capacity_bytes: int | None
+    disk_used_bytes: int | None
+    disk_capacity_bytes: int | None
+    fetch_seconds: float
+    transfer_seconds: float
+
+    def engine_stat_fields(self) -> dict[str, int | None]:
+        """The ``EngineStats`` keyword arguments these figures fill."""
+        moved = self.bytes_by_transfer
+        return {
+            "external_prefix_cache_queries": self.queries,
+            "external_prefix_cache_hits": self.hits,
+            "kv_offload_gpu_to_cpu_bytes": moved["GPU_to_CPU"],
+            "kv_offload_cpu_to_gpu_bytes": moved["CPU_to_GPU"],
+            "kv_offload_cpu_to_disk_bytes": moved["CPU_to_disk"],
+            "kv_offload_disk_to_cpu_bytes": moved["disk_to_CPU"],
+            "kv_offload_cpu_used_bytes": self.cpu_used_bytes,
+            "kv_offload_cpu_capacity_bytes": self.cpu_capacity_bytes,
+            "kv_offload_disk_used_bytes": self.disk_used_bytes,
+            "kv_offload_disk_capacity_bytes": self.disk_capacity_bytes,
+        }
+
+
+@dataclass(slots=True)
+class _Prefetch:
+    start_block: int
+    sources: list[Source] = field(default_factory=list)
+
+
+class OffloadBase:
+    """Shared half of every backend: prefetch bookkeeping, the load queue, counters.
+
+    Subclasses implement ``_fetch`` (admission-time lookup + fetch), ``_queue_finished``
+    and ``_run_saves``, and may override ``on_evict``.
+
+    Args:
+        block_size: tokens per block.
+        block_io: copies blocks in and out of the device cache.
+    """
+
+    def __init__(self, block_size: int, block_io: BlockIO) -> None:
+        self.block_size = block_size
+        self.block_io = block_io
+        self.counters = OffloadCounters()
+        self._prefetched: dict[str, _Prefetch] = {}
+        self._loads: list[tuple[list[int], list[Source]]] = []
+
+    # ---- scheduler side -----------------------------------------------------
+    def find_hit(self, request: Request, num_device_blocks: int) -> int:
+        """Blocks after the device hit that the tiers hold (already fetched to host)."""
+        max_blocks = (request.num_tokens - 1) // self.block_size - num_device_blocks
+        if max_blocks <= 0:
+            return 0
+        cached = self._prefetched.get(request.request_id)
+        if cached is None or cached.start_block != num_device_blocks:
+            start = time.perf_counter()
+            try:
+                sources = self._fetch(request, num_device_blocks, max_blocks)
+            except Exception as exc:  # noqa: BLE001 - an offload tier must never fail a request
+                logger.warning("KV offload lookup failed for %s (%s: %s); computing its prefix",
+                               request.request_id, type(exc).__name__, exc)
+                sources = []
+            self.counters.fetch_seconds += time.perf_counter() - start
+            cached = self._prefetched[request.request_id] = _Prefetch(num_device_blocks, sources)
+        return min(len(cached.sources), max_blocks)
+
+    def on_admitted(self, request: Request, num_device_blocks: int, num_offload_blocks: int,
+                    block_ids: list[int]) -> None:
+        """Queues the loads of a just-admitted request's offload hit into ``block_ids``."""
+        cached = self._prefetched.pop(request.request_id, None)
+        self.counters.queries += request.num_tokens
+        if num_offload_blocks == 0:
+            return
+        if cached is None or cached.start_block != num_device_blocks:
+            raise RuntimeError(f"offload hit of {request.request_id} admitted without its fetch")
+        end = num_device_blocks + num_offload_blocks
+        self._loads.append((block_ids[num_device_blocks:end], cached.sources[:num_offload_blocks]))
+        self.counters.hits += num_offload_blocks * self.block_size
+
+    def on_evict(self, block_id: int, block_hash: BlockHash) -> None:
+        """A cached device block is about to be reused (default: not saved)."""
+
+    def on_free(self, request: Request, block_ids: list[int]) -> None:
+        """A request released its blocks; a finished one's computed blocks are saved."""
+        self._prefetched.pop(request.request_id, None)
+        if request.is_finished and block_ids:
+            num_full = min(request.num_computed_tokens // self.block_size,
+                           len(request.block_hashes), len(block_ids))
+            if num_full:
+                self._queue_finished(request, block_ids[:num_full])
+
+    # ---- runner side ----------------------------------------------------------
+    def execute_transfers(self) -> None:
+        """Queued saves, then queued loads; called before the forward pass."""
+        start = time.perf_counter()
+        self._run_saves()
+        if self._loads:
+            block_ids: list[int] = []
+            payloads: list[torch.Tensor] = []
+            for ids, sources in self._loads:
+                block_ids += ids
+                for source in sources:
+                    payload = source.payload if isinstance(source, PendingBlock) else source
+                    if payload is None:
+                        raise RuntimeError("a load's source block was never saved")
+                    payloads.append(payload)
+            self._loads.clear()
+            self.block_io.scatter(block_ids, payloads)
+            self.counters.cpu_to_gpu += len(block_ids) * self.block_io.bytes_per_block
+        self.counters.transfer_seconds += time.perf_counter() - start
+
+    def on_idle(self) -> None:
+        """The engine has nothing to run: do the queued saves now rather than next step."""
+        self._run_saves()
+
+    def flush(self) -> None:
+        """Runs queued saves and waits until background writes are done."""
+        self._run_saves()
+
+    def close(self) -> None:
+        self.flush()
+
+    def stats(self) -> OffloadStats:
+        c = self.counters
+        tiers = self._tier_stats()
+        return OffloadStats(
+            queries=c.queries, hits=c.hits,
+            bytes_by_transfer={"GPU_to_CPU": c.gpu_to_cpu, "CPU_to_GPU": c.cpu_to_gpu,
+                               "CPU_to_disk": tiers.get("cpu_to_disk"),
+                               "disk_to_CPU": tiers.get("disk_to_cpu")},
+            cpu_used_bytes=tiers.get("cpu_used"), cpu_capacity_bytes=tiers.get("cpu_capacity"),
+            disk_used_bytes=tiers.get("disk_used"), disk_capacity_bytes=tiers.get("disk_capacity"),
+            fetch_seconds=c.fetch_seconds, transfer_seconds=c.transfer_seconds,
+        )
+
+    def _tier_stats(self) -> dict[str, int | None]:
+        """Backend-specific figures: cpu_used, cpu_capacity, disk_used, disk_capacity,
+        cpu_to_disk, disk_to_cpu (bytes; absent = unknown)."""
+        return {}
+
+    # ---- backend hooks --------------------------------------------------------
+    def _fetch(self, request: Request, start_block: int, max_blocks: int) -> list[Source]:
+        raise NotImplementedError
+
+    def _queue_finished(self, request: Request, block_ids: list[int]) -> None:
+        raise NotImplementedError
+
+    def _run_saves(self) -> None:
+        raise NotImplementedError
