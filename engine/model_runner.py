@@ -92,6 +92,8 @@ class ModelRunner:
         torch.manual_seed(model_config.seed)
         self.model = load_model(model_config.model, model_config.arch, model_config.max_model_len,
                                 self.dtype, device)
+        if device.type == "cpu":
+            self.model.use_transposed_output_weight()
         self.backend = select_attention_backend(attention_backend, device)
         self.kv_caches: torch.Tensor | list[torch.Tensor] | None = None
         self.block_size = cache_config.block_size

@@ -4,7 +4,8 @@ Both run in the same process on the same checkpoint, dtype and prompts, one afte
 other, so the ratio is robust to a noisy machine. HF runs ``generate`` on padded
 batches (left padding), each batch until its longest request is done; only the tokens
 each request asked for count as useful. The engine runs all requests with continuous
-batching. KV waste is measured every engine step as (allocated slots - slots holding
+batching. The default workload has chat-like long-tailed lengths (``--workload
+uniform`` for uniform ranges). KV waste is measured every engine step as (allocated slots - slots holding
 a token) / allocated slots over the running requests, and compared with reserving
 ``max_model_len`` slots per running sequence, as a non-paged server would.
 """
@@ -12,6 +13,7 @@ a token) / allocated slots over the running requests, and compared with reservin
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import time
 from dataclasses import dataclass
@@ -22,12 +24,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="HF checkpoint directory (default: built-in demo model)")
     p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--workload", choices=("longtail", "uniform"), default="longtail",
+                   help="longtail: log-normal prompt and output lengths (median 150 / 48 tokens, "
+                        "chat-like, as in ShareGPT traces); uniform: --min/--max ranges")
     p.add_argument("--min-prompt", type=int, default=16)
     p.add_argument("--max-prompt", type=int, default=512)
     p.add_argument("--min-output", type=int, default=16)
     p.add_argument("--max-output", type=int, default=128)
     p.add_argument("--hf-batch-sizes", default="8,16,32", help="comma-separated; the best one is compared")
-    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=run)
@@ -43,13 +48,23 @@ class Workload:
         return sum(self.output_lens)
 
 
+def _lengths(rng: random.Random, args) -> tuple[int, int]:
+    if args.workload == "uniform":
+        return (int(rng.uniform(args.min_prompt, args.max_prompt)),
+                int(rng.uniform(args.min_output, args.max_output)))
+    # Chat traces have long-tailed lengths: most replies are short, a few are long.
+    prompt = min(1024, max(8, int(rng.lognormvariate(math.log(150), 0.8))))
+    output = min(512, max(4, int(rng.lognormvariate(math.log(48), 0.9))))
+    return prompt, output
+
+
 def make_workload(args, vocab: int) -> Workload:
     rng = random.Random(args.seed)
     prompts, outs = [], []
     for _ in range(args.num_prompts):
-        n = int(rng.uniform(args.min_prompt, args.max_prompt))
+        n, out = _lengths(rng, args)
         prompts.append([rng.randrange(1000, min(vocab, 100000)) for _ in range(n)])
-        outs.append(int(rng.uniform(args.min_output, args.max_output)))
+        outs.append(out)
     return Workload(prompts, outs)
 
 
@@ -108,9 +123,11 @@ def run(args: argparse.Namespace) -> int:
         model_dir = str(ensure_demo_model())
     torch.manual_seed(0)
     wl = make_workload(args, load_arch_config(model_dir).vocab_size)
-    print(f"workload: {len(wl.prompts)} prompts of {args.min_prompt}-{args.max_prompt} tokens, "
-          f"outputs of {args.min_output}-{args.max_output} tokens ({wl.total_output} in total); "
-          f"threads={torch.get_num_threads()}")
+    plens = sorted(map(len, wl.prompts))
+    olens = sorted(wl.output_lens)
+    print(f"workload ({args.workload}): {len(wl.prompts)} prompts of {plens[0]}-{plens[-1]} tokens "
+          f"(median {plens[len(plens) // 2]}), outputs of {olens[0]}-{olens[-1]} tokens "
+          f"(median {olens[len(olens) // 2]}, {wl.total_output} in total); threads={torch.get_num_threads()}")
     eng_s, paged_waste, reserve_waste = run_engine(model_dir, wl, args)
     eng_tps = wl.total_output / eng_s
     print(f"kvpilot engine      : {eng_s:7.2f} s  {eng_tps:8.1f} output tok/s")

@@ -117,6 +117,23 @@ class LlamaForCausalLM(nn.Module):
             hidden = layer(positions, hidden, kv_caches[i], metadata, backend)
         return self.norm(hidden)
 
+    @property
+    def output_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def use_transposed_output_weight(self) -> None:
+        """Keep a ``[hidden, vocab]`` copy of the output projection for ``compute_logits``.
+
+        On CPU, MKL's matrix-vector product over the ``[vocab, hidden]`` layout runs at a
+        third of the speed of the transposed one (20 ms vs 8 ms per decode row for the
+        demo model's 151,936 x 256 head), and that product dominates a small batch's step.
+        Costs one more copy of the head's weights; results differ only in rounding order.
+        """
+        self.register_buffer("output_weight_t", self.output_weight.detach().t().contiguous(),
+                             persistent=False)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        transposed = getattr(self, "output_weight_t", None)
+        if transposed is not None:
+            return (hidden @ transposed).float()
+        return F.linear(hidden, self.output_weight).float()
