@@ -99,7 +99,6 @@ class EngineArgs:
             max_model_len=max_model_len, policy=self.scheduling_policy,
             enable_chunked_prefill=self.enable_chunked_prefill,
         )
-        self.create_offload_config()   # validates the kv_offloading_* values early
         return model_config, cache_config, scheduler_config
 
     def create_offload_config(self):

@@ -91,6 +91,7 @@ class _Parent:
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         model_config, cache_config, scheduler_config = args.create_configs()
+        offload_config = args.create_offload_config()   # validated before the model loads
         self.args = args
         self.model_config = model_config
         self.scheduler_config: SchedulerConfig = scheduler_config
@@ -126,7 +127,6 @@ class LLMEngine:
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager)
         # KV offload strategy (kvpilot.engine.offload); None when off, so nothing changes.
         self.kv_offload = None
-        offload_config = args.create_offload_config()
         if offload_config is not None:
             from kvpilot.engine.offload import create_kv_offload
 
