@@ -76,17 +76,25 @@ def removals(previous: Any, desired: Any) -> dict:
     return patch
 
 
-def merge(base: Mapping, patch: Mapping) -> dict:
-    """RFC 7386: ``patch`` applied to a copy of ``base``."""
-    result = copy.deepcopy(dict(base))
-    for key, value in patch.items():
-        if value is None:
-            result.pop(key, None)
-        elif isinstance(value, Mapping) and isinstance(result.get(key), Mapping):
-            result[key] = merge(result[key], value)
+def union(a: Mapping, b: Mapping) -> dict:
+    """Deep union of two merge patches; ``b`` wins on conflicts (its None values included)."""
+    out = dict(a)
+    for key, value in b.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = union(out[key], value)
         else:
-            result[key] = copy.deepcopy(value)
-    return result
+            out[key] = value
+    return out
+
+
+def still_present(actual: Any, removal: Mapping) -> bool:
+    """Whether any key that the ``removals`` patch ``removal`` deletes still exists in ``actual``."""
+    if not isinstance(actual, Mapping):
+        return False
+    for key, value in removal.items():
+        if key in actual and (value is None or still_present(actual[key], value)):
+            return True
+    return False
 
 
 def diff(current: Any, desired: Any) -> dict:

@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from kvpilot.operator.planner.catalog import MODEL_PRESETS, model_presets
+from kvpilot.operator.planner.catalog import model_presets, preset_key
 from kvpilot.operator.planner.plan import make_plan
 from kvpilot.operator.planner.request import PlanRequest
 from kvpilot.operator.planner.result import Plan
@@ -52,29 +52,31 @@ class PlanOutcome:
     """The planner's verdict in the operator's terms.
 
     Args:
-        feasible: a plan the children can be built from exists.
         reason: condition reason: ``Planned``, ``Infeasible``, ``Unsupported`` or ``InvalidSpec``.
         message: one paragraph for the condition and the Event.
         binding_constraint: the planner's binding constraint (None for an invalid spec).
         suggestions: the planner's verified suggestions, as sentences.
-        sizing: what the builders need (feasible plans only).
+        sizing: what the builders need; present exactly when the plan is feasible.
     """
 
-    feasible: bool
     reason: str
     message: str
     binding_constraint: str | None = None
     suggestions: tuple[str, ...] = ()
     sizing: EngineSizing | None = None
 
+    @property
+    def feasible(self) -> bool:
+        """A plan the children can be built from exists."""
+        return self.sizing is not None
+
     @classmethod
     def rejected(cls, reason: str, message: str) -> PlanOutcome:
-        return cls(False, reason, message)
+        return cls(reason, message)
 
 
 def model_preset(spec: InferenceServiceSpec) -> str:
     """The catalogue name the planner should size ``spec.model`` as; ValueError if none fits."""
-    presets = model_presets()
     if spec.model.architecture:
         return spec.model.architecture
     candidates = []
@@ -83,36 +85,21 @@ def model_preset(spec: InferenceServiceSpec) -> str:
     parts = (spec.model.sub_path or spec.model.image_path or "").strip("/").split("/")
     if parts and parts[-1]:
         candidates += ["/".join(parts[-2:]), parts[-1]]
-    known = {p.lower() for p in presets} | {hub.lower() for hub, _, _ in MODEL_PRESETS.values()}
     for name in candidates:
-        if name.lower() in known:
+        if preset_key(name) is not None:
             return name
     raise ValueError(f"cannot tell the architecture of {spec.model.uri!r}: set spec.model.architecture "
-                     f"to one of: {', '.join(presets)}")
+                     f"to one of: {', '.join(model_presets())}")
 
 
 def plan_request(spec: InferenceServiceSpec) -> dict[str, Any]:
     """The plain-dict ``PlanRequest`` for ``spec`` (see the module docstring for the rules)."""
-    slo = spec.slo
-    slo_dict = {
-        "max_context": slo.max_context, "p95_prompt_tokens": slo.p95_prompt_tokens,
-        "p95_output_tokens": slo.p95_output_tokens, "p50_prompt_tokens": slo.p50_prompt_tokens,
-        "p50_output_tokens": slo.p50_output_tokens, "concurrency": slo.concurrency,
-        "requests_per_second": slo.requests_per_second, "ttft_p95_ms": slo.ttft_p95_ms,
-        "itl_p95_ms": slo.itl_p95_ms, "shared_prefix_tokens": slo.shared_prefix_tokens or 0,
-        "distinct_prefixes": slo.distinct_prefixes or 1, "allow_fp8_kv": slo.allow_fp8_kv_cache,
-    }
-    engine, offload = spec.engine, spec.offload
+    offload = spec.offload
     overrides = {
         "tensor_parallel_size": spec.gpu.count,
         # 0 (scaled to zero) is not a size to plan for: plan one replica's worth
         "replicas": spec.replicas if spec.replicas and not spec.autoscaling.enabled else None,
-        "gpu_memory_utilization": engine.gpu_memory_utilization,
-        "block_size": engine.block_size,
-        "kv_cache_dtype": engine.kv_cache_dtype,
-        "max_num_seqs": engine.max_num_seqs,
-        "max_num_batched_tokens": engine.max_num_batched_tokens,
-        "enable_prefix_caching": engine.enable_prefix_caching,
+        **spec.engine.pinned,
     }
     if offload.enabled:
         overrides["cpu_offload_gib"] = offload.cpu_gib
@@ -121,7 +108,7 @@ def plan_request(spec: InferenceServiceSpec) -> dict[str, Any]:
     else:
         overrides["cpu_offload_gib"] = overrides["disk_offload_gib"] = 0
     return {"model": {"preset": model_preset(spec)}, "gpu": spec.gpu.type,
-            "slo": {k: v for k, v in slo_dict.items() if v is not None},
+            "slo": {k: v for k, v in spec.slo.to_dict().items() if v is not None},
             "overrides": {k: v for k, v in overrides.items() if v is not None}}
 
 
@@ -131,16 +118,17 @@ def plan_status(plan: Plan) -> dict[str, Any]:
     status = {camel(name): data[name] for name in STATUS_FIELDS}
     status["estimates"] = {camel(k): v for k, v in data["estimates"].items() if v is not None}
     status["limits"] = {camel(k): v for k, v in data["limits"].items()}
-    status["serveArgs"] = list(plan.serve_args())
+    status["serveArgs"] = data["serve_args"]
     return {k: v for k, v in status.items() if v is not None}
 
 
 def sizing_of(plan: Plan) -> EngineSizing:
+    status = plan_status(plan)
     return EngineSizing(
-        serve_args=tuple(plan.serve_args()), replicas=plan.replicas,
+        serve_args=tuple(status["serveArgs"]), replicas=plan.replicas,
         cpu_offload_gib=float(plan.cpu_offload_gib), disk_offload_gib=float(plan.disk_offload_gib),
         offload_backend=plan.offload_backend, disk_path=plan.offload_disk_path,
-        shm_gib=float(plan.shm_gib), memory_gib=float(plan.pod_memory_gib), status=plan_status(plan))
+        shm_gib=float(plan.shm_gib), memory_gib=float(plan.pod_memory_gib), status=status)
 
 
 def plan_service(spec: InferenceServiceSpec) -> PlanOutcome:
@@ -152,11 +140,11 @@ def plan_service(spec: InferenceServiceSpec) -> PlanOutcome:
     if not plan.feasible:
         suggestions = tuple(s.description for s in plan.suggestions)
         hint = (" Suggestions: " + " | ".join(suggestions)) if suggestions else ""
-        return PlanOutcome(False, "Infeasible",
+        return PlanOutcome("Infeasible",
                            f"no feasible plan: {plan.binding_constraint}: {plan.binding_detail}.{hint}",
                            plan.binding_constraint, suggestions)
     if plan.tensor_parallel_size > ENGINE_MAX_TENSOR_PARALLEL:
-        return PlanOutcome(False, "Unsupported",
+        return PlanOutcome("Unsupported",
                            f"the plan needs {plan.tensor_parallel_size} GPUs per replica (tensor "
                            f"parallelism), which the kvpilot engine does not implement yet: use "
                            f"gpu.count 1 with a GPU type that holds the model, and scale with replicas",
@@ -164,4 +152,4 @@ def plan_service(spec: InferenceServiceSpec) -> PlanOutcome:
     summary = (f"{plan.model} on {plan.tensor_parallel_size}x {plan.gpu}: KV {plan.kv_cache_dtype}, "
                f"{plan.kv_token_capacity:,} tokens, max_num_seqs {plan.max_num_seqs}, "
                f"{plan.replicas} replica(s); bound by {plan.binding_constraint}")
-    return PlanOutcome(True, "Planned", summary, plan.binding_constraint, (), sizing_of(plan))
+    return PlanOutcome("Planned", summary, plan.binding_constraint, sizing=sizing_of(plan))

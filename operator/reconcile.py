@@ -25,7 +25,7 @@ from typing import Any
 import kopf
 
 from kvpilot.operator import constants as c
-from kvpilot.operator.diff import contains, diff, drop_path, removals
+from kvpilot.operator.diff import contains, diff, drop_path, removals, still_present, union
 from kvpilot.operator.kube import KubeApi, KubeError
 from kvpilot.operator.planning import PlanOutcome, plan_service
 from kvpilot.operator.resources import DEPLOYMENT, Child, desired_children, possible_children
@@ -69,27 +69,6 @@ def _last_applied(body: Mapping[str, Any]) -> str:
     return json.dumps(body, sort_keys=True, separators=(",", ":"))
 
 
-def _union(a: Mapping, b: Mapping) -> dict:
-    """Deep union of two merge patches; ``b`` wins on conflicts."""
-    out = dict(a)
-    for key, value in b.items():
-        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
-            out[key] = _union(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
-def _present(actual: Any, removal: Mapping) -> bool:
-    """Whether any key that ``removal`` deletes still exists in ``actual``."""
-    if not isinstance(actual, Mapping):
-        return False
-    for key, value in removal.items():
-        if key in actual and (value is None or _present(actual[key], value)):
-            return True
-    return False
-
-
 async def apply_child(api: KubeApi, child: Child, result: ReconcileResult) -> dict:
     """Create ``child`` or patch it where it differs; returns the object as stored."""
     ns = child.body["metadata"]["namespace"]
@@ -98,11 +77,11 @@ async def apply_child(api: KubeApi, child: Child, result: ReconcileResult) -> di
     for dotted in child.create_only:
         managed = drop_path(managed, dotted)
     annotations = {c.ANNOTATION_LAST_APPLIED: _last_applied(managed)}
-    managed = _union(managed, {"metadata": {"annotations": annotations}})
+    managed = union(managed, {"metadata": {"annotations": annotations}})
 
     actual = await api.get(path)
     if actual is None:
-        created = await api.create(child.kind.path(ns), _union(child.body, managed))
+        created = await api.create(child.kind.path(ns), union(child.body, managed))
         result.writes.append(f"created {child.kind.kind} {ns}/{child.name}")
         return created
     ours = {ref.get("uid") for ref in managed["metadata"].get("ownerReferences") or ()}
@@ -116,9 +95,9 @@ async def apply_child(api: KubeApi, child: Child, result: ReconcileResult) -> di
     except ValueError:
         previous = {}
     removal = removals(previous, managed)
-    if contains(actual, managed) and not _present(actual, removal):
+    if contains(actual, managed) and not still_present(actual, removal):
         return actual
-    patched = await api.merge_patch(path, _union(removal, managed))
+    patched = await api.merge_patch(path, union(removal, managed))
     result.writes.append(f"patched {child.kind.kind} {ns}/{child.name}")
     return patched
 
@@ -134,12 +113,7 @@ async def _remove_unwanted(api: KubeApi, owner: Owner, wanted: set[tuple[str, st
         if (kind.kind, name) in wanted:
             continue
         path = kind.path(owner.namespace, name)
-        try:
-            obj = await api.get(path)
-        except KubeError as exc:
-            if exc.status == 404:  # the kind's API is not installed (KEDA, PodMonitor)
-                continue
-            raise
+        obj = await api.get(path)  # None also when the kind's API is not installed (KEDA, PodMonitor)
         if obj is not None and _owned_by(obj, owner.uid) and await api.delete(path):
             result.writes.append(f"deleted {kind.kind} {owner.namespace}/{name}")
 
@@ -194,7 +168,7 @@ async def reconcile(api: KubeApi, body: Mapping[str, Any], settings: OperatorSet
                                "endpoint": endpoint(owner), "plan": current.get("plan")}
     apply_errors: list[str] = []
     deployment: Mapping[str, Any] | None
-    if outcome.feasible and spec is not None and outcome.sizing is not None:
+    if spec is not None and outcome.sizing is not None:  # feasible
         planned = Condition(c.PLANNED, "True", "Planned", outcome.message)
         podmonitor_api = await api.has_api(*PODMONITOR_API)
         children = desired_children(owner, spec, outcome.sizing, settings, podmonitor_api=podmonitor_api)

@@ -4,6 +4,11 @@ The API server validates the CRD's schema and CEL rules before the operator sees
 object, but the operator repeats the checks (and applies the CRD's defaults) so that it
 behaves the same against servers that skip them and says precisely what is wrong.
 tests/operator/test_crd.py checks that these rules and defaults agree with the CRD's.
+
+``spec.slo`` becomes the planner's own ``ServiceLevel`` and ``spec.engine``'s settings the
+planner's ``Overrides`` fields: each CRD field's Python name is its snake_case
+(``p95PromptTokens`` -> ``p95_prompt_tokens``), so the field lists below hold only what the
+CRD schema adds (types and bounds).
 """
 
 from __future__ import annotations
@@ -13,11 +18,40 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+from kvpilot.operator.planner.request import snake_case
+from kvpilot.operator.planner.slo import KV_CACHE_DTYPES, OFFLOAD_BACKENDS, ServiceLevel
+from kvpilot.operator.spec_reader import Reader, SpecError
+
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 AUTOSCALING_MODES = ("none", "hpa", "keda")
-OFFLOAD_BACKENDS = ("native", "lmcache")
 DEFAULT_PROMETHEUS = "http://prometheus-operated.monitoring.svc:9090"
+
+# field -> (type, bounds as in the CRD schema: Reader.get's keyword arguments)
+Fields = dict[str, tuple[type, dict[str, Any]]]
+SLO_FIELDS: Fields = {
+    "maxContext": (int, {"required": True, "minimum": 16, "maximum": 2097152}),
+    "p95PromptTokens": (int, {"required": True, "minimum": 1}),
+    "p95OutputTokens": (int, {"required": True, "minimum": 1}),
+    "p50PromptTokens": (int, {"minimum": 1}),
+    "p50OutputTokens": (int, {"minimum": 1}),
+    "concurrency": (int, {"minimum": 1, "maximum": 100000}),
+    "requestsPerSecond": (float, {"minimum": 0, "exclusive_min": True, "maximum": 100000}),
+    "ttftP95Ms": (float, {"minimum": 0, "exclusive_min": True}),
+    "itlP95Ms": (float, {"minimum": 0, "exclusive_min": True}),
+    "sharedPrefixTokens": (int, {"minimum": 0}),
+    "distinctPrefixes": (int, {"minimum": 1, "maximum": 1000000}),
+    "allowFp8KvCache": (bool, {}),
+}
+ENGINE_FIELDS: Fields = {
+    "gpuMemoryUtilization": (float, {"minimum": 0.05, "maximum": 0.99}),
+    "maxNumSeqs": (int, {"minimum": 1, "maximum": 65536}),
+    "maxNumBatchedTokens": (int, {"minimum": 1, "maximum": 4194304}),
+    "kvCacheDtype": (str, {"choices": KV_CACHE_DTYPES}),
+    "blockSize": (int, {"choices": BLOCK_SIZES}),
+    "enablePrefixCaching": (bool, {}),
+}
+# The one CRD field whose planner name is not its snake_case.
+PLANNER_NAMES = {"allowFp8KvCache": "allow_fp8_kv"}
 
 _HF = re.compile(r"^hf://(?P<repo>[A-Za-z0-9][-A-Za-z0-9_.]*/[A-Za-z0-9][-A-Za-z0-9_.]*)(@(?P<rev>[-A-Za-z0-9_./]+))?$")
 _PVC = re.compile(r"^pvc://(?P<claim>[a-z0-9]([-a-z0-9]*[a-z0-9])?)(/(?P<path>\S*))?$")
@@ -26,8 +60,9 @@ _SERVED = re.compile(r"^[A-Za-z0-9][-A-Za-z0-9_./:]*$")
 _LM_URL = re.compile(r"^lm://[^\s/:]+:[0-9]+$")
 
 
-class SpecError(ValueError):
-    """A spec the operator cannot act on; the message names the field."""
+def planner_name(crd_field: str) -> str:
+    """The planner's name of a ``spec.slo`` / ``spec.engine`` field (``maxNumSeqs`` -> ``max_num_seqs``)."""
+    return PLANNER_NAMES.get(crd_field, snake_case(crd_field))
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,19 +75,10 @@ class ModelSource:
     architecture: str | None = None
     credentials_secret: str | None = None
     repo_id: str | None = None       # hf
-    revision: str | None = None      # hf
     claim: str | None = None         # pvc
     bucket: str | None = None        # s3
     sub_path: str = ""               # pvc path inside the claim / s3 prefix
     image_path: str | None = None    # path
-
-    @property
-    def name_hint(self) -> str:
-        """The part of the URI that may name a catalogue model (repo or last path part)."""
-        if self.repo_id:
-            return self.repo_id
-        tail = (self.sub_path or self.image_path or "").rstrip("/").rsplit("/", 1)[-1]
-        return tail
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,29 +88,16 @@ class GpuSpec:
 
 
 @dataclass(frozen=True, slots=True)
-class SloSpec:
-    max_context: int
-    p95_prompt_tokens: int
-    p95_output_tokens: int
-    p50_prompt_tokens: int | None = None
-    p50_output_tokens: int | None = None
-    concurrency: int | None = None
-    requests_per_second: float | None = None
-    ttft_p95_ms: float | None = None
-    itl_p95_ms: float | None = None
-    shared_prefix_tokens: int | None = None
-    distinct_prefixes: int | None = None
-    allow_fp8_kv_cache: bool = False
+class EngineSpec:
+    """``spec.engine``.
 
+    Args:
+        pinned: the engine settings the user pins, as planner ``Overrides`` fields
+            (``{"max_num_seqs": 8}``); absent settings are left out.
+        extra_args: flags appended to the ``kvpilot serve`` command line.
+    """
 
-@dataclass(frozen=True, slots=True)
-class EngineOverrides:
-    gpu_memory_utilization: float | None = None
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None
-    kv_cache_dtype: str | None = None
-    block_size: int | None = None
-    enable_prefix_caching: bool | None = None
+    pinned: Mapping[str, Any] = field(default_factory=dict)
     extra_args: tuple[str, ...] = ()
 
 
@@ -113,6 +126,11 @@ class AutoscalingSpec:
     def enabled(self) -> bool:
         return self.mode != "none"
 
+    @property
+    def ceiling(self) -> int:
+        """The most replicas an autoscaler may run (``maxReplicas``, else ``minReplicas``)."""
+        return self.max_replicas or self.min_replicas
+
 
 @dataclass(frozen=True, slots=True)
 class InferenceServiceSpec:
@@ -120,8 +138,8 @@ class InferenceServiceSpec:
 
     model: ModelSource
     gpu: GpuSpec
-    slo: SloSpec
-    engine: EngineOverrides = EngineOverrides()
+    slo: ServiceLevel
+    engine: EngineSpec = field(default_factory=EngineSpec)
     offload: OffloadSpec = OffloadSpec()
     autoscaling: AutoscalingSpec = AutoscalingSpec()
     replicas: int | None = None
@@ -135,47 +153,17 @@ class InferenceServiceSpec:
     api_key_secret: tuple[str, str] | None = None   # (secret name, key)
 
 
-class _Reader:
-    """Typed, path-aware access to one object of the spec."""
-
-    def __init__(self, data: Any, path: str) -> None:
-        if not isinstance(data, Mapping):
-            raise SpecError(f"{path} must be an object, got {type(data).__name__}")
-        self.data, self.path = data, path
-
-    def sub(self, key: str, required: bool = False) -> _Reader | None:
-        if key not in self.data or self.data[key] is None:
-            if required:
-                raise SpecError(f"{self.path}.{key} is required")
-            return None
-        return _Reader(self.data[key], f"{self.path}.{key}")
-
-    def get(self, key: str, kind: type | tuple[type, ...], default: Any = None, *, required: bool = False,
-            minimum: float | None = None, maximum: float | None = None, exclusive_min: bool = False,
-            choices: tuple[Any, ...] | None = None) -> Any:
-        where = f"{self.path}.{key}"
-        if key not in self.data or self.data[key] is None:
-            if required:
-                raise SpecError(f"{where} is required")
-            return default
-        value = self.data[key]
-        kinds = kind if isinstance(kind, tuple) else (kind,)
-        if isinstance(value, bool) and bool not in kinds:
-            raise SpecError(f"{where} must be {kinds[0].__name__}, got a boolean")
-        if float in kinds and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        if not isinstance(value, kinds):
-            raise SpecError(f"{where} must be {kinds[0].__name__}, got {value!r}")
-        if minimum is not None and (value <= minimum if exclusive_min else value < minimum):
-            raise SpecError(f"{where} must be {'>' if exclusive_min else '>='} {minimum:g}, got {value!r}")
-        if maximum is not None and value > maximum:
-            raise SpecError(f"{where} must be <= {maximum:g}, got {value!r}")
-        if choices is not None and value not in choices:
-            raise SpecError(f"{where} must be one of {', '.join(map(str, choices))}; got {value!r}")
-        return value
+def _read(r: Reader, table: Fields) -> dict[str, Any]:
+    """Every field of ``table`` in ``r``, checked, by its CRD name (None when absent)."""
+    return {name: r.get(name, kind, **bounds) for name, (kind, bounds) in table.items()}
 
 
-def _parse_model(r: _Reader, resource_name: str) -> ModelSource:
+def _planner_kwargs(values: Mapping[str, Any]) -> dict[str, Any]:
+    """``_read``'s result by planner names, absent fields left out."""
+    return {planner_name(name): value for name, value in values.items() if value is not None}
+
+
+def _parse_model(r: Reader, resource_name: str) -> ModelSource:
     uri = r.get("uri", str, required=True)
     served = r.get("servedName", str, resource_name)
     if not _SERVED.match(served) or len(served) > 128:
@@ -186,7 +174,7 @@ def _parse_model(r: _Reader, resource_name: str) -> ModelSource:
     if creds is not None:
         common["credentials_secret"] = creds.get("name", str, required=True)
     if m := _HF.match(uri):
-        return ModelSource(scheme="hf", repo_id=m["repo"], revision=m["rev"], **common)
+        return ModelSource(scheme="hf", repo_id=m["repo"], **common)
     if m := _PVC.match(uri):
         return ModelSource(scheme="pvc", claim=m["claim"], sub_path=m["path"] or "", **common)
     if m := _S3.match(uri):
@@ -199,60 +187,40 @@ def _parse_model(r: _Reader, resource_name: str) -> ModelSource:
                     "s3://bucket/prefix or an absolute path in the image")
 
 
-def _parse_slo(r: _Reader) -> SloSpec:
-    slo = SloSpec(
-        max_context=r.get("maxContext", int, required=True, minimum=16, maximum=2097152),
-        p95_prompt_tokens=r.get("p95PromptTokens", int, required=True, minimum=1),
-        p95_output_tokens=r.get("p95OutputTokens", int, required=True, minimum=1),
-        p50_prompt_tokens=r.get("p50PromptTokens", int, minimum=1),
-        p50_output_tokens=r.get("p50OutputTokens", int, minimum=1),
-        concurrency=r.get("concurrency", int, minimum=1, maximum=100000),
-        requests_per_second=r.get("requestsPerSecond", float, minimum=0, exclusive_min=True, maximum=100000),
-        ttft_p95_ms=r.get("ttftP95Ms", float, minimum=0, exclusive_min=True),
-        itl_p95_ms=r.get("itlP95Ms", float, minimum=0, exclusive_min=True),
-        shared_prefix_tokens=r.get("sharedPrefixTokens", int, minimum=0),
-        distinct_prefixes=r.get("distinctPrefixes", int, minimum=1, maximum=1000000),
-        allow_fp8_kv_cache=r.get("allowFp8KvCache", bool, False),
-    )
+def _parse_slo(r: Reader) -> ServiceLevel:
+    slo = _read(r, SLO_FIELDS)
     # The CRD's CEL rules on spec.slo, in the same order.
-    if slo.concurrency is None and slo.requests_per_second is None:
+    if slo["concurrency"] is None and slo["requestsPerSecond"] is None:
         raise SpecError("spec.slo needs a target concurrency, a request rate, or both")
-    if slo.p50_prompt_tokens is not None and slo.p50_prompt_tokens > slo.p95_prompt_tokens:
+    if slo["p50PromptTokens"] is not None and slo["p50PromptTokens"] > slo["p95PromptTokens"]:
         raise SpecError("spec.slo.p50PromptTokens must be <= slo.p95PromptTokens")
-    if slo.p50_output_tokens is not None and slo.p50_output_tokens > slo.p95_output_tokens:
+    if slo["p50OutputTokens"] is not None and slo["p50OutputTokens"] > slo["p95OutputTokens"]:
         raise SpecError("spec.slo.p50OutputTokens must be <= slo.p95OutputTokens")
-    if slo.p95_prompt_tokens + slo.p95_output_tokens > slo.max_context:
+    if slo["p95PromptTokens"] + slo["p95OutputTokens"] > slo["maxContext"]:
         raise SpecError("spec.slo.p95PromptTokens + slo.p95OutputTokens must fit in slo.maxContext")
-    if slo.shared_prefix_tokens is not None and slo.shared_prefix_tokens > slo.p95_prompt_tokens:
+    if slo["sharedPrefixTokens"] is not None and slo["sharedPrefixTokens"] > slo["p95PromptTokens"]:
         raise SpecError("spec.slo.sharedPrefixTokens is part of the prompt and must be <= slo.p95PromptTokens")
-    return slo
+    try:
+        return ServiceLevel(**_planner_kwargs(slo))
+    except ValueError as exc:  # the planner's own checks; the CRD's above should leave none
+        raise SpecError(f"spec.slo: {exc}") from None
 
 
-def _parse_engine(r: _Reader | None) -> EngineOverrides:
+def _parse_engine(r: Reader | None) -> EngineSpec:
     if r is None:
-        return EngineOverrides()
-    extra = r.data.get("extraArgs") or []
-    if not isinstance(extra, list) or not all(isinstance(a, str) for a in extra):
-        raise SpecError("spec.engine.extraArgs must be a list of strings")
+        return EngineSpec()
+    extra = r.items("extraArgs", lambda a: isinstance(a, str), "strings")
     if any(a.startswith("--api-key") for a in extra):
         raise SpecError("pass the API key through spec.apiKeySecretRef, never on the command line")
-    engine = EngineOverrides(
-        gpu_memory_utilization=r.get("gpuMemoryUtilization", float, minimum=0.05, maximum=0.99),
-        max_num_seqs=r.get("maxNumSeqs", int, minimum=1, maximum=65536),
-        max_num_batched_tokens=r.get("maxNumBatchedTokens", int, minimum=1, maximum=4194304),
-        kv_cache_dtype=r.get("kvCacheDtype", str, choices=KV_CACHE_DTYPES),
-        block_size=r.get("blockSize", int, choices=BLOCK_SIZES),
-        enable_prefix_caching=r.get("enablePrefixCaching", bool),
-        extra_args=tuple(extra),
-    )
-    if (engine.max_num_batched_tokens is not None and engine.max_num_seqs is not None
-            and engine.max_num_batched_tokens < engine.max_num_seqs):
+    engine = _read(r, ENGINE_FIELDS)
+    if (engine["maxNumBatchedTokens"] is not None and engine["maxNumSeqs"] is not None
+            and engine["maxNumBatchedTokens"] < engine["maxNumSeqs"]):
         raise SpecError("engine.maxNumBatchedTokens must be >= engine.maxNumSeqs "
                         "(every running sequence needs a token per step)")
-    return engine
+    return EngineSpec(pinned=_planner_kwargs(engine), extra_args=extra)
 
 
-def _parse_offload(r: _Reader | None) -> OffloadSpec:
+def _parse_offload(r: Reader | None) -> OffloadSpec:
     if r is None:
         return OffloadSpec()
     disk = r.sub("disk")
@@ -276,7 +244,7 @@ def _parse_offload(r: _Reader | None) -> OffloadSpec:
     return offload
 
 
-def _parse_autoscaling(r: _Reader | None) -> AutoscalingSpec:
+def _parse_autoscaling(r: Reader | None) -> AutoscalingSpec:
     if r is None:
         return AutoscalingSpec()
     auto = AutoscalingSpec(
@@ -303,15 +271,11 @@ def parse_spec(spec: Mapping[str, Any], resource_name: str) -> InferenceServiceS
     Raises:
         SpecError: with the offending field's path, on anything the CRD would reject.
     """
-    r = _Reader(spec, "spec")
+    r = Reader(spec, "spec")
     gpu = r.sub("gpu", required=True)
     api_key = r.sub("apiKeySecretRef")
-    env = spec.get("env") or []
-    tolerations = spec.get("tolerations") or []
-    if not isinstance(env, list) or not all(isinstance(e, Mapping) and e.get("name") for e in env):
-        raise SpecError("spec.env must be a list of {name, value|valueFrom}")
-    if not isinstance(tolerations, list) or not all(isinstance(t, Mapping) for t in tolerations):
-        raise SpecError("spec.tolerations must be a list of objects")
+    env = r.items("env", lambda e: isinstance(e, Mapping) and e.get("name"), "{name, value|valueFrom}")
+    tolerations = r.items("tolerations", lambda t: isinstance(t, Mapping), "objects")
     return InferenceServiceSpec(
         model=_parse_model(r.sub("model", required=True), resource_name),
         gpu=GpuSpec(type=gpu.get("type", str, required=True),

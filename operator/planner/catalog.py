@@ -82,7 +82,8 @@ def model_presets() -> list[str]:
     return list(MODEL_PRESETS)
 
 
-def _preset_key(name: str) -> str | None:
+def preset_key(name: str) -> str | None:
+    """The preset key of a preset name or hub id (case-insensitive), else None."""
     key = name.strip().lower()
     if key in MODEL_PRESETS:
         return key
@@ -94,7 +95,7 @@ def _preset_key(name: str) -> str | None:
 
 def preset_model(name: str) -> ModelSpec:
     """A catalogue model by preset name or hub id; ValueError lists the presets."""
-    key = _preset_key(name)
+    key = preset_key(name)
     if key is None:
         raise ValueError(f"unknown model {name!r}: not a preset and no such config.json or "
                          f"directory; presets: {', '.join(model_presets())}")

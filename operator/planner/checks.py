@@ -43,18 +43,17 @@ def _memory(req: PlanRequest, ev: Evaluation) -> list[Check]:
 
 def _latency(req: PlanRequest, ev: Evaluation) -> list[Check]:
     slo, roof, out = req.slo, ev.roofline, []
+    pinned = req.overrides.max_num_batched_tokens
     if slo.itl_p95_ms is not None:
         one = roof.step_s(1, 1 + ev.layout.block_size) * 1000
         out.append(Check("itl", ev.limits["itl"] >= 1,
                          f"a step of one p95 sequence and a one-block prefill chunk takes {one:.1f} ms "
                          f"(weights {roof.memory_s(0) * 1000:.1f} ms) vs the {slo.itl_p95_ms:g} ms ITL target"))
-        pinned = req.overrides.max_num_batched_tokens
         if pinned is not None:
             step = roof.compute_s(pinned) * 1000
             out.append(Check("itl", step <= slo.itl_p95_ms,
                              f"pinned max_num_batched_tokens {pinned:,}: a full step computes for "
                              f"{step:.1f} ms vs the {slo.itl_p95_ms:g} ms ITL target"))
-    pinned = req.overrides.max_num_batched_tokens
     if pinned is not None:
         out.append(Check("max_num_batched_tokens", ev.limits["max_num_batched_tokens"] >= 1,
                          f"pinned max_num_batched_tokens {pinned:,} must exceed max_num_seqs by one "

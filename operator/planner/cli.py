@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import fields
 from typing import Any
 
 from kvpilot.operator.planner.catalog import model_presets
@@ -19,18 +20,10 @@ from kvpilot.operator.planner.gpu import GPU_CATALOG
 from kvpilot.operator.planner.plan import make_plan
 from kvpilot.operator.planner.render import FORMATS, render
 from kvpilot.operator.planner.request import PlanRequest
-from kvpilot.operator.planner.slo import KV_CACHE_DTYPES, OFFLOAD_BACKENDS
+from kvpilot.operator.planner.slo import KV_CACHE_DTYPES, OFFLOAD_BACKENDS, Overrides, ServiceLevel
 from kvpilot.operator.planner.weights import WEIGHT_QUANT_BYTES
 
 EXIT_FEASIBLE, EXIT_BAD_INPUT, EXIT_INFEASIBLE = 0, 1, 2
-
-_SLO_FLAGS = ("max_context", "p95_prompt_tokens", "p95_output_tokens", "p50_prompt_tokens",
-              "p50_output_tokens", "concurrency", "requests_per_second", "ttft_p95_ms", "itl_p95_ms",
-              "shared_prefix_tokens", "distinct_prefixes")
-_OVERRIDE_FLAGS = ("replicas", "gpu_memory_utilization", "block_size", "kv_cache_dtype", "max_num_seqs",
-                   "max_num_batched_tokens", "enable_prefix_caching", "cpu_offload_gib", "disk_offload_gib",
-                   "offload_backend", "weight_quantization")
-
 
 def _fail(parser: argparse.ArgumentParser, message: str) -> None:
     parser.print_usage(sys.stderr)
@@ -104,11 +97,13 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
                       ("gpu_tflops", "bf16_tflops")):
         if getattr(args, flag) is not None:
             gpu[key] = getattr(args, flag)
-    slo = {name: getattr(args, name) for name in _SLO_FLAGS if getattr(args, name) is not None}
-    slo["allow_fp8_kv"] = args.allow_fp8_kv
-    overrides = {name: getattr(args, name) for name in (*_OVERRIDE_FLAGS, "tensor_parallel_size")
-                 if getattr(args, name) is not None}
-    return PlanRequest.from_dict({"model": args.model, "gpu": gpu, "slo": slo, "overrides": overrides})
+    return PlanRequest.from_dict({"model": args.model, "gpu": gpu, "slo": _given(args, ServiceLevel),
+                                  "overrides": _given(args, Overrides)})
+
+
+def _given(args: argparse.Namespace, cls: type) -> dict[str, Any]:
+    """The flags given for ``cls``'s fields: each field has a flag whose ``dest`` is its name."""
+    return {f.name: getattr(args, f.name) for f in fields(cls) if getattr(args, f.name) is not None}
 
 
 def _listing() -> str:

@@ -31,7 +31,7 @@ from kvpilot.operator.planner.latency import (
     REPLICA_UTILIZATION,
     Roofline,
     flops_per_token,
-    largest_batch,
+    largest_int,
 )
 from kvpilot.operator.planner.memory import (
     Budget,
@@ -177,7 +177,7 @@ def evaluate(req: PlanRequest, tp: int, kv_cache_dtype: str) -> Evaluation:
     factor = kv_dtype.ttft_factor(model, kv_cache_dtype)
     if slo.ttft_p95_ms is not None:
         limit_s = slo.ttft_p95_ms / 1000
-        limits["ttft"] = largest_batch(target, lambda b: roof.ttft_s(b, mnbt, prompt_u) * factor <= limit_s)
+        limits["ttft"] = largest_int(1, target, lambda b: roof.ttft_s(b, mnbt, prompt_u) * factor <= limit_s) or 0
     cap = min(limits.values())
     msq = ov.max_num_seqs if ov.max_num_seqs is not None else cap
 

@@ -16,6 +16,7 @@ from kvpilot.operator.planner.memory import (
     SHM_BASE_GIB,
     gib,
     host_memory_gib,
+    offload_tiers_gib,
 )
 from kvpilot.operator.planner.request import PlanRequest
 
@@ -145,7 +146,7 @@ def _host_lines(req: PlanRequest, ev: Evaluation) -> list[str]:
                    f"{p.on_cpu:,} go to the CPU tier ({p.cpu_offload_gib:g} GiB), {p.on_disk:,} to disk "
                    f"({p.disk_offload_gib:g} GiB)" + (f", {p.uncached:,} are not cached" if p.uncached else "")
                    + ".")
-    cpu = p.cpu_offload_gib if p is not None else (req.overrides.cpu_offload_gib or 0)
+    cpu, _ = offload_tiers_gib(p, req.overrides.cpu_offload_gib, req.overrides.disk_offload_gib)
     pod, shm = host_memory_gib(ev.tp, cpu)
     out.append(f"Host: /dev/shm {shm:g} GiB ({cpu:g} GiB CPU KV tier + {SHM_BASE_GIB} GiB IPC); pod memory "
                f"{pod:g} GiB = {HOST_BASE_GIB} GiB base + {HOST_PER_RANK_GIB} GiB x {ev.tp} GPU worker(s) + "

@@ -18,7 +18,7 @@ starts from the same defaults.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 MIB = 1 << 20
@@ -63,14 +63,10 @@ class GPUSpec:
 
     def with_memory_gib(self, memory_gib: float) -> GPUSpec:
         """The same GPU with a different memory size (MIG slice, 94 GB variant...)."""
-        return GPUSpec(self.name, int(memory_gib * GIB), self.memory_bandwidth_bytes_per_s,
-                       self.bf16_flops, self.description, self.large_defaults)
+        return replace(self, memory_bytes=int(memory_gib * GIB))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "memory_bytes": self.memory_bytes,
-                "memory_bandwidth_bytes_per_s": self.memory_bandwidth_bytes_per_s,
-                "bf16_flops": self.bf16_flops, "description": self.description,
-                "large_defaults": self.large_defaults}
+        return asdict(self)
 
 
 def _gpu(name: str, memory_mib: int, bandwidth_gb_s: float, bf16_tflops: float,

@@ -30,6 +30,7 @@ modelled.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvpilot.operator.planner.model_spec import ModelSpec
@@ -101,15 +102,11 @@ class Roofline:
         return steps * self.step_s(batch, min(max_num_batched_tokens, prompt_tokens + batch))
 
 
-def largest_batch(upper: int, fits) -> int:
-    """Largest b in [1, upper] with fits(b), for fits monotone (true then false); 0 if none."""
-    if upper < 1 or not fits(1):
-        return 0
-    lo, hi = 1, upper
+def largest_int(lo: int, hi: int, fits: Callable[[int], bool]) -> int | None:
+    """Largest v in [lo, hi] with fits(v), for fits monotone (true then false); None if none."""
+    if hi < lo or not fits(lo):
+        return None
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid - 1
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
     return lo

@@ -159,6 +159,15 @@ def place_prefixes(*, blocks_each: int, bytes_each: int, distinct: int, free_blo
     return PrefixTiers(blocks_each, bytes_each, distinct, on_gpu, on_cpu, on_disk, cpu, disk)
 
 
+def offload_tiers_gib(prefixes: PrefixTiers | None, cpu_offload_gib: float | None,
+                      disk_offload_gib: float | None) -> tuple[float, float]:
+    """(CPU, disk) KV tier sizes per replica in GiB: where the shared prefixes were placed,
+    else the pinned sizes (0 when not pinned)."""
+    if prefixes is not None:
+        return prefixes.cpu_offload_gib, prefixes.disk_offload_gib
+    return cpu_offload_gib or 0, disk_offload_gib or 0
+
+
 def host_memory_gib(tp: int, cpu_offload_gib: float) -> tuple[float, float]:
     """(pod memory, /dev/shm size) in GiB: the CPU tier lives in shared memory, and
     tmpfs pages count against the pod's memory limit, so the pod needs both."""

@@ -17,7 +17,7 @@ from dataclasses import replace
 from kvpilot.operator.planner import kv_dtype
 from kvpilot.operator.planner.evaluate import Evaluation, evaluate
 from kvpilot.operator.planner.explain import derivation
-from kvpilot.operator.planner.memory import host_memory_gib
+from kvpilot.operator.planner.memory import host_memory_gib, offload_tiers_gib
 from kvpilot.operator.planner.model_spec import ModelSpec
 from kvpilot.operator.planner.request import PlanRequest
 from kvpilot.operator.planner.result import DEFAULT_DISK_PATH, Plan
@@ -84,8 +84,7 @@ def _finite(value: float | None) -> float | None:
 
 def _to_plan(req: PlanRequest, ev: Evaluation, dtype_notes: list[str], shape_notes: list[str]) -> Plan:
     ov, p, b = req.overrides, ev.prefixes, ev.budget
-    cpu = p.cpu_offload_gib if p is not None else (ov.cpu_offload_gib or 0)
-    disk = p.disk_offload_gib if p is not None else (ov.disk_offload_gib or 0)
+    cpu, disk = offload_tiers_gib(p, ov.cpu_offload_gib, ov.disk_offload_gib)
     offload = cpu > 0 or disk > 0
     backend = (ov.offload_backend or "native") if offload else None
     pod, shm = host_memory_gib(ev.tp, cpu)

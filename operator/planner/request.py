@@ -31,13 +31,18 @@ from kvpilot.operator.planner.slo import Overrides, ServiceLevel, build
 _CAMEL = re.compile(r"(?<!^)(?=[A-Z])")
 
 
+def snake_case(name: str) -> str:
+    """camelCase -> snake_case (``maxContext`` -> ``max_context``; snake_case stays as it is)."""
+    return _CAMEL.sub("_", name).lower()
+
+
 def _snake(data: Any) -> Any:
     """camelCase keys -> snake_case, recursively (config.json bodies are left alone)."""
     if not isinstance(data, dict):
         return data
     out = {}
     for key, value in data.items():
-        name = _CAMEL.sub("_", key).lower() if isinstance(key, str) else key
+        name = snake_case(key) if isinstance(key, str) else key
         out[name] = value if name == "config" else _snake(value)
     return out
 

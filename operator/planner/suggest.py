@@ -14,6 +14,7 @@ from typing import Any
 
 from kvpilot.operator.planner import kv_dtype
 from kvpilot.operator.planner.gpu import GPU_CATALOG
+from kvpilot.operator.planner.latency import largest_int
 from kvpilot.operator.planner.request import PlanRequest, merge
 from kvpilot.operator.planner.result import Plan, Suggestion
 
@@ -28,16 +29,6 @@ def _try(req: PlanRequest, patch: dict[str, Any], solve: Solve) -> Plan | None:
     except ValueError:
         return None
     return plan if plan.feasible else None
-
-
-def _largest_int(lo: int, hi: int, feasible: Callable[[int], bool]) -> int | None:
-    """Largest v in [lo, hi] with feasible(v), feasible monotone (true then false)."""
-    if hi < lo or not feasible(lo):
-        return None
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if feasible(mid) else (lo, mid - 1)
-    return lo
 
 
 def _overrides(req: PlanRequest, plan: Plan) -> Iterator[Candidate]:
@@ -66,7 +57,7 @@ def _workload(req: PlanRequest, plan: Plan, solve: Solve) -> Iterator[Candidate]
     if not kv_dtype.is_fp8(plan.kv_cache_dtype):
         yield "fp8_kv", {"overrides": {"kv_cache_dtype": "fp8"}}, "use an FP8 KV cache (kv_cache_dtype fp8)"
     hi = min(slo.max_context - 1, model.max_position_embeddings)
-    best = _largest_int(slo.seq_tokens_p95, hi,
+    best = largest_int(slo.seq_tokens_p95, hi,
                         lambda v: _try(req, {"slo": {"max_context": v}}, solve) is not None)
     if best is not None:
         rounded = best // 1024 * 1024
@@ -76,7 +67,7 @@ def _workload(req: PlanRequest, plan: Plan, solve: Solve) -> Iterator[Candidate]
     if best is not None:          # when nothing works alone, still a candidate for a combination
         yield "max_context", {"slo": {"max_context": best}}, f"shorten max_context to {best:,} tokens"
     if slo.concurrency is not None and req.overrides.replicas is not None:
-        fewer = _largest_int(1, slo.concurrency - 1,
+        fewer = largest_int(1, slo.concurrency - 1,
                              lambda v: _try(req, {"slo": {"concurrency": v}}, solve) is not None)
         if fewer is not None:
             yield "fewer_sequences", {"slo": {"concurrency": fewer}}, f"lower concurrency to {fewer:,}"

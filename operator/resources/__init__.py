@@ -18,11 +18,7 @@ from dataclasses import dataclass
 
 from kvpilot.operator.resources.autoscaling import KEDA_API, build_hpa, build_scaledobject
 from kvpilot.operator.resources.common import Owner
-from kvpilot.operator.resources.deployment import (
-    ReplicaPolicy,
-    build_deployment,
-    disk_claim_is_shared_child,
-)
+from kvpilot.operator.resources.deployment import ReplicaPolicy, build_deployment, disk_claim_child
 from kvpilot.operator.resources.disruption import build_pdb
 from kvpilot.operator.resources.monitoring import PODMONITOR_API, build_podmonitor
 from kvpilot.operator.resources.service import build_service
@@ -43,10 +39,6 @@ class ChildKind:
     @property
     def group(self) -> str:
         return self.api_version.rpartition("/")[0]
-
-    @property
-    def version(self) -> str:
-        return self.api_version.rpartition("/")[2]
 
     def path(self, namespace: str, name: str | None = None) -> str:
         """REST path of the collection in ``namespace``, or of one object."""
@@ -108,7 +100,7 @@ def desired_children(owner: Owner, spec: InferenceServiceSpec, sizing: EngineSiz
     deployment = Child(DEPLOYMENT, build_deployment(owner, spec, sizing, settings),
                        create_only=("spec.replicas",) if policy.autoscaled else ())
     children = [deployment, Child(SERVICE, build_service(owner))]
-    if sizing.disk_offload_gib > 0 and disk_claim_is_shared_child(policy):
+    if disk_claim_child(policy, sizing):
         children.append(Child(PVC, build_kv_disk_claim(owner, spec, sizing)))
     if spec.autoscaling.mode == "hpa":
         children.append(Child(HPA, build_hpa(owner, spec, settings)))

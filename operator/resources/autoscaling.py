@@ -30,19 +30,20 @@ def _target(owner: Owner) -> dict:
     return {"apiVersion": "apps/v1", "kind": "Deployment", "name": owner.name}
 
 
+def _pods_metric(name: str, per_pod: float) -> dict:
+    """An HPA ``Pods`` metric whose per-pod average should stay at ``per_pod``."""
+    return {"type": "Pods", "pods": {
+        "metric": {"name": name},
+        "target": {"type": "AverageValue", "averageValue": decimal_quantity(per_pod)},
+    }}
+
+
 def build_hpa(owner: Owner, spec: InferenceServiceSpec, settings: OperatorSettings) -> dict:
     """An autoscaling/v2 HPA averaging KV usage (and optionally queue length) per pod."""
     auto = spec.autoscaling
-    metrics = [{"type": "Pods", "pods": {
-        "metric": {"name": settings.hpa_kv_usage_metric},
-        "target": {"type": "AverageValue", "averageValue": decimal_quantity(auto.kv_cache_usage_target)},
-    }}]
+    metrics = [_pods_metric(settings.hpa_kv_usage_metric, auto.kv_cache_usage_target)]
     if auto.waiting_requests_target is not None:
-        metrics.append({"type": "Pods", "pods": {
-            "metric": {"name": settings.hpa_waiting_metric},
-            "target": {"type": "AverageValue",
-                       "averageValue": decimal_quantity(auto.waiting_requests_target)},
-        }})
+        metrics.append(_pods_metric(settings.hpa_waiting_metric, auto.waiting_requests_target))
     return {
         "apiVersion": "autoscaling/v2",
         "kind": "HorizontalPodAutoscaler",
@@ -50,36 +51,27 @@ def build_hpa(owner: Owner, spec: InferenceServiceSpec, settings: OperatorSettin
         "spec": {
             "scaleTargetRef": _target(owner),
             "minReplicas": auto.min_replicas,
-            "maxReplicas": auto.max_replicas or auto.min_replicas,
+            "maxReplicas": auto.ceiling,
             "metrics": metrics,
             "behavior": {"scaleDown": SCALE_DOWN_BEHAVIOR},
         },
     }
 
 
-def _promql(metric: str, owner: Owner, served_name: str) -> str:
-    return f'sum({metric}{{namespace="{owner.namespace}",model_name="{served_name}"}})'
+def _trigger(owner: Owner, spec: InferenceServiceSpec, metric: str, threshold: str) -> dict:
+    """A KEDA Prometheus trigger on the sum of ``metric`` over the service's pods."""
+    query = f'sum({metric}{{namespace="{owner.namespace}",model_name="{spec.model.served_name}"}})'
+    return {"type": "prometheus", "metricType": "AverageValue",
+            "metadata": {"serverAddress": spec.autoscaling.prometheus_server_address,
+                         "query": query, "threshold": threshold}}
 
 
 def build_scaledobject(owner: Owner, spec: InferenceServiceSpec) -> dict:
     """A KEDA ScaledObject with Prometheus triggers on the engine's vLLM-named series."""
     auto = spec.autoscaling
-    served = spec.model.served_name
-    triggers = [{
-        "type": "prometheus",
-        "metricType": "AverageValue",
-        "metadata": {"serverAddress": auto.prometheus_server_address,
-                     "query": _promql("vllm:kv_cache_usage_perc", owner, served),
-                     "threshold": f"{auto.kv_cache_usage_target:g}"},
-    }]
+    triggers = [_trigger(owner, spec, "vllm:kv_cache_usage_perc", f"{auto.kv_cache_usage_target:g}")]
     if auto.waiting_requests_target is not None:
-        triggers.append({
-            "type": "prometheus",
-            "metricType": "AverageValue",
-            "metadata": {"serverAddress": auto.prometheus_server_address,
-                         "query": _promql("vllm:num_requests_waiting", owner, served),
-                         "threshold": str(auto.waiting_requests_target)},
-        })
+        triggers.append(_trigger(owner, spec, "vllm:num_requests_waiting", str(auto.waiting_requests_target)))
     return {
         "apiVersion": "/".join(KEDA_API),
         "kind": "ScaledObject",
@@ -87,7 +79,7 @@ def build_scaledobject(owner: Owner, spec: InferenceServiceSpec) -> dict:
         "spec": {
             "scaleTargetRef": _target(owner),
             "minReplicaCount": auto.min_replicas,
-            "maxReplicaCount": auto.max_replicas or auto.min_replicas,
+            "maxReplicaCount": auto.ceiling,
             "pollingInterval": 15,
             "cooldownPeriod": 300,
             "triggers": triggers,

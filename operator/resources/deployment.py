@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from kvpilot.operator import constants as c
 from kvpilot.operator.resources.common import Owner, format_gib, gib_quantity
 from kvpilot.operator.resources.model import model_delivery
+from kvpilot.operator.resources.storage import disk_claim_spec
 from kvpilot.operator.settings import OperatorSettings
 from kvpilot.operator.sizing import EngineSizing
 from kvpilot.operator.spec import InferenceServiceSpec
@@ -50,15 +51,15 @@ class ReplicaPolicy:
     def of(cls, spec: InferenceServiceSpec, sizing: EngineSizing) -> ReplicaPolicy:
         auto = spec.autoscaling
         if auto.enabled:
-            top = auto.max_replicas or auto.min_replicas
-            return cls(min(max(sizing.replicas, auto.min_replicas), top), True, top)
+            return cls(min(max(sizing.replicas, auto.min_replicas), auto.ceiling), True, auto.ceiling)
         n = spec.replicas if spec.replicas is not None else sizing.replicas
         return cls(n, False, n)
 
 
-def disk_claim_is_shared_child(policy: ReplicaPolicy) -> bool:
-    """True when the disk tier is the PVC child (one replica at most), not per-pod claims."""
-    return policy.max_replicas <= 1
+def disk_claim_child(policy: ReplicaPolicy, sizing: EngineSizing) -> bool:
+    """True when the disk KV tier is the PVC child: a disk tier and one replica at most (a
+    ReadWriteOnce claim cannot follow several pods; those get per-pod claims instead)."""
+    return sizing.disk_offload_gib > 0 and policy.max_replicas <= 1
 
 
 def engine_args(spec: InferenceServiceSpec, sizing: EngineSizing, model_path: str) -> list[str]:
@@ -114,19 +115,10 @@ def _probe(period: int, failures: int, timeout: int) -> dict:
 
 def _disk_volume(owner: Owner, spec: InferenceServiceSpec, sizing: EngineSizing,
                  policy: ReplicaPolicy) -> dict:
-    if disk_claim_is_shared_child(policy):
+    if disk_claim_child(policy, sizing):
         return {"name": "kv-disk", "persistentVolumeClaim": {"claimName": owner.kv_disk_claim}}
-    claim_spec: dict = {"accessModes": ["ReadWriteOnce"],
-                        "resources": {"requests": {"storage": gib_quantity(disk_claim_gib(sizing))}}}
-    if spec.offload.storage_class:
-        claim_spec["storageClassName"] = spec.offload.storage_class
     return {"name": "kv-disk", "ephemeral": {"volumeClaimTemplate": {
-        "metadata": {"labels": owner.labels("kv-disk")}, "spec": claim_spec}}}
-
-
-def disk_claim_gib(sizing: EngineSizing) -> float:
-    """Claim size for a disk tier: the tier plus 5% + 1 GiB for the filesystem and temp files."""
-    return sizing.disk_offload_gib * 1.05 + 1.0
+        "metadata": {"labels": owner.labels("kv-disk")}, "spec": disk_claim_spec(spec, sizing)}}}
 
 
 def build_deployment(owner: Owner, spec: InferenceServiceSpec, sizing: EngineSizing,
@@ -190,8 +182,7 @@ def build_deployment(owner: Owner, spec: InferenceServiceSpec, sizing: EngineSiz
 
     # A single replica on a ReadWriteOnce disk claim cannot surge (the new pod could land on
     # another node and wait forever for the volume): replace it instead.
-    uses_rwo_child = sizing.disk_offload_gib > 0 and disk_claim_is_shared_child(policy)
-    strategy = ({"type": "Recreate"} if uses_rwo_child else
+    strategy = ({"type": "Recreate"} if disk_claim_child(policy, sizing) else
                 {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}})
     return {
         "apiVersion": "apps/v1",

@@ -8,6 +8,7 @@ The operator's own checks in ``kvpilot.operator.spec`` must agree with them.
 from __future__ import annotations
 
 import copy
+from dataclasses import fields
 
 import crd_schema
 import kubernetes_validate
@@ -17,8 +18,9 @@ import yaml
 from kvpilot.operator import constants as c
 from kvpilot.operator.planner.catalog import model_presets
 from kvpilot.operator.planner.gpu import gpu_names
+from kvpilot.operator.planner.slo import Overrides, ServiceLevel
 from kvpilot.operator.planning import STATUS_FIELDS, camel, plan_service
-from kvpilot.operator.spec import SpecError, parse_spec
+from kvpilot.operator.spec import ENGINE_FIELDS, SLO_FIELDS, SpecError, parse_spec, planner_name
 
 CRD = crd_schema.load_crd()
 SCHEMA = crd_schema.version_schema(CRD)
@@ -148,6 +150,27 @@ def test_operator_defaults_equal_the_crd_defaults():
     defaulted = crd_schema.apply_defaults(SCHEMA, sparse)
     assert defaulted != sparse  # the CRD did fill something in
     assert parse_spec(defaulted["spec"], "x") == parse_spec(sparse["spec"], "x")
+
+
+@pytest.mark.parametrize("section,table,planner_type", [("slo", SLO_FIELDS, ServiceLevel),
+                                                       ("engine", ENGINE_FIELDS, Overrides)])
+def test_slo_and_engine_fields_are_the_crds_and_name_planner_fields(section, table, planner_type):
+    """The operator reads every field of the section with the CRD's type and bounds, and
+    hands each to the planner field its name maps to."""
+    schema = SPEC["properties"][section]
+    declared = {name: prop for name, prop in schema["properties"].items() if prop["type"] != "array"}
+    assert set(table) == set(declared)  # spec.engine.extraArgs (the array) goes to the command line
+    json_type = {int: "integer", float: "number", bool: "boolean", str: "string"}
+    planner_fields = {f.name for f in fields(planner_type)}
+    for name, (kind, bounds) in table.items():
+        prop = declared[name]
+        assert json_type[kind] == prop["type"], name
+        assert bounds.get("minimum") == prop.get("minimum"), name
+        assert bounds.get("maximum") == prop.get("maximum"), name
+        assert bounds.get("exclusive_min", False) == prop.get("exclusiveMinimum", False), name
+        assert bounds.get("choices") == (tuple(prop["enum"]) if "enum" in prop else None), name
+        assert bounds.get("required", False) == (name in schema.get("required", ())), name
+        assert planner_name(name) in planner_fields, name
 
 
 def test_gpu_enum_is_the_planner_catalogue():

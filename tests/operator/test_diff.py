@@ -4,7 +4,17 @@ from __future__ import annotations
 
 from decimal import Decimal
 
-from kvpilot.operator.diff import contains, diff, drop_path, merge, quantity, removals
+from kube_emulator_api import merge_patch
+
+from kvpilot.operator.diff import (
+    contains,
+    diff,
+    drop_path,
+    quantity,
+    removals,
+    still_present,
+    union,
+)
 
 
 def test_contains_ignores_server_added_fields_but_not_changed_ones():
@@ -33,7 +43,7 @@ def test_removals_delete_what_was_applied_before_and_is_no_longer_wanted():
     patch = removals(previous, desired)
     assert patch == {"spec": {"nodeSelector": {"b": None}}, "metadata": {"labels": None}}
     actual = {"spec": {"nodeSelector": {"a": "1", "b": "2"}, "replicas": 2}, "metadata": {"labels": {"x": "y"}}}
-    assert merge(actual, patch) == {"spec": {"nodeSelector": {"a": "1"}, "replicas": 2}, "metadata": {}}
+    assert merge_patch(actual, patch) == {"spec": {"nodeSelector": {"a": "1"}, "replicas": 2}, "metadata": {}}
 
 
 def test_diff_is_the_inverse_of_merge():
@@ -41,10 +51,22 @@ def test_diff_is_the_inverse_of_merge():
     desired = {"a": 1, "b": {"c": [1, 2, 3], "d": "x"}, "new": {"k": "v"}}
     patch = diff(current, desired)
     assert patch == {"gone": None, "b": {"c": [1, 2, 3]}, "new": {"k": "v"}}
-    assert merge(current, patch) == desired
+    assert merge_patch(current, patch) == desired
     assert diff(desired, desired) == {}
 
 
 def test_drop_path():
     assert drop_path({"spec": {"replicas": 3, "x": 1}}, "spec.replicas") == {"spec": {"x": 1}}
     assert drop_path({"spec": {}}, "spec.replicas.deep") == {"spec": {}}
+
+
+def test_the_repair_patch_deletes_what_is_no_longer_wanted_and_sets_the_rest():
+    removal = {"spec": {"nodeSelector": {"b": None}}}
+    managed = {"spec": {"replicas": 2}, "metadata": {"name": "x"}}
+    patch = union(removal, managed)
+    assert patch == {"spec": {"nodeSelector": {"b": None}, "replicas": 2}, "metadata": {"name": "x"}}
+    actual = {"spec": {"nodeSelector": {"a": "1", "b": "2"}, "replicas": 3}}
+    assert still_present(actual, removal)
+    stored = merge_patch(actual, patch)  # what the API server makes of the patch
+    assert not still_present(stored, removal) and contains(stored, managed)
+    assert stored["spec"]["nodeSelector"] == {"a": "1"}
