@@ -15,7 +15,7 @@ from kvpilot.engine.server import routes_chat, routes_completions, routes_misc
 from kvpilot.engine.server.async_engine import AsyncEngine
 from kvpilot.engine.server.config import ServerConfig
 from kvpilot.engine.server.errors import install_error_handlers
-from kvpilot.engine.server.metrics import ServerMetrics, make_registry
+from kvpilot.engine.server.metrics import ServerMetrics
 from kvpilot.engine.server.routes_common import check_api_key
 from kvpilot.engine.server.routes_misc import server_version
 from kvpilot.engine.server.state import ServerState
@@ -33,20 +33,16 @@ def build_async_engine(build_engine: Callable, config: ServerConfig,
         config: server settings (waiting-queue bound, served model names).
         registry: the Prometheus registry the metrics go to.
     """
-    state: ServerState | None = None
 
     def on_ready(engine):
-        names = config.served_model_names
-        model_name = names[0] if names else engine.model_config.served_model_name
+        model_name = config.reported_model_name(engine.model_config.served_model_name)
         metrics = ServerMetrics(registry, model_name, engine.cache_info,
                                 engine.model_config.max_model_len, lambda: async_engine.stats)
-        state.metrics = metrics
         return metrics.record
 
     async_engine = AsyncEngine(build_engine, max_waiting_requests=config.max_waiting_requests,
                                on_ready=on_ready)
-    state = ServerState(engine=async_engine, config=config, registry=registry)
-    return async_engine, state
+    return async_engine, ServerState(engine=async_engine, config=config, registry=registry)
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -99,11 +95,3 @@ def _document_400_not_422(app: FastAPI) -> None:
         return app.openapi_schema
 
     app.openapi = openapi
-
-
-def create_app(build_engine: Callable, config: ServerConfig | None = None,
-               registry: CollectorRegistry | None = None) -> FastAPI:
-    """Convenience: the app for an engine built by ``build_engine`` (a fresh registry by default)."""
-    config = config or ServerConfig()
-    _, state = build_async_engine(build_engine, config, registry or make_registry())
-    return build_app(state)

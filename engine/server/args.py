@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
+from collections.abc import Callable
+from typing import TypeVar
 
 from kvpilot.engine.kv_budget import FP8_KV_DTYPES
 
@@ -36,6 +38,8 @@ _OFFLOAD_FIELDS = (
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
 _SIZE_POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
 
+T = TypeVar("T")
+
 
 def parse_size(text: str) -> int:
     """Parses a byte count: ``1073741824``, ``4G`` / ``4GB`` (10^9) or ``4Gi`` / ``4GiB`` (2^30)."""
@@ -52,20 +56,6 @@ def parse_size(text: str) -> int:
     return int(float(number) * base ** _SIZE_POWERS[unit.lower()])
 
 
-def _positive_int(text: str) -> int:
-    value = _int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = _int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
-    return value
-
-
 def _int(text: str) -> int:
     try:
         return int(text)
@@ -73,31 +63,30 @@ def _int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
 
 
-def _port(text: str) -> int:
-    value = _int(text)
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"port must be in 0..65535, got {text!r}")
-    return value
-
-
-def _fraction(text: str) -> float:
+def _float(text: str) -> float:
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"invalid number {text!r}") from None
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text!r}")
-    return value
 
 
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid number {text!r}") from None
-    if not value >= 0.0:  # also rejects nan
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
-    return value
+def _bounded(parse: Callable[[str], T], ok: Callable[[T], bool], requirement: str) -> Callable[[str], T]:
+    """An argparse ``type``: ``parse(text)``, rejected with ``requirement`` unless ``ok``."""
+
+    def convert(text: str) -> T:
+        value = parse(text)
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"{requirement}, got {text!r}")
+        return value
+
+    return convert
+
+
+_positive_int = _bounded(_int, lambda v: v >= 1, "must be a positive integer")
+_non_negative_int = _bounded(_int, lambda v: v >= 0, "must be >= 0")
+_port = _bounded(_int, lambda v: 0 <= v <= 65535, "port must be in 0..65535")
+_fraction = _bounded(_float, lambda v: 0.0 < v <= 1.0, "must be in (0, 1]")
+_non_negative_float = _bounded(_float, lambda v: v >= 0.0, "must be >= 0")  # also rejects nan
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

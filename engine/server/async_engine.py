@@ -10,6 +10,11 @@ NOTE (threading invariants):
 - Only the engine thread touches the engine's mutable state and ``_live``; the
   event loop reads just immutable attributes (tokenizer, configs, cache info) and
   the published ``EngineStats`` snapshot.
+- ``RequestOutput``s are handed to the event loop as ``step()`` returns them: the
+  engine builds fresh ``outputs`` / ``token_ids`` / ``logprobs`` lists for every
+  output and never appends to a list it has returned
+  (``tests/server/test_async_engine.py`` checks this); the engine thread's stats
+  tracker and the consumers only read them.
 - The engine thread sleeps on the condition when it has neither commands nor
   unfinished requests, so an idle server burns no CPU.
 - A step that raises fails every live request (their consumers see
@@ -93,15 +98,6 @@ class _Abort:
     request_id: str
 
 
-def _snapshot(out: RequestOutput) -> RequestOutput:
-    """Copies the lists the engine keeps appending to, so the event loop reads a stable view."""
-    return dataclasses.replace(out, outputs=[
-        dataclasses.replace(c, token_ids=list(c.token_ids),
-                            logprobs=None if c.logprobs is None else list(c.logprobs))
-        for c in out.outputs
-    ])
-
-
 class AsyncEngine:
     """Runs an engine on a background thread and streams outputs to asyncio consumers.
 
@@ -165,10 +161,6 @@ class AsyncEngine:
             self._thread.join(timeout)
 
     @property
-    def ready(self) -> bool:
-        return self._ready.is_set()
-
-    @property
     def healthy(self) -> bool:
         """Built, thread alive, not declared dead."""
         thread = self._thread
@@ -199,12 +191,6 @@ class AsyncEngine:
                 return stats
             waiting = self._num_waiting_locked()
         return dataclasses.replace(stats, num_waiting_reqs=waiting)
-
-    @property
-    def num_waiting(self) -> int:
-        """Requests waiting for a batch slot (engine queue plus submissions that will wait)."""
-        with self._cond:
-            return self._num_waiting_locked()
 
     def _num_waiting_locked(self, extra: int = 0) -> int:
         # Submissions the engine thread has not drained yet (a burst arrives faster than
@@ -258,11 +244,7 @@ class AsyncEngine:
                     return
         finally:
             if not finished:
-                self._submit(_Abort(request_id))
-
-    def abort(self, request_id: str) -> None:
-        """Aborts a request (thread-safe; unknown ids are ignored)."""
-        self._submit(_Abort(request_id))
+                self._submit_abort(request_id)
 
     def _submit_add(self, cmd: _Add) -> None:
         with self._cond:
@@ -278,9 +260,9 @@ class AsyncEngine:
             self._commands.append(cmd)
             self._cond.notify()
 
-    def _submit(self, cmd: _Abort) -> None:
+    def _submit_abort(self, request_id: str) -> None:
         with self._cond:
-            self._commands.append(cmd)
+            self._commands.append(_Abort(request_id))
             self._cond.notify()
 
     # ------------------------------------------------------------ engine thread
@@ -382,7 +364,7 @@ class AsyncEngine:
             live = self._live.get(out.request_id)
             if live is None:
                 continue  # aborted meanwhile
-            live.deliver(_snapshot(out))
+            live.deliver(out)
             if out.finished:
                 del self._live[out.request_id]
         iteration = self._tracker.on_outputs(outputs, now)

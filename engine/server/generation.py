@@ -2,7 +2,8 @@
 
 Builds ``SamplingParams`` from a request, checks lengths against the context,
 submits one engine request per prompt and turns engine exceptions into HTTP
-errors. The OpenAI-specific response shapes live in the route modules.
+errors. Tokenizing prompts is ``prompts``' job, answering (plain or streamed)
+``response``'s; the OpenAI-specific response shapes live in the route modules.
 """
 
 from __future__ import annotations
@@ -10,11 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from http import HTTPStatus
-from typing import TypeVar
-
-from fastapi import Request
 
 from kvpilot.engine.outputs import RequestOutput
 from kvpilot.engine.sampling_params import SamplingParams
@@ -34,8 +32,6 @@ from kvpilot.engine.server.errors import (
 )
 from kvpilot.engine.server.protocol import SamplingRequest, UsageInfo
 from kvpilot.engine.server.state import ServerState
-
-T = TypeVar("T")
 
 
 def random_id(prefix: str) -> str:
@@ -115,12 +111,6 @@ def sampling_params(body: SamplingRequest, *, max_tokens: int,
         )
     except ValueError as exc:
         raise bad_request(str(exc)) from None
-
-
-def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
-        raise bad_request(f"token ids must be in [0, {vocab_size}); got {bad[:5]}", param=param)
 
 
 def usage(outputs: list[RequestOutput]) -> UsageInfo:
@@ -219,32 +209,3 @@ class Generation:
         for stream in self._streams:
             with contextlib.suppress(Exception):
                 await stream.aclose()
-
-
-async def _wait_for_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T | None:
-    """Runs ``work`` until it finishes or the client disconnects (then cancels it).
-
-    Cancelling aborts the engine requests behind it, freeing their KV blocks. Returns
-    None when the client went away. Used before a response has started; once a
-    stream has begun, Starlette's own disconnect listener cancels the stream.
-    """
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-        # Let the cancelled work run its clean-up (the engine aborts) before returning.
-        await asyncio.gather(task, watcher, return_exceptions=True)
-    if task.cancelled():
-        return None
-    return task.result()

@@ -139,17 +139,21 @@ class EngineStatsCollector:
                  metrics: tuple[StatMetric, ...] = ENGINE_STAT_METRICS) -> None:
         self._source = source
         self._model_name = model_name
-        self._metrics = metrics
+        # Rows grouped by metric name once, not at every scrape.
+        groups: dict[str, list[StatMetric]] = {}
+        for metric in metrics:
+            groups.setdefault(metric.name, []).append(metric)
+        self._groups = tuple(tuple(rows) for rows in groups.values())
 
     def describe(self) -> list[Metric]:
         # Non-empty describe() lets the registry catch name clashes at registration.
-        return [self._family(rows[0]) for rows in self._groups().values()]
+        return [self._family(rows[0]) for rows in self._groups]
 
     def collect(self) -> Iterator[Metric]:
         stats = self._source()
         if stats is None:
             return
-        for rows in self._groups().values():
+        for rows in self._groups:
             family = None
             for metric in rows:
                 value = getattr(stats, metric.field, None)
@@ -160,12 +164,6 @@ class EngineStatsCollector:
                 family.add_metric([self._model_name, *(v for _, v in metric.labels)], float(value))
             if family is not None:
                 yield family
-
-    def _groups(self) -> dict[str, list[StatMetric]]:
-        groups: dict[str, list[StatMetric]] = {}
-        for metric in self._metrics:
-            groups.setdefault(metric.name, []).append(metric)
-        return groups
 
     @staticmethod
     def _family(metric: StatMetric) -> Metric:

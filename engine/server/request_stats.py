@@ -84,10 +84,10 @@ class RequestStatsTracker:
                 if state.last_token_time is None:
                     first = out.metrics.first_token_time or now
                     ttfts.append(max(0.0, first - state.arrival_time))
+                    state.last_token_time = first
                 else:
                     itls.append(max(0.0, now - state.last_token_time))
-                state.last_token_time = now if state.last_token_time is not None else (
-                    out.metrics.first_token_time or now)
+                    state.last_token_time = now
                 state.num_tokens = num_tokens
             if out.finished:
                 del self._requests[out.request_id]

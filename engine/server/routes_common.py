@@ -1,4 +1,4 @@
-"""Pieces every router uses: documented error responses and the API-key check."""
+"""Pieces every router uses: documented responses and the API-key check."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from http import HTTPStatus
 
 from fastapi import Request
 
+from kvpilot.engine.server import sse
 from kvpilot.engine.server.errors import INVALID_REQUEST, APIError
 from kvpilot.engine.server.protocol import ErrorResponse
 
@@ -21,6 +22,12 @@ ERROR_RESPONSES: dict[int | str, dict] = {
     int(HTTPStatus.SERVICE_UNAVAILABLE): {"model": ErrorResponse,
                                           "description": "engine loading or broken"},
 }
+
+
+def generation_responses(description: str) -> dict[int | str, dict]:
+    """The documented responses of a generation route: ``description`` of its 200 (JSON,
+    or an event stream with ``stream=true``) and the error responses."""
+    return {**ERROR_RESPONSES, 200: {"content": {sse.MEDIA_TYPE: {}}, "description": description}}
 
 
 def check_api_key(request: Request) -> None:

@@ -9,8 +9,8 @@ from fastapi import APIRouter, Depends, Response
 from fastapi.responses import JSONResponse
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 
-from kvpilot.engine.server.errors import UNAVAILABLE, bad_request, error_body
-from kvpilot.engine.server.generation import check_token_ids
+from kvpilot.engine.server.errors import UNAVAILABLE, error_body
+from kvpilot.engine.server.prompts import check_token_ids, encode_text, render_chat
 from kvpilot.engine.server.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -22,9 +22,8 @@ from kvpilot.engine.server.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
-from kvpilot.engine.server.routes_chat import render_chat
 from kvpilot.engine.server.routes_common import ERROR_RESPONSES, check_api_key
-from kvpilot.engine.server.state import ServerState, ready_state, server_state
+from kvpilot.engine.server.state import ServerState, not_serving_message, ready_state, server_state
 
 router = APIRouter()
 
@@ -43,10 +42,7 @@ async def health(state: ServerState = Depends(server_state)) -> Response:
     engine = state.engine
     if engine.healthy:
         return Response(status_code=HTTPStatus.OK)
-    if engine.error is not None:
-        message = f"the engine is not serving: {type(engine.error).__name__}: {engine.error}"
-    else:
-        message = "the engine is loading"
+    message = "the engine is loading" if engine.error is None else not_serving_message(engine.error)
     return JSONResponse(error_body(message, UNAVAILABLE), status_code=HTTPStatus.SERVICE_UNAVAILABLE)
 
 
@@ -81,10 +77,7 @@ async def tokenize(body: TokenizeRequest, state: ServerState = Depends(ready_sta
     if isinstance(body, TokenizeChatRequest):
         tokens = render_chat(engine.tokenizer, body.messages, body.add_generation_prompt)
     else:
-        try:
-            tokens = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        except Exception as exc:  # noqa: BLE001 - e.g. lone surrogates
-            raise bad_request(f"cannot tokenize the prompt: {exc}", param="prompt") from None
+        tokens = encode_text(engine.tokenizer, body.prompt, body.add_special_tokens)
     return TokenizeResponse(count=len(tokens), max_model_len=engine.model_config.max_model_len,
                             tokens=tokens)
 

@@ -1,4 +1,4 @@
-"""What the routes share: the async engine, the server config and the metrics."""
+"""What the routes share: the async engine, the server config and the metrics registry."""
 
 from __future__ import annotations
 
@@ -12,25 +12,21 @@ from prometheus_client import CollectorRegistry
 from kvpilot.engine.server.async_engine import AsyncEngine
 from kvpilot.engine.server.config import ServerConfig
 from kvpilot.engine.server.errors import UNAVAILABLE, APIError
-from kvpilot.engine.server.metrics import ServerMetrics
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class ServerState:
     """Per-app state, reached from a route as ``request.app.state.server``."""
 
     engine: AsyncEngine
     config: ServerConfig
     registry: CollectorRegistry
-    metrics: ServerMetrics | None = None
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
     def model_name(self) -> str:
         """The name reported in responses and in the metrics' ``model_name`` label."""
-        if self.config.served_model_names:
-            return self.config.served_model_names[0]
-        return self.engine.engine.model_config.served_model_name
+        return self.config.reported_model_name(self.engine.engine.model_config.served_model_name)
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -50,6 +46,11 @@ class ServerState:
         return self.model_name
 
 
+def not_serving_message(error: BaseException) -> str:
+    """Why a dead engine does not serve, as /health and the 503 of other routes say it."""
+    return f"the engine is not serving: {type(error).__name__}: {error}"
+
+
 def server_state(request: Request) -> ServerState:
     """FastAPI dependency: the app's state, whatever the engine's condition."""
     return request.app.state.server
@@ -61,8 +62,7 @@ def ready_state(request: Request) -> ServerState:
     engine = state.engine
     if not engine.healthy:
         if engine.error is not None:
-            message = f"the engine is not serving: {type(engine.error).__name__}: {engine.error}"
-            code = "engine_dead"
+            message, code = not_serving_message(engine.error), "engine_dead"
         else:
             message, code = "the engine is still loading; retry shortly", "engine_loading"
         raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, message, type=UNAVAILABLE, code=code,

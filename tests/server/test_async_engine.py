@@ -7,12 +7,14 @@ under test is how the server's engine thread and routes cope.
 from __future__ import annotations
 
 import asyncio
+import copy
 import threading
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvpilot.engine import SamplingParams
 from kvpilot.engine.server.app import build_app, build_async_engine
 from kvpilot.engine.server.config import ServerConfig
 from kvpilot.engine.server.metrics import make_registry
@@ -28,6 +30,20 @@ def _error_count(text: str) -> float:
             if s.name == "vllm:request_success_total" and s.labels["finished_reason"] == "error":
                 return s.value
     raise AssertionError("no vllm:request_success_total{finished_reason=error}")
+
+
+def test_step_outputs_are_never_modified_by_later_steps(offline_llm):
+    # The async engine hands step() outputs to the event loop without copying them.
+    engine = offline_llm.llm_engine
+    params = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=6, logprobs=2, ignore_eos=True)
+    engine.add_request("outputs-not-shared", "The capital of France is", params)
+    delivered = []
+    while engine.has_unfinished_requests():
+        delivered += [(out, copy.deepcopy(out)) for out in engine.step()]
+    assert len(delivered) >= 6
+    assert all(out.outputs and out.outputs[0].logprobs for out, _ in delivered)
+    for out, as_delivered in delivered:
+        assert out == as_delivered
 
 
 def test_loading_then_a_failing_step_then_a_dead_engine(offline_llm, monkeypatch):

@@ -1,0 +1,70 @@
+"""From request input to prompt token ids: plain text, token-id lists and the chat template.
+
+Shared by the generation routes and /tokenize so that a prompt is tokenized, and
+rejected, the same way everywhere: failures are 400 errors naming the field at fault.
+"""
+
+from __future__ import annotations
+
+from kvpilot.engine.server.errors import bad_request
+from kvpilot.engine.server.protocol import ChatMessage
+
+
+def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
+    """400 (naming ``param``) unless every id is in ``[0, vocab_size)``."""
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise bad_request(f"token ids must be in [0, {vocab_size}); got {bad[:5]}", param=param)
+
+
+def encode_text(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
+    """``tokenizer.encode(text)``; 400 on ``prompt`` for text it cannot encode (lone surrogates)."""
+    try:
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    except Exception as exc:  # noqa: BLE001 - e.g. lone surrogates
+        raise bad_request(f"cannot tokenize the prompt: {exc}", param="prompt") from None
+
+
+def completion_prompt_ids(prompt: str | list, tokenizer, vocab_size: int) -> list[list[int]]:
+    """Token ids of each prompt of a completions request.
+
+    Args:
+        prompt: ``CompletionRequest.prompt``: a text, a list of texts, a token-id list
+            or a list of token-id lists.
+        tokenizer: encodes the texts.
+        vocab_size: token ids must lie below it.
+    """
+    if isinstance(prompt, str):
+        prompts = [encode_text(tokenizer, prompt)]
+    elif isinstance(prompt[0], str):
+        prompts = [encode_text(tokenizer, text) for text in prompt]
+    elif isinstance(prompt[0], int):
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    for ids in prompts:
+        if not ids:
+            raise bad_request("prompt must not be empty", param="prompt")
+        check_token_ids(ids, vocab_size, "prompt")
+    return prompts
+
+
+def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                template_kwargs: dict | None = None) -> list[int]:
+    """Token ids of a conversation rendered with the model's chat template; 400 on failure.
+
+    The rendered text is encoded without special tokens: templates write their own BOS.
+    OpenAI's ``developer`` role is the newer name of ``system``; templates know only the latter.
+    """
+    plain = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
+              **({"name": m.name} if m.name else {})}
+             for m in messages]
+    try:
+        text = tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt,
+                                             **(template_kwargs or {}))
+        return tokenizer.encode(text, add_special_tokens=False)
+    except (ValueError, TypeError) as exc:  # ChatTemplateError is a ValueError
+        raise bad_request(f"cannot apply the chat template: {exc}", param="messages") from None
+    except Exception as exc:  # noqa: BLE001 - a template error is the request's fault
+        raise bad_request(f"cannot apply the chat template: {type(exc).__name__}: {exc}",
+                          param="messages") from None
