@@ -104,16 +104,35 @@ async def _shared_prefix_load(async_client, model: str) -> None:
     await asyncio.gather(*(one(s) for s in suffixes[1:]))
 
 
+async def _observed_while_running(async_client, model: str, prometheus: Prometheus) -> None:
+    """Streams a long request and holds it until Prometheus has scraped the KV usage it
+    causes: on a fast machine the shared-prefix load can finish between two scrapes."""
+    rng = random.Random(12)
+    stream = await async_client.completions.create(
+        model=model, prompt=[rng.randrange(1000, 100_000) for _ in range(200)], max_tokens=1500,
+        temperature=0, stream=True, extra_body={"ignore_eos": True})
+    async for _ in stream:
+        started = time.time()
+        await asyncio.to_thread(prometheus.wait_for_sample_after, "vllm:kv_cache_usage_perc", started)
+        break
+    await stream.close()      # a disconnect: the server aborts the request
+
+
 def test_prometheus_sees_kv_usage_prefix_hits_and_every_ttft(prometheus, server, metrics,
                                                              async_client, settings):
     ttft_count = "vllm:time_to_first_token_seconds_count"
     metrics.wait_until_idle()
     before = prometheus.wait_for_sample_after(ttft_count, time.time())
-    asyncio.run(_shared_prefix_load(async_client, settings.model))
+
+    async def load() -> None:    # one event loop: the async client is bound to it
+        await _shared_prefix_load(async_client, settings.model)
+        await _observed_while_running(async_client, settings.model, prometheus)
+
+    asyncio.run(load())
     metrics.wait_until_idle()
     after = prometheus.wait_for_sample_after(ttft_count, time.time())
 
-    assert after - before == NUM_REQUESTS
+    assert after - before == NUM_REQUESTS + 1     # the shared-prefix load and the held request
     peak_usage = prometheus.scalar("max_over_time(vllm:kv_cache_usage_perc[2m])")
     assert peak_usage is not None and 0 < peak_usage <= 1
     hit_rate = prometheus.scalar(
