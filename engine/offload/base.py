@@ -29,6 +29,7 @@ them), and at re-admission it takes whatever hits the device pool and tiers have
 
 from __future__ import annotations
 
+import abc
 import logging
 import time
 from dataclasses import dataclass, field
@@ -108,7 +109,7 @@ class _Prefetch:
     sources: list[Source] = field(default_factory=list)
 
 
-class OffloadBase:
+class OffloadBase(abc.ABC):
     """Shared half of every backend: prefetch bookkeeping, the load queue, counters.
 
     Subclasses implement ``_fetch`` (admission-time lookup + fetch), ``_queue_finished``
@@ -160,6 +161,7 @@ class OffloadBase:
 
     def on_evict(self, block_id: int, block_hash: BlockHash) -> None:
         """A cached device block is about to be reused (default: not saved)."""
+        return
 
     def on_free(self, request: Request, block_ids: list[int]) -> None:
         """A request released its blocks; a finished one's computed blocks are saved."""
@@ -220,11 +222,14 @@ class OffloadBase:
         return {}
 
     # ---- backend hooks --------------------------------------------------------
+    @abc.abstractmethod
     def _fetch(self, request: Request, start_block: int, max_blocks: int) -> list[Source]:
-        raise NotImplementedError
+        """Implemented by each backend."""
 
+    @abc.abstractmethod
     def _queue_finished(self, request: Request, block_ids: list[int]) -> None:
-        raise NotImplementedError
+        """Implemented by each backend."""
 
+    @abc.abstractmethod
     def _run_saves(self) -> None:
-        raise NotImplementedError
+        """Implemented by each backend."""
