@@ -98,3 +98,46 @@ def test_fp8_greedy_agreement_and_logprob_error(which, tiny_checkpoint, demo_mod
                   f"positions; max |log-prob error| over top-20: {err:.4f}")
     assert results["fp8_e4m3"] >= 0.90
     assert results["fp8_e5m2"] >= 0.75    # two mantissa bits: reported, held to a lower bar
+
+
+def test_checkpoint_kv_scales_are_loaded_and_win(tiny_checkpoint, tmp_path):
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoint("qwen3"), path)
+    tensors = load_file(path / "model.safetensors")
+    tensors["model.layers.0.self_attn.k_scale"] = torch.tensor(0.25)
+    tensors["model.layers.0.self_attn.v_scale"] = torch.tensor(0.5)
+    tensors["model.layers.1.self_attn.k_scale"] = torch.tensor(0.125)
+    tensors["model.layers.1.self_attn.v_scale"] = torch.tensor(2.0)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    llm = LLM(str(path), num_gpu_blocks=64, max_model_len=256, kv_cache_dtype="fp8",
+              calculate_kv_scales=True)
+    llm.generate([[5, 6, 7, 8, 9]], SamplingParams(temperature=0, max_tokens=2))
+    layers = [layer.self_attn for layer in llm.llm_engine.runner.model.layers]
+    assert [(a.k_scale.item(), a.v_scale.item()) for a in layers] == [(0.25, 0.5), (0.125, 2.0)]
+
+
+def test_sliding_window_layers_can_keep_the_model_dtype(tiny_checkpoint):
+    import torch
+
+    # Qwen2 convention: layers from max_window_layers on use the sliding window.
+    path = str(tiny_checkpoint("qwen2", use_sliding_window=True, sliding_window=512, max_window_layers=1))
+    budget = 2_000_000
+    mixed = LLM(path, kv_cache_memory_bytes=budget, max_model_len=512, kv_cache_dtype="fp8",
+                kv_cache_dtype_skip_sliding_window=True)
+    runner = mixed.llm_engine.runner
+    assert runner.layer_kv_dtypes == [torch.float8_e4m3fn, torch.float32]
+    assert [c.dtype for c in runner.kv_caches] == [torch.float8_e4m3fn, torch.float32]
+    per_token = 2 * 2 * 16 * (1 + 4)           # K+V x kv_heads x head_dim x (fp8 + fp32 bytes)
+    assert mixed.llm_engine.cache_info.bytes_per_block == per_token * 16
+    assert mixed.llm_engine.cache_info.num_gpu_blocks == budget // (per_token * 16)
+    out = mixed.generate([[5, 6, 7, 8, 9] * 5], SamplingParams(temperature=0, max_tokens=4))[0]
+    assert len(out.outputs[0].token_ids) == 4
+    uniform = LLM(path, kv_cache_memory_bytes=budget, max_model_len=512, kv_cache_dtype="fp8")
+    assert uniform.llm_engine.runner.layer_kv_dtypes == [torch.float8_e4m3fn] * 2
+    with pytest.raises(ValueError, match="sliding-window attention"):
+        LLM(path, kv_cache_memory_bytes=budget, max_model_len=1024)
