@@ -101,7 +101,7 @@ class LLMEngine:
         self.runner = ModelRunner(model_config, cache_config, device, args.attention_backend)
         arch = model_config.arch
         kv_dtype = cache_config.kv_dtype_name(model_config.dtype)
-        layer_bytes = tuple(torch.empty(0, dtype=d).element_size() for d in self.runner.layer_kv_dtypes)
+        layer_bytes = tuple(d.itemsize for d in self.runner.layer_kv_dtypes)
         layout = KVLayout(arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim,
                           cache_config.kv_dtype_bytes(model_config.dtype), cache_config.block_size,
                           layer_dtype_bytes=layer_bytes if len(set(layer_bytes)) > 1 else ())

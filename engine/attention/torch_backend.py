@@ -8,12 +8,13 @@ causal mask offset by their cached context. Accumulation is float32 when the inp
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 
 from kvpilot.engine.attention.metadata import AttentionMetadata
-
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+from kvpilot.kernels.fp8 import FP8_DTYPES  # torch-only module: no triton import
 
 
 def quantize_kv(x: torch.Tensor, scale: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
@@ -79,7 +80,7 @@ def paged_attention(
     out = torch.zeros_like(query)
     compute_dtype = torch.float32 if query.dtype != torch.float64 else query.dtype
     block_size = kv_cache.shape[2]
-    starts = metadata.query_start_loc.tolist()
+    starts = [0, *itertools.accumulate(metadata.query_lens_cpu)]   # host copy: no device sync
     decode_ids = [i for i, q in enumerate(metadata.query_lens_cpu) if q == 1]
     other_ids = [i for i, q in enumerate(metadata.query_lens_cpu) if q > 1]
 

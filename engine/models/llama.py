@@ -14,6 +14,7 @@ from torch import nn
 
 from kvpilot.engine.attention.backend import AttentionBackend
 from kvpilot.engine.attention.metadata import AttentionMetadata
+from kvpilot.engine.attention.torch_backend import FP8_DTYPES
 from kvpilot.engine.hf_config import ArchConfig
 from kvpilot.engine.layers.norm import RMSNorm
 from kvpilot.engine.layers.rotary import RotaryEmbedding
@@ -60,7 +61,7 @@ class Attention(nn.Module):
     def _calibrate(self, k: torch.Tensor, v: torch.Tensor, cache_dtype: torch.dtype) -> None:
         """Scales = amax / dtype max of this batch's K and V (fp8 caches only), then fixed."""
         self.calibrate_kv_scales = False
-        if cache_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        if cache_dtype not in FP8_DTYPES:
             return
         limit = torch.finfo(cache_dtype).max
         tiny = torch.finfo(torch.float32).tiny
