@@ -2,7 +2,25 @@
 
 The public offline API mirrors vLLM's: ``from kvpilot.engine import LLM, SamplingParams``.
 Heavy names are imported lazily (PEP 562) so that torch-free modules such as
-``kvpilot.engine.kv_budget`` can be imported by the operator, whose image has no torch.
+``kvpilot.engine.core.kv_layout`` can be imported by the operator, whose image has no torch.
+
+Layout, by the path a request takes (each sub-package's docstring says what it may import):
+
+- top level: the public API: ``LLM`` (``llm.py``), ``LLMEngine`` (``llm_engine.py``: add
+  requests, ``step()``), ``EngineArgs`` (``engine_args.py``), ``SamplingParams``,
+  ``RequestOutput`` (``outputs.py``), ``EngineStats`` (``stats.py``) and the frozen
+  configs (``config.py``).
+- ``core/`` (torch-free): what a step decides: block hashing, the block pool, the KV cache
+  manager, requests, queues, the scheduler, the KV transfer list, shared constants and the
+  KV formula.
+- ``model/`` (torch): what a step computes: the model runner, checkpoint loading, HF
+  config reading, sampling, memory profiling, attention backends, layers and models
+  (the demo model included).
+- ``text/`` (no torch): tokens <-> text: tokenizer, tiktoken conversion, detokenizer, stop
+  checks, chat templates.
+- ``offload/``: KV offload tiers (host memory, disk, LMCache).
+- ``server/``: the OpenAI-compatible HTTP server; ``cli/``: the ``kvpilot`` command;
+  ``bench/``: benchmarks.
 """
 
 from importlib import import_module
@@ -14,6 +32,7 @@ _LAZY = {
     "EngineArgs": "kvpilot.engine.engine_args",
     "RequestOutput": "kvpilot.engine.outputs",
     "CompletionOutput": "kvpilot.engine.outputs",
+    "EngineStats": "kvpilot.engine.stats",
 }
 
 __all__ = sorted(_LAZY)

@@ -7,12 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvpilot.engine.hf_config import ArchConfig
-from kvpilot.engine.kv_budget import FP8_KV_DTYPES, KV_DTYPE_BYTES
-from kvpilot.engine.request_queue import SCHEDULING_POLICIES
-
-KV_CACHE_DTYPES = ("auto", *FP8_KV_DTYPES)
-MODEL_DTYPES = ("auto", "float32", "float16", "bfloat16")
+from kvpilot.engine.core.constants import KV_CACHE_DTYPES, MODEL_DTYPES
+from kvpilot.engine.core.kv_layout import KV_DTYPE_BYTES
+from kvpilot.engine.core.request_queue import SCHEDULING_POLICIES
+from kvpilot.engine.model.hf_config import ArchConfig
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvpilot.engine.config import CacheConfig, ModelConfig, SchedulerConfig
-from kvpilot.engine.hf_config import load_arch_config
+from kvpilot.engine.core.constants import MODEL_DTYPES
+from kvpilot.engine.model.hf_config import load_arch_config
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ class EngineArgs:
         """Validate and resolve everything that does not need the model loaded."""
         model_dir = self.model
         if model_dir is None:
-            from kvpilot.engine.demo_model import ensure_demo_model
+            from kvpilot.engine.model.models.demo import ensure_demo_model
 
             model_dir = str(ensure_demo_model())
         if not Path(model_dir).is_dir():
@@ -71,7 +72,7 @@ class EngineArgs:
         if dtype == "auto":
             # 16-bit matmuls are slow on most CPUs: compute in float32 there.
             dtype = arch.dtype if device != "cpu" else "float32"
-            if dtype not in ("float32", "float16", "bfloat16"):
+            if dtype not in MODEL_DTYPES:
                 dtype = "bfloat16"
         max_model_len = self.max_model_len or arch.max_position_embeddings
         if arch.sliding_window and max_model_len > arch.sliding_window:

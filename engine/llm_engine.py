@@ -13,22 +13,22 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvpilot.engine.block_hash import root_hash
 from kvpilot.engine.config import KVCacheInfo, SchedulerConfig
-from kvpilot.engine.detokenizer import IncrementalDetokenizer
+from kvpilot.engine.core.block_hash import root_hash
+from kvpilot.engine.core.kv_cache_manager import KVCacheManager
+from kvpilot.engine.core.kv_layout import KVLayout
+from kvpilot.engine.core.request import Request, RequestStatus
+from kvpilot.engine.core.scheduler import Scheduler
 from kvpilot.engine.engine_args import EngineArgs, model_fingerprint
-from kvpilot.engine.kv_budget import KVLayout
-from kvpilot.engine.kv_cache_manager import KVCacheManager
-from kvpilot.engine.kv_sizing import determine_num_blocks
-from kvpilot.engine.model_runner import ModelRunner
+from kvpilot.engine.model.memory_profiling import determine_num_blocks
+from kvpilot.engine.model.runner import ModelRunner
+from kvpilot.engine.model.sampler import SampleResult
 from kvpilot.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from kvpilot.engine.request import Request, RequestStatus
-from kvpilot.engine.sampler import SampleResult
 from kvpilot.engine.sampling_params import SamplingParams
-from kvpilot.engine.scheduler import Scheduler
 from kvpilot.engine.stats import EngineStats
-from kvpilot.engine.stop_checker import check_token_stop, find_stop_string
-from kvpilot.engine.tokenizer import Tokenizer
+from kvpilot.engine.text.detokenizer import IncrementalDetokenizer
+from kvpilot.engine.text.stop import check_token_stop, find_stop_string
+from kvpilot.engine.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -89,60 +89,86 @@ class _Parent:
 
 
 class LLMEngine:
+    """Start-up is four named steps: load the model, size the KV cache, allocate it, and
+    build the scheduler side (block tables, prefix cache, KV offload)."""
+
     def __init__(self, args: EngineArgs) -> None:
         model_config, cache_config, scheduler_config = args.create_configs()
         offload_config = args.create_offload_config()   # validated before the model loads
         self.args = args
         self.model_config = model_config
+        self.cache_config = cache_config
         self.scheduler_config: SchedulerConfig = scheduler_config
         self.tokenizer = Tokenizer.from_pretrained(model_config.model)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(model_config.arch.eos_token_ids)
-        device = torch.device(args.resolve_device())
-        self.runner = ModelRunner(model_config, cache_config, device, args.attention_backend)
-        arch = model_config.arch
-        kv_dtype = cache_config.kv_dtype_name(model_config.dtype)
-        layer_bytes = tuple(d.itemsize for d in self.runner.layer_kv_dtypes)
-        layout = KVLayout(arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim,
-                          cache_config.kv_dtype_bytes(model_config.dtype), cache_config.block_size,
-                          layer_dtype_bytes=layer_bytes if len(set(layer_bytes)) > 1 else ())
-        num_blocks = determine_num_blocks(layout, cache_config, self.runner, scheduler_config)
-        capacity = layout.token_capacity(num_blocks)
-        if capacity < model_config.max_model_len:
-            raise ValueError(
-                f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {layout.block_size}), "
-                f"fewer than max_model_len={model_config.max_model_len}; the largest max_model_len "
-                f"that fits is {capacity}. Give the cache more memory (kv_cache_memory_bytes / "
-                f"gpu_memory_utilization) or lower max_model_len.")
-        self.runner.allocate_kv_cache(num_blocks)
-        self.cache_info = KVCacheInfo(
-            num_gpu_blocks=num_blocks, block_size=layout.block_size, kv_cache_dtype=kv_dtype,
-            bytes_per_block=layout.bytes_per_block, kv_cache_memory_bytes=layout.memory_for_blocks(num_blocks),
-            enable_prefix_caching=cache_config.enable_prefix_caching,
-            gpu_memory_utilization=cache_config.gpu_memory_utilization,
-        )
-        fingerprint = f"{model_fingerprint(model_config.model)}|{kv_dtype}|{layout.block_size}"
+        self.runner = ModelRunner(model_config, cache_config, torch.device(args.resolve_device()),
+                                  args.attention_backend)
+        layout = self._kv_layout()
+        num_blocks = self._size_kv_cache(layout)
+        self.cache_info = self._allocate_kv_cache(layout, num_blocks)
+        # The prefix hash chain's root: stable across restarts and processes (the offload
+        # tiers key blocks on it), distinct per model, KV dtype and block size.
+        hash_root = root_hash(cache_config.prefix_caching_hash_seed,
+                              f"{model_fingerprint(model_config.model)}|{self.cache_info.kv_cache_dtype}"
+                              f"|{layout.block_size}")
+        self.kv_offload = self._create_offload(offload_config, layout, hash_root)
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, layout.block_size, cache_config.enable_prefix_caching,
-            root_hash(cache_config.prefix_caching_hash_seed, fingerprint))
-        self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager)
-        # KV offload strategy (kvpilot.engine.offload); None when off, so nothing changes.
-        self.kv_offload = None
-        if offload_config is not None:
-            from kvpilot.engine.offload import create_kv_offload
-
-            self.kv_offload = create_kv_offload(offload_config, kv_caches=self.runner.kv_caches,
-                                                block_size=layout.block_size,
-                                                hash_root=self.kv_cache_manager.hash_root)
-            self.kv_cache_manager.set_offload(self.kv_offload)
-            self.runner.kv_transfer = self.kv_offload
+            num_blocks, layout.block_size, cache_config.enable_prefix_caching, hash_root,
+            record_evictions=self.kv_offload is not None)
+        self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager, offload=self.kv_offload)
+        self.runner.kv_transfer = self.kv_offload
         self._parents: dict[str, _Parent] = {}
         self._children: dict[str, _Child] = {}
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._num_steps = 0
+
+    # ---- start-up steps -----------------------------------------------------
+    def _kv_layout(self) -> KVLayout:
+        """The cache's shape per the shared KV formula (per-layer dtypes where they differ)."""
+        arch, cache = self.model_config.arch, self.cache_config
+        layer_bytes = tuple(d.itemsize for d in self.runner.layer_kv_dtypes)
+        return KVLayout(arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim,
+                        cache.kv_dtype_bytes(self.model_config.dtype), cache.block_size,
+                        layer_dtype_bytes=layer_bytes if len(set(layer_bytes)) > 1 else ())
+
+    def _size_kv_cache(self, layout: KVLayout) -> int:
+        """Blocks to allocate (given, from a byte budget, or by profiling); must hold one
+        ``max_model_len`` sequence."""
+        num_blocks = determine_num_blocks(layout, self.cache_config, self.runner, self.scheduler_config)
+        capacity = layout.token_capacity(num_blocks)
+        max_len = self.model_config.max_model_len
+        if capacity < max_len:
+            raise ValueError(
+                f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {layout.block_size}), "
+                f"fewer than max_model_len={max_len}; the largest max_model_len "
+                f"that fits is {capacity}. Give the cache more memory (kv_cache_memory_bytes / "
+                f"gpu_memory_utilization) or lower max_model_len.")
+        return num_blocks
+
+    def _allocate_kv_cache(self, layout: KVLayout, num_blocks: int) -> KVCacheInfo:
+        cache = self.cache_config
+        self.runner.allocate_kv_cache(num_blocks)
+        info = KVCacheInfo(
+            num_gpu_blocks=num_blocks, block_size=layout.block_size,
+            kv_cache_dtype=cache.kv_dtype_name(self.model_config.dtype),
+            bytes_per_block=layout.bytes_per_block, kv_cache_memory_bytes=layout.memory_for_blocks(num_blocks),
+            enable_prefix_caching=cache.enable_prefix_caching,
+            gpu_memory_utilization=cache.gpu_memory_utilization,
+        )
         logger.info("KV cache: %d blocks x %d tokens (%s, %.2f GiB); max_model_len %d",
-                    num_blocks, layout.block_size, kv_dtype,
-                    self.cache_info.kv_cache_memory_bytes / (1 << 30), model_config.max_model_len)
+                    num_blocks, layout.block_size, info.kv_cache_dtype,
+                    info.kv_cache_memory_bytes / (1 << 30), self.model_config.max_model_len)
+        return info
+
+    def _create_offload(self, offload_config, layout: KVLayout, hash_root: bytes):
+        """The KV offload backend over the allocated cache, or None when offload is off."""
+        if offload_config is None:
+            return None
+        from kvpilot.engine.offload import create_kv_offload
+
+        return create_kv_offload(offload_config, kv_caches=self.runner.kv_caches,
+                                 block_size=layout.block_size, hash_root=hash_root)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -219,6 +245,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         if sched.is_empty:
+            if sched.kv_transfers:
+                self.runner.execute_kv_transfers(sched.kv_transfers)
             return []
         self._num_steps += 1
         results = self.runner.execute(sched)
@@ -234,7 +262,7 @@ class LLMEngine:
             if parent.finished:
                 self._parents.pop(rid, None)
         if self.kv_offload is not None and not self.scheduler.has_unfinished_requests():
-            self.kv_offload.on_idle()   # save finished requests' blocks now, not next step
+            self._run_pending_kv_transfers()   # save finished requests' blocks now, not next step
         return outputs
 
     def _process_token(self, child: _Child, result: SampleResult) -> None:
@@ -305,7 +333,13 @@ class LLMEngine:
         """Forget the device pool's cached blocks (offload tiers keep theirs)."""
         return self.kv_cache_manager.reset_prefix_cache()
 
+    def _run_pending_kv_transfers(self) -> None:
+        transfers = self.scheduler.take_kv_transfers()
+        if transfers:
+            self.runner.execute_kv_transfers(transfers)
+
     def close(self) -> None:
         """Finish background work (KV offload saves and disk writes) and release it."""
         if self.kv_offload is not None:
+            self._run_pending_kv_transfers()
             self.kv_offload.close()

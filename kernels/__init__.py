@@ -1,16 +1,23 @@
 """Triton kernels for the paged KV cache: KV store and unified paged attention.
 
-Names are resolved lazily so that importing ``kvpilot.kernels`` (or running
-``python -m kvpilot.kernels.bench_gpu``) does not import triton before the caller had a
-chance to set ``TRITON_INTERPRET``.
+Names are resolved lazily so that importing ``kvpilot.kernels`` does not import triton
+before the caller had a chance to set ``TRITON_INTERPRET``.
+
+May import: torch, triton, numpy. Never ``kvpilot.engine`` (the engine builds on the
+kernels, not the other way round; ``tests/test_layering.py`` checks it).
 
 - ``store_kv_cache`` / ``store_kv_cache_ref``: write new K/V into their cache slots
   (fp8 quantization with per-tensor scales).
 - ``unified_attention`` / ``unified_attention_ref``: causal varlen attention over the
   paged cache (prefill, chunked prefill, decode; GQA; fp8 dequantization).
 - ``kvpilot.kernels.fp8``: fp8 dtypes, limits and the torch quantizer (no triton).
+- ``kvpilot.kernels.attention_metadata``: ``AttentionMetadata``, the varlen batch the
+  kernels and the engine's torch path read.
 - ``kvpilot.kernels.paged_batch``: random varlen paged batches for tests and benchmarks.
-- ``python -m kvpilot.kernels.bench_gpu``: compiled-kernel checks and timings on CUDA.
+
+Compiled-kernel checks and timings on CUDA live with the engine's benchmarks
+(``python -m kvpilot.engine.bench.kernels_gpu``), since they also compare with the
+engine's torch path.
 """
 
 from __future__ import annotations

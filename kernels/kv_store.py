@@ -13,7 +13,7 @@ e4m3 values and ~5% of e5m2 values) and casts fp32 to bf16 by truncation. So whi
 interpreting, the launcher by default does any dtype conversion with torch first and the
 kernel only moves bytes (``convert_in_kernel=None``). The tests also force
 ``convert_in_kernel=True`` on CPU and assert that every mismatch is one of those known
-interpreter errors; ``python -m kvpilot.kernels.bench_gpu`` checks the compiled in-kernel
+interpreter errors; ``python -m kvpilot.engine.bench.kernels_gpu`` checks the compiled in-kernel
 conversion byte for byte against torch's cast.
 """
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpilot.engine.attention.metadata import AttentionMetadata
+from kvpilot.kernels.attention_metadata import AttentionMetadata
 from kvpilot.kernels.fp8 import is_fp8, quantize_fp8_ref
 
 NAN_BYTE = 0x7F   # a NaN in float8_e4m3fn and in float8_e5m2
@@ -117,11 +117,9 @@ def make_paged_batch(
         num_actual_tokens=new_slots.numel(),
         query_start_loc=starts.to(dev),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-        context_lens=torch.tensor([c for c, _ in specs], dtype=torch.int32, device=dev),
         block_tables=tables.to(dev),
         slot_mapping=slot_mapping.to(dev),
         max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
         query_lens_cpu=query_lens,
         seq_lens_cpu=seq_lens,
     )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from kvpilot.engine.core.constants import DEFAULT_OFFLOAD_DISK_PATH
+
 GROUP = "serving.kvpilot.dev"
 VERSION = "v1alpha1"
 PLURAL = "inferenceservices"
@@ -27,7 +29,7 @@ HTTP_PORT = 8000
 SERVICE_HTTP_PORT = 80
 SERVICE_METRICS_PORT = 8000
 MODEL_MOUNT = "/models"
-KV_DISK_MOUNT = "/var/cache/kvpilot/kv"
+KV_DISK_MOUNT = DEFAULT_OFFLOAD_DISK_PATH   # the engine's default --kv-offloading-disk-path
 API_KEY_ENV = "KVPILOT_API_KEY"
 
 # Condition types in status.conditions.

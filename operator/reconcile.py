@@ -27,13 +27,13 @@ import kopf
 from kvpilot.operator import constants as c
 from kvpilot.operator.diff import contains, diff, drop_path, removals, still_present, union
 from kvpilot.operator.kube import KubeApi, KubeError
-from kvpilot.operator.planning import PlanOutcome, plan_service
 from kvpilot.operator.resources import DEPLOYMENT, Child, desired_children, possible_children
 from kvpilot.operator.resources.common import Owner
 from kvpilot.operator.resources.monitoring import PODMONITOR_API
 from kvpilot.operator.resources.service import endpoint
 from kvpilot.operator.settings import OperatorSettings
 from kvpilot.operator.spec import SpecError, parse_spec
+from kvpilot.operator.spec_to_plan import PlanOutcome, plan_service
 from kvpilot.operator.status import (
     Condition,
     DeploymentState,

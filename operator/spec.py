@@ -18,8 +18,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpilot.operator.planner.request import snake_case
-from kvpilot.operator.planner.slo import KV_CACHE_DTYPES, OFFLOAD_BACKENDS, ServiceLevel
+from kvpilot.engine.core.constants import KV_CACHE_DTYPES, OFFLOAD_BACKENDS
+from kvpilot.operator.planner.plan_request import snake_case
+from kvpilot.operator.planner.slo import ServiceLevel
 from kvpilot.operator.spec_reader import Reader, SpecError
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)

@@ -27,6 +27,6 @@ os.environ["KVPILOT_CACHE_DIR"] = _CACHE.name
 @pytest.fixture(scope="session")
 def demo_model_dir() -> Path:
     """The built-in demo checkpoint (built on first use in this session's cache)."""
-    from kvpilot.engine.demo_model import ensure_demo_model
+    from kvpilot.engine.model.models.demo import ensure_demo_model
 
     return ensure_demo_model()

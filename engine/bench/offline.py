@@ -114,11 +114,11 @@ def run_hf(model_dir: str, wl: Workload, batch_size: int) -> float:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from kvpilot.engine.hf_config import load_arch_config
+    from kvpilot.engine.model.hf_config import load_arch_config
 
     model_dir = args.model
     if model_dir is None:
-        from kvpilot.engine.demo_model import ensure_demo_model
+        from kvpilot.engine.model.models.demo import ensure_demo_model
 
         model_dir = str(ensure_demo_model())
     torch.manual_seed(0)

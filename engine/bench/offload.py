@@ -63,7 +63,7 @@ TRANSFERS = (("GPU_to_CPU", "kv_offload_gpu_to_cpu_bytes"), ("CPU_to_GPU", "kv_o
 
 def run_scenario(name: str, model_dir: str, args, offload: dict) -> Result:
     from kvpilot.engine import LLM, SamplingParams
-    from kvpilot.engine.hf_config import load_arch_config
+    from kvpilot.engine.model.hf_config import load_arch_config
 
     vocab = load_arch_config(model_dir).vocab_size
     rng = random.Random(args.seed)
@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
 
     model_dir = args.model
     if model_dir is None:
-        from kvpilot.engine.demo_model import ensure_demo_model
+        from kvpilot.engine.model.models.demo import ensure_demo_model
 
         model_dir = str(ensure_demo_model())
     print(f"model: {model_dir}; prefix {args.prefix_len} + suffix {args.suffix_len} tokens; "

@@ -1,8 +1,11 @@
 """KV offload: the prefix cache extended into host memory, disk, or LMCache.
 
-``create_kv_offload`` builds the strategy object the engine core calls (see
-``base.py`` for the protocol and its invariants); the engine holds ``None`` instead
-when offload is off, so that path is unchanged. ``OffloadConfig`` is torch-free.
+``create_kv_offload`` builds the backend; the scheduler calls its lookup half and the
+runner its executor half (see ``base.py`` for the protocol and its invariants); the engine
+holds ``None`` instead when offload is off, so that path is unchanged. ``OffloadConfig``
+is torch-free.
+
+May import: torch, ``kvpilot.engine.core``, and LMCache (only in its backend).
 """
 
 from __future__ import annotations

@@ -1,26 +1,21 @@
-"""The offload strategy the engine core calls, and what every backend shares.
+"""What every offload backend shares: the lookup half and the executor half.
 
-The core holds one strategy object (``None`` when offload is off) and calls it at these
-points; nothing else in the core knows about offloading:
+Wiring runs one way, as vLLM's KV connector does:
 
-- admission (``KVCacheManager.find_prefix_hit``): ``find_hit(request, num_device_blocks)``
-  extends the device-pool prefix hit with blocks from the offload tiers. The blocks are
-  fetched into host memory right here (a disk read or an LMCache retrieve; a host-tier
-  hit is just a reference), so a granted hit can never fail later; the fetch is kept
-  for the request if it cannot be admitted this step.
-- after the blocks are allocated (``record_admission``): ``on_admitted`` queues the
-  host-to-device loads into the request's new blocks.
-- eviction (``BlockPool.on_evict``) and a finished request's release
-  (``KVCacheManager.free``): ``on_evict`` / ``on_free`` queue device-to-host saves.
-- the start of ``ModelRunner.execute``, before the forward pass: ``execute_transfers``
-  runs the queued saves, then the queued loads.
+- the scheduler calls the lookup half at admission: ``find_hit`` extends the device
+  prefix hit with blocks from the tiers, fetched into host memory right there (a disk
+  read or an LMCache retrieve; a host-tier hit is just a reference), so a granted hit can
+  never fail later; the fetch is kept for the request if it cannot be admitted this
+  step, and ``forget`` drops it when the request leaves;
+- the scheduler lists the step's saves (blocks the pool evicted, finished requests'
+  blocks) and admissions in ``SchedulerOutput.kv_transfers`` (``core/kv_transfer.py``);
+- the runner calls the executor half, ``execute(transfers)``, before the forward pass:
+  the saves, then the loads of the admitted requests' hits into their new blocks.
 
-Invariant that makes this safe: between the moment a save is queued and the start of
-the next ``execute`` nothing writes to the device block (blocks are only written by
-loads and the forward pass), and saves run before loads, so a block that is evicted
-and reused in the same step is saved before it is overwritten, and loaded KV is in
-place before attention reads it. When the engine goes idle, ``on_idle`` runs the saves
-that would otherwise wait for the next step.
+The block pool and the KV cache manager know nothing about offloading. Saves run before
+loads, so a block evicted and reused in the same step is saved before it is overwritten,
+and loaded KV is in place before attention reads it. When the engine goes idle it hands
+the listed saves to ``execute`` at once rather than at the next step.
 
 Preemption still means recompute: a preempted request's blocks are not written through
 as a finished request's are (only, like any cached block, saved if the pool evicts
@@ -32,13 +27,15 @@ from __future__ import annotations
 import abc
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 
-from kvpilot.engine.block_hash import BlockHash
+from kvpilot.engine.core.block_hash import BlockHash
+from kvpilot.engine.core.kv_transfer import KVTransfers
+from kvpilot.engine.core.request import Request
 from kvpilot.engine.offload.block_io import BlockIO
-from kvpilot.engine.request import Request
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +63,7 @@ class OffloadCounters:
     gpu_to_cpu: int = 0       # bytes saved from the device KV cache into host memory
     cpu_to_gpu: int = 0       # bytes loaded from host memory into the device KV cache
     fetch_seconds: float = 0.0      # time spent fetching hits at admission (disk reads...)
-    transfer_seconds: float = 0.0   # time spent in execute_transfers (saves + loads)
+    transfer_seconds: float = 0.0   # time spent in execute() (saves + loads)
 
 
 TRANSFER_TYPES = ("GPU_to_CPU", "CPU_to_GPU", "CPU_to_disk", "disk_to_CPU")
@@ -110,10 +107,9 @@ class _Prefetch:
 
 
 class OffloadBase(abc.ABC):
-    """Shared half of every backend: prefetch bookkeeping, the load queue, counters.
+    """Shared half of every backend: prefetch bookkeeping, loads, counters.
 
-    Subclasses implement ``_fetch`` (admission-time lookup + fetch), ``_queue_finished``
-    and ``_run_saves``, and may override ``on_evict``.
+    Subclasses implement ``_fetch`` (admission-time lookup + fetch) and ``_run_saves``.
 
     Args:
         block_size: tokens per block.
@@ -125,10 +121,10 @@ class OffloadBase(abc.ABC):
         self.block_io = block_io
         self.counters = OffloadCounters()
         self._prefetched: dict[str, _Prefetch] = {}
-        self._loads: list[tuple[list[int], list[Source]]] = []
 
-    # ---- scheduler side -----------------------------------------------------
-    def find_hit(self, request: Request, num_device_blocks: int) -> int:
+    # ---- lookup half (called by the scheduler) ------------------------------
+    def find_hit(self, request: Request, num_device_blocks: int,
+                 pending_saves: Mapping[BlockHash, int]) -> int:
         """Blocks after the device hit that the tiers hold (already fetched to host)."""
         max_blocks = (request.num_tokens - 1) // self.block_size - num_device_blocks
         if max_blocks <= 0:
@@ -137,7 +133,7 @@ class OffloadBase(abc.ABC):
         if cached is None or cached.start_block != num_device_blocks:
             start = time.perf_counter()
             try:
-                sources = self._fetch(request, num_device_blocks, max_blocks)
+                sources = self._fetch(request, num_device_blocks, max_blocks, pending_saves)
             except Exception as exc:  # noqa: BLE001 - an offload tier must never fail a request
                 logger.warning("KV offload lookup failed for %s (%s: %s); computing its prefix",
                                request.request_id, type(exc).__name__, exc)
@@ -146,59 +142,39 @@ class OffloadBase(abc.ABC):
             cached = self._prefetched[request.request_id] = _Prefetch(num_device_blocks, sources)
         return min(len(cached.sources), max_blocks)
 
-    def on_admitted(self, request: Request, num_device_blocks: int, num_offload_blocks: int,
-                    block_ids: list[int]) -> None:
-        """Queues the loads of a just-admitted request's offload hit into ``block_ids``."""
-        cached = self._prefetched.pop(request.request_id, None)
-        self.counters.queries += request.num_tokens
-        if num_offload_blocks == 0:
-            return
-        if cached is None or cached.start_block != num_device_blocks:
-            raise RuntimeError(f"offload hit of {request.request_id} admitted without its fetch")
-        end = num_device_blocks + num_offload_blocks
-        self._loads.append((block_ids[num_device_blocks:end], cached.sources[:num_offload_blocks]))
-        self.counters.hits += num_offload_blocks * self.block_size
+    def forget(self, request_id: str) -> None:
+        """Drops the fetch of a request that leaves (finished, aborted or preempted)."""
+        self._prefetched.pop(request_id, None)
 
-    def on_evict(self, block_id: int, block_hash: BlockHash) -> None:
-        """A cached device block is about to be reused (default: not saved)."""
-        return
-
-    def on_free(self, request: Request, block_ids: list[int]) -> None:
-        """A request released its blocks; a finished one's computed blocks are saved."""
-        self._prefetched.pop(request.request_id, None)
-        if request.is_finished and block_ids:
-            num_full = min(request.num_computed_tokens // self.block_size,
-                           len(request.block_hashes), len(block_ids))
-            if num_full:
-                self._queue_finished(request, block_ids[:num_full])
-
-    # ---- runner side ----------------------------------------------------------
-    def execute_transfers(self) -> None:
-        """Queued saves, then queued loads; called before the forward pass."""
+    # ---- executor half (called by the runner) ---------------------------------
+    def execute(self, transfers: KVTransfers) -> None:
+        """The step's saves, then the loads of its admissions; before the forward pass."""
         start = time.perf_counter()
-        self._run_saves()
-        if self._loads:
-            block_ids: list[int] = []
-            payloads: list[torch.Tensor] = []
-            for ids, sources in self._loads:
-                block_ids += ids
-                for source in sources:
-                    payload = source.payload if isinstance(source, PendingBlock) else source
-                    if payload is None:
-                        raise RuntimeError("a load's source block was never saved")
-                    payloads.append(payload)
-            self._loads.clear()
+        self._run_saves(transfers)
+        block_ids: list[int] = []
+        payloads: list[torch.Tensor] = []
+        for admission in transfers.admissions:
+            cached = self._prefetched.pop(admission.request_id, None)
+            self.counters.queries += admission.num_tokens
+            if not admission.block_ids:
+                continue
+            if cached is None or cached.start_block != admission.start_block:
+                raise RuntimeError(f"offload hit of {admission.request_id} admitted without its fetch")
+            for source in cached.sources[:len(admission.block_ids)]:
+                payload = source.payload if isinstance(source, PendingBlock) else source
+                if payload is None:
+                    raise RuntimeError("a load's source block was never saved")
+                payloads.append(payload)
+            block_ids += admission.block_ids
+            self.counters.hits += len(admission.block_ids) * self.block_size
+        if block_ids:
             self.block_io.scatter(block_ids, payloads)
             self.counters.cpu_to_gpu += len(block_ids) * self.block_io.bytes_per_block
         self.counters.transfer_seconds += time.perf_counter() - start
 
-    def on_idle(self) -> None:
-        """The engine has nothing to run: do the queued saves now rather than next step."""
-        self._run_saves()
-
     def flush(self) -> None:
-        """Runs queued saves and waits until background writes are done."""
-        self._run_saves()
+        """Waits until background writes (the disk tier's) are done."""
+        return
 
     def close(self) -> None:
         self.flush()
@@ -223,13 +199,10 @@ class OffloadBase(abc.ABC):
 
     # ---- backend hooks --------------------------------------------------------
     @abc.abstractmethod
-    def _fetch(self, request: Request, start_block: int, max_blocks: int) -> list[Source]:
+    def _fetch(self, request: Request, start_block: int, max_blocks: int,
+               pending_saves: Mapping[BlockHash, int]) -> list[Source]:
         """Implemented by each backend."""
 
     @abc.abstractmethod
-    def _queue_finished(self, request: Request, block_ids: list[int]) -> None:
-        """Implemented by each backend."""
-
-    @abc.abstractmethod
-    def _run_saves(self) -> None:
-        """Implemented by each backend."""
+    def _run_saves(self, transfers: KVTransfers) -> None:
+        """Implemented by each backend: save the evicted and finished blocks listed."""

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvpilot.engine.core.constants import OFFLOAD_BACKENDS
+
 GIB = 1 << 30
-OFFLOAD_BACKENDS = ("native", "lmcache")
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvpilot.engine.block_hash import BlockHash
+from kvpilot.engine.core.block_hash import BlockHash
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from collections import OrderedDict
 
 import torch
 
-from kvpilot.engine.block_hash import BlockHash
+from kvpilot.engine.core.block_hash import BlockHash
 
 
 class HostStore:

@@ -27,7 +27,7 @@ from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface
 from lmcache.v1.metadata import LMCacheMetadata
 from lmcache.v1.token_database import TokenDatabase
 
-from kvpilot.engine.block_hash import BlockHash, extend_block_hashes
+from kvpilot.engine.core.block_hash import BlockHash, extend_block_hashes
 from kvpilot.engine.offload.config import OffloadConfig
 
 SALT_KEY = "kvpilot.cache_salt"   # request_configs entry carrying the cache salt

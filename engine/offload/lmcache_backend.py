@@ -23,15 +23,17 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
-from kvpilot.engine.block_hash import BlockHash
+from kvpilot.engine.core.block_hash import BlockHash
+from kvpilot.engine.core.kv_transfer import KVTransfers
+from kvpilot.engine.core.request import Request
 from kvpilot.engine.offload.base import OffloadBase, Source
 from kvpilot.engine.offload.block_io import BlockIO
 from kvpilot.engine.offload.config import OffloadConfig
-from kvpilot.engine.request import Request
 
 logger = logging.getLogger(__name__)
 
@@ -82,14 +84,14 @@ class LMCacheOffload(OffloadBase):
         self.chunk_size: int = self.engine.metadata.chunk_size
         self._salt_key = adapter.SALT_KEY
         self._cpu_capacity = config.cpu_bytes
-        self._stores: list[_StoreJob] = []
         self._closed = False
 
     def _request_configs(self, cache_salt: str | None) -> dict | None:
         return {self._salt_key: cache_salt} if cache_salt else None
 
     # ---- lookups ------------------------------------------------------------
-    def _fetch(self, request: Request, start_block: int, max_blocks: int) -> list[Source]:
+    def _fetch(self, request: Request, start_block: int, max_blocks: int,
+               pending_saves: Mapping[BlockHash, int]) -> list[Source]:
         bs, chunk = self.block_size, self.chunk_size
         start = start_block * bs
         end = (start_block + max_blocks) * bs // chunk * chunk     # whole chunks only
@@ -113,16 +115,14 @@ class LMCacheOffload(OffloadBase):
         return sources
 
     # ---- saves --------------------------------------------------------------
-    def _queue_finished(self, request: Request, block_ids: list[int]) -> None:
-        num_tokens = len(block_ids) * self.block_size // self.chunk_size * self.chunk_size
-        if num_tokens:
-            self._stores.append(_StoreJob(request.token_ids_slice(0, num_tokens),
-                                          request.cache_salt,
-                                          block_ids[:num_tokens // self.block_size]))
-
-    def _run_saves(self) -> None:
-        jobs, self._stores = self._stores, []
-        for job in jobs:
+    def _run_saves(self, transfers: KVTransfers) -> None:
+        # Device evictions are not saved separately (a finished request's chunks are).
+        for finished in transfers.finished:
+            num_tokens = len(finished.block_ids) * self.block_size // self.chunk_size * self.chunk_size
+            if not num_tokens:
+                continue
+            job = _StoreJob(finished.token_ids[:num_tokens], finished.cache_salt,
+                            finished.block_ids[:num_tokens // self.block_size])
             try:
                 self._store(job)
             except Exception as exc:  # noqa: BLE001 - a failed store only loses a cache entry
@@ -150,7 +150,6 @@ class LMCacheOffload(OffloadBase):
         """Runs queued stores and waits (up to ``timeout`` s) until LMCache's disk and
         remote backends have written them: their puts are asynchronous, and a process
         that exits earlier loses them."""
-        self._run_saves()
         deadline = time.monotonic() + timeout
         while self._num_pending_puts() and time.monotonic() < deadline:
             time.sleep(0.01)

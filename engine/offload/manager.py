@@ -3,12 +3,13 @@
 - Saves: a block is saved the first time it leaves the device's reach, i.e. when a
   cached block is evicted from the device pool or when a finished request releases it
   (write-through, so that a block survives in the lower tiers even if the device pool
-  never evicts it before a restart). A block already in a tier, or queued, is not saved
-  again: one device-to-host copy per block. Every saved block goes into the host tier (LRU, bounded) and, when a
+  never evicts it before a restart). A block already in a tier, or listed twice, is not
+  saved again: one device-to-host copy per block. Every saved block goes into the host tier (LRU, bounded) and, when a
   disk tier is configured, is also written to disk in the background: the disk tier is
   inclusive, so host-tier eviction just drops the block.
 - Lookups at admission walk the request's block hashes after the device hit: host tier,
-  then blocks queued for saving this step, then disk; the first miss ends the hit.
+  then blocks listed for saving this step (their payload is filled in when the save
+  runs, before any load), then disk; the first miss ends the hit.
   Disk hits are read (and verified) synchronously at admission, which is on the step's
   critical path but only for the blocks the request needs; the time is counted in
   ``fetch_seconds``.
@@ -17,14 +18,16 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
-from kvpilot.engine.block_hash import BlockHash
+from kvpilot.engine.core.block_hash import BlockHash
+from kvpilot.engine.core.kv_transfer import KVTransfers
+from kvpilot.engine.core.request import Request
 from kvpilot.engine.offload.base import OffloadBase, PendingBlock, Source
 from kvpilot.engine.offload.block_io import BlockIO
 from kvpilot.engine.offload.config import OffloadConfig
 from kvpilot.engine.offload.disk_store import DiskStore
 from kvpilot.engine.offload.host_store import HostStore
-from kvpilot.engine.request import Request
 
 logger = logging.getLogger(__name__)
 
@@ -46,19 +49,25 @@ class NativeOffload(OffloadBase):
         self.host = HostStore(config.cpu_bytes, bpb)
         self.disk = (DiskStore(config.disk_path, config.disk_bytes, bpb, layout_id)
                      if config.disk_path is not None else None)
-        self._saves: dict[BlockHash, PendingBlock] = {}   # queued, in order
+        # Lookup sources waiting for a listed save to run (filled in by _run_saves).
+        self._awaiting: dict[BlockHash, PendingBlock] = {}
         logger.info("KV offload (native): CPU tier %.2f GiB (%d blocks of %d KiB)%s",
                     config.cpu_gib, self.host.capacity_blocks, bpb // 1024,
                     f", disk tier {config.disk_gib:.2f} GiB at {config.disk_path}"
                     if self.disk is not None else "")
 
     # ---- lookups ------------------------------------------------------------
-    def _fetch(self, request: Request, start_block: int, max_blocks: int) -> list[Source]:
+    def _fetch(self, request: Request, start_block: int, max_blocks: int,
+               pending_saves: Mapping[BlockHash, int]) -> list[Source]:
         sources: list[Source] = []
         for block_hash in request.block_hashes[start_block:start_block + max_blocks]:
             source: Source | None = self.host.get(block_hash)
-            if source is None:
-                source = self._saves.get(block_hash)
+            if (source is None and block_hash in pending_saves
+                    and not (self.disk is not None and block_hash in self.disk)):
+                source = self._awaiting.get(block_hash)
+                if source is None:
+                    source = self._awaiting[block_hash] = PendingBlock(
+                        pending_saves[block_hash], block_hash)
             if source is None and self.disk is not None:
                 found = self.disk.read(block_hash)
                 if found is not None:
@@ -69,40 +78,36 @@ class NativeOffload(OffloadBase):
         return sources
 
     # ---- saves --------------------------------------------------------------
-    def on_evict(self, block_id: int, block_hash: BlockHash) -> None:
-        self._queue_save(block_id, block_hash)
-
-    def _queue_finished(self, request: Request, block_ids: list[int]) -> None:
-        for block_id, block_hash in zip(block_ids, request.block_hashes, strict=False):
-            self._queue_save(block_id, block_hash)
-
-    def _queue_save(self, block_id: int, block_hash: BlockHash) -> None:
-        if (block_hash in self._saves or block_hash in self.host
-                or (self.disk is not None and block_hash in self.disk)):
-            return
-        self._saves[block_hash] = PendingBlock(block_id, block_hash)
-
-    def _run_saves(self) -> None:
-        if not self._saves:
-            return
-        pending = list(self._saves.values())
-        self._saves.clear()
-        payloads, ready = self.block_io.gather([p.block_id for p in pending])
-        self.counters.gpu_to_cpu += len(pending) * self.block_io.bytes_per_block
-        for block, payload in zip(pending, payloads, strict=True):
-            block.payload = payload
-            self.host.put(block.block_hash, payload)
-            if self.disk is not None:
-                self.disk.submit(block.block_hash, payload, ready)
+    def _run_saves(self, transfers: KVTransfers) -> None:
+        listed = list(transfers.evicted)
+        for finished in transfers.finished:
+            listed += zip(finished.block_ids, finished.block_hashes, strict=True)
+        todo: dict[BlockHash, int] = {}
+        for block_id, block_hash in listed:
+            if (block_hash in todo or block_hash in self.host
+                    or (self.disk is not None and block_hash in self.disk)):
+                continue
+            todo[block_hash] = block_id
+        if todo:
+            payloads, ready = self.block_io.gather(list(todo.values()))
+            self.counters.gpu_to_cpu += len(todo) * self.block_io.bytes_per_block
+            for block_hash, payload in zip(todo, payloads, strict=True):
+                self.host.put(block_hash, payload)
+                waiting = self._awaiting.pop(block_hash, None)
+                if waiting is not None:
+                    waiting.payload = payload
+                if self.disk is not None:
+                    self.disk.submit(block_hash, payload, ready)
+        for block_hash in [h for h in self._awaiting if h in transfers.pending_saves]:
+            # Listed but not copied because the host tier held it already.
+            self._awaiting.pop(block_hash).payload = self.host.get(block_hash)
 
     # ---- lifecycle / stats --------------------------------------------------------
     def flush(self) -> None:
-        self._run_saves()
         if self.disk is not None:
             self.disk.flush()
 
     def close(self) -> None:
-        self._run_saves()
         if self.disk is not None:
             self.disk.close()
 

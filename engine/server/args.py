@@ -8,32 +8,23 @@ the concept is the same, so a vLLM command line mostly carries over.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import re
 from collections.abc import Callable
 from typing import TypeVar
 
-from kvpilot.engine.kv_budget import FP8_KV_DTYPES
+from kvpilot.engine.core.constants import (
+    ATTENTION_BACKENDS,
+    KV_CACHE_DTYPES,
+    MAX_TENSOR_PARALLEL_SIZE,
+    MODEL_DTYPES,
+    OFFLOAD_BACKENDS,
+)
 
 DEFAULT_HOST = "0.0.0.0"  # inside a pod the server must listen on the pod IP
 DEFAULT_PORT = 8000
 API_KEY_ENV = "KVPILOT_API_KEY"
 
-DTYPES = ("auto", "float32", "float16", "bfloat16")
-KV_CACHE_DTYPES = ("auto", *FP8_KV_DTYPES)  # as kvpilot.engine.config.KV_CACHE_DTYPES
-# Same names as kvpilot.engine.attention.backend.ATTENTION_BACKENDS (not imported:
-# that module needs torch).
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
-KV_OFFLOADING_BACKENDS = ("native", "lmcache")
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
-
-# EngineArgs fields fed by the offload flags; mapped only when this build's EngineArgs has them.
-_OFFLOAD_FIELDS = (
-    "kv_offloading_size",
-    "kv_offloading_backend",
-    "kv_offloading_disk_path",
-    "kv_offloading_disk_size",
-)
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
 _SIZE_POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
@@ -98,7 +89,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     model.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                        help="model name(s) accepted in requests; the first is reported in responses "
                             "and in the metrics' model_name label (default: derived from --model)")
-    model.add_argument("--dtype", choices=DTYPES, default="auto",
+    model.add_argument("--dtype", choices=MODEL_DTYPES, default="auto",
                        help="weight and activation dtype; auto = the checkpoint's dtype")
     model.add_argument("--max-model-len", type=_positive_int, default=None, metavar="TOKENS",
                        help="context length (prompt + output); default: the model's")
@@ -128,7 +119,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     offload = parser.add_argument_group("KV offloading (only where this build supports it)")
     offload.add_argument("--kv-offloading-size", type=_non_negative_float, default=None,
                          metavar="GiB", help="CPU memory for offloaded KV blocks, in GiB")
-    offload.add_argument("--kv-offloading-backend", choices=KV_OFFLOADING_BACKENDS, default=None,
+    offload.add_argument("--kv-offloading-backend", choices=OFFLOAD_BACKENDS, default=None,
                          help="offload implementation (the engine's default when omitted)")
     offload.add_argument("--kv-offloading-disk-path", default=None, metavar="DIR",
                          help="directory for a disk tier below the CPU tier")
@@ -198,7 +189,7 @@ def engine_args_from_namespace(ns: argparse.Namespace):
     """
     from kvpilot.engine.engine_args import EngineArgs  # lazy: keeps this module light
 
-    if ns.tensor_parallel_size != 1:
+    if ns.tensor_parallel_size > MAX_TENSOR_PARALLEL_SIZE:
         raise ValueError(
             f"--tensor-parallel-size {ns.tensor_parallel_size} is not supported: this engine "
             "runs one replica per GPU (use --tensor-parallel-size 1 and scale with replicas)"
@@ -220,13 +211,9 @@ def engine_args_from_namespace(ns: argparse.Namespace):
         "attention_backend": ns.attention_backend,
         "device": ns.device,
     }
-    fields = {f.name for f in dataclasses.fields(EngineArgs)}
-    for name in _OFFLOAD_FIELDS:
+    for name in ("kv_offloading_size", "kv_offloading_backend", "kv_offloading_disk_path",
+                 "kv_offloading_disk_size"):
         value = getattr(ns, name)
-        if value is None:
-            continue
-        if name not in fields:
-            flag = "--" + name.replace("_", "-")
-            raise ValueError(f"{flag} is not supported in this build (no KV offloading yet)")
-        kwargs[name] = value
+        if value is not None:       # unset: EngineArgs' own default
+            kwargs[name] = value
     return EngineArgs(**kwargs)

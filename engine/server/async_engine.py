@@ -36,7 +36,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvpilot.engine.server.request_stats import ABORT, ERROR, IterationStats, RequestStatsTracker
+from kvpilot.engine.server.latency_tracker import ABORT, ERROR, IterationStats, RequestStatsTracker
 
 if TYPE_CHECKING:
     from kvpilot.engine.llm_engine import LLMEngine

@@ -32,7 +32,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from kvpilot.engine.server.request_stats import ABORT, ERROR, IterationStats
+from kvpilot.engine.server.latency_tracker import ABORT, ERROR, IterationStats
 
 FINISHED_REASONS = ("stop", "length", ABORT, ERROR)
 

@@ -30,7 +30,7 @@ from kvpilot.operator.planner.checks import Check
 from kvpilot.operator.planner.gpu import GPUSpec, custom_gpu, get_gpu, gpu_names
 from kvpilot.operator.planner.model_spec import ModelSpec, model_from_config
 from kvpilot.operator.planner.plan import make_plan
-from kvpilot.operator.planner.request import PlanRequest
+from kvpilot.operator.planner.plan_request import PlanRequest
 from kvpilot.operator.planner.result import Plan, Suggestion
 from kvpilot.operator.planner.slo import Overrides, ServiceLevel
 

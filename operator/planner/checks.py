@@ -14,7 +14,7 @@ from kvpilot.operator.planner.memory import gib
 
 if TYPE_CHECKING:
     from kvpilot.operator.planner.evaluate import Evaluation
-    from kvpilot.operator.planner.request import PlanRequest
+    from kvpilot.operator.planner.plan_request import PlanRequest
 
 
 @dataclass(frozen=True, slots=True)

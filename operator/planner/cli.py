@@ -15,12 +15,13 @@ import sys
 from dataclasses import fields
 from typing import Any
 
+from kvpilot.engine.core.constants import KV_CACHE_DTYPES, OFFLOAD_BACKENDS
 from kvpilot.operator.planner.catalog import model_presets
 from kvpilot.operator.planner.gpu import GPU_CATALOG
 from kvpilot.operator.planner.plan import make_plan
+from kvpilot.operator.planner.plan_request import PlanRequest
 from kvpilot.operator.planner.render import FORMATS, render
-from kvpilot.operator.planner.request import PlanRequest
-from kvpilot.operator.planner.slo import KV_CACHE_DTYPES, OFFLOAD_BACKENDS, Overrides, ServiceLevel
+from kvpilot.operator.planner.slo import Overrides, ServiceLevel
 from kvpilot.operator.planner.weights import WEIGHT_QUANT_BYTES
 
 EXIT_FEASIBLE, EXIT_BAD_INPUT, EXIT_INFEASIBLE = 0, 1, 2

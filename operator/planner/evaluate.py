@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from kvpilot.engine.kv_budget import KVLayout, kv_heads_per_rank
+from kvpilot.engine.core.kv_layout import KVLayout, kv_heads_per_rank
 from kvpilot.operator.planner import kv_dtype
 from kvpilot.operator.planner.checks import Check, run_checks
 from kvpilot.operator.planner.latency import (
@@ -41,7 +41,7 @@ from kvpilot.operator.planner.memory import (
     place_prefixes,
     reserve,
 )
-from kvpilot.operator.planner.request import PlanRequest
+from kvpilot.operator.planner.plan_request import PlanRequest
 from kvpilot.operator.planner.weights import WEIGHT_QUANT_BYTES
 
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.90

@@ -18,7 +18,7 @@ from kvpilot.operator.planner.memory import (
     host_memory_gib,
     offload_tiers_gib,
 )
-from kvpilot.operator.planner.request import PlanRequest
+from kvpilot.operator.planner.plan_request import PlanRequest
 
 
 def _g(num_bytes: float) -> str:

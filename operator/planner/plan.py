@@ -19,7 +19,7 @@ from kvpilot.operator.planner.evaluate import Evaluation, evaluate
 from kvpilot.operator.planner.explain import derivation
 from kvpilot.operator.planner.memory import host_memory_gib, offload_tiers_gib
 from kvpilot.operator.planner.model_spec import ModelSpec
-from kvpilot.operator.planner.request import PlanRequest
+from kvpilot.operator.planner.plan_request import PlanRequest
 from kvpilot.operator.planner.result import DEFAULT_DISK_PATH, Plan
 from kvpilot.operator.planner.suggest import suggest
 

@@ -12,10 +12,11 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpilot.engine.kv_budget import KVLayout
+from kvpilot.engine.core.constants import DEFAULT_OFFLOAD_DISK_PATH
+from kvpilot.engine.core.kv_layout import KVLayout
 from kvpilot.operator.planner.checks import Check
 
-DEFAULT_DISK_PATH = "/var/cache/kvpilot/kv"
+DEFAULT_DISK_PATH = DEFAULT_OFFLOAD_DISK_PATH
 
 
 @dataclass(frozen=True, slots=True)

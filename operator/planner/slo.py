@@ -15,10 +15,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from kvpilot.engine.core.constants import KV_CACHE_DTYPES, OFFLOAD_BACKENDS
 from kvpilot.operator.planner.weights import WEIGHT_QUANT_BYTES
-
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
-OFFLOAD_BACKENDS = ("native", "lmcache")
 
 
 def _positive(name: str, value: float | None, *, allow_none: bool = True, integer: bool = True) -> None:

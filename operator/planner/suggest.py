@@ -15,7 +15,7 @@ from typing import Any
 from kvpilot.operator.planner import kv_dtype
 from kvpilot.operator.planner.gpu import GPU_CATALOG
 from kvpilot.operator.planner.latency import largest_int
-from kvpilot.operator.planner.request import PlanRequest, merge
+from kvpilot.operator.planner.plan_request import PlanRequest, merge
 from kvpilot.operator.planner.result import Plan, Suggestion
 
 Solve = Callable[[PlanRequest], Plan]

@@ -20,7 +20,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
+from kvpilot.engine.core.constants import MODEL_DTYPE_BYTES
+
+DTYPE_BYTES = MODEL_DTYPE_BYTES
 
 # safetensors header dtype -> bits per element
 _SAFETENSORS_BITS: dict[str, int] = {

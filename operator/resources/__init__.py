@@ -22,9 +22,9 @@ from kvpilot.operator.resources.deployment import ReplicaPolicy, build_deploymen
 from kvpilot.operator.resources.disruption import build_pdb
 from kvpilot.operator.resources.monitoring import PODMONITOR_API, build_podmonitor
 from kvpilot.operator.resources.service import build_service
+from kvpilot.operator.resources.sizing import EngineSizing
 from kvpilot.operator.resources.storage import build_kv_disk_claim
 from kvpilot.operator.settings import OperatorSettings
-from kvpilot.operator.sizing import EngineSizing
 from kvpilot.operator.spec import InferenceServiceSpec
 
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from kvpilot.operator import constants as c
 from kvpilot.operator.resources.common import Owner, format_gib, gib_quantity
 from kvpilot.operator.resources.model import model_delivery
+from kvpilot.operator.resources.sizing import EngineSizing
 from kvpilot.operator.resources.storage import disk_claim_spec
 from kvpilot.operator.settings import OperatorSettings
-from kvpilot.operator.sizing import EngineSizing
 from kvpilot.operator.spec import InferenceServiceSpec
 
 GPU_RESOURCE = "nvidia.com/gpu"

@@ -4,7 +4,7 @@ the template of per-pod ephemeral claims (``resources.deployment``) when there a
 from __future__ import annotations
 
 from kvpilot.operator.resources.common import Owner, gib_quantity
-from kvpilot.operator.sizing import EngineSizing
+from kvpilot.operator.resources.sizing import EngineSizing
 from kvpilot.operator.spec import InferenceServiceSpec
 
 

@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from kvpilot.engine import LLM, SamplingParams
-from kvpilot.engine.request_queue import make_request_queue
+from kvpilot.engine.core.request_queue import make_request_queue
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
 

@@ -13,12 +13,12 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvpilot.engine.block_hash import root_hash
 from kvpilot.engine.config import SchedulerConfig
-from kvpilot.engine.kv_cache_manager import KVCacheManager
-from kvpilot.engine.request import Request, RequestStatus
+from kvpilot.engine.core.block_hash import root_hash
+from kvpilot.engine.core.kv_cache_manager import KVCacheManager
+from kvpilot.engine.core.request import Request, RequestStatus
+from kvpilot.engine.core.scheduler import Scheduler
 from kvpilot.engine.sampling_params import SamplingParams
-from kvpilot.engine.scheduler import Scheduler
 
 BLOCK = 4
 NUM_BLOCKS = 14
@@ -143,9 +143,7 @@ def test_blocks_scheduled_but_never_computed_do_not_stay_cached():
     already-scheduled victim) had full blocks registered for tokens that were never
     computed: freeing it must drop those registrations, so neither a prefix hit nor an
     offload save on eviction can ever see that KV."""
-    kv = KVCacheManager(8, BLOCK, enable_caching=True, hash_root=root_hash("t"))
-    evicted = []
-    kv.pool.on_evict = lambda block_id, block_hash: evicted.append(block_id)
+    kv = KVCacheManager(8, BLOCK, enable_caching=True, hash_root=root_hash("t"), record_evictions=True)
     req = Request("a", list(range(10)), SamplingParams(max_tokens=4), max_tokens=4)
     assert kv.allocate_slots(req, 4)          # step 1: tokens 0..3 scheduled ...
     req.num_computed_tokens = 4                # ... and computed
@@ -156,4 +154,5 @@ def test_blocks_scheduled_but_never_computed_do_not_stay_cached():
     assert computed_block.block_hash in kv.pool.cached
     assert uncomputed_block.block_hash is None and len(kv.pool.cached) == 1
     kv.pool.get_new_blocks(8)                 # reuse everything: only the valid block is "saved"
+    evicted = [block_id for block_id, _ in kv.pool.drain_evicted()]
     assert evicted == [computed_block.block_id]

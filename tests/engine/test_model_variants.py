@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from kvpilot.engine import LLM, SamplingParams
-from kvpilot.engine.hf_config import load_arch_config, parse_arch_config
-from kvpilot.engine.layers.rotary import compute_inv_freq
+from kvpilot.engine.model.hf_config import load_arch_config, parse_arch_config
+from kvpilot.engine.model.layers.rotary import compute_inv_freq
 
 ROPE_CASES = {
     "linear": {"rope_type": "linear", "factor": 2.0},

@@ -5,7 +5,7 @@ the default launcher path (torch quantizes while interpreting, the kernel copies
 match byte for byte; the in-kernel quantization is also run through the interpreter
 (``convert_in_kernel=True``), where every mismatch must be one of the interpreter's
 known rounding bugs (see ``_interpreter_fp8_bug``) and mismatches must stay rare. The compiled in-kernel path is
-checked exactly by ``python -m kvpilot.kernels.bench_gpu``.
+checked exactly by ``python -m kvpilot.engine.bench.kernels_gpu``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvpilot.engine.attention.torch_backend import store_kv
+from kvpilot.engine.model.attention.torch_backend import store_kv
 from kvpilot.kernels.fp8 import fp8_max, is_fp8
 from kvpilot.kernels.kv_store import store_kv_cache, store_kv_cache_ref
 from kvpilot.kernels.paged_batch import MIXED_SPECS, make_paged_batch

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvpilot.engine.attention import select_attention_backend
-from kvpilot.engine.attention.torch_backend import TorchAttentionBackend
-from kvpilot.engine.attention.triton_backend import TritonAttentionBackend
+from kvpilot.engine.model.attention import select_attention_backend
+from kvpilot.engine.model.attention.torch_backend import TorchAttentionBackend
+from kvpilot.engine.model.attention.triton_backend import TritonAttentionBackend
 from kvpilot.kernels.paged_batch import make_paged_batch
 
 TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}

@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvpilot.engine.attention.torch_backend import paged_attention
+from kvpilot.engine.model.attention.torch_backend import paged_attention
 from kvpilot.kernels.paged_batch import MIXED_SPECS, make_paged_batch
 from kvpilot.kernels.unified_attention import (
     AttentionTiling,

@@ -85,7 +85,7 @@ def test_lmcache_backend_needs_a_cpu_buffer():
 def test_lmcache_keys_are_the_engine_block_hashes():
     from lmcache.v1.metadata import LMCacheMetadata
 
-    from kvpilot.engine.block_hash import extend_block_hashes, root_hash
+    from kvpilot.engine.core.block_hash import extend_block_hashes, root_hash
     from kvpilot.engine.offload.lmcache_adapter import SALT_KEY, BlockHashTokenDatabase
 
     root = root_hash("seed", "model")

@@ -139,7 +139,7 @@ def test_corrupt_disk_file_is_a_miss_and_recomputed(offload_model, prompts, refe
 
 
 def _block_hashes(llm: LLM, prompt: list[int]) -> list[bytes]:
-    from kvpilot.engine.block_hash import extend_block_hashes
+    from kvpilot.engine.core.block_hash import extend_block_hashes
 
     kv = llm.llm_engine.kv_cache_manager
     hashes: list[bytes] = []

@@ -20,12 +20,12 @@ from kvpilot.engine.server.args import make_serve_parser
 from kvpilot.operator import constants as c
 from kvpilot.operator.model_fetch import parse_hf_uri
 from kvpilot.operator.planner.plan import make_plan
-from kvpilot.operator.planner.request import PlanRequest
-from kvpilot.operator.planning import plan_request, plan_service
+from kvpilot.operator.planner.plan_request import PlanRequest
 from kvpilot.operator.resources import desired_children
 from kvpilot.operator.resources.common import Owner, decimal_quantity, gib_quantity
 from kvpilot.operator.settings import OperatorSettings
 from kvpilot.operator.spec import parse_spec
+from kvpilot.operator.spec_to_plan import plan_request, plan_service
 
 SETTINGS = OperatorSettings(engine_image="registry.example/kvpilot:1.2.3")
 K8S_VERSION = "1.33"

@@ -19,8 +19,8 @@ from kvpilot.operator import constants as c
 from kvpilot.operator.planner.catalog import model_presets
 from kvpilot.operator.planner.gpu import gpu_names
 from kvpilot.operator.planner.slo import Overrides, ServiceLevel
-from kvpilot.operator.planning import STATUS_FIELDS, camel, plan_service
 from kvpilot.operator.spec import ENGINE_FIELDS, SLO_FIELDS, SpecError, parse_spec, planner_name
+from kvpilot.operator.spec_to_plan import STATUS_FIELDS, camel, plan_service
 
 CRD = crd_schema.load_crd()
 SCHEMA = crd_schema.version_schema(CRD)

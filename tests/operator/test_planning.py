@@ -7,12 +7,12 @@ import copy
 import pytest
 
 from kvpilot.operator.planner.plan import make_plan
-from kvpilot.operator.planner.request import PlanRequest
-from kvpilot.operator.planning import model_preset, plan_request, plan_service
+from kvpilot.operator.planner.plan_request import PlanRequest
 from kvpilot.operator.resources import desired_children
 from kvpilot.operator.resources.common import Owner
 from kvpilot.operator.settings import OperatorSettings
 from kvpilot.operator.spec import parse_spec
+from kvpilot.operator.spec_to_plan import model_preset, plan_request, plan_service
 
 BASE = {"model": {"uri": "hf://Qwen/Qwen3-8B"}, "gpu": {"type": "h100-80gb"},
         "slo": {"maxContext": 16384, "p95PromptTokens": 8192, "p95OutputTokens": 1024, "concurrency": 32,

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from kvpilot.engine.demo_model import ensure_demo_model
+from kvpilot.engine.model.models.demo import ensure_demo_model
 from kvpilot.engine.server.launch import free_port
 
 pytestmark = pytest.mark.slow

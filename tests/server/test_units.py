@@ -16,8 +16,8 @@ from kvpilot.engine.config import KVCacheInfo
 from kvpilot.engine.engine_args import EngineArgs
 from kvpilot.engine.server.args import engine_args_from_namespace, make_serve_parser, parse_size
 from kvpilot.engine.server.config import server_config_from_namespace
+from kvpilot.engine.server.latency_tracker import FinishedRequestStats, IterationStats
 from kvpilot.engine.server.metrics import ServerMetrics, token_buckets
-from kvpilot.engine.server.request_stats import FinishedRequestStats, IterationStats
 from kvpilot.engine.server.stats_logger import StatsLogger
 from kvpilot.engine.stats import EngineStats
 

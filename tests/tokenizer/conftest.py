@@ -29,7 +29,7 @@ SPM_SPECIALS = ["<unk>", "<s>", "</s>"]
 
 @pytest.fixture(scope="session")
 def demo_tokenizer(demo_model_dir):
-    from kvpilot.engine.tokenizer import Tokenizer
+    from kvpilot.engine.text.tokenizer import Tokenizer
 
     return Tokenizer.from_pretrained(demo_model_dir)
 

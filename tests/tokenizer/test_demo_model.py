@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from kvpilot.engine import demo_model
-from kvpilot.engine.demo_model import (
+from kvpilot.engine.model.models import demo as demo_model
+from kvpilot.engine.model.models.demo import (
     CACHE_DIR_ENV,
     DEMO_MODEL_NAME,
     DEMO_SEED,
@@ -142,7 +142,7 @@ def test_hf_transformers_reads_the_demo_tokenizer_identically(demo_tokenizer, hf
 
 
 def test_demo_chat_template_rejects_unknown_roles(demo_tokenizer):
-    from kvpilot.engine.chat_templates import ChatTemplateError
+    from kvpilot.engine.text.chat_templates import ChatTemplateError
 
     with pytest.raises(ChatTemplateError, match="unsupported role 'tool'"):
         demo_tokenizer.apply_chat_template([{"role": "tool", "content": "42"}])

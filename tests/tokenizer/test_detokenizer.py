@@ -7,13 +7,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvpilot.engine.detokenizer import (
+from kvpilot.engine.text.detokenizer import (
     MAX_PENDING_TOKENS,
     PROMPT_CONTEXT_TOKENS,
     IncrementalDetokenizer,
 )
-from kvpilot.engine.tiktoken_convert import bytes_to_unicode
-from kvpilot.engine.tokenizer import Tokenizer
+from kvpilot.engine.text.tiktoken_convert import bytes_to_unicode
+from kvpilot.engine.text.tokenizer import Tokenizer
 
 SAMPLE = "Hi 🙂 中文 naïve — 👨‍👩‍👧 𝔘𝔫𝔦 ok\n"
 FFFD = "\ufffd"

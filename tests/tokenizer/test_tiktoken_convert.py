@@ -9,8 +9,8 @@ import tiktoken
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvpilot.engine.demo_model import qwen_tiktoken_file
-from kvpilot.engine.tiktoken_convert import (
+from kvpilot.engine.model.models.demo import qwen_tiktoken_file
+from kvpilot.engine.text.tiktoken_convert import (
     bytes_to_unicode,
     load_tiktoken_ranks,
     merges_from_ranks,

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from kvpilot.engine.chat_templates import ChatTemplateError
-from kvpilot.engine.tokenizer import Tokenizer
+from kvpilot.engine.text.chat_templates import ChatTemplateError
+from kvpilot.engine.text.tokenizer import Tokenizer
 
 TEXTS = [
     "Hello world",

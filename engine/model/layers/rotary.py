@@ -16,7 +16,7 @@ import math
 import torch
 from torch import nn
 
-from kvpilot.engine.hf_config import RopeConfig
+from kvpilot.engine.model.hf_config import RopeConfig
 
 
 def _base_inv_freq(base: float, dim: int) -> torch.Tensor:

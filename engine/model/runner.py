@@ -10,11 +10,12 @@ import itertools
 
 import torch
 
-from kvpilot.engine.attention import AttentionMetadata, select_attention_backend
 from kvpilot.engine.config import CacheConfig, ModelConfig
-from kvpilot.engine.model_loader import load_model
-from kvpilot.engine.sampler import SampleResult, SamplingRow, sample
-from kvpilot.engine.scheduler import SchedulerOutput
+from kvpilot.engine.core.kv_transfer import KVTransfers
+from kvpilot.engine.core.scheduler import SchedulerOutput
+from kvpilot.engine.model.attention import AttentionMetadata, select_attention_backend
+from kvpilot.engine.model.loader import load_model
+from kvpilot.engine.model.sampler import SampleResult, SamplingRow, sample
 
 TORCH_DTYPES = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -37,7 +38,7 @@ def metadata_from_seqs(seqs: list[tuple[list[int], int, list[int]]], block_size:
     positions: list[int] = []
     slots: list[int] = []
     starts = [0]
-    seq_lens, context_lens = [], []
+    seq_lens = []
     for token_ids, start, block_ids in seqs:
         end = start + len(token_ids)
         input_ids += token_ids
@@ -45,7 +46,6 @@ def metadata_from_seqs(seqs: list[tuple[list[int], int, list[int]]], block_size:
         slots += [block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)]
         starts.append(end - start + starts[-1])
         seq_lens.append(end)
-        context_lens.append(start)
     width = max(len(b) for _, _, b in seqs)
     table = torch.zeros((len(seqs), width), dtype=torch.int32)
     for i, (_, _, block_ids) in enumerate(seqs):
@@ -59,11 +59,9 @@ def metadata_from_seqs(seqs: list[tuple[list[int], int, list[int]]], block_size:
         num_actual_tokens=len(input_ids),
         query_start_loc=as_tensor(starts, torch.int32),
         seq_lens=as_tensor(seq_lens, torch.int32),
-        context_lens=as_tensor(context_lens, torch.int32),
         block_tables=table.to(device, non_blocking=True),
         slot_mapping=as_tensor(slots, torch.int64),
         max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
         query_lens_cpu=tuple(query_lens),
         seq_lens_cpu=tuple(seq_lens),
     )
@@ -98,8 +96,8 @@ class ModelRunner:
         self.kv_caches: torch.Tensor | list[torch.Tensor] | None = None
         self.block_size = cache_config.block_size
         self._generators: dict[str, torch.Generator] = {}
-        # KV offload strategy (kvpilot.engine.offload), None when off: its queued block
-        # saves and loads run at the start of execute(), before the forward pass.
+        # Executor half of the KV offload backend (kvpilot.engine.offload), None when off:
+        # it runs each step's ``SchedulerOutput.kv_transfers`` before the forward pass.
         self.kv_transfer = None
         # Calibrate fp8 scales on the first batch unless the checkpoint brought its own.
         self._calibrate_pending = cache_config.calculate_kv_scales and not self.model.loaded_kv_scales
@@ -123,6 +121,12 @@ class ModelRunner:
             views.append(groups[d][seen[d]])
             seen[d] += 1
         self.kv_caches = views
+
+    def execute_kv_transfers(self, transfers: KVTransfers) -> None:
+        """Copies the blocks a step lists for the offload tiers (saves, then loads)."""
+        if self.kv_transfer is None:
+            raise RuntimeError("KV transfers scheduled but this runner has no offload executor")
+        self.kv_transfer.execute(transfers)
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:
@@ -157,8 +161,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, SampleResult]:
         """Run one step; returns the sampled token of each request that reached its end."""
-        if self.kv_transfer is not None:
-            self.kv_transfer.execute_transfers()
+        if out.kv_transfers:
+            self.execute_kv_transfers(out.kv_transfers)
         input_ids, positions, metadata = build_attention_metadata(out, self.block_size, self.device)
         if self._calibrate_pending:
             self._calibrate_pending = False

@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from kvpilot.engine.hf_config import ArchConfig
-from kvpilot.engine.layers.rotary import RotaryEmbedding
-from kvpilot.engine.models.llama import LlamaForCausalLM
+from kvpilot.engine.model.hf_config import ArchConfig
+from kvpilot.engine.model.layers.rotary import RotaryEmbedding
+from kvpilot.engine.model.models.llama import LlamaForCausalLM
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # checkpoint sub-name -> (fused parameter, shard index among the fused parts)

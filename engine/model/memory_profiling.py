@@ -15,7 +15,7 @@ import logging
 import torch
 
 from kvpilot.engine.config import CacheConfig, SchedulerConfig
-from kvpilot.engine.kv_budget import KVLayout
+from kvpilot.engine.core.kv_layout import KVLayout
 
 logger = logging.getLogger(__name__)
 

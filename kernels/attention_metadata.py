@@ -1,10 +1,13 @@
-"""The explicit per-step attention metadata handed to every attention layer.
+"""The explicit per-step attention metadata: what the attention kernels and the torch path read.
+
+It lives with the kernels (the lowest layer) so that they, their test batches and the
+engine's backends share one definition without ``kernels/`` importing the engine.
 
 A step's tokens are flattened into one varlen batch: sequence ``i`` owns query rows
-``query_start_loc[i]:query_start_loc[i + 1]``. Its first ``context_lens[i]`` tokens
-are already in the paged cache; the new tokens are written into the slots in
-``slot_mapping`` (``-1`` marks a padding token whose KV is not stored) and then every
-query attends causally to ``seq_lens[i] = context_lens[i] + query_len`` keys.
+``query_start_loc[i]:query_start_loc[i + 1]``. Its first ``seq_lens[i] - query_len``
+tokens are already in the paged cache; the new tokens are written into the slots in
+``slot_mapping`` and then every query attends causally to ``seq_lens[i]`` keys. Rows
+from ``num_actual_tokens`` on are padding: their slot is ``-1`` and their KV is not stored.
 
 Paged cache layout (one layer): ``[2, num_blocks, block_size, num_kv_heads, head_dim]``,
 index 0 = K, 1 = V; the whole cache is ``[num_layers, 2, num_blocks, block_size,
@@ -22,22 +25,12 @@ import torch
 
 @dataclass(slots=True)
 class AttentionMetadata:
-    num_actual_tokens: int          # query rows that are real tokens (rest is padding)
+    num_actual_tokens: int          # leading query rows that are real tokens (the rest: padding)
     query_start_loc: torch.Tensor   # [num_seqs + 1] int32, cumulative query lengths
     seq_lens: torch.Tensor          # [num_seqs] int32, context + new tokens
-    context_lens: torch.Tensor      # [num_seqs] int32, tokens already cached before this step
     block_tables: torch.Tensor      # [num_seqs, max_num_blocks_per_seq] int32
     slot_mapping: torch.Tensor      # [num_tokens] int64, -1 = padding (not stored)
     max_query_len: int
-    max_seq_len: int
     # Host copies: the torch path loops over sequences and must not sync on device tensors.
     query_lens_cpu: tuple[int, ...]
     seq_lens_cpu: tuple[int, ...]
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.seq_lens_cpu)
-
-    @property
-    def is_all_decode(self) -> bool:
-        return self.max_query_len == 1

@@ -14,17 +14,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-# Bytes per element of each KV cache dtype name accepted by the engine and the CLI.
-KV_DTYPE_BYTES: dict[str, int] = {
-    "float32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-    "fp8": 1,
-    "fp8_e4m3": 1,
-    "fp8_e5m2": 1,
-}
+from kvpilot.engine.core.constants import FP8_KV_DTYPES, MODEL_DTYPE_BYTES
 
-FP8_KV_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
+# Bytes per element of each KV cache dtype name accepted by the engine and the CLI.
+KV_DTYPE_BYTES: dict[str, int] = {**MODEL_DTYPE_BYTES, **dict.fromkeys(FP8_KV_DTYPES, 1)}
 
 
 def kv_dtype_bytes(kv_cache_dtype: str, model_dtype: str) -> int:

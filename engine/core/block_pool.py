@@ -12,9 +12,9 @@ before its first blocks, and everything freed earlier goes before both.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
-from kvpilot.engine.block_hash import BlockHash
+from kvpilot.engine.core.block_hash import BlockHash
 
 
 class KVCacheBlock:
@@ -81,9 +81,17 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    """Owns every block, their ref counts and the hash -> block map."""
+    """Owns every block, their ref counts and the hash -> block map.
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    Args:
+        num_blocks: blocks in the device cache.
+        enable_caching: keep full blocks' hashes for prefix hits.
+        record_evictions: keep a list of evicted cached blocks for ``drain_evicted``
+            (the KV offload tiers save them); off, evictions are not recorded at all.
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True,
+                 record_evictions: bool = False) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -91,9 +99,10 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockHash, KVCacheBlock] = {}
-        # Called with (block_id, block_hash) just before a cached block is evicted;
-        # the offload tier uses it to save the KV before the block is reused.
-        self.on_evict: Callable[[int, BlockHash], None] | None = None
+        self.record_evictions = record_evictions
+        # (block_id, block_hash) of cached blocks evicted since the last drain: their KV is
+        # still in the block until the next forward pass overwrites it.
+        self._evicted: list[tuple[int, BlockHash]] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -129,10 +138,15 @@ class BlockPool:
         if block.block_hash is None:
             return
         if self.cached.get(block.block_hash) is block:
-            if self.on_evict is not None:
-                self.on_evict(block.block_id, block.block_hash)
+            if self.record_evictions:
+                self._evicted.append((block.block_id, block.block_hash))
             del self.cached[block.block_hash]
         block.block_hash = None
+
+    def drain_evicted(self) -> list[tuple[int, BlockHash]]:
+        """The (block_id, block_hash) evicted since the last call, oldest first."""
+        evicted, self._evicted = self._evicted, []
+        return evicted
 
     def cache_full_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
         """Register a full block under its hash (first writer wins on duplicates)."""

@@ -7,7 +7,7 @@ import itertools
 from collections import deque
 from collections.abc import Iterator
 
-from kvpilot.engine.request import Request
+from kvpilot.engine.core.request import Request
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 

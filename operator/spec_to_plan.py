@@ -19,16 +19,16 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from kvpilot.engine.core.constants import MAX_TENSOR_PARALLEL_SIZE
 from kvpilot.operator.planner.catalog import model_presets, preset_key
 from kvpilot.operator.planner.plan import make_plan
-from kvpilot.operator.planner.request import PlanRequest
+from kvpilot.operator.planner.plan_request import PlanRequest
 from kvpilot.operator.planner.result import Plan
-from kvpilot.operator.sizing import EngineSizing
+from kvpilot.operator.resources.sizing import EngineSizing
 from kvpilot.operator.spec import InferenceServiceSpec
 
-# GPUs per replica the engine can use (it has no tensor parallelism yet). The CRD keeps
-# gpu.count up to 8 so that specs stay valid once it does.
-ENGINE_MAX_TENSOR_PARALLEL = 1
+# GPUs per replica the engine can use: MAX_TENSOR_PARALLEL_SIZE. The CRD keeps gpu.count up
+# to 8 so that specs stay valid as that grows.
 
 # Plan fields copied into status.plan (camelCase there); the CRD's status schema lists them.
 STATUS_FIELDS = (
@@ -143,7 +143,7 @@ def plan_service(spec: InferenceServiceSpec) -> PlanOutcome:
         return PlanOutcome("Infeasible",
                            f"no feasible plan: {plan.binding_constraint}: {plan.binding_detail}.{hint}",
                            plan.binding_constraint, suggestions)
-    if plan.tensor_parallel_size > ENGINE_MAX_TENSOR_PARALLEL:
+    if plan.tensor_parallel_size > MAX_TENSOR_PARALLEL_SIZE:
         return PlanOutcome("Unsupported",
                            f"the plan needs {plan.tensor_parallel_size} GPUs per replica (tensor "
                            f"parallelism), which the kvpilot engine does not implement yet: use "

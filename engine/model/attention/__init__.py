@@ -1,6 +1,6 @@
 """Attention over the paged KV cache: metadata, backend interface and the torch path."""
 
-from kvpilot.engine.attention.backend import AttentionBackend, select_attention_backend
-from kvpilot.engine.attention.metadata import AttentionMetadata
+from kvpilot.engine.model.attention.backend import AttentionBackend, select_attention_backend
+from kvpilot.kernels.attention_metadata import AttentionMetadata
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "select_attention_backend"]

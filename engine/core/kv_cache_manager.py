@@ -9,14 +9,10 @@ attention of that layer reads it, so a hit taken in the same step is still corre
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from kvpilot.engine.block_hash import BlockHash, extend_block_hashes
-from kvpilot.engine.block_pool import BlockPool, KVCacheBlock
-from kvpilot.engine.request import Request
-
-if TYPE_CHECKING:
-    from kvpilot.engine.offload.base import OffloadBase
+from kvpilot.engine.core.block_hash import BlockHash, extend_block_hashes
+from kvpilot.engine.core.block_pool import BlockPool, KVCacheBlock
+from kvpilot.engine.core.request import Request
 
 
 @dataclass(slots=True)
@@ -26,6 +22,11 @@ class PrefixHit:
     blocks: list[KVCacheBlock]
     num_tokens: int              # device hit plus offload hit
     num_offload_blocks: int = 0  # blocks after ``blocks`` that the offload tiers serve
+
+    def extend_with_offload(self, num_blocks: int, block_size: int) -> None:
+        """Adds ``num_blocks`` blocks the offload tiers hold right after the device hit."""
+        self.num_offload_blocks = num_blocks
+        self.num_tokens = (len(self.blocks) + num_blocks) * block_size
 
 
 @dataclass(slots=True)
@@ -41,20 +42,15 @@ class KVCacheManager:
         block_size: int,
         enable_caching: bool,
         hash_root: BlockHash,
+        record_evictions: bool = False,
     ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.hash_root = hash_root
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.pool = BlockPool(num_blocks, enable_caching, record_evictions)
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
         self._num_registered: dict[str, int] = {}
         self.stats = PrefixCacheStats()
-        self.offload: OffloadBase | None = None
-
-    def set_offload(self, offload: OffloadBase | None) -> None:
-        """Attach the KV offload strategy (kvpilot.engine.offload.base); None detaches it."""
-        self.offload = offload
-        self.pool.on_evict = offload.on_evict if offload is not None else None
 
     @property
     def usage(self) -> float:
@@ -75,7 +71,7 @@ class KVCacheManager:
                 )
 
     def find_prefix_hit(self, request: Request) -> PrefixHit:
-        """Longest chain of cached blocks for a request being admitted.
+        """Longest chain of cached device blocks for a request being admitted.
 
         At most ``num_tokens - 1`` tokens can hit: the last token is always computed so
         that the step produces logits to sample from.
@@ -90,17 +86,11 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
-        if self.offload is None:
-            return PrefixHit(blocks, len(blocks) * self.block_size)
-        num_offload = self.offload.find_hit(request, len(blocks))
-        return PrefixHit(blocks, (len(blocks) + num_offload) * self.block_size, num_offload)
+        return PrefixHit(blocks, len(blocks) * self.block_size)
 
     def record_admission(self, request: Request, hit: PrefixHit) -> None:
         self.stats.queries += request.num_tokens
         self.stats.hits += hit.num_tokens - hit.num_offload_blocks * self.block_size
-        if self.offload is not None:
-            self.offload.on_admitted(request, len(hit.blocks), hit.num_offload_blocks,
-                                     self.block_ids(request.request_id))
 
     def num_blocks_needed(self, request: Request, num_new_tokens: int, hit: PrefixHit | None) -> int:
         """New blocks an allocation would take from the free queue (incl. revived hits)."""
@@ -144,17 +134,19 @@ class KVCacheManager:
             self.pool.cache_full_block(blocks[i], request.block_hashes[i])
         self._num_registered[rid] = num_full
 
-    def free(self, request: Request) -> None:
-        """Release a request's blocks, tail first (so its tail is evicted first)."""
+    def free(self, request: Request) -> list[int]:
+        """Release a request's blocks, tail first (so its tail is evicted first).
+
+        Returns the released block ids in table order.
+        """
         blocks = self.req_blocks.pop(request.request_id, [])
         self._num_registered.pop(request.request_id, None)
         # Blocks registered for tokens scheduled but never computed (a request preempted in
         # the very step that scheduled it) must not stay cached, nor be saved on eviction.
         for block in blocks[request.num_computed_tokens // self.block_size:]:
             self.pool.uncache(block)
-        if self.offload is not None:
-            self.offload.on_free(request, [b.block_id for b in blocks])
         self.pool.free_blocks(reversed(blocks))
+        return [b.block_id for b in blocks]
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kvpilot.engine.attention.metadata import AttentionMetadata
+from kvpilot.kernels.attention_metadata import AttentionMetadata
 
 
 class TritonAttentionBackend:

@@ -12,14 +12,14 @@ import sys
 import pytest
 import torch
 
-from kvpilot.kernels import bench_gpu
+from kvpilot.engine.bench import kernels_gpu as bench_gpu
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message printed without CUDA")
 def test_exits_cleanly_without_cuda():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", "kvpilot.kernels.bench_gpu"], env=env,
+    proc = subprocess.run([sys.executable, "-m", "kvpilot.engine.bench.kernels_gpu"], env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "no CUDA device found" in proc.stdout

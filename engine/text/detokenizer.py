@@ -46,7 +46,7 @@ class IncrementalDetokenizer:
     """Text of one sequence's output tokens, produced as tokens arrive.
 
     Args:
-        tokenizer: a :class:`kvpilot.engine.tokenizer.Tokenizer`.
+        tokenizer: a :class:`kvpilot.engine.text.tokenizer.Tokenizer`.
         prompt_token_ids: the prompt; its last ``PROMPT_CONTEXT_TOKENS`` (kept) tokens
             seed the decode window.
         skip_special_tokens: leave special tokens out of the text.

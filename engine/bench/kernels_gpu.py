@@ -1,4 +1,4 @@
-"""Compiled-kernel checks and timings on one CUDA device: ``python -m kvpilot.kernels.bench_gpu``.
+"""Compiled-kernel checks and timings on one CUDA device: ``python -m kvpilot.engine.bench.kernels_gpu``.
 
 1. Checks every kernel compiled against its pure-torch reference: the KV store for
    16/32-bit caches and the in-kernel fp8 e4m3 / e5m2 quantization byte for byte against
@@ -47,7 +47,7 @@ def _fp8_probe_values(dtype: torch.dtype, device) -> torch.Tensor:
 
 def check_store(device, *, smoke: bool) -> list[str]:
     """KV store against its reference and the engine's torch store; returns failure lines."""
-    from kvpilot.engine.attention.torch_backend import store_kv
+    from kvpilot.engine.model.attention.torch_backend import store_kv
     from kvpilot.kernels.kv_store import store_kv_cache, store_kv_cache_ref
     from kvpilot.kernels.paged_batch import make_paged_batch
 
@@ -90,7 +90,7 @@ def check_store(device, *, smoke: bool) -> list[str]:
 
 def check_attention(device, *, smoke: bool) -> list[str]:
     """Unified attention against its reference and the engine's torch path."""
-    from kvpilot.engine.attention.torch_backend import paged_attention
+    from kvpilot.engine.model.attention.torch_backend import paged_attention
     from kvpilot.kernels.kv_store import store_kv_cache_ref
     from kvpilot.kernels.paged_batch import MIXED_SPECS, make_paged_batch
     from kvpilot.kernels.unified_attention import (
@@ -333,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["TRITON_INTERPRET"] = "1"
         device = torch.device("cpu")
     elif not torch.cuda.is_available():
-        print("bench_gpu: no CUDA device found; nothing was checked or timed. Run it on a machine "
+        print("kernels_gpu: no CUDA device found; nothing was checked or timed. Run it on a machine "
               "with a CUDA GPU (or pass --interpret-smoke to test this script on CPU).")
         return 0
     else:

@@ -12,12 +12,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvpilot.engine.attention.backend import AttentionBackend
-from kvpilot.engine.attention.metadata import AttentionMetadata
-from kvpilot.engine.attention.torch_backend import FP8_DTYPES
-from kvpilot.engine.hf_config import ArchConfig
-from kvpilot.engine.layers.norm import RMSNorm
-from kvpilot.engine.layers.rotary import RotaryEmbedding
+from kvpilot.engine.model.attention.backend import AttentionBackend
+from kvpilot.engine.model.attention.torch_backend import FP8_DTYPES
+from kvpilot.engine.model.hf_config import ArchConfig
+from kvpilot.engine.model.layers.norm import RMSNorm
+from kvpilot.engine.model.layers.rotary import RotaryEmbedding
+from kvpilot.kernels.attention_metadata import AttentionMetadata
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvpilot.engine.request import Request, RequestStatus
+from kvpilot.engine.core.request import Request, RequestStatus
 
 
 def check_token_stop(request: Request, max_model_len: int) -> tuple[RequestStatus | None, int | None]:

@@ -28,8 +28,8 @@ from pathlib import Path
 import tokenizers
 from tqdm.auto import tqdm
 
-from kvpilot.engine.chat_templates import builtin_template
-from kvpilot.engine.tiktoken_convert import load_tiktoken_ranks, tiktoken_to_tokenizer
+from kvpilot.engine.text.chat_templates import builtin_template
+from kvpilot.engine.text.tiktoken_convert import load_tiktoken_ranks, tiktoken_to_tokenizer
 
 logger = logging.getLogger(__name__)
 

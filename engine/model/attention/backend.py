@@ -6,9 +6,8 @@ from typing import Protocol
 
 import torch
 
-from kvpilot.engine.attention.metadata import AttentionMetadata
-
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+from kvpilot.engine.core.constants import ATTENTION_BACKENDS
+from kvpilot.kernels.attention_metadata import AttentionMetadata
 
 
 class AttentionBackend(Protocol):
@@ -37,9 +36,9 @@ def select_attention_backend(name: str, device: torch.device) -> AttentionBacken
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "triton":
-        from kvpilot.engine.attention.triton_backend import TritonAttentionBackend
+        from kvpilot.engine.model.attention.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend()
-    from kvpilot.engine.attention.torch_backend import TorchAttentionBackend
+    from kvpilot.engine.model.attention.torch_backend import TorchAttentionBackend
 
     return TorchAttentionBackend()

@@ -13,7 +13,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from kvpilot.engine.attention.metadata import AttentionMetadata
+from kvpilot.kernels.attention_metadata import AttentionMetadata
 from kvpilot.kernels.fp8 import FP8_DTYPES  # torch-only module: no triton import
 
 
@@ -38,12 +38,23 @@ def store_kv(
     slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
     k_scale: torch.Tensor,
     v_scale: torch.Tensor,
+    num_actual_tokens: int | None = None,
 ) -> None:
-    num_tokens = slot_mapping.shape[0]
-    key, value = key[:num_tokens], value[:num_tokens]
-    valid = slot_mapping >= 0
-    if not bool(valid.all()):
-        key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+    """Write the step's K/V into their slots.
+
+    ``num_actual_tokens`` (the metadata's count of leading real rows) lets the engine skip
+    padding by slicing, with no device sync; without it (tests, references) slots of -1
+    are masked out, which reads the mask back to the host.
+    """
+    if num_actual_tokens is not None:
+        key, value = key[:num_actual_tokens], value[:num_actual_tokens]
+        slot_mapping = slot_mapping[:num_actual_tokens]
+    else:
+        num_tokens = slot_mapping.shape[0]
+        key, value = key[:num_tokens], value[:num_tokens]
+        valid = slot_mapping >= 0
+        if not bool(valid.all()):
+            key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
     k_new = quantize_kv(key, k_scale, kv_cache.dtype)
@@ -127,5 +138,6 @@ class TorchAttentionBackend:
     name = "torch"
 
     def forward(self, query, key, value, kv_cache, metadata, scale, k_scale, v_scale):
-        store_kv(key, value, kv_cache, metadata.slot_mapping, k_scale, v_scale)
+        store_kv(key, value, kv_cache, metadata.slot_mapping, k_scale, v_scale,
+                 metadata.num_actual_tokens)
         return paged_attention(query, kv_cache, metadata, scale, k_scale, v_scale)

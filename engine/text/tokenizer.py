@@ -28,7 +28,7 @@ from typing import Any
 import jinja2
 import tokenizers
 
-from kvpilot.engine.chat_templates import (
+from kvpilot.engine.text.chat_templates import (
     ChatTemplateError,
     compile_chat_template,
     render_chat_template,

@@ -16,9 +16,10 @@ import time
 from dataclasses import dataclass, field
 
 from kvpilot.engine.config import SchedulerConfig
-from kvpilot.engine.kv_cache_manager import KVCacheManager
-from kvpilot.engine.request import Request, RequestStatus
-from kvpilot.engine.request_queue import make_request_queue
+from kvpilot.engine.core.kv_cache_manager import KVCacheManager
+from kvpilot.engine.core.kv_transfer import Admission, FinishedBlocks, KVTransfers, OffloadLookup
+from kvpilot.engine.core.request import Request, RequestStatus
+from kvpilot.engine.core.request_queue import make_request_queue
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,8 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
+    # Offload work for the runner to do before the forward pass; None when offload is off.
+    kv_transfers: KVTransfers | None = None
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -51,9 +54,19 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    """Args:
+        config: limits and policy.
+        kv_cache_manager: block tables and the prefix cache.
+        offload: the KV offload lookup (None when offload is off); the saves and loads it
+            implies travel in ``SchedulerOutput.kv_transfers``.
+    """
+
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+                 offload: OffloadLookup | None = None) -> None:
         self.config = config
         self.kv = kv_cache_manager
+        self.offload = offload
+        self._transfers: KVTransfers | None = KVTransfers() if offload is not None else None
         self.waiting = make_request_queue(config.policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -79,8 +92,31 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         request.finished_time = time.time()
-        self.kv.free(request)
+        self._release(request)
         return request
+
+    def _release(self, request: Request) -> None:
+        """Free a request's blocks; with offload, list a finished one's blocks for saving."""
+        block_ids = self.kv.free(request)
+        if self._transfers is None:
+            return
+        self.offload.forget(request.request_id)
+        if not request.is_finished:
+            return   # preempted: its blocks are saved only if the pool evicts them
+        bs = self.kv.block_size
+        num_full = min(request.num_computed_tokens // bs, len(request.block_hashes), len(block_ids))
+        if num_full:
+            self._transfers.add_finished(FinishedBlocks(
+                request.request_id, block_ids[:num_full], request.block_hashes[:num_full],
+                request.token_ids_slice(0, num_full * bs), request.cache_salt))
+
+    def take_kv_transfers(self) -> KVTransfers | None:
+        """The offload work listed so far (for the runner to do now); None when offload is off."""
+        if self._transfers is None:
+            return None
+        self._transfers.add_evicted(self.kv.pool.drain_evicted())
+        transfers, self._transfers = self._transfers, KVTransfers()
+        return transfers
 
     @property
     def num_running(self) -> int:
@@ -101,6 +137,7 @@ class Scheduler:
         if not out.preempted_request_ids:
             self._schedule_waiting(out, budget)
         self._check_invariants(out)
+        out.kv_transfers = self.take_kv_transfers()
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -124,6 +161,10 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             hit = self.kv.find_prefix_hit(request)
+            if self._transfers is not None:
+                self._transfers.add_evicted(self.kv.pool.drain_evicted())
+                hit.extend_with_offload(self.offload.find_hit(
+                    request, len(hit.blocks), self._transfers.pending_saves), self.kv.block_size)
             num_new = request.num_tokens - hit.num_tokens
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
@@ -132,6 +173,11 @@ class Scheduler:
                 break
             self.waiting.pop()
             self.kv.record_admission(request, hit)
+            if self._transfers is not None:
+                start, end = len(hit.blocks), len(hit.blocks) + hit.num_offload_blocks
+                self._transfers.admissions.append(Admission(
+                    request.request_id, request.num_tokens, start,
+                    self.kv.block_ids(request.request_id)[start:end]))
             request.num_computed_tokens = hit.num_tokens
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = hit.num_tokens
@@ -160,7 +206,7 @@ class Scheduler:
                 returned = s.num_new_tokens
                 del out.scheduled[i]
                 break
-        self.kv.free(victim)
+        self._release(victim)
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         victim.status = RequestStatus.PREEMPTED

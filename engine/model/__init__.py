@@ -1,0 +1,15 @@
+"""The engine's torch side: what each step computes.
+
+- ``runner``: turns a ``SchedulerOutput`` into tensors, runs the model, samples; owns the
+  paged KV cache tensors.
+- ``loader`` / ``hf_config``: safetensors checkpoints and their ``config.json`` (the
+  latter is torch-free, read by the engine's config too).
+- ``sampler``: greedy / temperature / top-k / top-p / min-p / penalties, logprobs.
+- ``memory_profiling``: how many KV blocks to allocate (given, from bytes, or profiled).
+- ``attention/``: the attention backend interface, the torch path and the Triton path.
+- ``layers/``: RMSNorm, rotary embeddings; ``models/``: Llama-family models and the
+  built-in demo checkpoint (``models/demo.py``).
+
+May import: torch, safetensors, ``kvpilot.kernels``, ``kvpilot.engine.core`` and the
+engine's config. Not the server, the CLI or the operator.
+"""
