@@ -67,7 +67,8 @@ class KubeApi:
         await self._client.close()
 
     async def request(self, method: str, path: str, body: Any = None,
-                      content_type: str = "application/json") -> dict:
+                      content_type: str = "application/json",
+                      query: list[tuple[str, str]] | None = None) -> dict:
         """One API call; returns the decoded JSON answer, raises KubeError on non-2xx."""
         if self.closing:
             raise KubeError(0, "the API client is closing (operator shutdown)")
@@ -76,7 +77,8 @@ class KubeApi:
         self._idle.clear()
         try:
             serialized = await self._client.param_serialize(method, path, header_params=headers,
-                                                            body=body, auth_settings=["BearerToken"])
+                                                            query_params=query, body=body,
+                                                            auth_settings=["BearerToken"])
             response = await self._client.call_api(*serialized)
             data = await response.read()
         except ApiException as exc:  # raised by some transports instead of a response
@@ -101,6 +103,11 @@ class KubeApi:
             if exc.status == 404:
                 return None
             raise
+
+    async def list(self, collection_path: str, label_selector: str | None = None) -> list[dict]:
+        """The items of a collection, optionally filtered by a label selector."""
+        query = [("labelSelector", label_selector)] if label_selector else None
+        return (await self.request("GET", collection_path, query=query)).get("items") or []
 
     async def create(self, collection_path: str, body: dict) -> dict:
         return await self.request("POST", collection_path, body)

@@ -30,6 +30,7 @@ from kvpilot.operator.kube import KubeApi, KubeError
 from kvpilot.operator.resources import DEPLOYMENT, Child, desired_children, possible_children
 from kvpilot.operator.resources.common import Owner
 from kvpilot.operator.resources.monitoring import PODMONITOR_API
+from kvpilot.operator.resources.placement import describe as describe_placement
 from kvpilot.operator.resources.service import endpoint
 from kvpilot.operator.settings import OperatorSettings
 from kvpilot.operator.spec import SpecError, parse_spec
@@ -37,8 +38,10 @@ from kvpilot.operator.spec_to_plan import PlanOutcome, plan_service
 from kvpilot.operator.status import (
     Condition,
     DeploymentState,
+    SchedulingProblem,
     merge_conditions,
     now_rfc3339,
+    scheduling_problem,
     workload_conditions,
 )
 
@@ -195,12 +198,25 @@ async def reconcile(api: KubeApi, body: Mapping[str, Any], settings: OperatorSet
     state = DeploymentState.read(deployment)
     desired["replicas"] = state.replicas if state.exists else 0
     desired["readyReplicas"] = state.ready if state.exists else 0
-    conditions = [planned, *workload_conditions(state, "; ".join(apply_errors) or None)]
+    scheduling = None
+    if spec is not None and outcome.sizing is not None and state.exists and state.ready < state.desired:
+        scheduling = await _scheduling(api, owner, describe_placement(spec, outcome.sizing.gpu, settings))
+    conditions = [planned, *workload_conditions(state, "; ".join(apply_errors) or None, scheduling)]
     desired["conditions"] = merge_conditions(current.get("conditions"), conditions, generation,
                                              now_rfc3339())
     result.status_patch = _status_patch(current, desired)
     result.events = transition_events(current.get("conditions"), conditions)
     return result
+
+
+async def _scheduling(api: KubeApi, owner: Owner, needs: str) -> SchedulingProblem | None:
+    """Why engine pods are Pending, if the scheduler says so (read only while not all are ready)."""
+    try:
+        pods = await api.list(f"/api/v1/namespaces/{owner.namespace}/pods", owner.selector)
+    except KubeError as exc:  # no rights to list pods: say nothing rather than fail the pass
+        logger.debug("listing pods failed: %s", exc)
+        return None
+    return scheduling_problem(pods, needs)
 
 
 def transition_events(current: Any, conditions: list[Condition]) -> list[Event]:

@@ -12,6 +12,14 @@
 | KVPILOT_HPA_WAITING_METRIC      | vllm_num_requests_waiting                 |
 | KVPILOT_TERMINATION_GRACE_SECONDS | 120                                     |
 | KVPILOT_PEERING                 | "" (off: one operator replica, standalone) |
+| KVPILOT_GPU_NODE_LABEL          | nvidia.com/gpu.product ("" = no GPU placement) |
+| KVPILOT_GPU_NODE_VALUES         | {} (JSON: GPU type -> label values, over the catalogue's) |
+| KVPILOT_MODEL_CACHE             | on (off: hf:// weights go to an emptyDir)  |
+| KVPILOT_MODEL_CACHE_STORAGE_CLASS | "" (the cluster's default class)        |
+| KVPILOT_RWX_STORAGE_CLASSES     | "" (comma-separated classes that offer ReadWriteMany) |
+| KVPILOT_EPP_NAME                | {name}-epp (endpoint picker Service; {name} = the service) |
+| KVPILOT_EPP_PORT                | 9002                                      |
+| KVPILOT_EPP_FAILURE_MODE        | FailClose                                 |
 
 The HPA metric names are the names a Prometheus adapter exposes in the custom metrics
 API: the engine exports ``vllm:kv_cache_usage_perc`` / ``vllm:num_requests_waiting``
@@ -20,10 +28,16 @@ and a Prometheus adapter rule (README, "Operator") renames ``vllm:`` to ``vllm_`
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from kvpilot.operator.planner.gpu import gpu_names, gpu_node_products
+
+EPP_FAILURE_MODES = ("FailOpen", "FailClose")
+_ON, _OFF = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +54,15 @@ class OperatorSettings:
         hpa_kv_usage_metric / hpa_waiting_metric: custom-metrics names used by HPAs.
         termination_grace_seconds: how long a terminating engine pod may drain.
         peering: kopf peering name, or None for a standalone operator (the default).
+        gpu_node_label: node label whose value names the GPU product (GPU feature
+            discovery's); None = pods are not pinned to a GPU type.
+        gpu_node_values: GPU type -> label values, replacing the catalogue's products.
+        model_cache: hf:// weights go to a cache claim that outlives pods (else an emptyDir).
+        model_cache_storage_class: storage class of cache claims (None = cluster default).
+        rwx_storage_classes: storage classes that can be mounted ReadWriteMany.
+        endpoint_picker_name: the endpoint picker Service of an InferencePool; ``{name}``
+            is replaced by the InferenceService's name.
+        endpoint_picker_port / endpoint_picker_failure_mode: its port and failure mode.
     """
 
     namespaces: tuple[str, ...] = ()
@@ -52,6 +75,14 @@ class OperatorSettings:
     hpa_waiting_metric: str = "vllm_num_requests_waiting"
     termination_grace_seconds: int = 120
     peering: str | None = None
+    gpu_node_label: str | None = "nvidia.com/gpu.product"
+    gpu_node_values: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    model_cache: bool = True
+    model_cache_storage_class: str | None = None
+    rwx_storage_classes: tuple[str, ...] = ()
+    endpoint_picker_name: str = "{name}-epp"
+    endpoint_picker_port: int = 9002
+    endpoint_picker_failure_mode: str = "FailClose"
 
     def __post_init__(self) -> None:
         if not self.engine_image:
@@ -62,6 +93,29 @@ class OperatorSettings:
             raise ValueError("KVPILOT_TERMINATION_GRACE_SECONDS must be >= 0")
         if not isinstance(logging.getLevelName(self.log_level.upper()), int):
             raise ValueError(f"KVPILOT_LOG_LEVEL: unknown level {self.log_level!r}")
+        for gpu, values in self.gpu_node_values.items():
+            if gpu not in gpu_names():
+                raise ValueError(f"KVPILOT_GPU_NODE_VALUES: unknown GPU type {gpu!r}; known: "
+                                 f"{', '.join(gpu_names())}")
+            if not values or not all(isinstance(v, str) and v for v in values):
+                raise ValueError(f"KVPILOT_GPU_NODE_VALUES[{gpu!r}] must be a non-empty list of strings")
+        if not 1 <= self.endpoint_picker_port <= 65535:
+            raise ValueError(f"KVPILOT_EPP_PORT must be 1..65535, got {self.endpoint_picker_port}")
+        if self.endpoint_picker_failure_mode not in EPP_FAILURE_MODES:
+            raise ValueError(f"KVPILOT_EPP_FAILURE_MODE must be one of {', '.join(EPP_FAILURE_MODES)}")
+        try:
+            self.endpoint_picker_name.format(name="x")
+        except (KeyError, IndexError, ValueError):
+            raise ValueError("KVPILOT_EPP_NAME may use only {name}, got "
+                             f"{self.endpoint_picker_name!r}") from None
+
+    def gpu_node_values_for(self, gpu: str) -> tuple[str, ...]:
+        """The node-label values that mean GPU type ``gpu`` (the settings', else the catalogue's)."""
+        return tuple(self.gpu_node_values.get(gpu) or gpu_node_products(gpu))
+
+    def endpoint_picker_for(self, service: str) -> str:
+        """The endpoint picker Service name of the InferenceService ``service``."""
+        return self.endpoint_picker_name.format(name=service)
 
     @property
     def clusterwide(self) -> bool:
@@ -80,7 +134,26 @@ class OperatorSettings:
             except ValueError:
                 raise ValueError(f"{name} must be a number, got {raw!r}") from None
 
-        namespaces = tuple(n.strip() for n in env.get("KVPILOT_WATCH_NAMESPACES", "").split(",") if n.strip())
+        def switch(name: str, default: bool) -> bool:
+            raw = env.get(name, "").strip().lower()
+            if not raw:
+                return default
+            if raw not in _ON + _OFF:
+                raise ValueError(f"{name} must be on or off, got {raw!r}")
+            return raw in _ON
+
+        def names(name: str) -> tuple[str, ...]:
+            return tuple(n.strip() for n in env.get(name, "").split(",") if n.strip())
+
+        raw_values = env.get("KVPILOT_GPU_NODE_VALUES", "").strip()
+        try:
+            values = json.loads(raw_values) if raw_values else {}
+        except ValueError as exc:
+            raise ValueError(f"KVPILOT_GPU_NODE_VALUES is not JSON: {exc}") from None
+        if not isinstance(values, dict) or not all(isinstance(v, list) for v in values.values()):
+            raise ValueError('KVPILOT_GPU_NODE_VALUES must map GPU types to lists: {"l4": ["NVIDIA-L4"]}')
+
+        namespaces = names("KVPILOT_WATCH_NAMESPACES")
         return cls(
             namespaces=namespaces,
             engine_image=env.get("KVPILOT_ENGINE_IMAGE", defaults.engine_image),
@@ -93,4 +166,13 @@ class OperatorSettings:
             termination_grace_seconds=int(number("KVPILOT_TERMINATION_GRACE_SECONDS",
                                                  defaults.termination_grace_seconds)),
             peering=env.get("KVPILOT_PEERING") or None,
+            gpu_node_label=env.get("KVPILOT_GPU_NODE_LABEL", defaults.gpu_node_label) or None,
+            gpu_node_values={k: tuple(v) for k, v in values.items()},
+            model_cache=switch("KVPILOT_MODEL_CACHE", defaults.model_cache),
+            model_cache_storage_class=env.get("KVPILOT_MODEL_CACHE_STORAGE_CLASS") or None,
+            rwx_storage_classes=names("KVPILOT_RWX_STORAGE_CLASSES"),
+            endpoint_picker_name=env.get("KVPILOT_EPP_NAME") or defaults.endpoint_picker_name,
+            endpoint_picker_port=int(number("KVPILOT_EPP_PORT", defaults.endpoint_picker_port)),
+            endpoint_picker_failure_mode=env.get("KVPILOT_EPP_FAILURE_MODE")
+            or defaults.endpoint_picker_failure_mode,
         )

@@ -19,12 +19,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpilot.engine.core.constants import KV_CACHE_DTYPES, OFFLOAD_BACKENDS
+from kvpilot.operator.constants import HTTP_PORT
 from kvpilot.operator.planner.plan_request import snake_case
 from kvpilot.operator.planner.slo import ServiceLevel
 from kvpilot.operator.spec_reader import Reader, SpecError
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 AUTOSCALING_MODES = ("none", "hpa", "keda")
+ACCESS_MODES = ("ReadWriteMany", "ReadWriteOnce")
+FAILURE_MODES = ("FailOpen", "FailClose")
 DEFAULT_PROMETHEUS = "http://prometheus-operated.monitoring.svc:9090"
 
 # field -> (type, bounds as in the CRD schema: Reader.get's keyword arguments)
@@ -67,6 +70,23 @@ def planner_name(crd_field: str) -> str:
 
 
 @dataclass(frozen=True, slots=True)
+class ModelCacheSpec:
+    """``spec.model.cache``: the claim that keeps downloaded hf:// weights across pod starts.
+
+    Args:
+        enabled: use a cache claim (else an emptyDir, refilled at every pod start).
+        access_mode: ``ReadWriteMany`` / ``ReadWriteOnce``; None = by storage class (settings).
+        storage_class: the claim's storage class (None = the operator's setting).
+        size_gib: the claim's size (None = the planner's checkpoint size plus headroom).
+    """
+
+    enabled: bool = True
+    access_mode: str | None = None
+    storage_class: str | None = None
+    size_gib: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class ModelSource:
     """Where the weights are: ``scheme`` is hf, pvc, s3 or path (inside the image)."""
 
@@ -80,12 +100,32 @@ class ModelSource:
     bucket: str | None = None        # s3
     sub_path: str = ""               # pvc path inside the claim / s3 prefix
     image_path: str | None = None    # path
+    cache: ModelCacheSpec = ModelCacheSpec()
 
 
 @dataclass(frozen=True, slots=True)
 class GpuSpec:
+    """``spec.gpu``; ``node_selector`` (when given) replaces the GPU-type node match."""
+
     type: str
     count: int = 1
+    node_selector: Mapping[str, str] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class InferencePoolSpec:
+    """``spec.routing.inferencePool``: Gateway API inference routing (when the API exists).
+
+    Args:
+        enabled: create an InferencePool for the service.
+        endpoint_picker / endpoint_picker_port / failure_mode: the endpoint picker
+            reference; None = the operator's settings.
+    """
+
+    enabled: bool = True
+    endpoint_picker: str | None = None
+    endpoint_picker_port: int | None = None
+    failure_mode: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +190,9 @@ class InferenceServiceSpec:
     env: tuple[Mapping[str, Any], ...] = ()
     node_selector: Mapping[str, str] = field(default_factory=dict)
     tolerations: tuple[Mapping[str, Any], ...] = ()
+    affinity: Mapping[str, Any] = field(default_factory=dict)
+    port: int = HTTP_PORT
+    inference_pool: InferencePoolSpec = InferencePoolSpec()
     service_account_name: str | None = None
     api_key_secret: tuple[str, str] | None = None   # (secret name, key)
 
@@ -170,7 +213,9 @@ def _parse_model(r: Reader, resource_name: str) -> ModelSource:
     if not _SERVED.match(served) or len(served) > 128:
         raise SpecError(f"spec.model.servedName {served!r} is not a valid model name")
     common = dict(uri=uri, served_name=served, architecture=r.get("architecture", str),
-                  credentials_secret=None)
+                  credentials_secret=None, cache=_parse_model_cache(r.sub("cache")))
+    if r.sub("cache") is not None and not uri.startswith("hf://"):
+        raise SpecError("spec.model.cache is only used with hf:// URIs")
     creds = r.sub("credentialsSecretRef")
     if creds is not None:
         common["credentials_secret"] = creds.get("name", str, required=True)
@@ -186,6 +231,51 @@ def _parse_model(r: Reader, resource_name: str) -> ModelSource:
         return ModelSource(scheme="path", image_path=uri, **common)
     raise SpecError(f"spec.model.uri {uri!r} is not hf://org/name[@revision], pvc://claim/path, "
                     "s3://bucket/prefix or an absolute path in the image")
+
+
+def _parse_model_cache(r: Reader | None) -> ModelCacheSpec:
+    if r is None:
+        return ModelCacheSpec()
+    return ModelCacheSpec(
+        enabled=r.get("enabled", bool, True),
+        access_mode=r.get("accessMode", str, choices=ACCESS_MODES),
+        storage_class=r.get("storageClassName", str),
+        size_gib=r.get("sizeGiB", float, minimum=1, maximum=65536),
+    )
+
+
+def _parse_gpu(r: Reader) -> GpuSpec:
+    selector = r.get("nodeSelector", Mapping)
+    if selector is not None and not all(isinstance(v, str) for v in selector.values()):
+        raise SpecError("spec.gpu.nodeSelector values must be strings")
+    return GpuSpec(type=r.get("type", str, required=True),
+                   count=r.get("count", int, 1, minimum=1, maximum=8),
+                   node_selector=dict(selector) if selector is not None else None)
+
+
+def _parse_affinity(r: Reader) -> dict[str, Any]:
+    """``spec.affinity`` (a pod Affinity); the node terms must be a list, as the GPU match joins them."""
+    affinity = dict(r.get("affinity", Mapping, {}))
+    required = ((affinity.get("nodeAffinity") or {}).get("requiredDuringSchedulingIgnoredDuringExecution")
+                or {})
+    terms = required.get("nodeSelectorTerms") if isinstance(required, Mapping) else None
+    if terms is not None and not (isinstance(terms, list) and all(isinstance(t, Mapping) for t in terms)):
+        raise SpecError("spec.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution"
+                        ".nodeSelectorTerms must be a list of objects")
+    return affinity
+
+
+def _parse_routing(r: Reader | None) -> InferencePoolSpec:
+    pool = r.sub("inferencePool") if r is not None else None
+    if pool is None:
+        return InferencePoolSpec()
+    picker = pool.sub("endpointPickerRef")
+    return InferencePoolSpec(
+        enabled=pool.get("enabled", bool, True),
+        endpoint_picker=picker.get("name", str, required=True) if picker else None,
+        endpoint_picker_port=picker.get("port", int, minimum=1, maximum=65535) if picker else None,
+        failure_mode=picker.get("failureMode", str, choices=FAILURE_MODES) if picker else None,
+    )
 
 
 def _parse_slo(r: Reader) -> ServiceLevel:
@@ -279,8 +369,7 @@ def parse_spec(spec: Mapping[str, Any], resource_name: str) -> InferenceServiceS
     tolerations = r.items("tolerations", lambda t: isinstance(t, Mapping), "objects")
     return InferenceServiceSpec(
         model=_parse_model(r.sub("model", required=True), resource_name),
-        gpu=GpuSpec(type=gpu.get("type", str, required=True),
-                    count=gpu.get("count", int, 1, minimum=1, maximum=8)),
+        gpu=_parse_gpu(gpu),
         slo=_parse_slo(r.sub("slo", required=True)),
         engine=_parse_engine(r.sub("engine")),
         offload=_parse_offload(r.sub("offload")),
@@ -293,6 +382,9 @@ def parse_spec(spec: Mapping[str, Any], resource_name: str) -> InferenceServiceS
         node_selector=dict(r.get("nodeSelector", Mapping, {})),
         tolerations=tuple(dict(t) for t in tolerations),
         service_account_name=r.get("serviceAccountName", str),
+        affinity=_parse_affinity(r),
+        port=r.get("port", int, HTTP_PORT, minimum=1024, maximum=65535),
+        inference_pool=_parse_routing(r.sub("routing")),
         api_key_secret=(api_key.get("name", str, required=True), api_key.get("key", str, "api-key"))
         if api_key else None,
     )

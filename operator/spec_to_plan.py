@@ -128,7 +128,8 @@ def sizing_of(plan: Plan) -> EngineSizing:
         serve_args=tuple(status["serveArgs"]), replicas=plan.replicas,
         cpu_offload_gib=float(plan.cpu_offload_gib), disk_offload_gib=float(plan.disk_offload_gib),
         offload_backend=plan.offload_backend, disk_path=plan.offload_disk_path,
-        shm_gib=float(plan.shm_gib), memory_gib=float(plan.pod_memory_gib), status=status)
+        shm_gib=float(plan.shm_gib), memory_gib=float(plan.pod_memory_gib), gpu=plan.gpu,
+        weight_bytes=plan.memory.get("weight_bytes_total"), status=status)
 
 
 def plan_service(spec: InferenceServiceSpec) -> PlanOutcome:

@@ -86,6 +86,21 @@ GPU_CATALOG: dict[str, GPUSpec] = {g.name: g for g in (
     _gpu("b200", 183359, 8000, 2250, "NVIDIA B200 180GB HBM3e (HGX)", True),
 )}
 
+# What NVIDIA's GPU feature discovery puts in the ``nvidia.com/gpu.product`` node label for
+# each catalogue GPU: the NVML device name with spaces replaced by dashes. Only the variants
+# whose memory matches the catalogue entry are listed (the PCIe A100s have the SXM parts'
+# memory; the H100 PCIe / NVL do not match h100-80gb's bandwidth and are left out). MIG
+# slices ("...-MIG-1g.10gb") and shared GPUs ("...-SHARED") are other products on purpose.
+GPU_NODE_PRODUCTS: dict[str, tuple[str, ...]] = {
+    "l4": ("NVIDIA-L4",),
+    "a10g": ("NVIDIA-A10G",),
+    "a100-40gb": ("NVIDIA-A100-SXM4-40GB", "NVIDIA-A100-PCIE-40GB"),
+    "a100-80gb": ("NVIDIA-A100-SXM4-80GB", "NVIDIA-A100-80GB-PCIe"),
+    "h100-80gb": ("NVIDIA-H100-80GB-HBM3",),
+    "h200": ("NVIDIA-H200",),
+    "b200": ("NVIDIA-B200",),
+}
+
 GPU_ALIASES: dict[str, str] = {
     "a100": "a100-80gb", "h100": "h100-80gb", "h100-sxm": "h100-80gb", "h200-141gb": "h200",
     "b200-180gb": "b200", "a10": "a10g",
@@ -118,3 +133,8 @@ def custom_gpu(memory_gib: float, memory_bandwidth_gb_s: float, bf16_tflops: flo
             raise ValueError(f"a custom GPU needs {label} > 0")
     return GPUSpec("custom", int(memory_gib * GIB), memory_bandwidth_gb_s * 1e9, bf16_tflops * 1e12,
                    description, False)
+
+
+def gpu_node_products(name: str) -> tuple[str, ...]:
+    """The ``nvidia.com/gpu.product`` label values of a catalogue GPU (name or alias)."""
+    return GPU_NODE_PRODUCTS[get_gpu(name).name]

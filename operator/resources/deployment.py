@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvpilot.operator import constants as c
+from kvpilot.operator.resources import placement
 from kvpilot.operator.resources.common import Owner, format_gib, gib_quantity
 from kvpilot.operator.resources.model import model_delivery
 from kvpilot.operator.resources.sizing import EngineSizing
@@ -20,7 +21,7 @@ from kvpilot.operator.resources.storage import disk_claim_spec
 from kvpilot.operator.settings import OperatorSettings
 from kvpilot.operator.spec import InferenceServiceSpec
 
-GPU_RESOURCE = "nvidia.com/gpu"
+GPU_RESOURCE = placement.GPU_RESOURCE
 PRESTOP_SLEEP_SECONDS = 10
 POD_SECURITY_CONTEXT = {
     "runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000,
@@ -65,7 +66,7 @@ def disk_claim_child(policy: ReplicaPolicy, sizing: EngineSizing) -> bool:
 def engine_args(spec: InferenceServiceSpec, sizing: EngineSizing, model_path: str) -> list[str]:
     """The ``kvpilot serve`` flags of the engine container (the API key is never here)."""
     return ["--model", model_path, "--served-model-name", spec.model.served_name,
-            "--host", "0.0.0.0", "--port", str(c.HTTP_PORT), *sizing.serve_args,
+            "--host", "0.0.0.0", "--port", str(spec.port), *sizing.serve_args,
             *spec.engine.extra_args]
 
 
@@ -149,7 +150,7 @@ def build_deployment(owner: Owner, spec: InferenceServiceSpec, sizing: EngineSiz
         "image": image,
         "command": ["kvpilot", "serve"],
         "args": engine_args(spec, sizing, delivery.model_path),
-        "ports": [{"name": "http", "containerPort": c.HTTP_PORT, "protocol": "TCP"}],
+        "ports": [{"name": "http", "containerPort": spec.port, "protocol": "TCP"}],
         "env": _env(spec, sizing),
         "resources": _resources(spec, sizing),
         "volumeMounts": mounts,
@@ -170,13 +171,14 @@ def build_deployment(owner: Owner, spec: InferenceServiceSpec, sizing: EngineSiz
         "enableServiceLinks": False,
         "containers": [container],
         "volumes": volumes,
-        "tolerations": [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"},
-                        *spec.tolerations],
+        "tolerations": placement.tolerations(spec),
     }
     if delivery.init_containers:
         pod_spec["initContainers"] = delivery.init_containers
-    if spec.node_selector:
-        pod_spec["nodeSelector"] = dict(spec.node_selector)
+    if selector := placement.node_selector(spec):
+        pod_spec["nodeSelector"] = selector
+    if affinity := placement.affinity(spec, sizing.gpu, settings):
+        pod_spec["affinity"] = affinity
     if spec.service_account_name:
         pod_spec["serviceAccountName"] = spec.service_account_name
 
@@ -198,7 +200,7 @@ def build_deployment(owner: Owner, spec: InferenceServiceSpec, sizing: EngineSiz
                 "metadata": {
                     "labels": owner.labels("engine"),
                     "annotations": {"prometheus.io/scrape": "true",
-                                    "prometheus.io/port": str(c.HTTP_PORT),
+                                    "prometheus.io/port": str(spec.port),
                                     "prometheus.io/path": "/metrics"},
                 },
                 "spec": pod_spec,

@@ -26,6 +26,8 @@ class EngineSizing:
         disk_path: where the engine expects the disk tier (``--kv-offloading-disk-path``).
         shm_gib: size of the memory-backed ``/dev/shm``.
         memory_gib: container memory request and limit (None = leave unset).
+        gpu: the catalogue GPU type the plan is exact for (pods are pinned to it).
+        weight_bytes: the checkpoint's size as the planner estimates it (sizes the model cache).
         status: what goes into ``status.plan`` (camelCase keys).
     """
 
@@ -37,6 +39,8 @@ class EngineSizing:
     disk_path: str | None = None
     shm_gib: float = 1.0
     memory_gib: float | None = None
+    gpu: str | None = None
+    weight_bytes: int | None = None
     status: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
