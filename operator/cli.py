@@ -29,6 +29,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--liveness", default=None, metavar="URL",
                         help="serve kopf's liveness probe here (default: KVPILOT_LIVENESS_ENDPOINT, "
                              "http://0.0.0.0:8080/healthz; 'off' disables it)")
+    peering = parser.add_mutually_exclusive_group()
+    peering.add_argument("--peering", default=None, metavar="NAME",
+                         help="elect one replica to reconcile through the kopf peering object NAME "
+                              "(default: KVPILOT_PEERING; ClusterKopfPeering when cluster-wide, "
+                              "KopfPeering in each watched namespace)")
+    peering.add_argument("--standalone", action="store_true",
+                         help="no peering: this process reconciles alone (run one replica)")
     parser.set_defaults(func=run)
 
 
@@ -44,6 +51,8 @@ def run(args: argparse.Namespace) -> int:
         settings = dataclasses.replace(settings, namespaces=())
     elif args.namespace:
         settings = dataclasses.replace(settings, namespaces=tuple(args.namespace))
+    if args.peering is not None or args.standalone:
+        settings = dataclasses.replace(settings, peering=None if args.standalone else args.peering)
     if args.liveness is not None:
         settings = dataclasses.replace(settings, liveness_endpoint=None if args.liveness == "off"
                                        else args.liveness)
@@ -55,9 +64,10 @@ def run(args: argparse.Namespace) -> int:
     from kvpilot.operator.main import build_registry
 
     logging.getLogger(__name__).info(
-        "kvpilot operator: watching %s, engine image %s, resync every %gs",
+        "kvpilot operator: watching %s, engine image %s, resync every %gs, %s",
         "the whole cluster" if settings.clusterwide else ", ".join(settings.namespaces),
-        settings.engine_image, settings.resync_seconds)
+        settings.engine_image, settings.resync_seconds,
+        f"peering {settings.peering!r}" if settings.peering else "standalone")
     kopf.run(
         registry=build_registry(settings),
         clusterwide=settings.clusterwide,

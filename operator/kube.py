@@ -20,6 +20,8 @@ from kubernetes.aio import config as aio_config
 from kubernetes.aio.client.exceptions import ApiException
 
 MERGE_PATCH = "application/merge-patch+json"
+# Names the operator's own requests in audit logs (kopf's say "kopf/<version>").
+USER_AGENT = "kvpilot-operator"
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +59,9 @@ class KubeApi:
             path = os.environ.get("KUBECONFIG") or os.path.expanduser("~/.kube/config")
             await aio_config.load_kube_config(config_file=path, client_configuration=configuration,
                                               persist_config=False)
-        return cls(aio_client.ApiClient(configuration))
+        client = aio_client.ApiClient(configuration)
+        client.user_agent = USER_AGENT
+        return cls(client)
 
     async def close(self, timeout: float = 10.0) -> None:
         """Refuse new requests, let the ones in flight finish (up to ``timeout``), close."""

@@ -3,7 +3,9 @@
 ``build_registry(settings)`` returns a fresh registry holding:
 
 - login from the pod's service account or the kubeconfig; start-up: kopf settings
-  (standalone unless peering is configured) and the API client; clean-up closes it;
+  (standalone unless peering is configured; with peering, this replica's priority and
+  keep-alive lifetime, ``kvpilot.operator.peering``), the metrics endpoint and the API
+  client; clean-up closes it;
 - create / resume / update(spec): one reconcile pass;
 - a timer every ``resync_seconds``: the same pass, which observes the Deployment into
   status and repairs drifted or deleted children (writing nothing when all is well);
@@ -16,12 +18,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 import kopf
 
 from kvpilot.operator import constants as c
 from kvpilot.operator.kube import KubeApi, KubeError
+from kvpilot.operator.metrics import serve_metrics
+from kvpilot.operator.peering import peering_priority
 from kvpilot.operator.reconcile import reconcile
 from kvpilot.operator.settings import OperatorSettings
 
@@ -47,7 +52,11 @@ async def _run(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: logg
             if api.closing:  # a pass cut short by shutdown; the next start redoes it
                 logger.debug("reconcile interrupted by shutdown")
                 return
+            if memo.get("metrics") is not None:
+                memo.metrics.record_pass(False)
             raise
+    if memo.get("metrics") is not None:
+        memo.metrics.record_pass(True, result.writes)
     for write in result.writes:
         logger.info(write)
     for key, value in result.status_patch.items():
@@ -67,6 +76,8 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
         settings.peering.standalone = memo.config.peering is None
         if memo.config.peering is not None:
             settings.peering.name = memo.config.peering
+            settings.peering.priority = peering_priority(time.time())
+            settings.peering.lifetime = memo.config.peering_lifetime
         settings.posting.reporting_component = c.MANAGER
         # kopf puts a finalizer on each object while its timer runs, so that the timer is
         # stopped before the object goes; name it after us rather than kopf.
@@ -75,6 +86,7 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
         # half a second to end on its own, then look again every 2 s (kopf's default is 60 s).
         settings.background.instant_exit_timeout = 0.5
         settings.background.cancellation_polling = 2.0
+        memo.metrics = serve_metrics(memo.config.metrics_port) if memo.config.metrics_port else None
         memo.api = await KubeApi.connect()
 
     @kopf.on.login(registry=registry)

@@ -20,6 +20,8 @@
 | KVPILOT_EPP_NAME                | {name}-epp (endpoint picker Service; {name} = the service) |
 | KVPILOT_EPP_PORT                | 9002                                      |
 | KVPILOT_EPP_FAILURE_MODE        | FailClose                                 |
+| KVPILOT_PEERING_LIFETIME        | 60 (seconds a keep-alive stays valid)     |
+| KVPILOT_METRICS_PORT            | 0 (off); the Helm chart serves 8081       |
 
 The HPA metric names are the names a Prometheus adapter exposes in the custom metrics
 API: the engine exports ``vllm:kv_cache_usage_perc`` / ``vllm:num_requests_waiting``
@@ -53,7 +55,11 @@ class OperatorSettings:
         liveness_endpoint: kopf's liveness URL to serve (None = off).
         hpa_kv_usage_metric / hpa_waiting_metric: custom-metrics names used by HPAs.
         termination_grace_seconds: how long a terminating engine pod may drain.
-        peering: kopf peering name, or None for a standalone operator (the default).
+        peering: kopf peering name, or None for a standalone operator (the default). With a
+            name, the replicas elect one to reconcile (``kvpilot.operator.peering``).
+        peering_lifetime: seconds a replica's peering keep-alive stays valid: after a crash
+            the next replica takes over within this time (after a clean stop at once).
+        metrics_port: port of the operator's Prometheus ``/metrics`` (0 = off).
         gpu_node_label: node label whose value names the GPU product (GPU feature
             discovery's); None = pods are not pinned to a GPU type.
         gpu_node_values: GPU type -> label values, replacing the catalogue's products.
@@ -83,6 +89,8 @@ class OperatorSettings:
     endpoint_picker_name: str = "{name}-epp"
     endpoint_picker_port: int = 9002
     endpoint_picker_failure_mode: str = "FailClose"
+    peering_lifetime: int = 60
+    metrics_port: int = 0
 
     def __post_init__(self) -> None:
         if not self.engine_image:
@@ -91,6 +99,10 @@ class OperatorSettings:
             raise ValueError(f"KVPILOT_RESYNC_SECONDS must be > 0, got {self.resync_seconds}")
         if self.termination_grace_seconds < 0:
             raise ValueError("KVPILOT_TERMINATION_GRACE_SECONDS must be >= 0")
+        if self.peering_lifetime < 1:
+            raise ValueError(f"KVPILOT_PEERING_LIFETIME must be >= 1, got {self.peering_lifetime}")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"KVPILOT_METRICS_PORT must be a port (0 = off), got {self.metrics_port}")
         if not isinstance(logging.getLevelName(self.log_level.upper()), int):
             raise ValueError(f"KVPILOT_LOG_LEVEL: unknown level {self.log_level!r}")
         for gpu, values in self.gpu_node_values.items():
@@ -175,4 +187,6 @@ class OperatorSettings:
             endpoint_picker_port=int(number("KVPILOT_EPP_PORT", defaults.endpoint_picker_port)),
             endpoint_picker_failure_mode=env.get("KVPILOT_EPP_FAILURE_MODE")
             or defaults.endpoint_picker_failure_mode,
+            peering_lifetime=int(number("KVPILOT_PEERING_LIFETIME", defaults.peering_lifetime)),
+            metrics_port=int(number("KVPILOT_METRICS_PORT", defaults.metrics_port)),
         )

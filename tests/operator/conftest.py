@@ -10,5 +10,6 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
+for folder in (HERE, HERE.parent / "chart"):  # tests/chart: the chart's RBAC check
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))

@@ -20,7 +20,8 @@ rely on (see /work/shared/ENVIRONMENT.md). ``KubeEmulator`` extends kmock's ``Ra
 - a garbage collector: deleting an object deletes the objects it owns (ownerReferences);
 - finalizers and ``deletionTimestamp``; ``/api/v1/namespaces`` (mis-parsed by kmock).
 
-Every write is recorded in ``writes`` (method, path, user agent) so tests can count them.
+Every write is recorded in ``writes`` (method, path, user agent) so tests can count them,
+and every request to a resource in ``calls`` as RBAC sees it (``api_calls.ApiCall``).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import aiohttp.web
+import api_calls
 import attrs
 import crd_schema
 import kmock
@@ -94,6 +96,7 @@ class KubeEmulator(kmock.RawHandler):
     types: dict[tuple[str, str, str], api.ResourceType] = attrs.field(factory=dict)
     objects: dict[Key, dict] = attrs.field(factory=dict)
     writes: list[Write] = attrs.field(factory=list)
+    calls: list[api_calls.ApiCall] = attrs.field(factory=list)
     failures: list[Exception] = attrs.field(factory=list)
     # fault injection: requests whose path contains a key wait that many seconds first
     latency: dict[str, float] = attrs.field(factory=dict)
@@ -158,6 +161,9 @@ class KubeEmulator(kmock.RawHandler):
             name=p.name if p else None, subresource=p.subresource if p else None,
         )
         self._requests.append(request)
+        call = api_calls.api_call(raw.method, raw.path, raw.query, raw.headers.get("User-Agent", ""))
+        if call is not None:
+            self.calls.append(call)
         delay = max((d for part, d in self.latency.items() if part in raw.path), default=0.0)
         if delay:
             await asyncio.sleep(delay)

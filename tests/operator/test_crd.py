@@ -202,24 +202,3 @@ def test_printer_columns_point_at_schema_fields():
         for part in path:
             node = node["properties"][part]
         assert node  # every column reads a declared field
-
-
-def test_operator_install_manifest():
-    docs = list(yaml.safe_load_all((crd_schema.ROOT / "crds" / "operator.yaml").read_text()))
-    for doc in docs:
-        assert kubernetes_validate.validate(doc, "1.33", strict=True) == "1.33"
-    kinds = {d["kind"]: d for d in docs}
-    deployment = kinds["Deployment"]["spec"]
-    assert deployment["replicas"] == 1 and deployment["strategy"] == {"type": "Recreate"}
-    container = deployment["template"]["spec"]["containers"][0]
-    assert container["command"] == ["kvpilot", "operator"]
-    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
-    assert container["ports"][0]["containerPort"] == 8080  # OperatorSettings.liveness_endpoint's port
-    granted = {(g, r): set(rule["verbs"]) for rule in kinds["ClusterRole"]["rules"]
-               for g in rule["apiGroups"] for r in rule["resources"]}
-    from kvpilot.operator.resources import KINDS
-
-    for kind in KINDS.values():
-        assert {"get", "create", "patch", "delete"} <= granted[(kind.group, kind.plural)], kind
-    assert {"list", "watch", "patch"} <= granted[(c.GROUP, c.PLURAL)]
-    assert "patch" in granted[(c.GROUP, f"{c.PLURAL}/status")]

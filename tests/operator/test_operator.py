@@ -15,7 +15,9 @@ import time
 import crd_schema
 import pytest
 import yaml
+from chart import CHART
 from harness import EmulatorThread, Kubectl, OperatorProcess, wait_for, write_kubeconfig
+from rbac import assert_chart_grants
 
 from kvpilot.engine.server.args import make_serve_parser
 from kvpilot.operator import constants as c
@@ -109,6 +111,8 @@ def cluster(tmp_path_factory):
             operator.stop()
             assert emu.emulator.failures == []
             assert "Traceback" not in operator.log(), operator.log()[-4000:]
+            # every call of every scenario here is one the Helm chart's RBAC grants
+            assert_chart_grants(emu.emulator.calls, [CHART / "ci" / "ha-off-values.yaml"])
 
 
 def _args(deployment: dict) -> list[str]:

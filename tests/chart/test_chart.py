@@ -1,0 +1,265 @@
+"""The Helm chart: lint, strict validation of every rendered manifest, the values schema,
+one source for the CRDs, the engine image the operator is given, and the Dockerfiles.
+
+Oracles: the real ``helm`` (lint, template, the values schema), ``kubernetes-validate``,
+the CRDs' own schemas, the Prometheus operator's models and ``hadolint``.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import shutil
+import subprocess
+
+import crd_schema
+import pytest
+import yaml
+from chart import (
+    CHART,
+    CI_VALUES,
+    MONITORING_API,
+    ROOT,
+    helm,
+    of_kind,
+    operator_container,
+    operator_env,
+    render,
+    tool,
+)
+from manifests import crd_schemas, validate
+
+from kvpilot.operator.resources.common import Owner
+from kvpilot.operator.resources.deployment import build_deployment
+from kvpilot.operator.settings import OperatorSettings
+from kvpilot.operator.spec import parse_spec
+from kvpilot.operator.spec_to_plan import plan_service
+
+CHART_CRDS = [doc for path in sorted((CHART / "crds").glob("*.yaml"))
+              for doc in yaml.safe_load_all(path.read_text()) if doc]
+SCHEMAS = crd_schemas(CHART_CRDS)
+EXAMPLE = ROOT / "crds" / "examples" / "qwen3-0.6b.yaml"
+
+
+def _load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_helm_lint_is_clean():
+    for values in (None, *CI_VALUES):
+        args = ["lint", "--strict", *(["--values", str(values)] if values else [])]
+        run = helm(*args)
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert "1 chart(s) linted, 0 chart(s) failed" in run.stdout
+        assert "[WARNING]" not in run.stdout and "[ERROR]" not in run.stdout, run.stdout
+
+
+@pytest.mark.parametrize("monitoring_api", [False, True], ids=["plain-cluster", "with-prometheus-operator"])
+@pytest.mark.parametrize("values", [None, *CI_VALUES], ids=lambda v: v.stem if v else "chart-defaults")
+def test_every_rendered_manifest_validates_strictly(values, monitoring_api):
+    docs = render([values] if values else [], api_versions=[MONITORING_API] if monitoring_api else [])
+    oracles = [validate(doc, SCHEMAS) for doc in docs]
+    kinds = {d["kind"] for d in docs}
+    assert {"CustomResourceDefinition", "Deployment", "ServiceAccount", "ClusterRole",
+            "ClusterRoleBinding", "Service"} <= kinds
+    assert ("ServiceMonitor" in kinds) == monitoring_api  # only where the API exists
+    assert oracles.count("kubernetes-validate") >= 6
+    if monitoring_api:
+        assert "prometheus-operator-model" in oracles
+
+
+def test_a_manifest_with_an_unknown_field_fails_validation():
+    docs = render(api_versions=[MONITORING_API])
+    for kind, path in (("Deployment", ("spec", "template", "spec")), ("ServiceMonitor", ("spec",)),
+                       ("ClusterKopfPeering", ())):
+        (doc,) = of_kind(docs, kind)
+        node = doc
+        for part in path:
+            node = node[part]
+        node["replicaz"] = 2
+        with pytest.raises(AssertionError, match="replicaz|unknown|prune"):
+            validate(doc, SCHEMAS)
+
+
+def test_the_values_schema_rejects_wrong_types_and_unknown_keys():
+    for sets, message in ((["replicaCount=two"], "at '/replicaCount': got string, want integer"),
+                          (["replicaCnt=2"], "additional properties 'replicaCnt' not allowed"),
+                          (["rbac.scope=everything"], "/rbac/scope"),
+                          (["monitoring.serviceMonitor.enabled=maybe"], "/monitoring/serviceMonitor/enabled"),
+                          (["image.pullPolicy=Sometimes"], "/image/pullPolicy")):
+        run = helm("template", "kvpilot", *[a for s in sets for a in ("--set", s)])
+        assert run.returncode != 0, sets
+        assert message in run.stderr, run.stderr
+
+
+def test_combinations_the_schema_cannot_express_fail_with_a_reason():
+    run = helm("template", "kvpilot", "--set", "replicaCount=3", "--set", "peering.enabled=false")
+    assert run.returncode != 0 and "replicaCount > 1 needs peering.enabled=true" in run.stderr
+    run = helm("template", "kvpilot", "--set", "rbac.scope=namespaces")
+    assert run.returncode != 0 and "rbac.scope=namespaces needs watchNamespaces" in run.stderr
+
+
+def test_the_chart_ships_the_crds_folder_verbatim(tmp_path):
+    sync = _load_script("sync_chart_crds")
+    assert sync.differences() == [], "run: python scripts/sync_chart_crds.py"
+    # the check itself notices an edited, a missing and a stale copy
+    source, target = tmp_path / "src", tmp_path / "dst"
+    shutil.copytree(ROOT / "crds", source, ignore=shutil.ignore_patterns("examples"))
+    assert len(sync.sync(source, target)) == len(list(source.glob("*.yaml")))
+    assert sync.differences(source, target) == []
+    (source / "serving.kvpilot.dev_inferenceservices.yaml").write_text("# edited\n")
+    (target / "kopf.dev_peerings.yaml").unlink()
+    (target / "old.yaml").write_text("{}")
+    problems = sync.differences(source, target)
+    assert len(problems) == 3 and any("differs" in p for p in problems)
+    names = {doc["metadata"]["name"] for doc in CHART_CRDS}
+    assert names == {crd_schema.load_crd()["metadata"]["name"], "clusterkopfpeerings.kopf.dev",
+                     "kopfpeerings.kopf.dev"}
+
+
+def test_defaults_are_two_peered_replicas_with_cluster_rbac():
+    docs = render()
+    deployment = of_kind(docs, "Deployment")[0]["spec"]
+    assert deployment["replicas"] == 2 and deployment["strategy"]["type"] == "RollingUpdate"
+    args = operator_container(docs)["args"]
+    assert args == ["--all-namespaces", "--peering=kvpilot"]
+    (peering,) = of_kind(docs, "ClusterKopfPeering")
+    assert peering["metadata"]["name"] == "kvpilot"
+    assert of_kind(docs, "PodDisruptionBudget")[0]["spec"]["minAvailable"] == 1
+    assert of_kind(docs, "Role") == []
+    env = operator_env(docs)
+    settings = OperatorSettings.from_env(env)
+    assert (settings.peering_lifetime, settings.metrics_port, settings.clusterwide) == (30, 8081, True)
+    ports = {p["name"]: p["containerPort"] for p in operator_container(docs)["ports"]}
+    assert settings.liveness_endpoint == f"http://0.0.0.0:{ports['health']}/healthz"
+    assert ports["metrics"] == settings.metrics_port
+
+
+def test_namespaced_rbac_grants_children_only_in_the_watched_namespaces():
+    docs = render([CHART / "ci" / "namespaced-rbac-values.yaml"])
+    (cluster_role,) = of_kind(docs, "ClusterRole")
+    assert {r for rule in cluster_role["rules"] for r in rule["resources"]} == \
+        {"customresourcedefinitions", "namespaces"}  # kopf's discovery, nothing it writes
+    assert {v for rule in cluster_role["rules"] for v in rule["verbs"]} == {"list", "watch"}
+    roles = {r["metadata"]["namespace"]: r for r in of_kind(docs, "Role")}
+    bindings = {b["metadata"]["namespace"]: b for b in of_kind(docs, "RoleBinding")}
+    peerings = {p["metadata"]["namespace"] for p in of_kind(docs, "KopfPeering")}
+    assert set(roles) == set(bindings) == peerings == {"team-a", "team-b"}
+    assert of_kind(docs, "ClusterKopfPeering") == []
+    for ns, binding in bindings.items():
+        assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                      "name": roles[ns]["metadata"]["name"]}
+        assert binding["subjects"][0]["namespace"] == "kvpilot"
+    assert operator_container(docs)["args"] == ["--namespace=team-a", "--namespace=team-b", "--peering=kvpilot"]
+
+
+def test_ha_off_is_one_standalone_replica():
+    docs = render([CHART / "ci" / "ha-off-values.yaml"])
+    deployment = of_kind(docs, "Deployment")[0]["spec"]
+    assert deployment["replicas"] == 1 and deployment["strategy"] == {"type": "Recreate"}
+    assert operator_container(docs)["args"] == ["--all-namespaces", "--standalone"]
+    kinds = {d["kind"] for d in docs}
+    assert not kinds & {"ClusterKopfPeering", "KopfPeering", "PodDisruptionBudget"}
+    rules = of_kind(docs, "ClusterRole")[0]["rules"]
+    assert not [r for r in rules if "kopf.dev" in r["apiGroups"]]
+
+
+def _example_deployment(env: dict[str, str]) -> dict:
+    """The Deployment the operator builds for the example, with the settings ``env`` gives."""
+    obj = yaml.safe_load(EXAMPLE.read_text())
+    spec = parse_spec(obj["spec"], obj["metadata"]["name"])
+    outcome = plan_service(spec)
+    assert outcome.sizing is not None, outcome.message
+    owner = Owner(obj["metadata"]["name"], "team-a", "uid-1")
+    return build_deployment(owner, spec, outcome.sizing, OperatorSettings.from_env(env))
+
+
+@pytest.mark.parametrize("sets, image", [
+    ([], f"ghcr.io/kvpilot/kvpilot:{importlib.metadata.version('kvpilot')}"),
+    (["engine.image.repository=registry.example/ml/kvpilot", "engine.image.tag=0.2.0-cu128"],
+     "registry.example/ml/kvpilot:0.2.0-cu128"),
+])
+def test_the_engine_image_reaches_the_deployments_the_operator_builds(sets, image):
+    docs = render(sets=sets)
+    env = operator_env(docs)
+    assert env["KVPILOT_ENGINE_IMAGE"] == image
+    pod = _example_deployment(env)["spec"]["template"]["spec"]
+    assert [c["image"] for c in pod["containers"]] == [image]
+    assert [c["image"] for c in pod["initContainers"]] == [image]  # hf:// download
+    assert env["KVPILOT_S3_FETCH_IMAGE"] == image  # the engine image has the AWS CLI
+
+
+def test_image_tags_default_to_the_app_version():
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["appVersion"] == importlib.metadata.version("kvpilot")
+    docs = render()
+    assert operator_container(docs)["image"] == f"ghcr.io/kvpilot/kvpilot-operator:{chart['appVersion']}"
+    assert operator_env(docs)["KVPILOT_ENGINE_IMAGE"] == OperatorSettings().engine_image
+
+
+def test_dashboards_and_rules_come_from_the_chart_files(tmp_path):
+    chart = tmp_path / "kvpilot"
+    shutil.copytree(CHART, chart)
+    dashboard = {"title": "kvpilot test", "panels": [], "schemaVersion": 39}
+    (chart / "files" / "dashboards").mkdir()
+    (chart / "files" / "dashboards" / "engine.json").write_text(json.dumps(dashboard, indent=2))
+    rules = {"groups": [{"name": "kvpilot.test", "rules": [
+        {"alert": "KVCacheNearlyFull", "expr": "avg(vllm:kv_cache_usage_perc) > 0.95", "for": "10m",
+         "labels": {"severity": "warning"}, "annotations": {"summary": "KV cache over 95%"}}]}]}
+    (chart / "files" / "rules").mkdir()
+    (chart / "files" / "rules" / "engine.yaml").write_text(yaml.safe_dump(rules))
+    docs = render([CHART / "ci" / "monitoring-values.yaml"], api_versions=[MONITORING_API], chart=chart)
+    for doc in docs:
+        validate(doc, SCHEMAS)
+    (configmap,) = of_kind(docs, "ConfigMap")
+    assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert configmap["metadata"]["namespace"] == "monitoring"
+    assert json.loads(configmap["data"]["engine.json"]) == dashboard
+    (rule,) = of_kind(docs, "PrometheusRule")
+    assert rule["spec"]["groups"] == rules["groups"]
+    assert rule["metadata"]["labels"]["release"] == "prometheus"
+    # switched off, or without the Prometheus operator's API: nothing
+    off = render(sets=["monitoring.dashboards.enabled=false", "monitoring.prometheusRule.enabled=false"],
+                 api_versions=[MONITORING_API], chart=chart)
+    assert not of_kind(off, "ConfigMap") and not of_kind(off, "PrometheusRule")
+    assert not of_kind(render(chart=chart), "PrometheusRule")
+
+
+def test_notes_say_what_was_installed_and_what_to_do_next():
+    run = helm("install", "kv", "--namespace", "ml", "--dry-run=client")
+    assert run.returncode == 0, run.stderr
+    notes = run.stdout.split("NOTES:", 1)[1]
+    assert "Deployment kv-kvpilot, 2 replica(s)" in notes
+    assert "ghcr.io/kvpilot/kvpilot:" in notes
+    assert "kubectl apply -f crds/examples/qwen3-0.6b.yaml" in notes and "kubectl get kvis" in notes
+    assert "kubectl apply --server-side -f crds/" in notes
+    assert "Grafana dashboards" in notes
+
+
+@pytest.mark.parametrize("dockerfile", ["Dockerfile.engine", "Dockerfile.operator"])
+def test_dockerfiles_pass_hadolint(dockerfile):
+    run = subprocess.run([tool("hadolint"), "--no-color", str(ROOT / dockerfile)],
+                         capture_output=True, text=True, timeout=60)
+    assert (run.returncode, run.stdout + run.stderr) == (0, "")
+
+
+def test_hadolint_does_flag_a_bad_dockerfile(tmp_path):
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM python:latest\nRUN pip install torch\nRUN cd /src\n")
+    run = subprocess.run([tool("hadolint"), "--no-color", str(bad)], capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode != 0
+    for rule in ("DL3007", "DL3013", "DL3042", "DL3003"):
+        assert rule in run.stdout, run.stdout
+
+
+def test_the_engine_image_installs_what_the_tests_install():
+    text = (ROOT / "Dockerfile.engine").read_text()
+    assert '"torch==2.13.0"' in text  # the pin scripts/bootstrap.sh uses
+    assert '".[triton,fetch]"' in text and "ENTRYPOINT [\"kvpilot\", \"serve\"]" in text
+    assert "HEALTHCHECK" not in text.replace("No HEALTHCHECK", "")
+    assert "USER 1000:1000" in text
