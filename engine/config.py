@@ -40,6 +40,8 @@ class CacheConfig:
     prefix_caching_hash_seed: str | None = None
     calculate_kv_scales: bool = False
     kv_cache_dtype_skip_sliding_window: bool = False   # keep sliding-window layers 16-bit
+    # a pinned kv_cache_memory_bytes above what profiling leaves: shrink to it (else fail)
+    clamp_kv_cache_memory: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.block_size <= 1024:
@@ -95,6 +97,8 @@ class KVCacheInfo:
     kv_cache_memory_bytes: int   # num_gpu_blocks * bytes_per_block
     enable_prefix_caching: bool
     gpu_memory_utilization: float
+    # what start-up profiling left for the KV cache at gpu_memory_utilization (None: not profiled)
+    profiled_available_bytes: int | None = None
 
     @property
     def token_capacity(self) -> int:

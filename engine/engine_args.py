@@ -5,11 +5,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvpilot.engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from kvpilot.engine.core.constants import MODEL_DTYPES
+from kvpilot.engine.model.device_memory import FAKE_DEVICE_MEMORY_ENV
 from kvpilot.engine.model.hf_config import load_arch_config
 
 logger = logging.getLogger(__name__)
@@ -31,6 +33,7 @@ class EngineArgs:
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None
+    clamp_kv_cache_memory: bool = False
     num_gpu_blocks: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
@@ -83,7 +86,8 @@ class EngineArgs:
         model_config = ModelConfig(model=model_dir, served_model_name=name, arch=arch, dtype=dtype,
                                    max_model_len=max_model_len, seed=self.seed)
         kv_bytes = self.kv_cache_memory_bytes
-        if kv_bytes is None and self.num_gpu_blocks is None and device == "cpu":
+        if (kv_bytes is None and self.num_gpu_blocks is None and device == "cpu"
+                and not os.environ.get(FAKE_DEVICE_MEMORY_ENV)):   # the test hook profiles instead
             kv_bytes = DEFAULT_CPU_KV_CACHE_BYTES
         cache_config = CacheConfig(
             block_size=self.block_size, kv_cache_dtype=self.kv_cache_dtype,
@@ -92,6 +96,7 @@ class EngineArgs:
             prefix_caching_hash_seed=self.prefix_caching_hash_seed,
             calculate_kv_scales=self.calculate_kv_scales,
             kv_cache_dtype_skip_sliding_window=self.kv_cache_dtype_skip_sliding_window,
+            clamp_kv_cache_memory=self.clamp_kv_cache_memory,
         )
         batched = self.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS,
                                                     0 if self.enable_chunked_prefill else max_model_len)

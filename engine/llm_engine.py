@@ -20,7 +20,8 @@ from kvpilot.engine.core.kv_layout import KVLayout
 from kvpilot.engine.core.request import Request, RequestStatus
 from kvpilot.engine.core.scheduler import Scheduler
 from kvpilot.engine.engine_args import EngineArgs, model_fingerprint
-from kvpilot.engine.model.memory_profiling import determine_num_blocks
+from kvpilot.engine.model.device_memory import device_memory_for
+from kvpilot.engine.model.memory_profiling import KVCacheSizing, determine_num_blocks
 from kvpilot.engine.model.runner import ModelRunner
 from kvpilot.engine.model.sampler import SampleResult
 from kvpilot.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -101,11 +102,15 @@ class LLMEngine:
         self.scheduler_config: SchedulerConfig = scheduler_config
         self.tokenizer = Tokenizer.from_pretrained(model_config.model)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(model_config.arch.eos_token_ids)
-        self.runner = ModelRunner(model_config, cache_config, torch.device(args.resolve_device()),
-                                  args.attention_backend)
+        device = torch.device(args.resolve_device())
+        # Memory is profiled against what the device held before the weights (None: CPU).
+        self.device_memory = device_memory_for(device)
+        self._memory_baseline = self.device_memory.snapshot() if self.device_memory is not None else None
+        self.runner = ModelRunner(model_config, cache_config, device, args.attention_backend)
         layout = self._kv_layout()
-        num_blocks = self._size_kv_cache(layout)
-        self.cache_info = self._allocate_kv_cache(layout, num_blocks)
+        sizing = self._size_kv_cache(layout)
+        self.cache_info = self._allocate_kv_cache(layout, sizing)
+        num_blocks = sizing.num_blocks
         # The prefix hash chain's root: stable across restarts and processes (the offload
         # tiers key blocks on it), distinct per model, KV dtype and block size.
         hash_root = root_hash(cache_config.prefix_caching_hash_seed,
@@ -132,10 +137,12 @@ class LLMEngine:
                         cache.kv_dtype_bytes(self.model_config.dtype), cache.block_size,
                         layer_dtype_bytes=layer_bytes if len(set(layer_bytes)) > 1 else ())
 
-    def _size_kv_cache(self, layout: KVLayout) -> int:
-        """Blocks to allocate (given, from a byte budget, or by profiling); must hold one
-        ``max_model_len`` sequence."""
-        num_blocks = determine_num_blocks(layout, self.cache_config, self.runner, self.scheduler_config)
+    def _size_kv_cache(self, layout: KVLayout) -> KVCacheSizing:
+        """Blocks to allocate (given, from a byte budget checked against profiling, or by
+        profiling); must hold one ``max_model_len`` sequence."""
+        sizing = determine_num_blocks(layout, self.cache_config, self.runner, self.scheduler_config,
+                                      self.device_memory, self._memory_baseline)
+        num_blocks = sizing.num_blocks
         capacity = layout.token_capacity(num_blocks)
         max_len = self.model_config.max_model_len
         if capacity < max_len:
@@ -144,10 +151,10 @@ class LLMEngine:
                 f"fewer than max_model_len={max_len}; the largest max_model_len "
                 f"that fits is {capacity}. Give the cache more memory (kv_cache_memory_bytes / "
                 f"gpu_memory_utilization) or lower max_model_len.")
-        return num_blocks
+        return sizing
 
-    def _allocate_kv_cache(self, layout: KVLayout, num_blocks: int) -> KVCacheInfo:
-        cache = self.cache_config
+    def _allocate_kv_cache(self, layout: KVLayout, sizing: KVCacheSizing) -> KVCacheInfo:
+        cache, num_blocks = self.cache_config, sizing.num_blocks
         self.runner.allocate_kv_cache(num_blocks)
         info = KVCacheInfo(
             num_gpu_blocks=num_blocks, block_size=layout.block_size,
@@ -155,6 +162,7 @@ class LLMEngine:
             bytes_per_block=layout.bytes_per_block, kv_cache_memory_bytes=layout.memory_for_blocks(num_blocks),
             enable_prefix_caching=cache.enable_prefix_caching,
             gpu_memory_utilization=cache.gpu_memory_utilization,
+            profiled_available_bytes=(sizing.profile.available_kv_bytes if sizing.profile is not None else None),
         )
         logger.info("KV cache: %d blocks x %d tokens (%s, %.2f GiB); max_model_len %d",
                     num_blocks, layout.block_size, info.kv_cache_dtype,

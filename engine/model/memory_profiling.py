@@ -1,57 +1,133 @@
-"""How many KV blocks to allocate at start-up.
+"""How many KV blocks to allocate at start-up, and the memory profile behind the number.
 
-Order of precedence: an explicit ``num_gpu_blocks``; ``kv_cache_memory_bytes`` (the
-CPU default comes from EngineArgs); else, on CUDA, profiling: after loading the
-weights, one forward pass of ``max_num_batched_tokens`` tokens measures the peak
-activation memory, and the KV cache gets ``gpu_memory_utilization x total`` minus
-weights, peak activations and memory held outside torch. Blocks are counted with the
-shared torch-free formula (``KVLayout.num_blocks``), the one the planner uses too.
+On CUDA (or against the test hook's simulated GPU, see ``device_memory.py``) the engine
+always profiles: after loading the weights it runs one worst-case step (a forward pass of
+``max_num_batched_tokens`` tokens, then the sampler over ``max_num_seqs`` rows) and the KV
+cache may use::
+
+    available = gpu_memory_utilization x total - weights - activation peak - non-torch growth
+
+measured from a baseline taken when the engine started, as vLLM does: the CUDA context and
+whatever other processes hold lie outside the budget (and free memory at start must cover
+it). Order of precedence for the block count: an explicit ``num_gpu_blocks``; a pinned
+``kv_cache_memory_bytes``, which must fit in ``available`` (else start-up fails naming both
+figures, or with ``clamp_kv_cache_memory`` the cache shrinks to ``available`` with a
+warning); else ``available``. On CPU without the hook nothing is profiled and the size must
+be given. Blocks are counted with the shared torch-free formula (``KVLayout.num_blocks``),
+the one the planner uses too.
 """
 
 from __future__ import annotations
 
 import logging
-
-import torch
+from dataclasses import dataclass
 
 from kvpilot.engine.config import CacheConfig, SchedulerConfig
 from kvpilot.engine.core.kv_layout import KVLayout
+from kvpilot.engine.model.device_memory import DeviceMemory, MemorySnapshot
 
 logger = logging.getLogger(__name__)
+GIB = 1 << 30
 
 
-def determine_num_blocks(layout: KVLayout, cache: CacheConfig, runner, scheduler: SchedulerConfig) -> int:
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / GIB:.2f} GiB ({num_bytes:,} bytes)"
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryProfile:
+    """What profiling measured (bytes) and what it leaves for the KV cache."""
+
+    total_bytes: int
+    gpu_memory_utilization: float
+    weights_bytes: int
+    activation_peak_bytes: int
+    non_torch_bytes: int
+
+    @property
+    def requested_bytes(self) -> int:
+        return int(self.total_bytes * self.gpu_memory_utilization)
+
+    @property
+    def available_kv_bytes(self) -> int:
+        return self.requested_bytes - self.weights_bytes - self.activation_peak_bytes - self.non_torch_bytes
+
+    def describe(self) -> str:
+        return (f"{self.gpu_memory_utilization:g} x {self.total_bytes / GIB:.2f} GiB total - weights "
+                f"{self.weights_bytes / GIB:.2f} GiB - activation peak {self.activation_peak_bytes / GIB:.2f} GiB "
+                f"- non-torch {self.non_torch_bytes / GIB:.2f} GiB")
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheSizing:
+    """The block count chosen at start-up and how."""
+
+    num_blocks: int
+    profile: MemoryProfile | None = None      # None when nothing was profiled
+    clamped: bool = False                     # a pinned budget was cut to the profiled figure
+
+
+def profile_memory(device_memory: DeviceMemory, baseline: MemorySnapshot, runner,
+                   cache: CacheConfig, scheduler: SchedulerConfig) -> MemoryProfile:
+    """Run the worst-case step and measure it against ``baseline`` (taken at engine start)."""
+    requested = int(baseline.total_bytes * cache.gpu_memory_utilization)
+    if baseline.free_bytes < requested:
+        raise ValueError(
+            f"free GPU memory at start-up, {_gib(baseline.free_bytes)} of {baseline.total_bytes / GIB:.2f} GiB, "
+            f"is less than gpu_memory_utilization={cache.gpu_memory_utilization} asks for ({_gib(requested)}): "
+            "another process holds GPU memory; lower --gpu-memory-utilization or free the GPU")
+    device_memory.begin_profile()
+    loaded = device_memory.snapshot()
+    runner.profile_run(scheduler.max_num_batched_tokens, scheduler.max_num_seqs)
+    device_memory.end_profile()
+    after = device_memory.snapshot()
+    profile = MemoryProfile(
+        total_bytes=baseline.total_bytes, gpu_memory_utilization=cache.gpu_memory_utilization,
+        weights_bytes=loaded.torch_allocated_bytes - baseline.torch_allocated_bytes,
+        activation_peak_bytes=max(0, after.torch_peak_bytes - loaded.torch_allocated_bytes),
+        non_torch_bytes=max(0, after.non_torch_bytes - baseline.non_torch_bytes))
+    logger.info("memory profile: %s -> %.2f GiB for the KV cache", profile.describe(),
+                profile.available_kv_bytes / GIB)
+    return profile
+
+
+def _pinned_blocks(layout: KVLayout, cache: CacheConfig, profile: MemoryProfile | None) -> KVCacheSizing:
+    pinned = cache.kv_cache_memory_bytes
+    num = layout.num_blocks(pinned)
+    if num < 1:
+        raise ValueError(f"kv_cache_memory_bytes={pinned} is smaller than one KV block "
+                         f"({layout.bytes_per_block} bytes)")
+    if profile is None or layout.memory_for_blocks(num) <= profile.available_kv_bytes:
+        return KVCacheSizing(num, profile)
+    available = max(0, profile.available_kv_bytes)
+    if not cache.clamp_kv_cache_memory:
+        raise ValueError(
+            f"--kv-cache-memory-bytes {_gib(pinned)} exceeds the {_gib(available)} that profiling leaves for "
+            f"the KV cache ({profile.describe()}); lower it, raise --gpu-memory-utilization, or pass "
+            "--clamp-kv-cache-memory to use the profiled figure")
+    clamped = layout.num_blocks(available)
+    logger.warning("--kv-cache-memory-bytes %s exceeds the %s that profiling leaves (%s): clamped to %d blocks",
+                   _gib(pinned), _gib(available), profile.describe(), clamped)
+    if clamped < 1:
+        raise ValueError(f"profiling leaves {_gib(available)} for the KV cache, less than one block "
+                         f"({layout.bytes_per_block} bytes)")
+    return KVCacheSizing(clamped, profile, clamped=True)
+
+
+def determine_num_blocks(layout: KVLayout, cache: CacheConfig, runner, scheduler: SchedulerConfig,
+                         device_memory: DeviceMemory | None = None,
+                         baseline: MemorySnapshot | None = None) -> KVCacheSizing:
+    """The KV block count (see the module docstring for the precedence)."""
     if cache.num_gpu_blocks is not None:
-        return cache.num_gpu_blocks
+        return KVCacheSizing(cache.num_gpu_blocks)
+    profile = None
+    if device_memory is not None and baseline is not None:
+        profile = profile_memory(device_memory, baseline, runner, cache, scheduler)
     if cache.kv_cache_memory_bytes is not None:
-        num = layout.num_blocks(cache.kv_cache_memory_bytes)
-        if num < 1:
-            raise ValueError(f"kv_cache_memory_bytes={cache.kv_cache_memory_bytes} is smaller than "
-                             f"one KV block ({layout.bytes_per_block} bytes)")
-        return num
-    if runner.device.type != "cuda":
+        return _pinned_blocks(layout, cache, profile)
+    if profile is None:
         raise ValueError("on CPU the KV cache size must be given (kv_cache_memory_bytes or num_gpu_blocks)")
-    return _profile_cuda(layout, cache, runner, scheduler)
-
-
-def _profile_cuda(layout: KVLayout, cache: CacheConfig, runner, scheduler: SchedulerConfig) -> int:
-    device = runner.device
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
-    free_before, total = torch.cuda.mem_get_info(device)
-    weights = torch.cuda.memory_allocated(device)
-    runner.profile_run(scheduler.max_num_batched_tokens)
-    torch.cuda.synchronize(device)
-    peak_activation = torch.cuda.max_memory_allocated(device) - weights
-    free_after, _ = torch.cuda.mem_get_info(device)
-    non_torch = max(0, (total - free_after) - torch.cuda.memory_reserved(device))
-    budget = int(total * cache.gpu_memory_utilization) - weights - peak_activation - non_torch
-    logger.info("memory profile: total %.2f GiB x %.2f; weights %.2f GiB; peak activation %.2f GiB; "
-                "non-torch %.2f GiB -> KV cache %.2f GiB", total / 2**30, cache.gpu_memory_utilization,
-                weights / 2**30, peak_activation / 2**30, non_torch / 2**30, budget / 2**30)
-    if budget <= 0:
+    if profile.available_kv_bytes <= 0:
         raise ValueError(f"no memory left for the KV cache at gpu_memory_utilization="
-                         f"{cache.gpu_memory_utilization} (weights {weights / 2**30:.2f} GiB, "
-                         f"activations {peak_activation / 2**30:.2f} GiB of {total / 2**30:.2f} GiB)")
-    del free_before
-    return layout.num_blocks(budget)
+                         f"{cache.gpu_memory_utilization} ({profile.describe()})")
+    return KVCacheSizing(layout.num_blocks(profile.available_kv_bytes), profile)

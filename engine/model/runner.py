@@ -16,6 +16,7 @@ from kvpilot.engine.core.scheduler import SchedulerOutput
 from kvpilot.engine.model.attention import AttentionMetadata, select_attention_backend
 from kvpilot.engine.model.loader import load_model
 from kvpilot.engine.model.sampler import SampleResult, SamplingRow, sample
+from kvpilot.engine.sampling_params import SamplingParams
 
 TORCH_DTYPES = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -142,8 +143,10 @@ class ModelRunner:
         self._generators.pop(request_id, None)
 
     @torch.inference_mode()
-    def profile_run(self, num_tokens: int) -> None:
-        """A worst-case forward (a full token budget of prefill) for memory profiling."""
+    def profile_run(self, num_tokens: int, max_num_seqs: int = 1) -> None:
+        """A worst-case step for memory profiling: a full token budget of prefill, then the
+        sampler over ``max_num_seqs`` rows with every filter on (its float32 logits,
+        probabilities and sort buffers are the peak when the vocabulary is large)."""
         max_len = self.model_config.max_model_len - 1
         seqs, next_block = [], 0
         for start in range(0, num_tokens, max_len):
@@ -154,9 +157,12 @@ class ModelRunner:
         self.allocate_kv_cache(next_block)
         input_ids, positions, metadata = metadata_from_seqs(seqs, self.block_size, self.device)
         hidden = self.model(input_ids, positions, self.kv_caches, metadata, self.backend)
-        ends = torch.tensor(list(itertools.accumulate(metadata.query_lens_cpu)), device=self.device) - 1
-        self.model.compute_logits(hidden[ends])
         self.kv_caches = None
+        rows = torch.arange(max_num_seqs, device=self.device) % hidden.shape[0]
+        logits = self.model.compute_logits(hidden[rows])
+        del hidden
+        params = SamplingParams(temperature=0.8, top_p=0.95, top_k=50, min_p=0.05, logprobs=0)
+        sample(logits, [SamplingRow(params, [0], [], None)] * max_num_seqs)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, SampleResult]:

@@ -104,9 +104,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                        help="CUDA only: fraction of GPU memory for weights + activations + KV cache; "
                             "the KV cache gets what is left after profiling")
     cache.add_argument("--kv-cache-memory-bytes", type=parse_size, default=None, metavar="SIZE",
-                       help="KV cache size in bytes (suffixes K/M/G or Ki/Mi/Gi); overrides "
-                            "--gpu-memory-utilization on CUDA; on CPU the engine's default applies "
-                            "when omitted")
+                       help="KV cache size in bytes (suffixes K/M/G or Ki/Mi/Gi); on CUDA the engine "
+                            "still profiles and refuses to start if this exceeds what profiling leaves "
+                            "at --gpu-memory-utilization; on CPU the engine's default applies when omitted")
+    cache.add_argument("--clamp-kv-cache-memory", action="store_true",
+                       help="when --kv-cache-memory-bytes exceeds what profiling leaves, shrink the KV "
+                            "cache to the profiled figure (with a warning) instead of failing")
     cache.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                        help="KV cache element type; auto = the model dtype, fp8 (= fp8_e4m3) and "
                             "fp8_e5m2 store one byte per element")
@@ -202,6 +205,7 @@ def engine_args_from_namespace(ns: argparse.Namespace):
         "block_size": ns.block_size,
         "gpu_memory_utilization": ns.gpu_memory_utilization,
         "kv_cache_memory_bytes": ns.kv_cache_memory_bytes,
+        "clamp_kv_cache_memory": ns.clamp_kv_cache_memory,
         "max_num_seqs": ns.max_num_seqs,
         "max_num_batched_tokens": ns.max_num_batched_tokens,
         "max_model_len": ns.max_model_len,

@@ -181,6 +181,21 @@ def make_registry() -> CollectorRegistry:
     return registry
 
 
+def _kv_memory_gauges(registry: CollectorRegistry, model_name: str, cache_info) -> None:
+    """The KV cache's bytes as allocated, and what start-up profiling left for it (the
+    latter only when the engine profiled: on CUDA, or against the test hook's GPU)."""
+    Gauge("kvpilot:kv_cache_memory_bytes",
+          "Bytes of the KV cache as allocated (num_gpu_blocks x bytes per block; the pinned "
+          "--kv-cache-memory-bytes rounded down to whole blocks).",
+          labelnames=["model_name"], registry=registry).labels(model_name).set(cache_info.kv_cache_memory_bytes)
+    if cache_info.profiled_available_bytes is not None:
+        Gauge("kvpilot:kv_cache_profiled_available_bytes",
+              "Bytes start-up profiling left for the KV cache at --gpu-memory-utilization: "
+              "utilization x total - weights - activation peak - non-torch memory.",
+              labelnames=["model_name"], registry=registry).labels(model_name).set(
+                  cache_info.profiled_available_bytes)
+
+
 class ServerMetrics:
     """The server's Prometheus metrics for one served model.
 
@@ -209,6 +224,7 @@ class ServerMetrics:
             "vllm:cache_config_info", "KV cache configuration as labels; the value is always 1.",
             labelnames=[*labels, *info_labels], registry=registry)
         cache_config.labels(model_name=model_name, **info_labels).set(1)
+        _kv_memory_gauges(registry, model_name, cache_info)
 
         self._success = Counter(
             "vllm:request_success",

@@ -21,6 +21,7 @@ from kvpilot.operator.planner.gpu import GPU_CATALOG
 from kvpilot.operator.planner.plan import make_plan
 from kvpilot.operator.planner.plan_request import PlanRequest
 from kvpilot.operator.planner.render import FORMATS, render
+from kvpilot.operator.planner.reserve import DEFAULT_KV_SAFETY_MARGIN
 from kvpilot.operator.planner.slo import Overrides, ServiceLevel
 from kvpilot.operator.planner.weights import WEIGHT_QUANT_BYTES
 
@@ -81,6 +82,11 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     o.add_argument("--disk-offload-gib", metavar="GIB", type=float)
     o.add_argument("--offload-backend", choices=OFFLOAD_BACKENDS)
     o.add_argument("--weight-quantization", choices=tuple(WEIGHT_QUANT_BYTES))
+    o.add_argument("--kv-safety-margin", metavar="FRACTION", type=float,
+                   help=f"plan the KV cache this fraction below the calibrated estimate "
+                        f"(default {DEFAULT_KV_SAFETY_MARGIN:g})")
+    o.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="reserve memory for CUDA graphs (default: off, kvpilot serve captures none)")
     p.add_argument("-o", "--output", choices=FORMATS, default="text")
     p.add_argument("--list", action="store_true", help="list model presets and GPUs, then exit")
     p.set_defaults(func=run)
@@ -108,7 +114,7 @@ def _given(args: argparse.Namespace, cls: type) -> dict[str, Any]:
 
 
 def _listing() -> str:
-    gpus = [f"  {name:<12} {g.description}: {g.memory_bytes / 2**30:.2f} GiB, "
+    gpus = [f"  {name:<12} {g.description}: {g.memory_bytes / 2**30:.2f} GiB to CUDA, "
             f"{g.memory_bandwidth_bytes_per_s / 1e9:,.0f} GB/s, {g.bf16_flops / 1e12:,.0f} TFLOP/s"
             for name, g in GPU_CATALOG.items()]
     return "\n".join(["Model presets:", *(f"  {name}" for name in model_presets()), "GPUs:", *gpus]) + "\n"

@@ -39,10 +39,10 @@ from kvpilot.operator.planner.memory import (
     blocks_for,
     kv_seq_limit,
     place_prefixes,
-    reserve,
 )
 from kvpilot.operator.planner.plan_request import PlanRequest
-from kvpilot.operator.planner.weights import WEIGHT_QUANT_BYTES
+from kvpilot.operator.planner.reserve import DEFAULT_KV_SAFETY_MARGIN, ENGINE_CUDA_GRAPHS, reserve
+from kvpilot.operator.planner.weights import quantized_weight_bytes
 
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.90
 DEFAULT_BLOCK_SIZE = 16
@@ -122,7 +122,8 @@ def _weights(req: PlanRequest) -> tuple[int, str]:
     model, quant = req.model, req.overrides.weight_quantization
     if quant is None:
         return model.total_weight_bytes, model.weight_source
-    return math.ceil(model.num_params * WEIGHT_QUANT_BYTES[quant]), f"{quant} weight quantization"
+    return (quantized_weight_bytes(model.num_params, model.embedding_params, model.dtype_bytes, quant),
+            f"{quant} weight quantization, embeddings and LM head in {model.dtype}")
 
 
 def _target(req: PlanRequest) -> tuple[int, str]:
@@ -144,8 +145,10 @@ def evaluate(req: PlanRequest, tp: int, kv_cache_dtype: str) -> Evaluation:
     weight_total, weight_source = _weights(req)
     target, target_source = _target(req)
     mnbt_cap = ov.max_num_batched_tokens or gpu.default_max_num_batched_tokens
+    graphs = ov.cuda_graphs if ov.cuda_graphs is not None else ENGINE_CUDA_GRAPHS
+    margin = ov.kv_safety_margin if ov.kv_safety_margin is not None else DEFAULT_KV_SAFETY_MARGIN
     budget = Budget(gpu.memory_bytes, ov.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION,
-                    math.ceil(weight_total / tp), reserve(model, tp, mnbt_cap, target))
+                    math.ceil(weight_total / tp), reserve(model, tp, mnbt_cap, target, graphs), margin)
     layout = KVLayout(model.num_layers, kv_heads_per_rank(model.num_kv_heads, tp), model.head_dim,
                       kv_dtype.dtype_bytes(model, kv_cache_dtype), block_size)
     num_blocks = layout.num_blocks(max(0, budget.kv_bytes))

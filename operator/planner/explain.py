@@ -12,13 +12,13 @@ from kvpilot.operator.planner.latency import FLOPS_EFFICIENCY, HBM_EFFICIENCY, R
 from kvpilot.operator.planner.memory import (
     HOST_BASE_GIB,
     HOST_PER_RANK_GIB,
-    LOGIT_BYTES_PER_VOCAB_ENTRY,
     SHM_BASE_GIB,
     gib,
     host_memory_gib,
     offload_tiers_gib,
 )
 from kvpilot.operator.planner.plan_request import PlanRequest
+from kvpilot.operator.planner.reserve import CALIBRATION_FILE, FIT, Reserve
 
 
 def _g(num_bytes: float) -> str:
@@ -36,7 +36,13 @@ def _model_lines(req: PlanRequest, ev: Evaluation) -> list[str]:
     lines = [f"Model {m.name}: {m.num_layers} layers{sliding}, {m.num_attention_heads} query / "
              f"{m.num_kv_heads} KV heads, head_dim {m.head_dim}, hidden {m.hidden_size:,}, {m.dtype}; "
              f"{m.num_params / 1e9:,.2f} B parameters; up to {m.max_position_embeddings:,} positions."]
-    if req.overrides.weight_quantization or m.weight_bytes is None:
+    quant = req.overrides.weight_quantization
+    if quant:
+        emb = m.embedding_params
+        lines.append(f"Weights: {m.num_params - emb:,} parameters in {quant} + {emb:,} embedding / LM-head "
+                     f"parameters x {m.dtype_bytes} B = {ev.weight_bytes_total:,} B = "
+                     f"{_g(ev.weight_bytes_total)} ({ev.weight_source}).")
+    elif m.weight_bytes is None:
         per = ev.weight_bytes_total / m.num_params
         lines.append(f"Weights: {m.num_params:,} parameters x {per:g} B = {ev.weight_bytes_total:,} B "
                      f"= {_g(ev.weight_bytes_total)} ({ev.weight_source}).")
@@ -46,21 +52,39 @@ def _model_lines(req: PlanRequest, ev: Evaluation) -> list[str]:
     return lines
 
 
+def _reserve_lines(r: Reserve) -> list[str]:
+    """One line per reserve term (value, how computed, source), then the total and the fit."""
+    act = r.activation_term
+    lines = [f"Reserve term {t.name}: {t.formula} ({t.source})." for t in (r.cuda_runtime, r.nccl)]
+    lines.append(f"Reserve term activation peak = max(forward, sampler) = {act.name} {_g(act.num_bytes)}: "
+                 f"forward {r.forward.formula} ({r.forward.source}); sampler {r.sampler.formula} "
+                 f"({r.sampler.source}).")
+    lines.append(f"Reserve term {r.cuda_graphs.name}: {r.cuda_graphs.formula} ({r.cuda_graphs.source}).")
+    share = r.dominant.num_bytes / r.total_bytes if r.total_bytes else 0
+    parts = " + ".join(f"{t.name} {_g(t.num_bytes)}" for t in r.counted if t.num_bytes)
+    lines.append(f"Reserve = {parts} = {_g(r.total_bytes)}; {r.dominant.name} dominates ({share:.0%}). "
+                 f"Fit on {FIT.cases} public vLLM start-up logs ({CALIBRATION_FILE}): planned / reported KV "
+                 f"capacity median |error| {FIT.median_abs_error:.1%}, worst over-prediction "
+                 f"{FIT.worst_over_prediction:+.1%} before the safety margin; "
+                 f"{FIT.median_abs_error_after_margin:.1%} and {FIT.worst_over_prediction_after_margin:+.1%} "
+                 f"after it.")
+    return lines
+
+
 def _memory_lines(req: PlanRequest, ev: Evaluation, dtype_notes: list[str]) -> list[str]:
-    g, b, r, lay, m = req.gpu, ev.budget, ev.budget.reserve, ev.layout, req.model
-    nccl = ", NCCL buffers" if ev.tp > 1 else ""
+    g, b, lay, m = req.gpu, ev.budget, ev.layout, req.model
     heads = (f"; {m.num_kv_heads} KV heads over {ev.tp} GPUs = {lay.num_kv_heads} per GPU"
              if ev.tp > 1 else "")
+    source = f" ({g.memory_source})" if g.memory_source else ""
     return [
-        f"GPU {g.description or g.name}: {_g(g.memory_bytes)}, {g.memory_bandwidth_bytes_per_s / 1e9:,.0f} GB/s, "
+        f"GPU {g.description or g.name}: {_g(g.memory_bytes)} as CUDA reports it{source}; "
+        f"{g.memory_bandwidth_bytes_per_s / 1e9:,.0f} GB/s, "
         f"{g.bf16_flops / 1e12:,.0f} TFLOP/s dense BF16. Budget = {b.gpu_memory_utilization:.2f} x "
         f"{_g(g.memory_bytes)} = {_g(b.budget_bytes)} per GPU.",
-        f"Reserve = {_g(r.fixed_bytes)} fixed (CUDA context, workspaces, CUDA graphs{nccl}) + activations "
-        f"{r.activation_tokens:,} tokens x {r.activation_bytes_per_token:,} B (4 x hidden + 3 x intermediate/TP, "
-        f"{m.dtype}) = {_g(r.activation_bytes)} + logits {r.logit_seqs:,} seqs x {m.vocab_size:,} vocab x "
-        f"{LOGIT_BYTES_PER_VOCAB_ENTRY} B = {_g(r.logit_bytes)}; total {_g(r.total_bytes)}.",
-        f"KV memory per GPU = {_g(b.budget_bytes)} - {_g(b.weight_bytes)} weights - {_g(r.total_bytes)} reserve "
-        f"= {_g(b.kv_bytes)}.",
+        *_reserve_lines(b.reserve),
+        f"KV estimate per GPU = {_g(b.budget_bytes)} - {_g(b.weight_bytes)} weights - "
+        f"{_g(b.reserve.total_bytes)} reserve = {_g(b.kv_estimate_bytes)}; less the "
+        f"{b.kv_safety_margin:.1%} safety margin = {_g(b.kv_bytes)}.",
         f"KV dtype {kv_dtype.dtype_label(m, ev.kv_cache_dtype)}: {'; '.join(dtype_notes)}.",
         f"KV bytes/token per GPU = 2 (K,V) x {lay.num_layers} layers x {lay.num_kv_heads} KV heads x "
         f"{lay.head_dim} head_dim x {lay.dtype_bytes} B = {lay.bytes_per_token:,} B "

@@ -2,13 +2,18 @@
 
 Each entry carries the three numbers the planner's roofline needs:
 
-- ``memory_bytes``: total device memory as the driver reports it (``nvidia-smi``
-  "Memory-Usage" total, which is also what ``cudaMemGetInfo`` returns and what
-  ``gpu_memory_utilization`` multiplies). That is below the marketing figure:
-  an "80 GB" H100 reports 81,559 MiB = 79.65 GiB.
+- ``memory_bytes``: total device memory as CUDA reports it to a process
+  (``cudaMemGetInfo`` / ``torch.cuda.mem_get_info``: the figure engines multiply by
+  ``gpu_memory_utilization``). It is below both the marketing figure and the
+  ``nvidia-smi`` total, and it varies a little with the driver: an "80 GB" H100 shows
+  81,559 MiB (79.65 GiB) in ``nvidia-smi`` but 79.11 to 79.22 GiB to CUDA. Each entry
+  takes the smallest CUDA figure found in public logs and names them in
+  ``memory_source``; where no log was found the entry says "estimate" and scales the
+  ``nvidia-smi`` total by the lowest CUDA / ``nvidia-smi`` ratio measured on an HBM part
+  (A100 80GB: 79.25 / 80.00 = 0.9906).
 - ``memory_bandwidth_bytes_per_s``: peak HBM/GDDR bandwidth from NVIDIA's data sheet.
 - ``bf16_flops``: peak *dense* BF16 tensor-core FLOP/s (data sheets quote the
-  2:4-sparse figure first; dense is half of it).
+  2:4-sparse figure first; dense is half of it; GeForce figures with FP32 accumulate).
 
 ``large_defaults`` mirrors vLLM's choice of scheduler defaults: on GPUs with
 >= 70 GiB that are not A100s it uses max_num_batched_tokens 8192 and
@@ -23,6 +28,9 @@ from typing import Any
 
 MIB = 1 << 20
 GIB = 1 << 30
+# Lowest CUDA / nvidia-smi total ratio measured on an HBM GPU (A100 80GB: 79.25 GiB of
+# 81,920 MiB), used where no CUDA figure was found.
+CUDA_VISIBLE_RATIO_ESTIMATE = 79.25 / 80.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +44,7 @@ class GPUSpec:
         bf16_flops: peak dense BF16 tensor FLOP/s.
         description: human name for reports.
         large_defaults: use vLLM's large-GPU scheduler defaults (see module doc).
+        memory_source: where ``memory_bytes`` comes from (for the derivation).
     """
 
     name: str
@@ -44,6 +53,7 @@ class GPUSpec:
     bf16_flops: float
     description: str = ""
     large_defaults: bool = False
+    memory_source: str = ""
 
     def __post_init__(self) -> None:
         if self.memory_bytes < GIB // 4:
@@ -63,27 +73,55 @@ class GPUSpec:
 
     def with_memory_gib(self, memory_gib: float) -> GPUSpec:
         """The same GPU with a different memory size (MIG slice, 94 GB variant...)."""
-        return replace(self, memory_bytes=int(memory_gib * GIB))
+        return replace(self, memory_bytes=int(memory_gib * GIB),
+                       memory_source=f"{memory_gib:g} GiB given")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def _gpu(name: str, memory_mib: int, bandwidth_gb_s: float, bf16_tflops: float,
-         description: str, large: bool) -> GPUSpec:
-    return GPUSpec(name, memory_mib * MIB, bandwidth_gb_s * 1e9, bf16_tflops * 1e12, description, large)
+def _gpu(name: str, cuda_gib: float, bandwidth_gb_s: float, bf16_tflops: float,
+         description: str, large: bool, source: str) -> GPUSpec:
+    return GPUSpec(name, int(cuda_gib * GIB), bandwidth_gb_s * 1e9, bf16_tflops * 1e12, description, large,
+                   source)
 
 
-# memory: nvidia-smi total (MiB); bandwidth (GB/s) and dense BF16 TFLOP/s: NVIDIA data sheets
-# (A10G: AWS's figure for the G5 variant, 70 TFLOP/s vs the A10's 125).
+def _estimate(nvidia_smi_mib: int) -> float:
+    """CUDA-visible GiB estimated from an nvidia-smi total (see module doc)."""
+    return round(nvidia_smi_mib * MIB * CUDA_VISIBLE_RATIO_ESTIMATE / GIB, 2)
+
+
+# memory: GiB as CUDA reports it (sources inline); bandwidth (GB/s) and dense BF16 TFLOP/s:
+# NVIDIA data sheets (A10G: AWS's figure for the G5 variant, 70 TFLOP/s vs the A10's 125;
+# GeForce: the Ampere / Ada whitepapers' FP16-with-FP32-accumulate tensor figures).
 GPU_CATALOG: dict[str, GPUSpec] = {g.name: g for g in (
-    _gpu("l4", 23034, 300, 121, "NVIDIA L4 24GB GDDR6", False),
-    _gpu("a10g", 23028, 600, 70, "NVIDIA A10G 24GB GDDR6 (AWS G5)", False),
-    _gpu("a100-40gb", 40960, 1555, 312, "NVIDIA A100-SXM4-40GB HBM2", False),
-    _gpu("a100-80gb", 81920, 2039, 312, "NVIDIA A100-SXM4-80GB HBM2e", False),
-    _gpu("h100-80gb", 81559, 3350, 989, "NVIDIA H100 80GB HBM3 (SXM)", True),
-    _gpu("h200", 143771, 4800, 989, "NVIDIA H200 141GB HBM3e (SXM)", True),
-    _gpu("b200", 183359, 8000, 2250, "NVIDIA B200 180GB HBM3e (HGX)", True),
+    _gpu("l4", 22.05, 300, 121, "NVIDIA L4 24GB GDDR6", False,
+         "CUDA total 22.05 GiB in an out-of-memory report on vLLM's L4 CI queue "
+         "(github.com/vllm-project/afd-plugin/pull/250); nvidia-smi shows 23,034 MiB"),
+    _gpu("a10g", 22.18, 600, 70, "NVIDIA A10G 24GB GDDR6 (AWS G5)", False,
+         "CUDA total 22.18 GiB reported for an NVIDIA A10, the board the A10G is AWS's "
+         "variant of (github.com/OpenBMB/MiniCPM-V/issues/640)"),
+    _gpu("rtx-4090", 23.55, 1008, 165, "NVIDIA GeForce RTX 4090 24GB GDDR6X", False,
+         "vLLM's breakdown in github.com/vllm-project/vllm/issues/13061 (0.98 x total = 13.95 weights "
+         "+ 0.25 non-torch + 0.19 activations + 8.69 KV GiB -> 23.55 GiB); out-of-memory reports show "
+         "23.64 GiB (github.com/3DTopia/Phidias-Diffusion/issues/8); the smaller is used"),
+    _gpu("rtx-3090", 23.58, 936, 71, "NVIDIA GeForce RTX 3090 24GB GDDR6X", False,
+         "vLLM's total_gpu_memory=23.58GiB (github.com/vllm-project/vllm/issues/10517, "
+         "github.com/vllm-project/vllm/pull/14447)"),
+    _gpu("a100-40gb", 39.50, 1555, 312, "NVIDIA A100-SXM4-40GB HBM2", False,
+         "CUDA total 39.50 GiB (github.com/TianheWu/CoSeR/issues/10); 39.59 GiB elsewhere "
+         "(github.com/raoyongming/DenseCLIP/issues/52); the smaller is used"),
+    _gpu("a100-80gb", 79.25, 2039, 312, "NVIDIA A100-SXM4-80GB HBM2e", False,
+         "CUDA total 79.25 GiB (github.com/levihsu/OOTDiffusion/issues/235); 79.32 GiB in "
+         "github.com/vllm-project/vllm-omni/issues/276; the smaller is used"),
+    _gpu("h100-80gb", 79.11, 3350, 989, "NVIDIA H100 80GB HBM3 (SXM)", True,
+         "CUDA total 79.11 GiB (github.com/vllm-project/vllm/issues/27508); 79.18 GiB in "
+         "llm-d/llm-d-benchmark config_explorer/empirical-vllm-memory-results.md and 79.22 GiB in "
+         "github.com/vllm-project/vllm/pull/10511; the smallest is used"),
+    _gpu("h200", _estimate(143771), 4800, 989, "NVIDIA H200 141GB HBM3e (SXM)", True,
+         "estimate: nvidia-smi 143,771 MiB (github.com/sgl-project/sglang/issues/3196) x 0.9906"),
+    _gpu("b200", _estimate(183359), 8000, 2250, "NVIDIA B200 180GB HBM3e (HGX)", True,
+         "estimate: nvidia-smi 183,359 MiB x 0.9906"),
 )}
 
 # What NVIDIA's GPU feature discovery puts in the ``nvidia.com/gpu.product`` node label for
@@ -94,6 +132,8 @@ GPU_CATALOG: dict[str, GPUSpec] = {g.name: g for g in (
 GPU_NODE_PRODUCTS: dict[str, tuple[str, ...]] = {
     "l4": ("NVIDIA-L4",),
     "a10g": ("NVIDIA-A10G",),
+    "rtx-4090": ("NVIDIA-GeForce-RTX-4090",),
+    "rtx-3090": ("NVIDIA-GeForce-RTX-3090",),
     "a100-40gb": ("NVIDIA-A100-SXM4-40GB", "NVIDIA-A100-PCIE-40GB"),
     "a100-80gb": ("NVIDIA-A100-SXM4-80GB", "NVIDIA-A100-80GB-PCIe"),
     "h100-80gb": ("NVIDIA-H100-80GB-HBM3",),
@@ -103,7 +143,7 @@ GPU_NODE_PRODUCTS: dict[str, tuple[str, ...]] = {
 
 GPU_ALIASES: dict[str, str] = {
     "a100": "a100-80gb", "h100": "h100-80gb", "h100-sxm": "h100-80gb", "h200-141gb": "h200",
-    "b200-180gb": "b200", "a10": "a10g",
+    "b200-180gb": "b200", "a10": "a10g", "3090": "rtx-3090", "4090": "rtx-4090",
 }
 
 
@@ -132,7 +172,7 @@ def custom_gpu(memory_gib: float, memory_bandwidth_gb_s: float, bf16_tflops: flo
         if value is None or value <= 0:
             raise ValueError(f"a custom GPU needs {label} > 0")
     return GPUSpec("custom", int(memory_gib * GIB), memory_bandwidth_gb_s * 1e9, bf16_tflops * 1e12,
-                   description, False)
+                   description, False, f"{memory_gib:g} GiB given")
 
 
 def gpu_node_products(name: str) -> tuple[str, ...]:

@@ -1,21 +1,13 @@
-"""GPU memory arithmetic: the budget, the reserve, KV blocks, sequences, prefix tiers.
+"""GPU memory arithmetic: the budget, KV blocks, sequences, prefix tiers.
 
 Per GPU (one tensor-parallel rank)::
 
-    budget  = gpu_memory_utilization x GPU memory
-    KV      = budget - weights / TP - reserve
-    reserve = fixed + activations + logits
+    budget      = gpu_memory_utilization x GPU memory (as CUDA reports it)
+    KV estimate = budget - weights / TP - reserve          (reserve: see reserve.py)
+    KV          = KV estimate x (1 - kv_safety_margin)
 
-The reserve model (what the engine needs besides weights and KV):
-
-- fixed 1.00 GiB: CUDA context (~0.5 GiB), cuBLAS / attention workspaces and the
-  CUDA-graph pool; plus 0.50 GiB of NCCL buffers when TP > 1;
-- activations of the largest forward pass: ``tokens x (4 x hidden + 3 x intermediate / TP)``
-  elements of the model dtype, with ``tokens`` = max_num_batched_tokens (the residual
-  stream, the normed input and attention output, and the MLP's gate, up and
-  activated tensors live at once at the peak);
-- logits: ``seqs x vocab x 8 bytes`` (fp32 logits plus probabilities for each
-  sequence sampled in a step).
+The margin keeps the pinned ``--kv-cache-memory-bytes`` under what the engine's own
+profile will find even where the calibrated estimate runs high (see ``reserve.FIT``).
 
 The reserve is sized from the default (or pinned) max_num_batched_tokens and the
 target concurrency, not from the values finally chosen, so that tightening a latency
@@ -33,11 +25,9 @@ import math
 from dataclasses import dataclass
 
 from kvpilot.operator.planner.model_spec import ModelSpec
+from kvpilot.operator.planner.reserve import Reserve
 
 GIB = 1 << 30
-FIXED_RESERVE_BYTES = GIB
-TP_RESERVE_BYTES = GIB // 2
-LOGIT_BYTES_PER_VOCAB_ENTRY = 8
 CPU_TIER_CAP_PER_GPU_MEMORY = 2.0
 HOST_BASE_GIB = 4            # engine process, tokenizer, safetensors page cache churn
 HOST_PER_RANK_GIB = 2        # per GPU worker process
@@ -53,37 +43,6 @@ def ceil_gib(num_bytes: float) -> int:
 
 
 @dataclass(frozen=True, slots=True)
-class Reserve:
-    """Per-GPU memory kept outside weights and KV (see module docstring)."""
-
-    fixed_bytes: int
-    activation_tokens: int
-    activation_bytes_per_token: int
-    logit_seqs: int
-    logit_bytes_per_seq: int
-
-    @property
-    def activation_bytes(self) -> int:
-        return self.activation_tokens * self.activation_bytes_per_token
-
-    @property
-    def logit_bytes(self) -> int:
-        return self.logit_seqs * self.logit_bytes_per_seq
-
-    @property
-    def total_bytes(self) -> int:
-        return self.fixed_bytes + self.activation_bytes + self.logit_bytes
-
-
-def reserve(model: ModelSpec, tp: int, activation_tokens: int, logit_seqs: int) -> Reserve:
-    """The reserve for ``activation_tokens`` per forward pass and ``logit_seqs`` sampled sequences."""
-    fixed = FIXED_RESERVE_BYTES + (TP_RESERVE_BYTES if tp > 1 else 0)
-    per_token = (4 * model.hidden_size + 3 * math.ceil(model.intermediate_size / tp)) * model.dtype_bytes
-    return Reserve(fixed, activation_tokens, per_token, logit_seqs,
-                   model.vocab_size * LOGIT_BYTES_PER_VOCAB_ENTRY)
-
-
-@dataclass(frozen=True, slots=True)
 class Budget:
     """One GPU's split of memory; ``kv_bytes`` <= 0 means weights + reserve do not fit."""
 
@@ -91,14 +50,22 @@ class Budget:
     gpu_memory_utilization: float
     weight_bytes: int          # per GPU
     reserve: Reserve
+    kv_safety_margin: float = 0.0
 
     @property
     def budget_bytes(self) -> int:
         return int(self.gpu_memory_bytes * self.gpu_memory_utilization)
 
     @property
-    def kv_bytes(self) -> int:
+    def kv_estimate_bytes(self) -> int:
+        """The calibrated estimate of what the engine's profile leaves for the KV cache."""
         return self.budget_bytes - self.weight_bytes - self.reserve.total_bytes
+
+    @property
+    def kv_bytes(self) -> int:
+        """KV memory planned: the estimate less the safety margin."""
+        estimate = self.kv_estimate_bytes
+        return int(estimate * (1 - self.kv_safety_margin)) if estimate > 0 else estimate
 
 
 def blocks_for(model: ModelSpec, num_tokens: int, block_size: int) -> int:

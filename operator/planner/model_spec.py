@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any
 
-from kvpilot.operator.planner.weights import DTYPE_BYTES, estimate_num_params
+from kvpilot.operator.planner.weights import DTYPE_BYTES, estimate_num_params, ties_embeddings
 
 # rope scaling types whose factor stretches the usable context beyond the trained length
 _STRETCHING_ROPE = ("yarn", "dynamic", "linear")
@@ -43,6 +43,7 @@ class ModelSpec:
         sliding_window: window of the sliding-window layers (None = none).
         num_sliding_layers: how many layers use that window.
         rope_theta: rotary base (informational).
+        tied_embeddings: the LM head shares the input embedding matrix.
     """
 
     name: str
@@ -61,6 +62,7 @@ class ModelSpec:
     sliding_window: int | None = None
     num_sliding_layers: int = 0
     rope_theta: float | None = None
+    tied_embeddings: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_attention_heads", "num_kv_heads", "head_dim", "hidden_size",
@@ -88,6 +90,11 @@ class ModelSpec:
     def total_weight_bytes(self) -> int:
         """Weight bytes to load: measured if known, else parameters x dtype bytes."""
         return self.weight_bytes if self.weight_bytes is not None else self.num_params * self.dtype_bytes
+
+    @property
+    def embedding_params(self) -> int:
+        """Parameters of the input embedding and the LM head (one matrix when tied)."""
+        return self.vocab_size * self.hidden_size * (1 if self.tied_embeddings else 2)
 
     @property
     def num_full_layers(self) -> int:
@@ -210,4 +217,5 @@ def model_from_config(cfg: dict[str, Any], name: str, *, num_params: int | None 
                      head_dim=head_dim, hidden_size=hidden, intermediate_size=intermediate,
                      vocab_size=vocab, max_position_embeddings=_max_positions(cfg, rope), dtype=dtype,
                      num_params=num_params, weight_bytes=weight_bytes, weight_source=source,
-                     sliding_window=window, num_sliding_layers=num_sliding, rope_theta=theta)
+                     sliding_window=window, num_sliding_layers=num_sliding, rope_theta=theta,
+                     tied_embeddings=ties_embeddings(cfg))

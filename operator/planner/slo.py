@@ -103,6 +103,9 @@ class Overrides:
         cpu_offload_gib / disk_offload_gib: KV offload tier sizes per replica.
         offload_backend: ``native`` or ``lmcache`` (default: native, which has CPU and disk tiers).
         weight_quantization: serve a pre-quantised checkpoint: ``fp8``, ``int8`` or ``int4``.
+        kv_safety_margin: fraction of the calibrated KV estimate kept back (default
+            ``reserve.DEFAULT_KV_SAFETY_MARGIN``), in [0, 0.5).
+        cuda_graphs: reserve a CUDA-graph pool (default: whether kvpilot serve captures graphs).
     """
 
     tensor_parallel_size: int | None = None
@@ -117,6 +120,8 @@ class Overrides:
     disk_offload_gib: float | None = None
     offload_backend: str | None = None
     weight_quantization: str | None = None
+    kv_safety_margin: float | None = None
+    cuda_graphs: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "replicas", "max_num_seqs", "max_num_batched_tokens"):
@@ -142,8 +147,14 @@ class Overrides:
         if self.weight_quantization is not None and self.weight_quantization not in WEIGHT_QUANT_BYTES:
             raise ValueError(f"weight_quantization must be one of {', '.join(WEIGHT_QUANT_BYTES)}, "
                              f"got {self.weight_quantization!r}")
-        if self.enable_prefix_caching is not None and not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
+        for name in ("enable_prefix_caching", "cuda_graphs"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"{name} must be true or false, got {value!r}")
+        margin = self.kv_safety_margin
+        if margin is not None and (isinstance(margin, bool) or not isinstance(margin, (int, float))
+                                   or not 0 <= margin < 0.5):
+            raise ValueError(f"kv_safety_margin must be a fraction in [0, 0.5), got {margin!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -32,11 +32,25 @@ _SAFETENSORS_BITS: dict[str, int] = {
 }
 
 # bytes per parameter of a weight-quantised checkpoint; int4 adds one bf16 scale and zero
-# point per group of 128 weights (4 bytes / 128 = 1/32 byte per parameter)
+# point per group of 128 weights (4 bytes / 128 = 1/32 byte per parameter). The embedding
+# and the LM head stay in the model dtype (FP8 / INT8 / AWQ / GPTQ checkpoints quantise the
+# linear layers only: Llama-3.3-70B-Instruct-FP8-dynamic loads 67.72 GiB, the split below
+# gives 67.67 GiB, quantising everything 65.71 GiB).
 WEIGHT_QUANT_BYTES: dict[str, float] = {"fp8": 1.0, "int8": 1.0, "int4": 0.5 + 1 / 32}
 
 _GATED_NORMS = {"gemma2": 4, "gemma3": 4, "gemma3_text": 4}
 _TIED_BY_DEFAULT = ("gemma", "gemma2", "gemma3", "gemma3_text")
+
+
+def ties_embeddings(cfg: dict[str, Any]) -> bool:
+    """Whether the LM head reuses the input embedding (transformers' default per family)."""
+    return bool(cfg.get("tie_word_embeddings", cfg.get("model_type", "") in _TIED_BY_DEFAULT))
+
+
+def quantized_weight_bytes(num_params: int, embedding_params: int, dtype_bytes: int, quant: str) -> int:
+    """Bytes of a ``quant`` checkpoint: linear layers quantised, embeddings in the model dtype."""
+    quantised = max(0, num_params - embedding_params)
+    return math.ceil(quantised * WEIGHT_QUANT_BYTES[quant]) + min(num_params, embedding_params) * dtype_bytes
 
 
 def estimate_num_params(cfg: dict[str, Any], *, hidden: int, heads: int, kv_heads: int, head_dim: int,
@@ -53,8 +67,7 @@ def estimate_num_params(cfg: dict[str, Any], *, hidden: int, heads: int, kv_head
         attention += 2 * head_dim                 # per-head q and k RMSNorm
     mlp = 3 * hidden * intermediate + (2 * intermediate + hidden if cfg.get("mlp_bias") else 0)
     norms = _GATED_NORMS.get(model_type, 2) * hidden
-    tied = cfg.get("tie_word_embeddings", model_type in _TIED_BY_DEFAULT)
-    embeddings = vocab * hidden * (1 if tied else 2)
+    embeddings = vocab * hidden * (1 if ties_embeddings(cfg) else 2)
     return num_layers * (attention + mlp + norms) + embeddings + hidden
 
 

@@ -13,7 +13,7 @@ from kvpilot.operator.planner import PlanRequest, make_plan
 def test_engine_allocates_the_planned_blocks(demo_model_dir, kv_cache_dtype, block_size):
     request = PlanRequest.from_dict({
         "model": str(demo_model_dir / "config.json"),
-        "gpu": {"name": "l4", "memory_gib": 2.0},
+        "gpu": {"name": "l4", "memory_gib": 1.25},
         "slo": {"max_context": 4096, "p95_prompt_tokens": 1024, "p95_output_tokens": 256, "concurrency": 4},
         "overrides": {"kv_cache_dtype": kv_cache_dtype, "block_size": block_size},
     })

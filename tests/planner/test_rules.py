@@ -15,12 +15,15 @@ MIB, GIB = 1 << 20, 1 << 30
 def test_qwen3_8b_on_h100_by_hand(plan_for):
     """Every number of the reference plan, recomputed here from the documented model."""
     plan = plan_for(model="qwen3-8b", gpu="h100-80gb", concurrency=64, overrides={"tensor_parallel_size": 1})
-    budget = int(81559 * MIB * 0.90)                      # nvidia-smi total x utilization
+    budget = int(int(79.11 * GIB) * 0.90)                 # CUDA-visible total x utilization
     weights = 8_190_735_360 * 2                           # published parameters x bf16
-    reserve = GIB + 8192 * (4 * 4096 + 3 * 12288) * 2 + 64 * 151936 * 8   # fixed + activations + logits
+    forward = 8192 * 3 * (4096 + 12288) * 2               # 8,192 batched tokens x 3 x (hidden + inter.)
+    sampler = math.ceil(64 * 151936 * 39.7)               # 64 sampled rows x vocab x 39.7 B
+    reserve = 256 * MIB + max(forward, sampler)           # CUDA runtime + activation peak (TP 1: no NCCL)
     per_token = 2 * 36 * 8 * 128 * 2
-    blocks = (budget - weights - reserve) // (16 * per_token)
-    assert plan.memory["reserve_bytes"] == reserve
+    kv = int((budget - weights - reserve) * (1 - 0.03))   # less the 3% safety margin
+    blocks = kv // (16 * per_token)
+    assert plan.memory["reserve_bytes"] == reserve and forward > sampler
     assert (plan.kv_bytes_per_token, plan.num_gpu_blocks) == (per_token, blocks)
     assert plan.kv_cache_memory_bytes == blocks * 16 * per_token
     # one 32k sequence + (n - 1) sequences of 4096 + 1024 tokens
@@ -106,7 +109,7 @@ def test_pinned_overrides_are_used_and_checked(plan_for):
                     overrides={"gpu_memory_utilization": 0.8, "block_size": 32, "max_num_seqs": 10,
                                "enable_prefix_caching": False})
     assert (plan.gpu_memory_utilization, plan.block_size, plan.max_num_seqs) == (0.8, 32, 10)
-    assert plan.memory["budget_bytes"] == int(0.8 * 81559 * MIB)
+    assert plan.memory["budget_bytes"] == int(0.8 * int(79.11 * GIB))
     assert "--no-enable-prefix-caching" in plan.serve_args()
     too_many = plan_for(model="qwen3-8b", overrides={"tensor_parallel_size": 1, "max_num_seqs": 500})
     assert not too_many.feasible and too_many.binding_constraint == "kv_capacity"

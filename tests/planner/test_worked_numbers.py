@@ -82,3 +82,12 @@ def test_engine_cache_config_resolves_the_plans_dtype_to_the_same_bytes(plan_for
                                    kv_cache_memory_bytes=plan.kv_cache_memory_bytes)
         assert cache.kv_dtype_bytes("bfloat16") == plan.kv_dtype_bytes
         assert cache.kv_dtype_name("bfloat16") == plan.kv_dtype_name
+
+
+def test_fp8_weights_keep_the_embeddings_16_bit(plan_for):
+    # Llama-3.3-70B-Instruct-FP8-dynamic: vLLM loads 33.88 GiB per GPU at TP 2 (llm-d's H100 logs)
+    plan = plan_for(model="llama-3.1-70b", gpu="h100-80gb", max_context=16000, p95_prompt_tokens=2048,
+                    p95_output_tokens=512, overrides={"tensor_parallel_size": 2, "weight_quantization": "fp8"})
+    embeddings = 2 * 128256 * 8192                      # untied input embedding + LM head
+    assert plan.memory["weight_bytes_total"] == (70_553_706_496 - embeddings) * 1 + embeddings * 2
+    assert abs(plan.memory["weight_bytes_per_gpu"] / GIB - 33.88) < 0.1

@@ -1,5 +1,6 @@
 """Start-up: /health is 503 while the engine loads; a KV cache too small for one
-``max_model_len`` sequence stops ``kvpilot serve`` with the largest length that fits."""
+``max_model_len`` sequence stops ``kvpilot serve`` with the largest length that fits; against
+a GPU simulated through the test hook, /metrics shows the profiled and the pinned KV memory."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import subprocess
 import sys
 
+import httpx
 import pytest
 
 from kvpilot.engine.model.models.demo import ensure_demo_model
@@ -39,3 +41,30 @@ def test_too_small_kv_cache_fails_at_start_with_the_largest_length_that_fits():
     assert proc.returncode != 0
     assert "kvpilot serve: error: the engine failed to start" in proc.stderr
     assert f"the largest max_model_len that fits is {fits}" in proc.stderr, proc.stderr[-2000:]
+
+
+# A simulated 4 GiB GPU through the documented test hook (engine/model/device_memory.py):
+# the server profiles against it on CPU; 0.9 x 4 GiB - 1 GiB weights - 0.5 GiB activations.
+FAKE_GPU = {"KVPILOT_FAKE_DEVICE_MEMORY": json.dumps({"total_gib": 4, "free_gib": 4, "weights_gib": 1,
+                                                      "activation_gib": 0.5})}
+PROFILED = int(int(4 * 2**30) * 0.9) - 2**30 - 2**29
+SMALL_ENGINE = ["--device", "cpu", "--max-model-len", "64", "--max-num-batched-tokens", "64",
+                "--max-num-seqs", "4"]
+
+
+def test_metrics_show_the_profiled_and_the_pinned_kv_memory(tmp_path):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvpilot.engine.server.launch import launch_server
+
+    pinned = 64 << 20
+    with launch_server([*SMALL_ENGINE, "--kv-cache-memory-bytes", str(pinned)], env=FAKE_GPU,
+                       log_path=tmp_path / "serve.log") as server:
+        text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+    samples = {s.name: s for family in text_string_to_metric_families(text) for s in family.samples}
+    profiled = samples["kvpilot:kv_cache_profiled_available_bytes"]
+    assert profiled.value == PROFILED and profiled.labels == {"model_name": "kvpilot-demo"}
+    blocks = int(samples["vllm:cache_config_info"].labels["num_gpu_blocks"])
+    allocated = samples["kvpilot:kv_cache_memory_bytes"].value
+    assert allocated <= pinned and allocated % blocks == 0 and pinned - allocated < allocated / blocks
+
