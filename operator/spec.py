@@ -53,6 +53,8 @@ ENGINE_FIELDS: Fields = {
     "kvCacheDtype": (str, {"choices": KV_CACHE_DTYPES}),
     "blockSize": (int, {"choices": BLOCK_SIZES}),
     "enablePrefixCaching": (bool, {}),
+    # planner: plan the KV cache this fraction below the calibrated estimate (default 3%)
+    "kvSafetyMargin": (float, {"minimum": 0, "maximum": 0.49}),
 }
 # The one CRD field whose planner name is not its snake_case.
 PLANNER_NAMES = {"allowFp8KvCache": "allow_fp8_kv"}

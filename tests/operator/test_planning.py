@@ -85,3 +85,15 @@ def test_more_than_one_gpu_per_replica_is_refused_until_the_engine_has_tensor_pa
     assert not outcome.feasible and outcome.reason == "Unsupported"
     assert "tensor parallelism" in outcome.message and outcome.sizing is None
     assert plan_service(_spec(gpu={"type": "h100-80gb", "count": 1})).feasible
+
+
+def test_the_kv_safety_margin_is_a_planner_setting_in_the_spec():
+    default = make_plan(PlanRequest.from_dict(plan_request(_spec())))
+    wider = make_plan(PlanRequest.from_dict(plan_request(_spec(engine={"kvSafetyMargin": 0.1}))))
+    estimate = default.memory["kv_estimate_bytes"]
+    assert wider.memory["kv_estimate_bytes"] == estimate
+    assert (default.memory["kv_available_bytes"], wider.memory["kv_available_bytes"]) == (
+        int(estimate * 0.97), int(estimate * 0.9))
+    assert any("less the 10.0% safety margin" in line for line in wider.derivation)
+    with pytest.raises(ValueError, match="kvSafetyMargin"):
+        _spec(engine={"kvSafetyMargin": 0.6})
