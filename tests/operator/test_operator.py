@@ -1,16 +1,23 @@
 """The real operator process (``kvpilot operator``) against the API emulator on loopback.
 
-One emulator and one operator serve the whole module (start-up costs ~1.5 s); each test
-uses its own InferenceService. Objects are created and changed with the real kubectl,
-observed in the emulator's store, and writes are counted at the emulator.
+One emulator and one operator serve the module (start-up costs ~1.5 s), but every test
+stands alone: it creates the InferenceServices it needs under names of its own, and the
+``cluster`` fixture deletes them all afterwards (waiting for the finalizers and the
+garbage collector), so each test starts from an empty, quiet namespace in any order. A
+test that changes the cluster itself (installs CRDs) gets a cluster of its own. Objects
+are created and changed with the real kubectl, observed in the emulator's store, and
+writes are counted at the emulator.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import re
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import crd_schema
 import pytest
@@ -89,6 +96,27 @@ class Cluster:
         start = self.timer_runs()
         wait_for(lambda: self.timer_runs() >= start + runs, 20, 0.1, "observer timer runs")
 
+    def create(self, name: str, spec: dict = SMALL) -> dict[str, dict]:
+        """Applies a planned InferenceService; returns its children once the Deployment and
+        the Service exist."""
+        self.apply(name, spec)
+        self.wait_condition(name, "Planned", "True")
+        return wait_for(lambda: (ch := self.children(name)) and {"Deployment", "Service"} <= set(ch) and ch,
+                        what=f"{name}'s children")
+
+    def delete_all(self) -> None:
+        """Deletes every InferenceService (and foreign object a test made) in the namespace and
+        waits until the finalizers are released and the children garbage-collected."""
+        def names(e) -> list[str]:
+            return [nm for (g, p, n, nm) in e.objects if p == "inferenceservices" and n == NS]
+        for name in self.emu.run(names):
+            self.kubectl("delete", "inferenceservice", name, "--wait=false", check=False)
+        wait_for(lambda: not self.emu.run(names), what="every InferenceService deleted")
+
+        def leftovers(e) -> list:
+            return [k for k, o in e.objects.items() if k[1] in CHILD_PLURALS and k[2] == NS]
+        wait_for(lambda: not self.emu.run(leftovers), what="every child garbage-collected")
+
     def quiesce(self, window: float = 2.5) -> None:
         """Wait until a ``window`` (over two resync periods) passes without any write."""
         def quiet() -> bool:
@@ -98,21 +126,44 @@ class Cluster:
         wait_for(quiet, 30, 0, "a quiet cluster")
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("operator")
+@contextlib.contextmanager
+def _running_cluster(tmp: Path) -> Iterator[Cluster]:
+    """An emulator holding the CRD, and the operator watching it."""
     with EmulatorThread([crd_schema.load_crd()]) as emu:
         kubeconfig = write_kubeconfig(emu.kubeconfig(NS), tmp)
+        kubectl = Kubectl(kubeconfig, tmp, NS)
         operator = OperatorProcess(kubeconfig, tmp / "operator.log")
         operator.start()
         try:
-            yield Cluster(emu, Kubectl(kubeconfig, tmp, NS), operator)
+            yield Cluster(emu, kubectl, operator)
         finally:
             operator.stop()
             assert emu.emulator.failures == []
             assert "Traceback" not in operator.log(), operator.log()[-4000:]
             # every call of every scenario here is one the Helm chart's RBAC grants
             assert_chart_grants(emu.emulator.calls, [CHART / "ci" / "ha-off-values.yaml"])
+
+
+@pytest.fixture(scope="module")
+def shared_cluster(tmp_path_factory) -> Iterator[Cluster]:
+    with _running_cluster(tmp_path_factory.mktemp("operator")) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def cluster(shared_cluster: Cluster) -> Iterator[Cluster]:
+    """The module's cluster, emptied of InferenceServices after the test."""
+    try:
+        yield shared_cluster
+    finally:
+        shared_cluster.delete_all()
+
+
+@pytest.fixture
+def own_cluster(tmp_path) -> Iterator[Cluster]:
+    """A cluster for this test alone (for tests that change the cluster itself)."""
+    with _running_cluster(tmp_path) as cluster:
+        yield cluster
 
 
 def _args(deployment: dict) -> list[str]:
@@ -124,10 +175,8 @@ def _flag(args: list[str], name: str) -> str:
 
 
 def test_create_builds_children_with_the_planned_args(cluster):
-    cluster.apply("chat", SMALL)
-    planned = cluster.wait_condition("chat", "Planned", "True")
-    children = wait_for(lambda: (ch := cluster.children("chat")) and "Deployment" in ch and "Service" in ch
-                        and ch, what="children")
+    children = cluster.create("chat")
+    planned = cluster.condition("chat", "Planned")
     cr = cluster.cr("chat")
     status = cr["status"]
     assert planned["observedGeneration"] == status["observedGeneration"] == cr["metadata"]["generation"] == 1
@@ -147,67 +196,72 @@ def test_create_builds_children_with_the_planned_args(cluster):
 
 
 def test_an_unchanged_service_costs_no_writes(cluster):
-    wait_for(lambda: cluster.condition("chat", "Planned"), what="chat planned")
-    cluster.settle(1)
+    cluster.create("steady")
+    cluster.quiesce()
     mark = cluster.writes()
     cluster.settle(3)  # three full reconcile passes, each reading every child
     assert cluster.writes_since(mark) == []
 
 
 def test_spec_update_changes_the_args_and_advances_the_generation(cluster):
-    before = cluster.children("chat")["Deployment"]
-    cluster.kubectl("patch", "inferenceservice", "chat", "--type", "merge",
+    before = cluster.create("updated")["Deployment"]
+    cluster.kubectl("patch", "inferenceservice", "updated", "--type", "merge",
                     "-p", json.dumps({"spec": {"engine": {"maxNumSeqs": 6}}}))
-    wait_for(lambda: (cr := cluster.cr("chat"))["status"]["observedGeneration"] == 2 and cr,
+    wait_for(lambda: (cr := cluster.cr("updated"))["status"]["observedGeneration"] == 2 and cr,
              what="observedGeneration 2")
-    deployment = wait_for(lambda: (d := cluster.children("chat")["Deployment"]) and
+    deployment = wait_for(lambda: (d := cluster.children("updated")["Deployment"]) and
                           _flag(_args(d), "--max-num-seqs") == "6" and d, what="new args")
     assert deployment["metadata"]["generation"] == before["metadata"]["generation"] + 1  # a rollout
-    plan = wait_for(lambda: (p := cluster.cr("chat")["status"]["plan"])["generation"] == 2 and p)
+    plan = wait_for(lambda: (p := cluster.cr("updated")["status"]["plan"])["generation"] == 2 and p)
     assert plan["maxNumSeqs"] == 6 and "--max-num-seqs" in plan["serveArgs"]
-    conditions = cluster.cr("chat")["status"]["conditions"]
+    conditions = cluster.cr("updated")["status"]["conditions"]
     assert {cond["observedGeneration"] for cond in conditions} == {2}
 
 
 def test_a_deleted_child_is_recreated(cluster):
-    old = cluster.children("chat")
-    cluster.kubectl("delete", "service", "chat", "--wait=false")
-    cluster.kubectl("delete", "deployment", "chat", "--wait=false")
-    new = wait_for(lambda: (ch := cluster.children("chat")) and "Service" in ch and "Deployment" in ch and ch,
+    old = cluster.create("recreated")
+    cluster.kubectl("delete", "service", "recreated", "--wait=false")
+    cluster.kubectl("delete", "deployment", "recreated", "--wait=false")
+    new = wait_for(lambda: (ch := cluster.children("recreated")) and "Service" in ch and "Deployment" in ch
+                   and ch["Service"]["metadata"]["uid"] != old["Service"]["metadata"]["uid"] and ch,
                    what="recreated children")
     assert new["Service"]["metadata"]["uid"] != old["Service"]["metadata"]["uid"]
     assert _args(new["Deployment"]) == _args(old["Deployment"])
 
 
 def test_drift_is_repaired_and_removed_fields_are_removed(cluster):
-    cluster.kubectl("patch", "deployment", "chat", "--type", "json", "-p", json.dumps(
+    assert _args(cluster.create("drifted")["Deployment"])[1] == "/models/model"
+    cluster.kubectl("patch", "deployment", "drifted", "--type", "json", "-p", json.dumps(
         [{"op": "replace", "path": "/spec/template/spec/containers/0/args/1", "value": "/tampered"}]))
-    wait_for(lambda: _args(cluster.children("chat")["Deployment"])[1] == "/models/model", what="repair")
-    cluster.kubectl("patch", "inferenceservice", "chat", "--type", "merge",
+    wait_for(lambda: _args(cluster.children("drifted")["Deployment"])[1] == "/models/model", what="repair")
+    cluster.kubectl("patch", "inferenceservice", "drifted", "--type", "merge",
                     "-p", json.dumps({"spec": {"nodeSelector": {"pool": "gpu", "zone": "a"}}}))
-    wait_for(lambda: cluster.children("chat")["Deployment"]["spec"]["template"]["spec"].get("nodeSelector")
+    wait_for(lambda: cluster.children("drifted")["Deployment"]["spec"]["template"]["spec"].get("nodeSelector")
              == {"pool": "gpu", "zone": "a"}, what="nodeSelector applied")
-    cluster.kubectl("patch", "inferenceservice", "chat", "--type", "merge",
+    cluster.kubectl("patch", "inferenceservice", "drifted", "--type", "merge",
                     "-p", json.dumps({"spec": {"nodeSelector": {"zone": None}}}))
-    wait_for(lambda: cluster.children("chat")["Deployment"]["spec"]["template"]["spec"].get("nodeSelector")
+    wait_for(lambda: cluster.children("drifted")["Deployment"]["spec"]["template"]["spec"].get("nodeSelector")
              == {"pool": "gpu"}, what="nodeSelector key removed")
 
 
 def test_ready_follows_the_deployment_status(cluster):
-    replicas = cluster.children("chat")["Deployment"]["spec"]["replicas"]
+    deployment = cluster.create("ready")["Deployment"]
+    replicas = deployment["spec"]["replicas"]
+    assert cluster.condition("ready", "Ready")["status"] == "False"
     status = {"status": {"replicas": replicas, "readyReplicas": replicas, "updatedReplicas": replicas,
-                         "observedGeneration": cluster.children("chat")["Deployment"]["metadata"]["generation"]}}
-    cluster.kubectl("patch", "deployment", "chat", "--subresource=status", "--type", "merge",
+                         "observedGeneration": deployment["metadata"]["generation"]}}
+    cluster.kubectl("patch", "deployment", "ready", "--subresource=status", "--type", "merge",
                     "-p", json.dumps(status))
-    ready = cluster.wait_condition("chat", "Ready", "True")
+    ready = cluster.wait_condition("ready", "Ready", "True")
     assert ready["reason"] == "AllReplicasReady"
-    assert cluster.condition("chat", "Progressing")["status"] == "False"
-    assert cluster.cr("chat")["status"]["readyReplicas"] == replicas
-    table = cluster.kubectl("get", "inferenceservices", "chat").stdout.splitlines()
+    assert cluster.condition("ready", "Progressing")["status"] == "False"
+    assert cluster.cr("ready")["status"]["readyReplicas"] == replicas
+    table = cluster.kubectl("get", "inferenceservices", "ready").stdout.splitlines()
     assert table[0].split() == ["NAME", "MODEL", "GPU", "KV-DTYPE", "MAX-SEQS", "READY-REPLICAS", "REPLICAS",
                                 "READY", "AGE"]
-    assert table[1].split()[1:8] == ["hf://Qwen/Qwen3-0.6B", "l4", "auto", "6", str(replicas), str(replicas),
-                                     "True"]
+    max_seqs = str(cluster.cr("ready")["status"]["plan"]["maxNumSeqs"])
+    assert table[1].split()[1:8] == ["hf://Qwen/Qwen3-0.6B", "l4", "auto", max_seqs, str(replicas),
+                                     str(replicas), "True"]
 
 
 def test_an_infeasible_spec_is_reported_and_builds_nothing(cluster):
@@ -224,26 +278,28 @@ def test_an_infeasible_spec_is_reported_and_builds_nothing(cluster):
 
 
 def test_an_infeasible_update_leaves_the_running_children_alone(cluster):
-    before = cluster.children("chat")
-    plan_before = cluster.cr("chat")["status"]["plan"]
+    cluster.create("grown")
+    cluster.quiesce()
+    before = cluster.children("grown")
+    plan_before = cluster.cr("grown")["status"]["plan"]
     mark = cluster.writes()
-    cluster.kubectl("patch", "inferenceservice", "chat", "--type", "merge", "-p", json.dumps(
-        {"spec": {"model": {"uri": "hf://Qwen/Qwen3-32B"}, "engine": {"maxNumSeqs": None}}}))
-    cluster.wait_condition("chat", "Planned", "False")
+    cluster.kubectl("patch", "inferenceservice", "grown", "--type", "merge", "-p", json.dumps(
+        {"spec": {"model": {"uri": "hf://Qwen/Qwen3-32B"}}}))
+    cluster.wait_condition("grown", "Planned", "False")
     cluster.settle(2)
-    after = cluster.children("chat")
+    after = cluster.children("grown")
     assert {k: v["metadata"]["resourceVersion"] for k, v in after.items()} == \
         {k: v["metadata"]["resourceVersion"] for k, v in before.items()}
     child_writes = [w for w in cluster.writes_since(mark) if "/inferenceservices/" not in w.path
                     and "/events" not in w.path]
     assert child_writes == []
-    assert cluster.cr("chat")["status"]["plan"] == plan_before  # what the running pods were given
-    cluster.kubectl("patch", "inferenceservice", "chat", "--type", "merge",
+    assert cluster.cr("grown")["status"]["plan"] == plan_before  # what the running pods were given
+    cluster.kubectl("patch", "inferenceservice", "grown", "--type", "merge",
                     "-p", json.dumps({"spec": {"model": {"uri": "hf://Qwen/Qwen3-0.6B"}}}))
-    cluster.wait_condition("chat", "Planned", "True")
-    status = wait_for(lambda: "planError" not in (st := cluster.cr("chat")["status"]) and st,
+    cluster.wait_condition("grown", "Planned", "True")
+    status = wait_for(lambda: "planError" not in (st := cluster.cr("grown")["status"]) and st,
                       what="planError cleared")
-    assert status["plan"]["generation"] == status["observedGeneration"] == cluster.cr("chat")["metadata"]["generation"]
+    assert status["plan"]["generation"] == status["observedGeneration"] == cluster.cr("grown")["metadata"]["generation"]
 
 
 def test_a_spec_the_planner_cannot_read_is_invalid(cluster):
@@ -260,21 +316,23 @@ def test_an_object_controlled_by_someone_else_is_not_taken_over(cluster):
                     "controller": True}]},
                "spec": {"ports": [{"port": 1234}]}}
     cluster.kubectl("apply", "--validate=false", "-f", "-", stdin=yaml.safe_dump(foreign))
-    cluster.apply("clash", SMALL)
-    degraded = cluster.wait_condition("clash", "Degraded", "True")
-    assert "already controlled by ReplicaSet other" in degraded["message"]
-    assert cluster.obj("services", "clash")["spec"]["ports"] == [{"port": 1234}]
-    assert "Deployment" in cluster.children("clash")  # the rest is still built
+    try:
+        cluster.apply("clash", SMALL)
+        degraded = cluster.wait_condition("clash", "Degraded", "True")
+        assert "already controlled by ReplicaSet other" in degraded["message"]
+        assert cluster.obj("services", "clash")["spec"]["ports"] == [{"port": 1234}]
+        assert "Deployment" in cluster.children("clash")  # the rest is still built
+    finally:
+        cluster.kubectl("delete", "service", "clash", "--wait=false")
 
 
 def test_scale_subresource_sets_the_replicas(cluster):
-    cluster.kubectl("scale", "inferenceservice", "chat", "--replicas=3")
-    deployment = wait_for(lambda: (d := cluster.children("chat")["Deployment"])["spec"]["replicas"] == 3 and d,
-                          what="3 replicas")
-    assert deployment
-    wait_for(lambda: "PodDisruptionBudget" in cluster.children("chat"), what="a PDB")
-    cluster.kubectl("scale", "inferenceservice", "chat", "--replicas=1")
-    wait_for(lambda: "PodDisruptionBudget" not in cluster.children("chat"), what="PDB removed")
+    assert cluster.create("manual")["Deployment"]["spec"]["replicas"] == 1
+    cluster.kubectl("scale", "inferenceservice", "manual", "--replicas=3")
+    wait_for(lambda: cluster.children("manual")["Deployment"]["spec"]["replicas"] == 3, what="3 replicas")
+    wait_for(lambda: "PodDisruptionBudget" in cluster.children("manual"), what="a PDB")
+    cluster.kubectl("scale", "inferenceservice", "manual", "--replicas=1")
+    wait_for(lambda: "PodDisruptionBudget" not in cluster.children("manual"), what="PDB removed")
 
 
 def test_the_autoscaler_owns_the_replica_count(cluster):
@@ -294,7 +352,8 @@ def test_the_autoscaler_owns_the_replica_count(cluster):
     wait_for(lambda: "HorizontalPodAutoscaler" not in cluster.children("scaled"), what="HPA removed")
 
 
-def test_podmonitor_and_scaledobject_appear_with_their_apis(cluster):
+def test_podmonitor_and_scaledobject_appear_with_their_apis(own_cluster):
+    cluster = own_cluster  # it installs CRDs: every later service would get a PodMonitor
     def minimal_crd(group, kind, plural):
         return {"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
                 "metadata": {"name": f"{plural}.{group}"},
@@ -304,6 +363,7 @@ def test_podmonitor_and_scaledobject_appear_with_their_apis(cluster):
                                        "storage": True, "schema": {"openAPIV3Schema": {
                                            "type": "object", "x-kubernetes-preserve-unknown-fields": True}}}]}}
 
+    assert "PodMonitor" not in cluster.create("plain")
     cluster.apply("kedaed", {**SMALL, "autoscaling": {"mode": "keda", "maxReplicas": 3}})
     degraded = cluster.wait_condition("kedaed", "Degraded", "True")
     assert degraded["reason"] == "ApplyFailed" and "ScaledObject" in degraded["message"]
@@ -316,7 +376,7 @@ def test_podmonitor_and_scaledobject_appear_with_their_apis(cluster):
     cluster.wait_condition("kedaed", "Degraded", "False")
     events = [(e["type"], e["reason"]) for e in cluster.events("kedaed")]
     assert events == [("Normal", "Planned"), ("Warning", "ApplyFailed"), ("Normal", "Recovered")]
-    wait_for(lambda: "PodMonitor" in cluster.children("chat"), what="PodMonitor for existing services too")
+    wait_for(lambda: "PodMonitor" in cluster.children("plain"), what="PodMonitor for existing services too")
 
 
 def test_an_operator_restart_resumes_without_writes(cluster):
