@@ -1,8 +1,9 @@
 """The real operator process against the API emulator: GPU placement in the pods it builds,
 and Pending pods reported with the scheduler's reason.
 
-Its own emulator and operator (the module fixture of test_operator.py, reused), so that the
-other module's services do not interfere; objects are written with the real kubectl.
+Its own emulator and operator (the fixtures of test_operator.py, reused: each test starts
+from an empty namespace), so that the other module's services do not interfere; objects are
+written with the real kubectl.
 """
 
 from __future__ import annotations
@@ -12,13 +13,13 @@ import json
 import pytest
 import yaml
 from harness import wait_for
-from test_operator import NS, SMALL
+from test_operator import NS, SMALL, shared_cluster  # noqa: F401 - the fixture `cluster` needs
 from test_operator import cluster as _cluster_fixture
 
 from kvpilot.operator import constants as c
 
 pytestmark = pytest.mark.slow
-cluster = _cluster_fixture  # a module-scoped emulator + operator of this module's own
+cluster = _cluster_fixture  # a module-scoped emulator + operator of this module's own, emptied per test
 
 NO_MATCH = ("0/3 nodes are available: 3 node(s) didn't match Pod's node affinity/selector. "
             "preemption: 0/3 nodes are available: 3 Preemption is not helpful for scheduling.")
@@ -41,27 +42,32 @@ def test_pending_pods_that_no_node_matches_are_reported(cluster):
            "metadata": {"name": "placed-7d9c-x2x", "namespace": NS, "labels": template["metadata"]["labels"]},
            "spec": template["spec"]}
     cluster.kubectl("apply", "--validate=false", "-f", "-", stdin=yaml.safe_dump(pod))
-    cluster.kubectl("patch", "pod", "placed-7d9c-x2x", "--subresource=status", "--type", "merge", "-p",
-                    _pod_status("Pending", {"status": "False", "reason": "Unschedulable", "message": NO_MATCH}))
-    degraded = cluster.wait_condition("placed", "Degraded", "True")
-    assert degraded["reason"] == "NoMatchingNodes"
-    assert "nvidia.com/gpu.product in (NVIDIA-L4)" in degraded["message"] and NO_MATCH in degraded["message"]
-    events = wait_for(lambda: [(e["type"], e["reason"]) for e in cluster.events("placed")
-                               if e["reason"] == "NoMatchingNodes"], what="an Event")
-    assert events == [("Warning", "NoMatchingNodes")]
-    # a node with the GPU joined: the pod is scheduled and the condition clears
-    cluster.kubectl("patch", "pod", "placed-7d9c-x2x", "--subresource=status", "--type", "merge", "-p",
-                    _pod_status("Running", {"status": "True", "reason": None, "message": None}))
-    cleared = cluster.wait_condition("placed", "Degraded", "False")
-    assert cleared["reason"] == "AsExpected"
-    assert ("Normal", "Recovered") in [(e["type"], e["reason"]) for e in cluster.events("placed")]
+    try:
+        cluster.kubectl("patch", "pod", "placed-7d9c-x2x", "--subresource=status", "--type", "merge", "-p",
+                        _pod_status("Pending", {"status": "False", "reason": "Unschedulable",
+                                                "message": NO_MATCH}))
+        degraded = cluster.wait_condition("placed", "Degraded", "True")
+        assert degraded["reason"] == "NoMatchingNodes"
+        assert "nvidia.com/gpu.product in (NVIDIA-L4)" in degraded["message"] and NO_MATCH in degraded["message"]
+        events = wait_for(lambda: [(e["type"], e["reason"]) for e in cluster.events("placed")
+                                   if e["reason"] == "NoMatchingNodes"], what="an Event")
+        assert events == [("Warning", "NoMatchingNodes")]
+        # a node with the GPU joined: the pod is scheduled and the condition clears
+        cluster.kubectl("patch", "pod", "placed-7d9c-x2x", "--subresource=status", "--type", "merge", "-p",
+                        _pod_status("Running", {"status": "True", "reason": None, "message": None}))
+        cleared = cluster.wait_condition("placed", "Degraded", "False")
+        assert cleared["reason"] == "AsExpected"
+        assert ("Normal", "Recovered") in [(e["type"], e["reason"]) for e in cluster.events("placed")]
+    finally:
+        cluster.kubectl("delete", "pod", "placed-7d9c-x2x", "--wait=false")
 
 
 def test_the_spec_override_reaches_the_running_deployment(cluster):
-    cluster.kubectl("patch", "inferenceservice", "placed", "--type", "merge", "-p", json.dumps(
+    assert "affinity" in cluster.create("overridden")["Deployment"]["spec"]["template"]["spec"]
+    cluster.kubectl("patch", "inferenceservice", "overridden", "--type", "merge", "-p", json.dumps(
         {"spec": {"gpu": {"nodeSelector": {"cloud.google.com/gke-accelerator": "nvidia-l4"}}}}))
-    pod = wait_for(lambda: (d := cluster.children("placed")["Deployment"]["spec"]["template"]["spec"])
+    pod = wait_for(lambda: (d := cluster.children("overridden")["Deployment"]["spec"]["template"]["spec"])
                    .get("nodeSelector") and d, what="the override applied")
     assert pod["nodeSelector"] == {"cloud.google.com/gke-accelerator": "nvidia-l4"}
     assert "affinity" not in pod  # removed through the last-applied annotation
-    assert cluster.children("placed")["Deployment"]["metadata"]["labels"][c.LABEL_INSTANCE] == "placed"
+    assert cluster.children("overridden")["Deployment"]["metadata"]["labels"][c.LABEL_INSTANCE] == "overridden"
