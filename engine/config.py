@@ -5,7 +5,8 @@ Values computed at start-up (the number of KV blocks) live in ``KVCacheInfo``, n
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from kvpilot.engine.core.constants import KV_CACHE_DTYPES, MODEL_DTYPES
 from kvpilot.engine.core.kv_layout import KV_DTYPE_BYTES
@@ -21,12 +22,23 @@ class ModelConfig:
     dtype: str                   # resolved compute dtype name ("float32", "bfloat16", ...)
     max_model_len: int
     seed: int = 0
+    tokenizer: str | None = None  # tokenizer directory; None = the model directory
+    max_logprobs: int = 20        # -1 = no limit (the vocabulary)
+    # Sampling defaults for requests that leave a field unset (generation_config.json):
+    # SamplingParams field names -> values (see generation_defaults.py).
+    default_sampling: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.dtype not in MODEL_DTYPES[1:]:
             raise ValueError(f"dtype must be one of {MODEL_DTYPES}, got {self.dtype!r}")
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be -1 (no limit) or >= 0, got {self.max_logprobs}")
+
+    @property
+    def tokenizer_dir(self) -> str:
+        return self.tokenizer or self.model
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +96,34 @@ class SchedulerConfig:
             raise ValueError(
                 f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) "
                 f"must be >= max_model_len ({self.max_model_len})")
+
+
+STRUCTURED_OUTPUT_BACKENDS = ("auto", "xgrammar")
+REASONING_PARSERS = ("qwen3",)
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputsConfig:
+    """Structured outputs (vLLM's ``--structured-outputs-config`` keys that kvpilot honours).
+
+    ``disable_any_whitespace`` defaults to True here (vLLM: False): JSON is generated
+    compact, without optional whitespace between tokens, because small models left to
+    choose whitespace tend to produce it without end.
+    """
+
+    backend: str = "auto"
+    disable_any_whitespace: bool = True
+    reasoning_parser: str | None = None
+    enable_in_reasoning: bool = False
+
+    def __post_init__(self) -> None:
+        if self.backend not in STRUCTURED_OUTPUT_BACKENDS:
+            raise ValueError(f"structured outputs backend {self.backend!r} is not supported by "
+                             f"kvpilot: it uses xgrammar ({', '.join(STRUCTURED_OUTPUT_BACKENDS)})")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning parser {self.reasoning_parser!r} is not supported; "
+                             f"choose from {', '.join(REASONING_PARSERS)}")
+
 
 
 @dataclass(frozen=True, slots=True)

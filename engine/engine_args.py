@@ -9,8 +9,14 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvpilot.engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from kvpilot.engine.config import (
+    CacheConfig,
+    ModelConfig,
+    SchedulerConfig,
+    StructuredOutputsConfig,
+)
 from kvpilot.engine.core.constants import MODEL_DTYPES
+from kvpilot.engine.generation_defaults import load_generation_defaults
 from kvpilot.engine.model.device_memory import FAKE_DEVICE_MEMORY_ENV
 from kvpilot.engine.model.hf_config import load_arch_config
 
@@ -27,6 +33,7 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 class EngineArgs:
     model: str | None = None                  # None => the built-in demo model
     served_model_name: str | None = None
+    tokenizer: str | None = None              # tokenizer directory; None => the model's
     architecture: str | None = None           # override config.json's architectures[0]
     dtype: str = "auto"
     seed: int = 0
@@ -52,6 +59,12 @@ class EngineArgs:
     kv_offloading_backend: str = "native"
     kv_offloading_disk_path: str | None = None
     kv_offloading_disk_size: float | None = None
+    # Sampling defaults: "auto" (the checkpoint's generation_config.json), "vllm" (none)
+    # or a directory holding a generation_config.json; the overrides win.
+    generation_config: str = "auto"
+    override_generation_config: dict | None = None
+    max_logprobs: int = 20
+    structured_outputs_config: StructuredOutputsConfig = StructuredOutputsConfig()
 
     def resolve_device(self) -> str:
         if self.device != "auto":
@@ -83,8 +96,15 @@ class EngineArgs:
                 f"{arch.architecture} uses sliding-window attention (window {arch.sliding_window}), "
                 f"which this engine does not implement; set max_model_len <= {arch.sliding_window}")
         name = self.served_model_name or (Path(model_dir).name if self.model else "kvpilot-demo")
+        tokenizer = self.tokenizer
+        if tokenizer is not None and not Path(tokenizer).is_dir():
+            raise FileNotFoundError(f"tokenizer directory {tokenizer} does not exist")
+        defaults = load_generation_defaults(self.generation_config, model_dir,
+                                            self.override_generation_config)
         model_config = ModelConfig(model=model_dir, served_model_name=name, arch=arch, dtype=dtype,
-                                   max_model_len=max_model_len, seed=self.seed)
+                                   max_model_len=max_model_len, seed=self.seed,
+                                   tokenizer=tokenizer, max_logprobs=self.max_logprobs,
+                                   default_sampling=defaults)
         kv_bytes = self.kv_cache_memory_bytes
         if (kv_bytes is None and self.num_gpu_blocks is None and device == "cpu"
                 and not os.environ.get(FAKE_DEVICE_MEMORY_ENV)):   # the test hook profiles instead

@@ -27,6 +27,7 @@ from kvpilot.engine.model.sampler import SampleResult
 from kvpilot.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.stats import EngineStats
+from kvpilot.engine.structured_output import StructuredOutputManager
 from kvpilot.engine.text.detokenizer import IncrementalDetokenizer
 from kvpilot.engine.text.stop import check_token_stop, find_stop_string
 from kvpilot.engine.text.tokenizer import Tokenizer
@@ -100,7 +101,7 @@ class LLMEngine:
         self.model_config = model_config
         self.cache_config = cache_config
         self.scheduler_config: SchedulerConfig = scheduler_config
-        self.tokenizer = Tokenizer.from_pretrained(model_config.model)
+        self.tokenizer = Tokenizer.from_pretrained(model_config.tokenizer_dir)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(model_config.arch.eos_token_ids)
         device = torch.device(args.resolve_device())
         # Memory is profiled against what the device held before the weights (None: CPU).
@@ -122,6 +123,11 @@ class LLMEngine:
             record_evictions=self.kv_offload is not None)
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager, offload=self.kv_offload)
         self.runner.kv_transfer = self.kv_offload
+        structured = args.structured_outputs_config
+        self.structured_output = StructuredOutputManager(
+            self.tokenizer, model_config.arch.vocab_size,
+            any_whitespace=not structured.disable_any_whitespace,
+            reasoning_parser=None if structured.enable_in_reasoning else structured.reasoning_parser)
         self._parents: dict[str, _Parent] = {}
         self._children: dict[str, _Child] = {}
         self._prompt_tokens = 0
@@ -213,6 +219,9 @@ class LLMEngine:
         capacity = self.cache_info.token_capacity
         if len(ids) + 1 > capacity:
             raise ValueError(f"prompt of {len(ids)} tokens can never fit the KV cache ({capacity} tokens)")
+        self._check_params(params)
+        if params.structured_outputs is not None:   # a bad constraint fails before anything is queued
+            self.structured_output.backend.compile(params.structured_outputs)
         params = params.with_stop_ids(self.eos_token_ids)
         arrival = time.time() if arrival_time is None else arrival_time
         parent = _Parent(request_id, text, ids, arrival)
@@ -229,9 +238,21 @@ class LLMEngine:
                 0.0 if params.logprobs is not None else None, stop_buffer)
             parent.children.append(child)
         for child in parent.children:
+            self.structured_output.add_request(child.request)
             self.scheduler.add_request(child.request)
             self._children[child.request.request_id] = child
         self._parents[request_id] = parent
+
+    def _check_params(self, params: SamplingParams) -> None:
+        """ValueError for parameters this engine's limits refuse."""
+        limit = self.model_config.max_logprobs
+        if params.logprobs is not None and limit != -1 and params.logprobs > limit:
+            raise ValueError(f"requested {params.logprobs} logprobs, more than this server's "
+                             f"max_logprobs ({limit})")
+        vocab = self.model_config.arch.vocab_size
+        bad = [t for t in params.logit_bias or {} if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab}); got {bad[:5]}")
 
     def abort_request(self, request_ids: Iterable[str]) -> None:
         """Abort requests (by the id given to add_request); unknown ids are ignored."""
@@ -246,6 +267,7 @@ class LLMEngine:
         rid = child.request.request_id
         self.scheduler.finish_request(rid, status)
         self.runner.release(rid)
+        self.structured_output.remove(rid)
         self._children.pop(rid, None)
         child.finish_reason = status.finish_reason
 
@@ -257,10 +279,11 @@ class LLMEngine:
                 self.runner.execute_kv_transfers(sched.kv_transfers)
             return []
         self._num_steps += 1
-        results = self.runner.execute(sched)
+        results = self.runner.execute(sched, self.structured_output.grammar_bitmask(sched))
         advanced = self.scheduler.update_from_output(sched, {k: r.token_id for k, r in results.items()})
         touched: dict[str, _Parent] = {}
         for request in advanced:
+            self.structured_output.accept(request)
             child = self._children[request.request_id]
             self._process_token(child, results[request.request_id])
             touched[child.parent.request_id] = child.parent

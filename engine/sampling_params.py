@@ -3,9 +3,59 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 _EPS = 1e-5
+# OpenAI's range for a logit_bias value.
+MAX_LOGIT_BIAS = 100.0
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputsParams:
+    """One constraint on the generated text (vLLM's ``StructuredOutputsParams``).
+
+    Exactly one of: ``json`` (a JSON schema, as a dict or its JSON text),
+    ``json_object`` (any JSON object), ``regex``, ``choice`` (one of these strings) or
+    ``grammar`` (an EBNF grammar in the GBNF dialect xgrammar reads).
+    """
+
+    json: dict | str | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [name for name in ("json", "json_object", "regex", "choice", "grammar")
+                 if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured outputs take exactly one of json, json_object, regex, "
+                             f"choice, grammar; got {given or 'none'}")
+        if self.choice is not None and (not self.choice
+                                        or not all(isinstance(c, str) for c in self.choice)):
+            raise ValueError("structured outputs choice must be a non-empty list of strings")
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in ("json", "json_object", "regex", "choice", "grammar")
+                    if getattr(self, name) not in (None, False))
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """``(kind, canonical text)``: equal for equal constraints (the compile cache's key)."""
+        kind = self.kind
+        value: Any = getattr(self, kind)
+        if kind == "json" and not isinstance(value, str):
+            value = json.dumps(value, separators=(",", ":"))
+        elif kind == "choice":
+            value = json.dumps(list(value))
+        elif kind == "json_object":
+            value = ""
+        return kind, value
 
 
 @dataclass(slots=True)
@@ -35,6 +85,9 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # token id -> value added to its logit before sampling (OpenAI's logit_bias)
+    logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine: the model's EOS ids, unless ignore_eos.
     all_stop_token_ids: frozenset[int] = field(default_factory=frozenset, repr=False)
 
@@ -45,6 +98,7 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or []) or None
         if self.top_k == -1:
             self.top_k = 0
+        self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()} or None
         self._validate()
 
     def _validate(self) -> None:
@@ -68,6 +122,10 @@ class SamplingParams:
             (self.logprobs is None or self.logprobs >= 0,
              f"logprobs must be non-negative, got {self.logprobs}"),
             (all(s for s in self.stop or []), "stop strings must not be empty"),
+            (all(t >= 0 and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS
+                 for t, b in (self.logit_bias or {}).items()),
+             f"logit_bias maps token ids (>= 0) to values in [-{MAX_LOGIT_BIAS:g}, "
+             f"{MAX_LOGIT_BIAS:g}], got {self.logit_bias}"),
         ]
         for ok, message in checks:
             if not ok:

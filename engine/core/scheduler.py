@@ -6,7 +6,9 @@ computes the scheduled tokens; ``update_from_output()`` advances ``num_computed_
 and appends sampled tokens. When a running request needs a block and none is free,
 the lowest-priority / newest running request is preempted: its blocks are freed (their
 cached hashes survive, so resuming is often a prefix hit) and it goes back to the front
-of the waiting queue to be recomputed.
+of the waiting queue to be recomputed. Under the priority policy a waiting request that
+outranks a running one, and finds no batch slot or blocks, preempts the lowest-priority
+running request first (vLLM's priority scheduling).
 """
 
 from __future__ import annotations
@@ -132,13 +134,34 @@ class Scheduler:
     # ---- scheduling ---------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self.config.policy == "priority":
+            self._preempt_for_priority(out)
+        num_preempted = len(out.preempted_request_ids)
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
-        if not out.preempted_request_ids:
+        if len(out.preempted_request_ids) == num_preempted:   # running requests had blocks
             self._schedule_waiting(out, budget)
         self._check_invariants(out)
         out.kv_transfers = self.take_kv_transfers()
         return out
+
+    def _preempt_for_priority(self, out: SchedulerOutput) -> None:
+        """While the first waiting request outranks the lowest-priority running one and
+        could not be admitted (no batch slot, or too few free blocks for its first chunk),
+        preempt that running request to make room."""
+        while self.waiting and self.running:
+            head = self.waiting.peek()
+            victim = max(self.running, key=Request.sort_key)
+            if victim.sort_key() <= head.sort_key() or self._can_admit(head):
+                return
+            self._preempt(victim, out, reason=f"to admit higher-priority request {head.request_id}")
+
+    def _can_admit(self, request: Request) -> bool:
+        if len(self.running) >= self.config.max_num_seqs:
+            return False
+        hit = self.kv.find_prefix_hit(request)
+        num_new = min(request.num_tokens - hit.num_tokens, self.config.max_num_batched_tokens)
+        return self.kv.num_blocks_needed(request, num_new, hit) <= self.kv.num_free_blocks
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         for request in list(self.running):
@@ -197,8 +220,11 @@ class Scheduler:
             return max(self.running, key=Request.sort_key)
         return self.running[-1]
 
-    def _preempt(self, victim: Request, out: SchedulerOutput) -> int:
-        """Preempt ``victim``; returns the token budget it gives back if already scheduled."""
+    def _preempt(self, victim: Request, out: SchedulerOutput, reason: str | None = None) -> int:
+        """Preempt ``victim``; returns the token budget it gives back if already scheduled.
+
+        ``reason``: why, when it is not a shortage of KV blocks (logged).
+        """
         self.running.remove(victim)
         returned = 0
         for i, s in enumerate(out.scheduled):
@@ -213,11 +239,15 @@ class Scheduler:
         self.waiting.add_preempted(victim)
         self.num_preemptions += 1
         out.preempted_request_ids.append(victim.request_id)
-        logger.warning(
-            "Preempted request %s (recompute of %d tokens); free KV blocks: %d. "
-            "Raise the KV cache size or lower max_num_seqs to avoid this.",
-            victim.request_id, victim.num_tokens, self.kv.num_free_blocks,
-        )
+        if reason is not None:
+            logger.info("Preempted request %s (recompute of %d tokens) %s.", victim.request_id,
+                        victim.num_tokens, reason)
+        else:
+            logger.warning(
+                "Preempted request %s (recompute of %d tokens); free KV blocks: %d. "
+                "Raise the KV cache size or lower max_num_seqs to avoid this.",
+                victim.request_id, victim.num_tokens, self.kv.num_free_blocks,
+            )
         return returned
 
     def _check_invariants(self, out: SchedulerOutput) -> None:

@@ -165,8 +165,12 @@ class ModelRunner:
         sample(logits, [SamplingRow(params, [0], [], None)] * max_num_seqs)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, SampleResult]:
-        """Run one step; returns the sampled token of each request that reached its end."""
+    def execute(self, out: SchedulerOutput, token_bitmask=None) -> dict[str, SampleResult]:
+        """Run one step; returns the sampled token of each request that reached its end.
+
+        ``token_bitmask`` (structured outputs): the allowed tokens of constrained rows, in
+        the order of the step's sampling requests; see ``sample``.
+        """
         if out.kv_transfers:
             self.execute_kv_transfers(out.kv_transfers)
         input_ids, positions, metadata = build_attention_metadata(out, self.block_size, self.device)
@@ -185,5 +189,5 @@ class ModelRunner:
                             s.request.output_token_ids,
                             self._generator(s.request.request_id, s.request.sampling_params.seed))
                 for _, s in sampling]
-        results = sample(logits, rows)
+        results = sample(logits, rows, token_bitmask)
         return {s.request.request_id: r for (_, s), r in zip(sampling, results, strict=True)}

@@ -1,7 +1,7 @@
 """Batched sampling: penalties, temperature, top-k / top-p / min-p, seeded per request.
 
-Logprobs are those of the raw model distribution (before penalties and temperature),
-as vLLM reports by default. A request with a seed samples with its own
+Logprobs are those of the raw model distribution (after a structured-output mask, before
+logit_bias, penalties and temperature), as vLLM reports by default. A request with a seed samples with its own
 ``torch.Generator`` (exponential-race sampling: argmax of p / Exp(1) noise), so its
 output is reproducible whatever else shares the batch.
 """
@@ -44,6 +44,15 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
             counts = torch.zeros(logits.shape[1], device=logits.device).index_add_(
                 0, ids, torch.ones(len(ids), device=logits.device))
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+
+
+def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    for i, row in enumerate(rows):
+        if row.params.logit_bias:
+            ids = torch.tensor(list(row.params.logit_bias), dtype=torch.long, device=logits.device)
+            bias = torch.tensor(list(row.params.logit_bias.values()), dtype=logits.dtype,
+                                device=logits.device)
+            logits[i].index_add_(0, ids, bias)
 
 
 def _suppress_stop_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
@@ -89,15 +98,25 @@ def _random_sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
 def _needs_logit_edits(row: SamplingRow) -> bool:
     p = row.params
     return (p.repetition_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty)
+            or bool(p.logit_bias)
             or (len(row.output_token_ids) < p.min_tokens and bool(p.all_stop_token_ids)))
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
-    """Pick one token per row of ``logits`` ``[num_rows, vocab]`` (float32)."""
+def sample(logits: torch.Tensor, rows: list[SamplingRow], token_bitmask=None) -> list[SampleResult]:
+    """Pick one token per row of ``logits`` ``[num_rows, vocab]`` (float32).
+
+    ``token_bitmask`` (structured outputs; any object with ``apply(logits)``, see
+    ``kvpilot.engine.structured_output.bitmask``) first sets the logits of tokens a row's
+    grammar forbids to -inf, in place, so logprobs too are those of the allowed tokens
+    (as in vLLM).
+    """
+    if token_bitmask is not None:
+        token_bitmask.apply(logits)
     want_logprobs = [r.params.logprobs for r in rows]
     raw_logprobs = logits.log_softmax(dim=-1) if any(k is not None for k in want_logprobs) else None
     if any(_needs_logit_edits(r) for r in rows):
         logits = logits.clone()
+        _apply_logit_bias(logits, rows)
         _apply_penalties(logits, rows)
         _suppress_stop_tokens(logits, rows)
     greedy = [r.params.is_greedy for r in rows]

@@ -16,6 +16,7 @@ from kvpilot.engine.server.async_engine import AsyncEngine
 from kvpilot.engine.server.config import ServerConfig
 from kvpilot.engine.server.errors import install_error_handlers
 from kvpilot.engine.server.metrics import ServerMetrics
+from kvpilot.engine.server.middleware import install_middleware
 from kvpilot.engine.server.routes_common import check_api_key
 from kvpilot.engine.server.routes_misc import server_version
 from kvpilot.engine.server.state import ServerState
@@ -68,10 +69,14 @@ def build_app(state: ServerState) -> FastAPI:
                     await stats_task
             await asyncio.to_thread(state.engine.shutdown)
 
+    config = state.config
+    docs = {} if not config.disable_fastapi_docs else {"openapi_url": None, "docs_url": None,
+                                                        "redoc_url": None}
     app = FastAPI(title="kvpilot", version=server_version(), lifespan=lifespan,
-                  description="OpenAI-compatible API of the kvpilot inference engine")
+                  description="OpenAI-compatible API of the kvpilot inference engine", **docs)
     app.state.server = state
     install_error_handlers(app)
+    install_middleware(app, config)
     guarded = [Depends(check_api_key)]
     app.include_router(routes_completions.router, dependencies=guarded)
     app.include_router(routes_chat.router, dependencies=guarded)

@@ -91,6 +91,7 @@ class _Add:
     cache_salt: str | None
     arrival_time: float
     live: _Live
+    priority: int = 0
 
 
 @dataclass(slots=True)
@@ -215,6 +216,7 @@ class AsyncEngine:
         *,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Submits a request and yields its cumulative outputs until it finishes.
 
@@ -228,7 +230,8 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         live = _Live(asyncio.Queue(), loop)
         self._submit_add(_Add(request_id, prompt_token_ids, params, cache_salt,
-                              time.time() if arrival_time is None else arrival_time, live))
+                              time.time() if arrival_time is None else arrival_time, live,
+                              priority))
         finished = False
         try:
             while True:
@@ -344,7 +347,8 @@ class AsyncEngine:
             num_adds += 1
             try:
                 engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params,
-                                   arrival_time=cmd.arrival_time, cache_salt=cmd.cache_salt)
+                                   arrival_time=cmd.arrival_time, cache_salt=cmd.cache_salt,
+                                   priority=cmd.priority)
             except ValueError as exc:
                 cmd.live.deliver(RequestRejected(str(exc)))
                 continue

@@ -49,6 +49,19 @@ def run(ns: argparse.Namespace) -> int:
     return asyncio.run(_serve(ns, engine_args, config))
 
 
+def uvicorn_config(ns: argparse.Namespace, app):
+    """uvicorn's settings from the serve flags: address, logging, TLS, and the root path
+    (``--root-path``: the prefix a path-routing proxy strips, for URLs the app builds)."""
+    import uvicorn
+
+    return uvicorn.Config(
+        app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
+        access_log=not ns.disable_uvicorn_access_log, timeout_graceful_shutdown=5,
+        root_path=ns.root_path or "",
+        ssl_keyfile=ns.ssl_keyfile, ssl_certfile=ns.ssl_certfile, ssl_ca_certs=ns.ssl_ca_certs,
+        ssl_cert_reqs=ns.ssl_cert_reqs)
+
+
 async def _serve(ns: argparse.Namespace, engine_args, config) -> int:
     import prometheus_client
     import uvicorn
@@ -61,9 +74,7 @@ async def _serve(ns: argparse.Namespace, engine_args, config) -> int:
     prometheus_client.disable_created_metrics()
     async_engine, state = build_async_engine(
         lambda: LLMEngine.from_engine_args(engine_args), config, make_registry())
-    server = uvicorn.Server(uvicorn.Config(
-        build_app(state), host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
-        timeout_graceful_shutdown=5))
+    server = uvicorn.Server(uvicorn_config(ns, build_app(state)))
     async_engine.start()  # the lifespan would too; starting here overlaps loading with binding
     serve_task = asyncio.ensure_future(server.serve())
     ready_task = asyncio.ensure_future(async_engine.wait_ready())
@@ -76,7 +87,9 @@ async def _serve(ns: argparse.Namespace, engine_args, config) -> int:
             await serve_task
         return 1
     if ready_task.done():
-        logger.info("engine ready: serving %s on http://%s:%d", state.model_name, ns.host, ns.port)
+        scheme = "https" if ns.ssl_certfile else "http"
+        logger.info("engine ready: serving %s on %s://%s:%d", state.model_name, scheme, ns.host,
+                    ns.port)
     try:
         await serve_task
     finally:

@@ -4,7 +4,65 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+# A --chat-template value with one of these is Jinja source, not a file name (as vLLM decides).
+_JINJA_CHARS = "{}\n"
+
+
+@dataclass(frozen=True, slots=True)
+class CORSConfig:
+    """Cross-origin requests (vLLM's defaults: everything allowed, no credentials)."""
+
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ChatConfig:
+    """How chat requests are rendered and their answers parsed.
+
+    Args:
+        chat_template: Jinja source used instead of the checkpoint's template.
+        default_template_kwargs: template variables for every request (a request's
+            ``chat_template_kwargs`` win).
+        enable_auto_tool_choice: allow ``tool_choice: "auto"`` (needs ``tool_call_parser``).
+        tool_call_parser: ``hermes`` or ``llama3_json``: finds tool calls in the text.
+        exclude_tools_when_tool_choice_none: hide ``tools`` from the template for ``none``.
+        reasoning_parser: ``qwen3``: ``<think>`` text becomes ``reasoning_content``.
+    """
+
+    chat_template: str | None = None
+    default_template_kwargs: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    exclude_tools_when_tool_choice_none: bool = False
+    reasoning_parser: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+        if self.chat_template is not None:
+            from kvpilot.engine.text.chat_templates import compile_chat_template
+
+            compile_chat_template(self.chat_template)   # a syntax error stops start-up
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """``--chat-template``: Jinja source as given, or the content of the file it names."""
+    if value is None or any(c in value for c in _JINJA_CHARS):
+        return value
+    path = Path(value)
+    if not path.is_file():
+        raise ValueError(f"--chat-template {value!r}: no such file (pass a file, or the "
+                         "template itself)")
+    return path.read_text(encoding="utf-8")
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,6 +77,12 @@ class ServerConfig:
             ones get 429; None = unbounded.
         log_stats_interval: seconds between periodic INFO stats lines; 0 = off.
         retry_after_seconds: value of the ``Retry-After`` header on a 429.
+        enable_log_requests: an INFO line per generation request.
+        max_log_len: most prompt characters / token ids in that line (None = all).
+        disable_fastapi_docs: no /docs, /redoc, /openapi.json.
+        enable_request_id_headers: an ``X-Request-Id`` header on every response.
+        cors: cross-origin settings.
+        chat: chat template, tool calling and reasoning settings.
     """
 
     served_model_names: tuple[str, ...] = ()
@@ -26,6 +90,12 @@ class ServerConfig:
     max_waiting_requests: int | None = 1024
     log_stats_interval: float = 10.0
     retry_after_seconds: int = 1
+    enable_log_requests: bool = False
+    max_log_len: int | None = None
+    disable_fastapi_docs: bool = False
+    enable_request_id_headers: bool = False
+    cors: CORSConfig = CORSConfig()
+    chat: ChatConfig = ChatConfig()
 
     def __post_init__(self) -> None:
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
@@ -49,11 +119,27 @@ def server_config_from_namespace(ns: argparse.Namespace) -> ServerConfig:
     Without ``--api-key`` the key comes from ``$KVPILOT_API_KEY`` (how a Kubernetes
     Secret reaches the server without showing on the command line).
     """
-    from kvpilot.engine.server.args import API_KEY_ENV
+    from kvpilot.engine.server.args import structured_outputs_config
+    from kvpilot.engine.server.args_frontend import API_KEY_ENV
 
+    chat = ChatConfig(
+        chat_template=load_chat_template(ns.chat_template),
+        default_template_kwargs=MappingProxyType(dict(ns.default_chat_template_kwargs or {})),
+        enable_auto_tool_choice=ns.enable_auto_tool_choice,
+        tool_call_parser=ns.tool_call_parser,
+        exclude_tools_when_tool_choice_none=ns.exclude_tools_when_tool_choice_none,
+        reasoning_parser=structured_outputs_config(ns).reasoning_parser,
+    )
     return ServerConfig(
         served_model_names=tuple(ns.served_model_name or ()),
         api_key=ns.api_key or os.environ.get(API_KEY_ENV) or None,
         max_waiting_requests=ns.max_waiting_requests,
-        log_stats_interval=ns.log_stats_interval,
+        log_stats_interval=0.0 if ns.disable_log_stats else ns.log_stats_interval,
+        enable_log_requests=ns.enable_log_requests,
+        max_log_len=ns.max_log_len,
+        disable_fastapi_docs=ns.disable_fastapi_docs,
+        enable_request_id_headers=ns.enable_request_id_headers,
+        cors=CORSConfig(tuple(ns.allowed_origins), tuple(ns.allowed_methods),
+                        tuple(ns.allowed_headers), ns.allow_credentials),
+        chat=chat,
     )

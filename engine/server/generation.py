@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from http import HTTPStatus
+from typing import Any
 
 from kvpilot.engine.outputs import RequestOutput
 from kvpilot.engine.sampling_params import SamplingParams
@@ -32,6 +34,8 @@ from kvpilot.engine.server.errors import (
 )
 from kvpilot.engine.server.protocol import SamplingRequest, UsageInfo
 from kvpilot.engine.server.state import ServerState
+
+logger = logging.getLogger(__name__)
 
 
 def random_id(prefix: str) -> str:
@@ -57,9 +61,19 @@ def to_api_error(exc: BaseException, state: ServerState) -> APIError:
                     type=SERVER_ERROR)
 
 
-def check_unsupported(body: SamplingRequest) -> None:
-    if body.logit_bias:
-        raise bad_request("logit_bias is not supported", param="logit_bias")
+def check_request(body: SamplingRequest, state: ServerState, logprobs: int | None,
+                  logprobs_param: str) -> None:
+    """400 for what this server's settings refuse: a priority without priority scheduling,
+    more logprobs than ``--max-logprobs``."""
+    engine = state.engine.engine
+    if body.priority != 0 and engine.scheduler_config.policy != "priority":
+        raise bad_request("priority is only honoured with --scheduling-policy priority "
+                          f"(this server schedules {engine.scheduler_config.policy})",
+                          param="priority")
+    limit = engine.model_config.max_logprobs
+    if logprobs is not None and limit != -1 and logprobs > limit:
+        raise bad_request(f"{logprobs_param} must be at most {limit} (--max-logprobs)",
+                          param=logprobs_param)
 
 
 def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int,
@@ -85,21 +99,31 @@ def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: in
     return requested
 
 
-def sampling_params(body: SamplingRequest, *, max_tokens: int,
-                    logprobs: int | None) -> SamplingParams:
-    """The engine's SamplingParams for a request; 400 on a combination it rejects."""
+def sampling_params(body: SamplingRequest, *, max_tokens: int, logprobs: int | None,
+                    defaults: Mapping[str, Any]) -> SamplingParams:
+    """The engine's SamplingParams for a request; 400 on a combination it rejects.
+
+    ``defaults`` (the model's generation config, see ``generation_defaults``) fill the
+    sampling fields the request leaves unset, before the built-in defaults do.
+    """
     stop = [body.stop] if isinstance(body.stop, str) else body.stop
+    logit_bias = _logit_bias(body.logit_bias)
+
+    def pick(name: str, builtin: float) -> float:
+        value = getattr(body, name)
+        return value if value is not None else defaults.get(name, builtin)
+
     try:
         return SamplingParams(
             n=body.n,
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=0 if body.top_k is None else body.top_k,
-            min_p=0.0 if body.min_p is None else body.min_p,
+            temperature=pick("temperature", 1.0),
+            top_p=pick("top_p", 1.0),
+            top_k=pick("top_k", 0),
+            min_p=pick("min_p", 0.0),
             seed=body.seed,
             presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            repetition_penalty=pick("repetition_penalty", 1.0),
             max_tokens=max_tokens,
             min_tokens=body.min_tokens,
             stop=stop,
@@ -108,9 +132,21 @@ def sampling_params(body: SamplingRequest, *, max_tokens: int,
             logprobs=logprobs,
             skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output,
+            logit_bias=logit_bias,
         )
     except ValueError as exc:
-        raise bad_request(str(exc)) from None
+        raise bad_request(str(exc), param="logit_bias" if "logit_bias" in str(exc) else None) from None
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's ``logit_bias`` (token id strings -> bias) with int keys; 400 on a bad key."""
+    if not bias:
+        return None
+    try:
+        return {int(token): value for token, value in bias.items()}
+    except ValueError:
+        raise bad_request("logit_bias keys must be token ids (integers as strings), got "
+                          f"{sorted(bias)[:5]}", param="logit_bias") from None
 
 
 def usage(outputs: list[RequestOutput]) -> UsageInfo:
@@ -123,6 +159,18 @@ def usage(outputs: list[RequestOutput]) -> UsageInfo:
                      prompt_tokens_details={"cached_tokens": cached})
 
 
+def log_request(state: ServerState, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                priority: int) -> None:
+    """``--enable-log-requests``: one INFO line per engine request; ``--max-log-len`` caps
+    the prompt text (characters) and ids shown."""
+    limit = state.config.max_log_len
+    text = state.engine.engine.tokenizer.decode(prompt_ids[:limit] if limit else prompt_ids,
+                                                skip_special_tokens=False)
+    logger.info("Received request %s: prompt: %r, prompt_token_ids: %s (%d tokens), priority: %d, "
+                "params: %s", request_id, text[:limit] if limit else text,
+                prompt_ids[:limit] if limit else prompt_ids, len(prompt_ids), priority, params)
+
+
 class Generation:
     """The engine requests behind one API request (one per prompt, each with its params).
 
@@ -132,10 +180,14 @@ class Generation:
     """
 
     def __init__(self, state: ServerState, request_id: str, prompts: list[list[int]],
-                 params: list[SamplingParams], cache_salt: str | None) -> None:
+                 params: list[SamplingParams], cache_salt: str | None, priority: int = 0) -> None:
         self._state = state
+        if state.config.enable_log_requests:
+            for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
+                log_request(state, f"{request_id}-{i}", ids, p, priority)
         self._streams = [
-            state.engine.generate(f"{request_id}-{i}", ids, p, cache_salt=cache_salt)
+            state.engine.generate(f"{request_id}-{i}", ids, p, cache_salt=cache_salt,
+                                  priority=priority)
             for i, (ids, p) in enumerate(zip(prompts, params, strict=True))
         ]
         self.first: list[RequestOutput] = []

@@ -50,9 +50,12 @@ def completion_prompt_ids(prompt: str | list, tokenizer, vocab_size: int) -> lis
 
 
 def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                template_kwargs: dict | None = None) -> list[int]:
-    """Token ids of a conversation rendered with the model's chat template; 400 on failure.
+                template_kwargs: dict | None = None, *, chat_template: str | None = None,
+                tools: list[dict] | None = None) -> list[int]:
+    """Token ids of a conversation rendered with the chat template; 400 on failure.
 
+    ``chat_template`` (``--chat-template``) replaces the model's template; ``tools`` are
+    the function definitions, passed to the template as HF templates expect them.
     The rendered text is encoded without special tokens: templates write their own BOS.
     OpenAI's ``developer`` role is the newer name of ``system``; templates know only the latter.
     """
@@ -61,6 +64,7 @@ def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: b
              for m in messages]
     try:
         text = tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt,
+                                             tools=tools, chat_template=chat_template,
                                              **(template_kwargs or {}))
         return tokenizer.encode(text, add_special_tokens=False)
     except (ValueError, TypeError) as exc:  # ChatTemplateError is a ValueError

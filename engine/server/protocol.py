@@ -16,7 +16,6 @@ from pydantic import BaseModel, Field
 # Torch's generator seeds are 64-bit; the engine derives child seeds as seed + i.
 MAX_SEED = 2**63 - 1 - 1024
 MAX_N = 128
-MAX_LOGPROBS = 20
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 TokenId = Annotated[int, Field(ge=0)]
@@ -41,8 +40,11 @@ class SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = Field(None, description="not supported; must be empty")
+    logit_bias: dict[str, float] | None = Field(
+        None, description="token id -> value in [-100, 100] added to its logit before sampling")
     user: str | None = Field(None, description="end-user id (accepted, not used)")
+    priority: int = Field(0, description="vLLM extension: with --scheduling-policy priority, "
+                                         "lower values are served first")
     cache_salt: NonEmptyStr | None = Field(
         None, description="kvpilot/vLLM extension: requests share prefix-cache blocks only "
                           "when their cache_salt is equal (tenant isolation)")
@@ -62,8 +64,9 @@ class CompletionRequest(SamplingRequest):
              | Annotated[list[TokenId], Field(min_length=1)]
              | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
     max_tokens: int | None = Field(16, ge=1, description="None = up to the context length")
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
-                                 description="log-probabilities of the sampled and this many top tokens")
+    logprobs: int | None = Field(None, ge=0,
+                                 description="log-probabilities of the sampled and this many top "
+                                             "tokens (at most --max-logprobs)")
     echo: bool = Field(False, description="not supported; must be false")
     best_of: int | None = Field(None, ge=1, le=MAX_N, description="only equal to n is supported")
     suffix: str | None = Field(None, description="not supported; must be null")
@@ -92,7 +95,7 @@ class ChatCompletionRequest(SamplingRequest):
     max_tokens: int | None = Field(None, ge=1, description="deprecated alias of max_completion_tokens")
     max_completion_tokens: int | None = Field(None, ge=1, description="None = up to the context length")
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=0, description="at most --max-logprobs")
     tools: list[dict[str, Any]] | None = Field(None, description="not supported; must be empty")
     response_format: dict[str, Any] | None = Field(None, description="only {'type': 'text'}")
     add_generation_prompt: bool = Field(True, description="vLLM extension")

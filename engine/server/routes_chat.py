@@ -15,7 +15,7 @@ from kvpilot.engine.outputs import RequestOutput
 from kvpilot.engine.server.errors import bad_request
 from kvpilot.engine.server.generation import (
     Generation,
-    check_unsupported,
+    check_request,
     random_id,
     resolve_max_tokens,
     sampling_params,
@@ -44,8 +44,8 @@ from kvpilot.engine.server.state import ServerState, ready_state
 router = APIRouter()
 
 
-def _check_request(body: ChatCompletionRequest) -> None:
-    check_unsupported(body)
+def _check_request(body: ChatCompletionRequest, state: ServerState) -> None:
+    check_request(body, state, body.top_logprobs if body.logprobs else None, "top_logprobs")
     if body.tools:
         raise bad_request("tools are not supported", param="tools")
     if body.response_format and body.response_format.get("type", "text") != "text":
@@ -60,20 +60,25 @@ def _check_request(body: ChatCompletionRequest) -> None:
 async def create_chat_completion(body: ChatCompletionRequest, request: Request,
                                  state: ServerState = Depends(ready_state)):
     model = state.check_model(body.model)
-    _check_request(body)
+    _check_request(body, state)
     engine = state.engine.engine
+    chat = state.config.chat
     prompt = render_chat(engine.tokenizer, body.messages, body.add_generation_prompt,
-                         body.chat_template_kwargs)
+                         {**chat.default_template_kwargs, **(body.chat_template_kwargs or {})},
+                         chat_template=chat.chat_template)
     if not prompt:
         raise bad_request("the rendered conversation is empty", param="messages")
+    defaults = engine.model_config.default_sampling
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    if requested is None:
+        requested = defaults.get("max_tokens")
     max_tokens = resolve_max_tokens(requested, len(prompt), engine.model_config.max_model_len,
                                     "messages")
     top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = sampling_params(body, max_tokens=max_tokens, logprobs=top_logprobs)
+    params = sampling_params(body, max_tokens=max_tokens, logprobs=top_logprobs, defaults=defaults)
     request_id = random_id("chatcmpl")
     created = int(time.time())
-    generation = Generation(state, request_id, [prompt], [params], body.cache_salt)
+    generation = Generation(state, request_id, [prompt], [params], body.cache_salt, body.priority)
     decode = engine.tokenizer.decode
 
     def events():

@@ -11,7 +11,7 @@ from kvpilot.engine.outputs import RequestOutput
 from kvpilot.engine.server.errors import bad_request
 from kvpilot.engine.server.generation import (
     Generation,
-    check_unsupported,
+    check_request,
     random_id,
     resolve_max_tokens,
     sampling_params,
@@ -38,8 +38,8 @@ from kvpilot.engine.server.state import ServerState, ready_state
 router = APIRouter()
 
 
-def _check_request(body: CompletionRequest) -> None:
-    check_unsupported(body)
+def _check_request(body: CompletionRequest, state: ServerState) -> None:
+    check_request(body, state, body.logprobs, "logprobs")
     if body.echo:
         raise bad_request("echo is not supported", param="echo")
     if body.suffix is not None:
@@ -53,17 +53,19 @@ def _check_request(body: CompletionRequest) -> None:
 async def create_completion(body: CompletionRequest, request: Request,
                             state: ServerState = Depends(ready_state)):
     model = state.check_model(body.model)
-    _check_request(body)
+    _check_request(body, state)
     engine = state.engine.engine
     max_model_len = engine.model_config.max_model_len
+    defaults = engine.model_config.default_sampling
+    requested = body.max_tokens if body.max_tokens is not None else defaults.get("max_tokens")
     prompts = completion_prompt_ids(body.prompt, engine.tokenizer, engine.model_config.arch.vocab_size)
-    params = [sampling_params(body, logprobs=body.logprobs,
-                              max_tokens=resolve_max_tokens(body.max_tokens, len(ids),
-                                                            max_model_len, "prompt"))
+    params = [sampling_params(body, logprobs=body.logprobs, defaults=defaults,
+                              max_tokens=resolve_max_tokens(requested, len(ids), max_model_len,
+                                                            "prompt"))
               for ids in prompts]
     request_id = random_id("cmpl")
     created = int(time.time())
-    generation = Generation(state, request_id, prompts, params, body.cache_salt)
+    generation = Generation(state, request_id, prompts, params, body.cache_salt, body.priority)
     decode = engine.tokenizer.decode
 
     def events():

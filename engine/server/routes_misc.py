@@ -75,7 +75,9 @@ async def tokenize(body: TokenizeRequest, state: ServerState = Depends(ready_sta
     state.check_model(body.model)
     engine = state.engine.engine
     if isinstance(body, TokenizeChatRequest):
-        tokens = render_chat(engine.tokenizer, body.messages, body.add_generation_prompt)
+        chat = state.config.chat
+        tokens = render_chat(engine.tokenizer, body.messages, body.add_generation_prompt,
+                             dict(chat.default_template_kwargs), chat_template=chat.chat_template)
     else:
         tokens = encode_text(engine.tokenizer, body.prompt, body.add_special_tokens)
     return TokenizeResponse(count=len(tokens), max_model_len=engine.model_config.max_model_len,

@@ -48,7 +48,8 @@ SPECIAL_TOKEN_NAMES = (
 _NO_MAX_LENGTH = int(1e29)
 
 
-def _read_json(path: Path) -> dict:
+def read_json_object(path: Path) -> dict:
+    """The JSON object in file ``path`` ({} if there is no file); ValueError if it is not one."""
     if not path.is_file():
         return {}
     try:
@@ -188,12 +189,12 @@ class Tokenizer:
                 "tokenizer.json (re-save a slow tokenizer with transformers to create it)"
             )
         backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
-        config = _read_json(path / "tokenizer_config.json")
+        config = read_json_object(path / "tokenizer_config.json")
         special = {name: _token_content(config.get(name), name) for name in SPECIAL_TOKEN_NAMES}
         _add_missing_tokens(backend, config, special)
         eos_ids: tuple[int, ...] = ()
         for source in ("generation_config.json", "config.json"):  # the first that sets it
-            value = _read_json(path / source).get("eos_token_id")
+            value = read_json_object(path / source).get("eos_token_id")
             if value is not None:
                 eos_ids = _id_list(value, source)
                 break

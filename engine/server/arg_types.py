@@ -1,0 +1,85 @@
+"""argparse ``type`` converters shared by the ``kvpilot serve`` flag modules (torch-free)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
+_SIZE_POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
+
+
+def parse_size(text: str) -> int:
+    """Parses a byte count: ``1073741824``, ``4G`` / ``4GB`` (10^9) or ``4Gi`` / ``4GiB`` (2^30)."""
+    match = _SIZE_RE.match(text)
+    if match is None:
+        raise argparse.ArgumentTypeError(
+            f"invalid size {text!r}: expected a number of bytes, optionally with a suffix "
+            "K/M/G/T (powers of 1000) or Ki/Mi/Gi/Ti (powers of 1024)"
+        )
+    number, unit, binary = match.groups()
+    base = 1024 if binary else 1000
+    if binary and not unit:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}: 'i' needs a unit (Ki, Mi, Gi, Ti)")
+    return int(float(number) * base ** _SIZE_POWERS[unit.lower()])
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
+
+
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number {text!r}") from None
+
+
+def _bounded(parse: Callable[[str], T], ok: Callable[[T], bool], requirement: str) -> Callable[[str], T]:
+    """An argparse ``type``: ``parse(text)``, rejected with ``requirement`` unless ``ok``."""
+
+    def convert(text: str) -> T:
+        value = parse(text)
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"{requirement}, got {text!r}")
+        return value
+
+    return convert
+
+
+positive_int = _bounded(_int, lambda v: v >= 1, "must be a positive integer")
+non_negative_int = _bounded(_int, lambda v: v >= 0, "must be >= 0")
+port = _bounded(_int, lambda v: 0 <= v <= 65535, "port must be in 0..65535")
+fraction = _bounded(_float, lambda v: 0.0 < v <= 1.0, "must be in (0, 1]")
+non_negative_float = _bounded(_float, lambda v: v >= 0.0, "must be >= 0")  # also rejects nan
+max_logprobs = _bounded(_int, lambda v: v >= -1, "must be -1 (the vocabulary) or >= 0")
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """An argparse ``type``: a JSON object."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"invalid JSON {text!r}: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+def json_string_list(text: str) -> list[str]:
+    """An argparse ``type``: a JSON list of strings (vLLM's form for the CORS lists)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f'invalid JSON {text!r} (expected e.g. \'["*"]\'): {exc}') from None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}")
+    return value
