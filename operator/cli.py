@@ -58,6 +58,10 @@ def run(args: argparse.Namespace) -> int:
                                        else args.liveness)
     logging.basicConfig(level=settings.log_level,
                         format="[%(asctime)s] %(name)-24.24s [%(levelname)-7s] %(message)s")
+    # kopf logs every successful handler call at INFO: one line per watch event of every
+    # child. The operator's own INFO lines (writes, condition changes) are enough.
+    if settings.log_level == "INFO":
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
 
     import kopf
 

@@ -15,6 +15,7 @@ import logging
 import os
 from typing import Any
 
+import aiohttp
 from kubernetes.aio import client as aio_client
 from kubernetes.aio import config as aio_config
 from kubernetes.aio.client.exceptions import ApiException
@@ -26,13 +27,48 @@ USER_AGENT = "kvpilot-operator"
 logger = logging.getLogger(__name__)
 
 
-class KubeError(Exception):
-    """A non-2xx answer from the API server."""
+FOREIGN_CONTROLLER = "ForeignController"  # reason: the name is taken by another controller's object
+# Answers worth retrying soon: conflicts, throttling, server errors and timeouts (0 = no
+# answer at all: connection refused or reset, or the request timed out).
+TRANSIENT_STATUSES = frozenset({0, 409, 429, 500, 502, 503, 504})
 
-    def __init__(self, status: int, message: str) -> None:
+
+class KubeError(Exception):
+    """A non-2xx answer from the API server (status 0: no answer).
+
+    Args:
+        status: the HTTP status.
+        message: the ``Status`` object's message, or the body.
+        retry_after: seconds from a ``Retry-After`` header (429, 503), else None.
+        reason: the ``Status`` object's reason (``AlreadyExists``, ``Conflict``, ...).
+    """
+
+    def __init__(self, status: int, message: str, retry_after: float | None = None,
+                 reason: str = "") -> None:
         super().__init__(f"HTTP {status}: {message}")
         self.status = status
         self.message = message
+        self.retry_after = retry_after
+        self.reason = reason
+
+    @property
+    def transient(self) -> bool:
+        """Whether the same request may well succeed if retried after a while (not so for
+        a name held by someone else's object: that needs a person)."""
+        return self.status in TRANSIENT_STATUSES and self.reason != FOREIGN_CONTROLLER
+
+    @property
+    def already_exists(self) -> bool:
+        return self.status == 409 and self.reason == "AlreadyExists"
+
+
+def _retry_after(value: str | None) -> float | None:
+    """Seconds from a ``Retry-After`` header (the delay form; HTTP dates are not used by
+    Kubernetes)."""
+    try:
+        return max(0.0, float(value)) if value else None
+    except ValueError:
+        return None
 
 
 class KubeApi:
@@ -40,17 +76,21 @@ class KubeApi:
 
     Args:
         api_client: a connected ``kubernetes.aio.client.ApiClient``.
+        timeout: seconds one request may take (a slow API server fails the request, and the
+            caller retries later, rather than hanging a reconcile pass).
     """
 
-    def __init__(self, api_client: aio_client.ApiClient) -> None:
+    def __init__(self, api_client: aio_client.ApiClient, timeout: float = 30.0) -> None:
         self._client = api_client
+        self._client.user_agent = USER_AGENT
+        self._timeout = timeout
         self._active = 0
         self._idle = asyncio.Event()
         self._idle.set()
         self.closing = False
 
     @classmethod
-    async def connect(cls) -> KubeApi:
+    async def connect(cls, timeout: float = 30.0) -> KubeApi:
         """Configure from the service account in a pod, else from the kubeconfig file."""
         configuration = aio_client.Configuration()
         try:
@@ -59,9 +99,7 @@ class KubeApi:
             path = os.environ.get("KUBECONFIG") or os.path.expanduser("~/.kube/config")
             await aio_config.load_kube_config(config_file=path, client_configuration=configuration,
                                               persist_config=False)
-        client = aio_client.ApiClient(configuration)
-        client.user_agent = USER_AGENT
-        return cls(client)
+        return cls(aio_client.ApiClient(configuration), timeout)
 
     async def close(self, timeout: float = 10.0) -> None:
         """Refuse new requests, let the ones in flight finish (up to ``timeout``), close."""
@@ -83,20 +121,25 @@ class KubeApi:
             serialized = await self._client.param_serialize(method, path, header_params=headers,
                                                             query_params=query, body=body,
                                                             auth_settings=["BearerToken"])
-            response = await self._client.call_api(*serialized)
+            response = await self._client.call_api(*serialized, _request_timeout=self._timeout)
             data = await response.read()
         except ApiException as exc:  # raised by some transports instead of a response
             raise KubeError(exc.status or 0, str(exc.reason)) from exc
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise KubeError(0, f"{method} {path}: {type(exc).__name__}: {exc}") from exc
         finally:
             self._active -= 1
             if not self._active:
                 self._idle.set()
         if not 200 <= response.status <= 299:
             try:
-                message = json.loads(data).get("message") or data.decode(errors="replace")
+                status = json.loads(data)
+                message = status.get("message") or data.decode(errors="replace")
+                reason = status.get("reason") or ""
             except (ValueError, AttributeError):
-                message = data.decode(errors="replace")
-            raise KubeError(response.status, message)
+                message, reason = data.decode(errors="replace"), ""
+            raise KubeError(response.status, message, _retry_after(response.headers.get("Retry-After")),
+                            reason)
         return json.loads(data) if data else {}
 
     async def get(self, path: str) -> dict | None:
@@ -107,11 +150,6 @@ class KubeApi:
             if exc.status == 404:
                 return None
             raise
-
-    async def list(self, collection_path: str, label_selector: str | None = None) -> list[dict]:
-        """The items of a collection, optionally filtered by a label selector."""
-        query = [("labelSelector", label_selector)] if label_selector else None
-        return (await self.request("GET", collection_path, query=query)).get("items") or []
 
     async def create(self, collection_path: str, body: dict) -> dict:
         return await self.request("POST", collection_path, body)

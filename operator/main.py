@@ -1,93 +1,99 @@
-"""kopf registrations of the InferenceService operator (handlers only; logic in reconcile).
+"""kopf registrations of the InferenceService operator (handlers only; logic elsewhere).
 
 ``build_registry(settings)`` returns a fresh registry holding:
 
 - login from the pod's service account or the kubeconfig; start-up: kopf settings
   (standalone unless peering is configured; with peering, this replica's priority and
-  keep-alive lifetime, ``kvpilot.operator.peering``), the metrics endpoint and the API
-  client; clean-up closes it;
-- create / resume / update(spec): one reconcile pass;
-- a timer every ``resync_seconds``: the same pass, which observes the Deployment into
-  status and repairs drifted or deleted children (writing nothing when all is well);
-- delete: log only (children go with their owner references). kopf keeps a finalizer
-  (``serving.kvpilot.dev/finalizer``) on each object for its timer and removes it when
-  the object is deleted, so deleting an InferenceService needs the operator running.
+  keep-alive lifetime, ``kvpilot.operator.peering``; server-side label selectors on the
+  child watches), the metrics endpoint and the shared worker context; clean-up closes the
+  API client;
+- a daemon per InferenceService running its ``worker.ServiceWorker`` (passes on change,
+  a rare jittered resync, backoff on API failures);
+- InferenceService events: poke its worker (not for the echo of its own status write);
+- per child kind (Deployment, Service, PVC, HPA, ScaledObject, PodMonitor, PDB): an index
+  (kopf's in-memory cache of the operator's children, filled from one watch per kind
+  and complete before any worker starts) and an event handler that pokes the owner's
+  worker when a child changes or disappears (drift repair without polling);
+- engine pods (label-selected): an index of their scheduling state, read when replicas
+  are missing (``Degraded`` NoMatchingNodes / Unschedulable), and an event handler that
+  pokes the service's worker when one changes;
+- CustomResourceDefinition events in a child kind's group: forget the cached discovery
+  and poke every worker (PodMonitors / ScaledObjects can be made, or no longer).
+
+kopf keeps a finalizer (``serving.kvpilot.dev/finalizer``) on each InferenceService so
+that its daemon is stopped before the object goes: deleting one while the operator is
+down leaves it terminating until the operator is back (README, "Operator").
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import kopf
 
 from kvpilot.operator import constants as c
-from kvpilot.operator.kube import KubeApi, KubeError
+from kvpilot.operator.cache import pod_summary, stored_copy
+from kvpilot.operator.discovery import Discovery
+from kvpilot.operator.kube import KubeApi
 from kvpilot.operator.metrics import serve_metrics
 from kvpilot.operator.peering import peering_priority
-from kvpilot.operator.reconcile import reconcile
+from kvpilot.operator.resources import KINDS, ChildKind
 from kvpilot.operator.settings import OperatorSettings
+from kvpilot.operator.worker import ServiceWorker, WorkerContext
 
 RESOURCE = (c.GROUP, c.VERSION, c.PLURAL)
+MANAGED = {c.LABEL_MANAGED_BY: c.MANAGER}
+ENGINE_PODS = {c.LABEL_NAME: c.APP_NAME, c.LABEL_COMPONENT: "engine"}  # the pod template's labels
+PODS_INDEX = "pods_index"
+CHILD_GROUPS = frozenset(kind.group for kind in KINDS.values())  # CRDs in these: children come or go
+_BY_RESOURCE: dict[tuple[str, str], ChildKind] = {(k.group, k.plural): k for k in KINDS.values()}
 
 
-async def _run(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: logging.Logger) -> None:
-    """One reconcile pass, serialized per object (handlers and the timer may overlap).
+def index_id(kind: ChildKind) -> str:
+    """The kwarg under which kopf passes ``kind``'s index to handlers."""
+    return f"{kind.plural}_index"
 
-    The pass works on a fresh read of the object: a timer that waited for the lock while a
-    spec update was applied must not re-apply the older spec it was started with.
-    """
-    lock = memo.setdefault("lock", asyncio.Lock())
-    api: KubeApi = memo.api
-    async with lock:
-        path = f"/apis/{c.API_VERSION}/namespaces/{body.metadata.namespace}/{c.PLURAL}/{body.metadata.name}"
-        try:
-            fresh = await api.get(path)
-            if fresh is None or fresh.get("metadata", {}).get("deletionTimestamp"):
-                return
-            result = await reconcile(api, fresh, memo.config)
-        except KubeError:
-            if api.closing:  # a pass cut short by shutdown; the next start redoes it
-                logger.debug("reconcile interrupted by shutdown")
-                return
-            if memo.get("metrics") is not None:
-                memo.metrics.record_pass(False)
-            raise
-    if memo.get("metrics") is not None:
-        memo.metrics.record_pass(True, result.writes)
-    for write in result.writes:
-        logger.info(write)
-    for key, value in result.status_patch.items():
-        patch.status[key] = value
-    for event in result.events:
-        if event.type == "Warning":
-            logger.warning("%s: %s", event.reason, event.message)
-        kopf.event(body, type=event.type, reason=event.reason, message=event.message[:1024])
+
+def _controller(body: Mapping[str, Any]) -> str | None:
+    """The name of the InferenceService controlling a child, if one does."""
+    for ref in (body.get("metadata") or {}).get("ownerReferences") or ():
+        if ref.get("controller") and ref.get("kind") == c.KIND and ref.get("apiVersion") == c.API_VERSION:
+            return ref.get("name")
+    return None
+
+
+def _selector(labels: Mapping[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in labels.items())
 
 
 def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
-    """A registry with the operator's handlers; ``settings`` sets the resync interval."""
+    """A registry with the operator's handlers."""
     registry = kopf.OperatorRegistry()
 
     @kopf.on.startup(registry=registry)
     async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
-        settings.peering.standalone = memo.config.peering is None
-        if memo.config.peering is not None:
-            settings.peering.name = memo.config.peering
+        config: OperatorSettings = memo.config
+        settings.peering.standalone = config.peering is None
+        if config.peering is not None:
+            settings.peering.name = config.peering
             settings.peering.priority = peering_priority(time.time())
-            settings.peering.lifetime = memo.config.peering_lifetime
+            settings.peering.lifetime = config.peering_lifetime
         settings.posting.reporting_component = c.MANAGER
-        # kopf puts a finalizer on each object while its timer runs, so that the timer is
+        # kopf puts a finalizer on each object while its daemon runs, so that the daemon is
         # stopped before the object goes; name it after us rather than kopf.
         settings.persistence.finalizer = c.FINALIZER
-        # A deletion that lands while the timer's pass is running waits for the pass: give it
-        # half a second to end on its own, then look again every 2 s (kopf's default is 60 s).
-        settings.background.instant_exit_timeout = 0.5
-        settings.background.cancellation_polling = 2.0
-        memo.metrics = serve_metrics(memo.config.metrics_port) if memo.config.metrics_port else None
-        memo.api = await KubeApi.connect()
+        settings.background.instant_exit_timeout = 0.5  # how long kopf waits for an idle worker
+        # Only our children travel over the child watches (server-side label selector).
+        children = {(k.group, k.plural) for k in KINDS.values()}
+        settings.watching.label_selectors[lambda r: (r.group, r.plural) in children] = _selector(MANAGED)
+        settings.watching.label_selectors[lambda r: (r.group, r.plural) == ("", "pods")] = _selector(ENGINE_PODS)
+        metrics = serve_metrics(config.metrics_port) if config.metrics_port else None
+        api = await KubeApi.connect(config.api_timeout_seconds)
+        memo.api = api
+        memo.ctx = WorkerContext(api=api, settings=config, discovery=Discovery(api.has_api), metrics=metrics)
 
     @kopf.on.login(registry=registry)
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
@@ -99,22 +105,57 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
         if memo.get("api") is not None:
             await memo.api.close()
 
-    @kopf.on.resume(*RESOURCE, registry=registry)
-    @kopf.on.create(*RESOURCE, registry=registry)
-    @kopf.on.update(*RESOURCE, field="spec", registry=registry)
-    async def reconcile_spec(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo,
-                             logger: logging.Logger, **_: Any) -> None:
-        await _run(body, patch, memo, logger)
+    # A worker exits as soon as its object is deleted, or after its current pass; one whose
+    # pass takes longer than a second (a slow API server) is cancelled.
+    @kopf.daemon(*RESOURCE, cancellation_backoff=1.0, cancellation_timeout=5.0, registry=registry)
+    async def serve(body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonStopped, **kwargs: Any) -> None:
+        indexes = {kind: kwargs[index_id(kind)] for kind in KINDS.values() if index_id(kind) in kwargs}
+        await ServiceWorker(memo.ctx, body, indexes, kwargs.get(PODS_INDEX)).serve(stopped)
 
-    @kopf.timer(*RESOURCE, interval=settings.resync_seconds, initial_delay=settings.resync_seconds,
-                registry=registry)
-    async def observe(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo,
-                      logger: logging.Logger, **_: Any) -> None:
-        await _run(body, patch, memo, logger)
+    @kopf.on.event(*RESOURCE, registry=registry)
+    async def service_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+        worker = memo.ctx.workers.get(body.metadata.namespace, body.metadata.name)
+        if worker is not None and not worker.is_echo(body):
+            worker.poke()
 
-    @kopf.on.delete(*RESOURCE, optional=True, registry=registry)
-    def deleted(name: str, namespace: str, logger: logging.Logger, **_: Any) -> None:
-        logger.info("InferenceService %s/%s deleted; its children go with their owner references",
-                    namespace, name)
+    async def index_child(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict:
+        return {(namespace, name): stored_copy(body)}
+
+    async def child_changed(type: str | None, body: kopf.Body, resource: kopf.Resource,
+                            memo: kopf.Memo, **_: Any) -> None:
+        owner = _controller(body)
+        kind = _BY_RESOURCE.get((resource.group, resource.plural))
+        if owner is None or kind is None:
+            return
+        key = (kind, body.metadata.namespace, body.metadata.name)
+        if not memo.ctx.writes.observe(key, type, body):
+            memo.ctx.workers.poke(body.metadata.namespace, owner)
+
+    for kind in KINDS.values():
+        where = {"group": kind.group, "version": kind.api_version.rpartition("/")[2],
+                 "plural": kind.plural, "registry": registry}
+        kopf.index(id=index_id(kind), labels=MANAGED, **where)(index_child)
+        # No label filter here: an object whose label was removed leaves the watch with a
+        # DELETED event that no longer carries the label, and its owner must still hear of it.
+        kopf.on.event(id=f"{kind.plural}_changed", **where)(child_changed)
+
+    @kopf.index("", "v1", "pods", id=PODS_INDEX, labels=ENGINE_PODS, registry=registry)
+    async def index_pod(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict:
+        return {(namespace, labels.get(c.LABEL_INSTANCE)): pod_summary(body)}
+
+    @kopf.on.event("", "v1", "pods", labels=ENGINE_PODS, registry=registry)
+    async def pod_changed(namespace: str, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
+        if c.LABEL_INSTANCE in labels:
+            memo.ctx.workers.poke(namespace, labels[c.LABEL_INSTANCE])
+
+    @kopf.on.event("apiextensions.k8s.io", "v1", "customresourcedefinitions", registry=registry,
+                   when=lambda spec, **_: spec.get("group") in CHILD_GROUPS)
+    async def child_api_changed(type: str | None, spec: kopf.Spec, memo: kopf.Memo,
+                                   logger: logging.Logger, **_: Any) -> None:
+        if type is None:  # the initial listing: nothing was cached before it
+            return
+        memo.ctx.discovery.forget(spec["group"])
+        logger.info("the %s API changed; reconciling every service", spec["group"])
+        memo.ctx.workers.poke_all()
 
     return registry

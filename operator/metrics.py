@@ -28,7 +28,8 @@ class OperatorMetrics:
         self.registry = registry
         self.reconcile_passes = Counter(
             "kvpilot:operator_reconcile_passes", documentation="Reconcile passes of InferenceServices "
-            "(create, update, resume and the periodic observer), by result",
+            "(on a change to one or its children, and the safety-net resync), by result: error "
+            "when an API call of the pass failed",
             labelnames=["result"], registry=registry)
         self.child_writes = Counter(
             "kvpilot:operator_child_writes", documentation="Writes to child objects "

@@ -1,8 +1,10 @@
 """One reconcile pass: spec -> plan -> children -> status, writing only what differs.
 
-Used by every handler (create, resume, spec update and the periodic observer), so the
-same code path builds, repairs and observes. Writes happen only when the server's
-state differs from the desired one: an unchanged service costs a few GETs and no write.
+Used for every reason a service is looked at (created, spec changed, a child changed or
+disappeared, the periodic safety-net resync), so the same code path builds, repairs and
+observes. Children are read from the watch cache (``cache.Children``) and optional APIs
+from the discovery cache, so an unchanged service costs no API request at all; writes
+happen only where the server's state differs from the desired one.
 
 - Children are created, or merge-patched when a field the operator sets differs or a
   field it set before is no longer wanted (tracked in a last-applied annotation, as
@@ -12,6 +14,11 @@ state differs from the desired one: an unchanged service costs a few GETs and no
 - An invalid or infeasible spec leaves the children as they are (the running pods keep
   the last plan, which ``status.plan`` keeps showing) and sets ``Planned=False``.
 - The status patch is the difference between the stored status and the computed one.
+- API failures do not raise: each becomes a ``Failure`` (the pass goes on with the other
+  children, except after a 429, which ends the pass's writes at once) and ``Degraded``
+  says what failed; the caller retries (``ReconcileResult.retry``).
+- Status tells what exists: when applying the Deployment fails, replicas and readiness
+  come from the Deployment as last seen, not from "missing".
 """
 
 from __future__ import annotations
@@ -25,20 +32,21 @@ from typing import Any
 import kopf
 
 from kvpilot.operator import constants as c
+from kvpilot.operator.cache import Children
 from kvpilot.operator.diff import contains, diff, drop_path, removals, still_present, union
-from kvpilot.operator.kube import KubeApi, KubeError
+from kvpilot.operator.discovery import Discovery
+from kvpilot.operator.kube import FOREIGN_CONTROLLER, KubeError
 from kvpilot.operator.resources import DEPLOYMENT, Child, desired_children, possible_children
 from kvpilot.operator.resources.common import Owner
 from kvpilot.operator.resources.monitoring import PODMONITOR_API
 from kvpilot.operator.resources.placement import describe as describe_placement
 from kvpilot.operator.resources.service import endpoint
 from kvpilot.operator.settings import OperatorSettings
-from kvpilot.operator.spec import SpecError, parse_spec
+from kvpilot.operator.spec import InferenceServiceSpec, SpecError, parse_spec
 from kvpilot.operator.spec_to_plan import PlanOutcome, plan_service
 from kvpilot.operator.status import (
     Condition,
     DeploymentState,
-    SchedulingProblem,
     merge_conditions,
     now_rfc3339,
     scheduling_problem,
@@ -59,39 +67,78 @@ class Event:
     message: str
 
 
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """An API call of the pass that failed: what it was for, and the error."""
+
+    what: str        # "Deployment chat"
+    error: KubeError
+
+    def __str__(self) -> str:
+        return f"{self.what}: {self.error}"
+
+
 @dataclass(slots=True)
 class ReconcileResult:
-    """What one pass decided: the status merge patch, Events to post, writes made."""
+    """What one pass decided: the status merge patch, Events to post, writes made, failures."""
 
     status_patch: dict = field(default_factory=dict)
     events: list[Event] = field(default_factory=list)
     writes: list[str] = field(default_factory=list)
+    failures: list[Failure] = field(default_factory=list)
+
+    @property
+    def retry(self) -> bool:
+        """Whether a failure may go away by itself soon (retry with backoff), as opposed to
+        one that needs a change (a missing API, a forbidden or invalid object)."""
+        return any(f.error.transient for f in self.failures)
+
+    @property
+    def retry_after(self) -> float | None:
+        """The longest ``Retry-After`` the API server asked for, if any."""
+        return max((f.error.retry_after for f in self.failures if f.error.retry_after is not None),
+                   default=None)
+
+    @property
+    def throttled(self) -> bool:
+        return any(f.error.status == 429 for f in self.failures)
 
 
 def _last_applied(body: Mapping[str, Any]) -> str:
     return json.dumps(body, sort_keys=True, separators=(",", ":"))
 
 
-async def apply_child(api: KubeApi, child: Child, result: ReconcileResult) -> dict:
-    """Create ``child`` or patch it where it differs; returns the object as stored."""
+async def apply_child(children: Children, child: Child, result: ReconcileResult) -> Mapping[str, Any]:
+    """Create ``child`` or patch it where it differs; returns the object as stored.
+
+    The object is looked up in the watch cache; one that the cache does not show (someone
+    else's object of that name, which lacks our labels) is found by the create's 409.
+    """
     ns = child.body["metadata"]["namespace"]
-    path = child.kind.path(ns, child.name)
     managed = child.body
     for dotted in child.create_only:
         managed = drop_path(managed, dotted)
     annotations = {c.ANNOTATION_LAST_APPLIED: _last_applied(managed)}
     managed = union(managed, {"metadata": {"annotations": annotations}})
 
-    actual = await api.get(path)
+    actual = children.get(child.kind, ns, child.name)
     if actual is None:
-        created = await api.create(child.kind.path(ns), union(child.body, managed))
-        result.writes.append(f"created {child.kind.kind} {ns}/{child.name}")
-        return created
+        try:
+            created = await children.create(child.kind, ns, union(child.body, managed))
+        except KubeError as exc:
+            if not exc.already_exists:
+                raise
+            actual = await children.fetch(child.kind, ns, child.name)
+            if actual is None:  # deleted again in between: the next pass creates it
+                raise
+        else:
+            result.writes.append(f"created {child.kind.kind} {ns}/{child.name}")
+            return created
     ours = {ref.get("uid") for ref in managed["metadata"].get("ownerReferences") or ()}
     for ref in actual.get("metadata", {}).get("ownerReferences") or ():
         if ref.get("controller") and ref.get("uid") not in ours:
             raise KubeError(409, f"already controlled by {ref.get('kind')} {ref.get('name')}; "
-                                 "not taking it over")
+                                 "not taking it over", reason=FOREIGN_CONTROLLER)
     stored = (actual.get("metadata", {}).get("annotations") or {}).get(c.ANNOTATION_LAST_APPLIED)
     try:
         previous = json.loads(stored) if stored else {}
@@ -100,7 +147,7 @@ async def apply_child(api: KubeApi, child: Child, result: ReconcileResult) -> di
     removal = removals(previous, managed)
     if contains(actual, managed) and not still_present(actual, removal):
         return actual
-    patched = await api.merge_patch(path, union(removal, managed))
+    patched = await children.patch(child.kind, ns, child.name, union(removal, managed))
     result.writes.append(f"patched {child.kind.kind} {ns}/{child.name}")
     return patched
 
@@ -110,15 +157,21 @@ def _owned_by(obj: Mapping[str, Any], uid: str | None) -> bool:
     return any(ref.get("uid") == uid and ref.get("kind") == c.KIND for ref in refs)
 
 
-async def _remove_unwanted(api: KubeApi, owner: Owner, wanted: set[tuple[str, str]],
+async def _remove_unwanted(children: Children, owner: Owner, wanted: set[tuple[str, str]],
                            result: ReconcileResult) -> None:
     for kind, name in possible_children(owner):
         if (kind.kind, name) in wanted:
             continue
-        path = kind.path(owner.namespace, name)
-        obj = await api.get(path)  # None also when the kind's API is not installed (KEDA, PodMonitor)
-        if obj is not None and _owned_by(obj, owner.uid) and await api.delete(path):
-            result.writes.append(f"deleted {kind.kind} {owner.namespace}/{name}")
+        obj = children.get(kind, owner.namespace, name)  # never present when the API is absent
+        if obj is None or not _owned_by(obj, owner.uid):
+            continue
+        try:
+            if await children.delete(kind, owner.namespace, name):
+                result.writes.append(f"deleted {kind.kind} {owner.namespace}/{name}")
+        except KubeError as exc:
+            result.failures.append(Failure(f"deleting {kind.kind} {name}", exc))
+            if exc.status == 429:
+                return
 
 
 def _plan_error(outcome: PlanOutcome, generation: int | None) -> dict:
@@ -144,16 +197,20 @@ def _status_patch(current: Mapping[str, Any], desired: Mapping[str, Any]) -> dic
     return patch
 
 
-async def reconcile(api: KubeApi, body: Mapping[str, Any], settings: OperatorSettings) -> ReconcileResult:
+async def reconcile(children: Children, discovery: Discovery, body: Mapping[str, Any],
+                    settings: OperatorSettings) -> ReconcileResult:
     """Bring ``body``'s children and status in line with its spec.
 
     Args:
-        api: the API client.
+        children: the children as the watch cache and the operator's own writes show them;
+            writes go through it.
+        discovery: which optional APIs (PodMonitor) the cluster serves.
         body: the InferenceService as last seen (its status is compared against).
         settings: operator settings.
     Returns:
         the status patch to write (empty when nothing changed), Events for condition
-        changes worth one (``transition_events``), and the child writes that were made.
+        changes worth one (``transition_events``), the child writes that were made, and
+        the API calls that failed.
     """
     meta = body.get("metadata") or {}
     owner = Owner(meta["name"], meta["namespace"], meta.get("uid"))
@@ -169,39 +226,23 @@ async def reconcile(api: KubeApi, body: Mapping[str, Any], settings: OperatorSet
 
     desired: dict[str, Any] = {"observedGeneration": generation, "selector": owner.selector,
                                "endpoint": endpoint(owner), "plan": current.get("plan")}
-    apply_errors: list[str] = []
-    deployment: Mapping[str, Any] | None
     if spec is not None and outcome.sizing is not None:  # feasible
         planned = Condition(c.PLANNED, "True", "Planned", outcome.message)
-        podmonitor_api = await api.has_api(*PODMONITOR_API)
-        children = desired_children(owner, spec, outcome.sizing, settings, podmonitor_api=podmonitor_api)
-        deployment = None
-        for child in children:
-            # Owner reference + the CR's labels on the child (not on the pod template: a
-            # label edit on the InferenceService must not restart GPU pods).
-            kopf.adopt(child.body, owner=body)
-            try:
-                stored = await apply_child(api, child, result)
-            except KubeError as exc:  # reported through Degraded (and an Event when it starts)
-                apply_errors.append(f"{child.kind.kind} {child.name}: {exc.message}")
-                logger.debug("applying %s failed: %s", child.kind.kind, exc)
-                continue
-            if child.kind is DEPLOYMENT:
-                deployment = stored
-                desired["plan"] = {**outcome.sizing.status, "generation": generation}
-        await _remove_unwanted(api, owner, {(ch.kind.kind, ch.name) for ch in children}, result)
+        await _apply_all(children, discovery, body, owner, spec, outcome, settings, desired, result)
     else:
         planned = Condition(c.PLANNED, "False", outcome.reason, outcome.message)
         desired["planError"] = _plan_error(outcome, generation)
-        deployment = await api.get(DEPLOYMENT.path(owner.namespace, owner.name))
 
-    state = DeploymentState.read(deployment)
+    # what exists, whether or not this pass managed to write it
+    state = DeploymentState.read(children.get(DEPLOYMENT, owner.namespace, owner.name))
     desired["replicas"] = state.replicas if state.exists else 0
     desired["readyReplicas"] = state.ready if state.exists else 0
+    apply_error = "; ".join(str(f) for f in result.failures) or None
     scheduling = None
     if spec is not None and outcome.sizing is not None and state.exists and state.ready < state.desired:
-        scheduling = await _scheduling(api, owner, describe_placement(spec, outcome.sizing.gpu, settings))
-    conditions = [planned, *workload_conditions(state, "; ".join(apply_errors) or None, scheduling)]
+        scheduling = scheduling_problem(children.pods(owner.namespace, owner.name),
+                                        describe_placement(spec, outcome.sizing.gpu, settings))
+    conditions = [planned, *workload_conditions(state, apply_error, scheduling)]
     desired["conditions"] = merge_conditions(current.get("conditions"), conditions, generation,
                                              now_rfc3339())
     result.status_patch = _status_patch(current, desired)
@@ -209,14 +250,31 @@ async def reconcile(api: KubeApi, body: Mapping[str, Any], settings: OperatorSet
     return result
 
 
-async def _scheduling(api: KubeApi, owner: Owner, needs: str) -> SchedulingProblem | None:
-    """Why engine pods are Pending, if the scheduler says so (read only while not all are ready)."""
+async def _apply_all(children: Children, discovery: Discovery, body: Mapping[str, Any],
+                     owner: Owner, spec: InferenceServiceSpec, outcome: PlanOutcome, settings: OperatorSettings,
+                     desired: dict[str, Any], result: ReconcileResult) -> None:
+    """Apply every desired child and remove the unwanted ones, recording failures."""
     try:
-        pods = await api.list(f"/api/v1/namespaces/{owner.namespace}/pods", owner.selector)
-    except KubeError as exc:  # no rights to list pods: say nothing rather than fail the pass
-        logger.debug("listing pods failed: %s", exc)
-        return None
-    return scheduling_problem(pods, needs)
+        podmonitor_api = await discovery.has_api(*PODMONITOR_API)
+    except KubeError as exc:
+        result.failures.append(Failure("discovery of " + "/".join(PODMONITOR_API), exc))
+        return
+    wanted = desired_children(owner, spec, outcome.sizing, settings, podmonitor_api=podmonitor_api)
+    for child in wanted:
+        # Owner reference + the CR's labels on the child (not on the pod template: a
+        # label edit on the InferenceService must not restart GPU pods).
+        kopf.adopt(child.body, owner=body)
+        try:
+            await apply_child(children, child, result)
+        except KubeError as exc:  # reported through Degraded (and an Event when it starts)
+            result.failures.append(Failure(f"{child.kind.kind} {child.name}", exc))
+            logger.debug("applying %s failed: %s", child.kind.kind, exc)
+            if exc.status == 429:  # the server asks us to slow down: no more writes this pass
+                return
+            continue
+        if child.kind is DEPLOYMENT:
+            desired["plan"] = {**outcome.sizing.status, "generation": desired["observedGeneration"]}
+    await _remove_unwanted(children, owner, {(ch.kind.kind, ch.name) for ch in wanted}, result)
 
 
 def transition_events(current: Any, conditions: list[Condition]) -> list[Event]:

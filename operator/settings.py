@@ -6,7 +6,9 @@
 | KVPILOT_ENGINE_IMAGE            | ghcr.io/kvpilot/kvpilot:0.1.0             |
 | KVPILOT_S3_FETCH_IMAGE          | amazon/aws-cli:2.17.0                     |
 | KVPILOT_LOG_LEVEL               | INFO                                      |
-| KVPILOT_RESYNC_SECONDS          | 30 (observe children / repair drift)      |
+| KVPILOT_RESYNC_SECONDS          | 600 (safety-net resync, jittered ±25%)    |
+| KVPILOT_MAX_CONCURRENT_RECONCILES | 10 (reconcile passes at once)           |
+| KVPILOT_API_TIMEOUT_SECONDS     | 30 (one API request, then retry later)    |
 | KVPILOT_LIVENESS_ENDPOINT       | http://0.0.0.0:8080/healthz ("" = off)    |
 | KVPILOT_HPA_KV_USAGE_METRIC     | vllm_kv_cache_usage_perc                  |
 | KVPILOT_HPA_WAITING_METRIC      | vllm_num_requests_waiting                 |
@@ -51,7 +53,10 @@ class OperatorSettings:
         engine_image: image of engine pods when a spec names none.
         s3_fetch_image: image of the init container that downloads s3:// models.
         log_level: Python logging level name.
-        resync_seconds: interval of the timer that observes children and repairs drift.
+        resync_seconds: the safety-net resync of each service (changes to a service and
+            its children are acted on as their watch events arrive, not at the resync).
+        max_concurrent_reconciles: reconcile passes that may run at once, operator-wide.
+        api_timeout_seconds: how long one API request may take before it counts as failed.
         liveness_endpoint: kopf's liveness URL to serve (None = off).
         hpa_kv_usage_metric / hpa_waiting_metric: custom-metrics names used by HPAs.
         termination_grace_seconds: how long a terminating engine pod may drain.
@@ -75,7 +80,9 @@ class OperatorSettings:
     engine_image: str = "ghcr.io/kvpilot/kvpilot:0.1.0"
     s3_fetch_image: str = "amazon/aws-cli:2.17.0"
     log_level: str = "INFO"
-    resync_seconds: float = 30.0
+    resync_seconds: float = 600.0
+    max_concurrent_reconciles: int = 10
+    api_timeout_seconds: float = 30.0
     liveness_endpoint: str | None = "http://0.0.0.0:8080/healthz"
     hpa_kv_usage_metric: str = "vllm_kv_cache_usage_perc"
     hpa_waiting_metric: str = "vllm_num_requests_waiting"
@@ -97,6 +104,11 @@ class OperatorSettings:
             raise ValueError("KVPILOT_ENGINE_IMAGE must not be empty")
         if self.resync_seconds <= 0:
             raise ValueError(f"KVPILOT_RESYNC_SECONDS must be > 0, got {self.resync_seconds}")
+        if self.max_concurrent_reconciles < 1:
+            raise ValueError("KVPILOT_MAX_CONCURRENT_RECONCILES must be >= 1, "
+                             f"got {self.max_concurrent_reconciles}")
+        if self.api_timeout_seconds <= 0:
+            raise ValueError(f"KVPILOT_API_TIMEOUT_SECONDS must be > 0, got {self.api_timeout_seconds}")
         if self.termination_grace_seconds < 0:
             raise ValueError("KVPILOT_TERMINATION_GRACE_SECONDS must be >= 0")
         if self.peering_lifetime < 1:
@@ -172,6 +184,9 @@ class OperatorSettings:
             s3_fetch_image=env.get("KVPILOT_S3_FETCH_IMAGE", defaults.s3_fetch_image),
             log_level=env.get("KVPILOT_LOG_LEVEL", defaults.log_level).upper(),
             resync_seconds=number("KVPILOT_RESYNC_SECONDS", defaults.resync_seconds),
+            max_concurrent_reconciles=int(number("KVPILOT_MAX_CONCURRENT_RECONCILES",
+                                                 defaults.max_concurrent_reconciles)),
+            api_timeout_seconds=number("KVPILOT_API_TIMEOUT_SECONDS", defaults.api_timeout_seconds),
             liveness_endpoint=env.get("KVPILOT_LIVENESS_ENDPOINT", defaults.liveness_endpoint) or None,
             hpa_kv_usage_metric=env.get("KVPILOT_HPA_KV_USAGE_METRIC", defaults.hpa_kv_usage_metric),
             hpa_waiting_metric=env.get("KVPILOT_HPA_WAITING_METRIC", defaults.hpa_waiting_metric),

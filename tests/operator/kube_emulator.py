@@ -18,7 +18,12 @@ rely on (see /work/shared/ENVIRONMENT.md). ``KubeEmulator`` extends kmock's ``Ra
   its CEL rules (422 Invalid, as the API server answers);
 - ``meta.k8s.io/v1`` Table answers with the CRD's printer columns for ``kubectl get``;
 - a garbage collector: deleting an object deletes the objects it owns (ownerReferences);
-- finalizers and ``deletionTimestamp``; ``/api/v1/namespaces`` (mis-parsed by kmock).
+- finalizers and ``deletionTimestamp``; ``/api/v1/namespaces`` (mis-parsed by kmock);
+- watch bookmarks (``allowWatchBookmarks``) every ``bookmark_seconds``, and, on a watch
+  with a label selector, ``DELETED`` / ``ADDED`` when an object stops / starts matching it
+  (as the API server's watch cache does);
+- fault injection (``faults``, a ``kube_faults.FaultPolicy``): error answers (409, 429
+  with ``Retry-After``, 500, 503), slow answers and dropped watch streams.
 
 Every write is recorded in ``writes`` (method, path, user agent) so tests can count them,
 and every request to a resource in ``calls`` as RBAC sees it (``api_calls.ApiCall``).
@@ -45,6 +50,7 @@ import crd_schema
 import kmock
 import kube_emulator_api as api
 from kmock._internal import parsing
+from kube_faults import FaultPolicy
 
 T = TypeVar("T")
 Key = tuple[str, str, str | None, str]  # group, plural, namespace, name
@@ -100,8 +106,11 @@ class KubeEmulator(kmock.RawHandler):
     failures: list[Exception] = attrs.field(factory=list)
     # fault injection: requests whose path contains a key wait that many seconds first
     latency: dict[str, float] = attrs.field(factory=dict)
+    faults: FaultPolicy = attrs.field(factory=FaultPolicy)
+    bookmark_seconds: float = 60.0  # the API server sends a bookmark about once a minute
     _rv: int = 1
-    _log: list[tuple[int, str, str, dict]] = attrs.field(factory=list)  # rv, group/plural, type, obj
+    # rv, group/plural, type, obj, and the object before a MODIFIED (for selector transitions)
+    _log: list[tuple[int, str, str, dict, dict | None]] = attrs.field(factory=list)
     _changed: asyncio.Condition | None = None
     _lock: asyncio.Lock | None = None
     _closing: bool = False
@@ -165,9 +174,17 @@ class KubeEmulator(kmock.RawHandler):
         if call is not None:
             self.calls.append(call)
         delay = max((d for part, d in self.latency.items() if part in raw.path), default=0.0)
+        fault = self.faults.match(raw.method, raw.path, raw.headers.get("User-Agent", ""))
+        if fault is not None:
+            delay += fault.delay
         if delay:
             await asyncio.sleep(delay)
         try:
+            if fault is not None and fault.status is not None:
+                code, headers, status = fault.answer()
+                response = _json(status, code)
+                response.headers.update(headers)
+                return self._record_write(raw, data, response)
             for payload in self._payloads:  # user-defined reactions (fault injection) win
                 if request in payload._source and not payload._disabled.is_set():
                     return await super()._handle(request)
@@ -177,6 +194,10 @@ class KubeEmulator(kmock.RawHandler):
         except Exception as exc:  # an emulator bug: answer 500 and keep it for the test to see
             self.failures.append(exc)
             response = _json(_status(500, "InternalError", "".join(traceback.format_exception(exc))), 500)
+        return self._record_write(raw, data, response)
+
+    def _record_write(self, raw: aiohttp.web.BaseRequest, data: Any,
+                      response: aiohttp.web.StreamResponse) -> aiohttp.web.StreamResponse:
         if raw.method in ("POST", "PUT", "PATCH", "DELETE"):
             self.writes.append(Write(raw.method, raw.path, raw.headers.get("User-Agent", ""),
                                      response.status, data))
@@ -280,8 +301,15 @@ class KubeEmulator(kmock.RawHandler):
             out.append(copy.deepcopy(obj))
         return out
 
-    def _emit(self, rtype: api.ResourceType, etype: str, obj: dict) -> None:
-        self._log.append((self._rv, f"{rtype.group}/{rtype.plural}", etype, copy.deepcopy(obj)))
+    def _emit(self, rtype: api.ResourceType, etype: str, obj: dict, old: dict | None = None) -> None:
+        self._log.append((self._rv, f"{rtype.group}/{rtype.plural}", etype, copy.deepcopy(obj),
+                          copy.deepcopy(old) if old is not None else None))
+        if self._changed is not None:
+            asyncio.get_running_loop().create_task(self._notify())
+
+    def drop_watches(self) -> None:
+        """Cut every open watch stream (see ``kube_faults.FaultPolicy.drop_watches``)."""
+        self.faults.drop_watches()
         if self._changed is not None:
             asyncio.get_running_loop().create_task(self._notify())
 
@@ -386,7 +414,7 @@ class KubeEmulator(kmock.RawHandler):
         if meta.get("deletionTimestamp") and not meta.get("finalizers"):
             return self._remove(rtype, key)
         self.objects[key] = new
-        self._emit(rtype, "MODIFIED", new)
+        self._emit(rtype, "MODIFIED", new, old)
         return copy.deepcopy(new)
 
     def _isolate(self, rtype: api.ResourceType, old: dict, new: dict, subresource: str | None) -> dict:
@@ -443,7 +471,7 @@ class KubeEmulator(kmock.RawHandler):
             new["metadata"]["generation"] = old["metadata"].get("generation", 1) + 1
             self._bump(new)
             self.objects[key] = new
-            self._emit(rtype, "MODIFIED", new)
+            self._emit(rtype, "MODIFIED", new, old)
         return self._scale_of(rtype, new)
 
     def _delete(self, rtype: api.ResourceType, namespace: str | None, name: str) -> dict:
@@ -451,11 +479,12 @@ class KubeEmulator(kmock.RawHandler):
         obj = self._get(rtype, namespace, name)
         if obj["metadata"].get("finalizers"):
             if not obj["metadata"].get("deletionTimestamp"):
+                old = self.objects[key]
                 obj["metadata"]["deletionTimestamp"] = _now()
                 obj["metadata"]["deletionGracePeriodSeconds"] = 0
                 self._bump(obj)
                 self.objects[key] = obj
-                self._emit(rtype, "MODIFIED", obj)
+                self._emit(rtype, "MODIFIED", obj, old)
             return copy.deepcopy(obj)
         return self._remove(rtype, key)
 
@@ -498,8 +527,20 @@ class KubeEmulator(kmock.RawHandler):
                 backlog = []
         response = aiohttp.web.StreamResponse(headers={"Content-Type": "application/json"})
         await response.prepare(raw)
-        deadline = asyncio.get_running_loop().time() + timeout
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        bookmarks = params.get("allowWatchBookmarks") in ("true", "1")
+        next_bookmark = loop.time() + self.bookmark_seconds
+        generation = self.faults.watch_generation
         kind = f"{rtype.group}/{rtype.plural}"
+
+        def selected(obj: dict | None) -> bool:
+            if obj is None:
+                return False
+            meta = obj["metadata"]
+            return (not namespace or meta.get("namespace") == namespace) and \
+                api.label_selector_matches(params.get("labelSelector"), meta.get("labels")) and \
+                api.field_selector_matches(params.get("fieldSelector"), obj)
 
         async def send(etype: str, obj: dict) -> None:
             await response.write(json.dumps({"type": etype, "object": obj}).encode() + b"\n")
@@ -508,15 +549,25 @@ class KubeEmulator(kmock.RawHandler):
             for etype, obj in backlog:
                 await send(etype, obj)
             while not self._closing:
+                if self.faults.watch_generation != generation:  # an injected drop: cut the line
+                    raw.transport.close()
+                    return response
                 while position < len(self._log):
-                    _, what, etype, obj = self._log[position]
+                    _, what, etype, obj, old = self._log[position]
                     position += 1
-                    meta = obj["metadata"]
-                    if what == kind and (not namespace or meta.get("namespace") == namespace) and \
-                            api.label_selector_matches(params.get("labelSelector"), meta.get("labels")) and \
-                            api.field_selector_matches(params.get("fieldSelector"), obj):
+                    if what != kind:
+                        continue
+                    now, before = selected(obj), selected(old)
+                    if etype == "MODIFIED" and old is not None and now != before:
+                        etype = "ADDED" if now else "DELETED"  # it entered / left the selection
+                        now = True
+                    if now:
                         await send(etype, obj)
-                remaining = deadline - asyncio.get_running_loop().time()
+                if bookmarks and loop.time() >= next_bookmark:
+                    await send("BOOKMARK", {"kind": rtype.kind, "apiVersion": rtype.api_version,
+                                            "metadata": {"resourceVersion": str(self._rv)}})
+                    next_bookmark = loop.time() + self.bookmark_seconds
+                remaining = deadline - loop.time()
                 if remaining <= 0:
                     break
                 async with self._changed:
