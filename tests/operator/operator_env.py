@@ -20,8 +20,10 @@ from typing import Any
 
 import crd_schema
 import traffic
+from chart import CHART
 from harness import EmulatorThread, Kubectl, OperatorProcess, wait_for, write_kubeconfig
 from kube_emulator import KubeEmulator
+from rbac import assert_chart_grants
 
 GROUP, VERSION, PLURAL = "serving.kvpilot.dev", "v1alpha1", "inferenceservices"
 SMALL = {"model": {"uri": "hf://Qwen/Qwen3-0.6B"}, "gpu": {"type": "l4"},
@@ -138,3 +140,5 @@ def running(tmp: Path, env: dict[str, str] | None = None) -> Iterator[OperatorEn
             operator.stop()
             assert emu.emulator.failures == []
             assert "Traceback" not in operator.log(), operator.log()[-4000:]
+            # every call the operator made here, faults and all, is one the Helm chart's RBAC grants
+            assert_chart_grants(emu.emulator.calls, [CHART / "ci" / "ha-off-values.yaml"])

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 
+import api_calls
 import kmock
-import kube_emulator_api as api
 
 OPERATOR_AGENTS = ("kopf/", "kvpilot-operator")
 
@@ -26,29 +26,19 @@ def by_operator(reqs: Iterable[kmock.Request]) -> list[kmock.Request]:
     return [r for r in reqs if r.headers.get("User-Agent", "").startswith(OPERATOR_AGENTS)]
 
 
-def verb(req: kmock.Request) -> str:
-    """The request's verb in Kubernetes terms (``discovery`` for group/version listings)."""
-    p = api.parse_path(req.url.path)
-    if p is None or p.plural is None:
-        return "discovery"
-    if req.method == "GET":
-        return "watch" if req.params.get("watch") in ("true", "1") else ("get" if p.name else "list")
-    return {"POST": "create", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}.get(req.method,
-                                                                                         req.method)
-
-
-def resource(req: kmock.Request) -> str:
-    """``group/plural[/subresource]`` (``core/...`` for the core group), or the discovery path."""
-    p = api.parse_path(req.url.path)
-    if p is None or p.plural is None:
-        return req.url.path
-    name = f"{p.group or 'core'}/{p.plural}"
-    return f"{name}/{p.subresource}" if p.subresource else name
+def key(req: kmock.Request) -> tuple[str, str]:
+    """(verb, ``group/plural[/subresource]``) of a request (``core`` for the core group), or
+    ("discovery", path) for a discovery request (``/apis/GROUP/VERSION``)."""
+    call = api_calls.api_call(req.method, req.url.path, req.params, req.headers.get("User-Agent", ""))
+    if call is None:
+        return "discovery", req.url.path
+    name = f"{call.group or 'core'}/{call.resource}"
+    return call.verb, f"{name}/{call.subresource}" if call.subresource else name
 
 
 def counts(reqs: Iterable[kmock.Request]) -> Counter[tuple[str, str]]:
     """How many requests of each (verb, resource)."""
-    return Counter((verb(r), resource(r)) for r in reqs)
+    return Counter(key(r) for r in reqs)
 
 
 def table(calls: Counter[tuple[str, str]], scale: float = 1.0, unit: str = "") -> str:
