@@ -15,6 +15,7 @@ BENCHMARKS: dict[str, str] = {
     "offline": "kvpilot.engine.bench.offline",
     "serve": "kvpilot.engine.bench.serve",
     "offload": "kvpilot.engine.bench.offload",
+    "overhead": "kvpilot.engine.bench.overhead",
 }
 
 

@@ -1,0 +1,168 @@
+"""``kvpilot bench overhead``: the engine's per-step host overhead on a near-zero model.
+
+A micro Qwen3 model (2 layers, hidden 64, vocabulary 1,024, float32, built on the fly
+in a temporary directory with the demo model's tokenizer) makes the model's forward
+almost free, so what a step costs is the engine's own work around it: scheduling,
+building the batch's inputs, sampling, detokenizing, stop checks and outputs. For each
+batch size the engine runs that many requests at once (``--prompt-len`` prompt tokens,
+``--output-len`` output tokens each, ``ignore_eos``) the way ``LLM.generate`` does, on
+one torch thread by default, and prints the mean milliseconds per decode step (every
+running request computing one token), the part of it inside the model's forward
+(including the logits) and the share of the step spent outside it.
+
+On a GPU an 8B model's decode step takes tens of milliseconds; the host work measured
+here has to stay a small fraction of that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+MICRO_CONFIG = {
+    "num_hidden_layers": 2,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 1024,
+    "max_window_layers": 2,
+}
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("overhead", help="engine host overhead per step on a near-zero model",
+                              description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch-sizes", default="16,64,256", help="comma-separated (default: %(default)s)")
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs per batch size; the fastest is reported (noisy machines)")
+    p.add_argument("--json-out", default=None, help="also write the results to this JSON file")
+    p.set_defaults(func=run)
+
+
+@dataclass(slots=True)
+class OverheadResult:
+    batch_size: int
+    decode_steps: int
+    ms_per_step: float          # mean wall time of a decode step
+    forward_ms_per_step: float  # of which inside the model's forward + logits
+    outside_share: float        # 1 - forward / step
+    output_tokens_per_s: float  # whole run, prefill included
+
+
+def write_micro_model(directory: Path) -> Path:
+    """Write the micro model's checkpoint (demo tokenizer, tiny random weights) into ``directory``."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from kvpilot.engine.model.models import demo
+
+    source = demo.ensure_demo_model()
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(source / name, directory / name)
+    config = {**demo.demo_config(), **MICRO_CONFIG}
+    weights = demo.demo_weights(config=config)
+    save_file({k: v.float() for k, v in weights.items()}, str(directory / "model.safetensors"),
+              metadata={"format": "pt"})
+    config.update(torch_dtype="float32", dtype="float32")
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    return directory
+
+
+class _ForwardTimer:
+    """Wraps the model's forward and logits to time them and spot full decode steps."""
+
+    def __init__(self, model) -> None:
+        self.forward_s = 0.0
+        self.last_was_decode = False
+        self.last_num_seqs = 0
+        self._forward, self._logits = model.forward, model.compute_logits
+        model.forward = self.forward
+        model.compute_logits = self.compute_logits
+
+    def forward(self, input_ids, positions, kv_caches, metadata, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return self._forward(input_ids, positions, kv_caches, metadata, *args, **kwargs)
+        finally:
+            self.forward_s += time.perf_counter() - start
+            num_seqs = metadata.seq_lens.shape[0]
+            self.last_num_seqs = num_seqs
+            self.last_was_decode = metadata.num_actual_tokens == num_seqs
+
+    def compute_logits(self, hidden):
+        start = time.perf_counter()
+        try:
+            return self._logits(hidden)
+        finally:
+            self.forward_s += time.perf_counter() - start
+
+
+def measure(model_dir: str, batch_size: int, args) -> OverheadResult:
+    from kvpilot.engine import LLMEngine, SamplingParams
+    from kvpilot.engine.engine_args import EngineArgs
+
+    max_len = args.prompt_len + args.output_len
+    blocks = batch_size * -(-max_len // 16) + 16
+    engine = LLMEngine(EngineArgs(model=model_dir, max_model_len=max_len + 16, max_num_seqs=batch_size,
+                                  num_gpu_blocks=blocks, enable_prefix_caching=True,
+                                  dtype="float32"))
+    timer = _ForwardTimer(engine.runner.model)
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for i in range(min(batch_size, 8)):   # warm-up, not measured
+        engine.add_request(f"warm-{i}", [100 + i] * args.prompt_len, warm)
+    while engine.has_unfinished_requests():
+        engine.step()
+    for i in range(batch_size):
+        prompt = [(7 * i + 13 * j) % 1000 + 10 for j in range(args.prompt_len)]
+        engine.add_request(f"r{i}", prompt, params)
+    step_ms, forward_ms = [], []
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        before, t0 = timer.forward_s, time.perf_counter()
+        engine.step()
+        elapsed = time.perf_counter() - t0
+        if timer.last_was_decode and timer.last_num_seqs == batch_size:
+            step_ms.append(elapsed * 1000)
+            forward_ms.append((timer.forward_s - before) * 1000)
+    total = time.perf_counter() - start
+    engine.close()
+    step, fwd = statistics.fmean(step_ms), statistics.fmean(forward_ms)
+    return OverheadResult(batch_size, len(step_ms), step, fwd, 1 - fwd / step,
+                          batch_size * args.output_len / total)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    sizes = [int(x) for x in args.batch_sizes.split(",")]
+    results = []
+    with tempfile.TemporaryDirectory(prefix="kvpilot-micro-") as tmp:
+        model_dir = str(write_micro_model(Path(tmp)))
+        print(f"micro model: Qwen3, {MICRO_CONFIG['num_hidden_layers']} layers, hidden "
+              f"{MICRO_CONFIG['hidden_size']}, vocab {MICRO_CONFIG['vocab_size']}, float32; "
+              f"{args.prompt_len} prompt + {args.output_len} output tokens per request; "
+              f"threads={torch.get_num_threads()}")
+        print(f"{'batch':>6}{'ms/step':>10}{'forward ms':>12}{'outside':>9}{'tok/s':>10}")
+        for size in sizes:
+            best = min((measure(model_dir, size, args) for _ in range(args.repeats)),
+                       key=lambda r: r.ms_per_step)
+            results.append(best)
+            print(f"{size:>6}{best.ms_per_step:>10.2f}{best.forward_ms_per_step:>12.2f}"
+                  f"{best.outside_share:>8.0%}{best.output_tokens_per_s:>10.0f}", flush=True)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps([asdict(r) for r in results], indent=2))
+    return 0
