@@ -7,7 +7,8 @@ Heavy names are imported lazily (PEP 562) so that torch-free modules such as
 Layout, by the path a request takes (each sub-package's docstring says what it may import):
 
 - top level: the public API: ``LLM`` (``llm.py``), ``LLMEngine`` (``llm_engine.py``: add
-  requests, ``step()``), ``EngineArgs`` (``engine_args.py``), ``SamplingParams``,
+  requests, ``step()``; ``output_processor.py`` turns sampled tokens into text, stops and
+  outputs), ``EngineArgs`` (``engine_args.py``), ``SamplingParams``,
   ``RequestOutput`` (``outputs.py``), ``EngineStats`` (``stats.py``) and the frozen
   configs (``config.py``).
 - ``core/`` (torch-free): what a step decides: block hashing, the block pool, the KV cache
@@ -28,6 +29,7 @@ from importlib import import_module
 _LAZY = {
     "LLM": "kvpilot.engine.llm",
     "SamplingParams": "kvpilot.engine.sampling_params",
+    "RequestOutputKind": "kvpilot.engine.sampling_params",
     "LLMEngine": "kvpilot.engine.llm_engine",
     "EngineArgs": "kvpilot.engine.engine_args",
     "RequestOutput": "kvpilot.engine.outputs",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 
@@ -10,7 +11,7 @@ from tqdm import tqdm
 from kvpilot.engine.engine_args import EngineArgs
 from kvpilot.engine.llm_engine import LLMEngine
 from kvpilot.engine.outputs import RequestOutput
-from kvpilot.engine.sampling_params import SamplingParams
+from kvpilot.engine.sampling_params import RequestOutputKind, SamplingParams
 from kvpilot.engine.stats import EngineStats
 
 Prompt = str | list[int]
@@ -54,6 +55,10 @@ class LLM:
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
         salts = [cache_salt] * len(prompts) if cache_salt is None or isinstance(cache_salt, str) else list(cache_salt)
+        # Only finished requests are collected: no per-step output is built for them.
+        final_only = {id(p): dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+                      for p in params_list}
+        params_list = [final_only[id(p)] for p in params_list]
         ids = []
         for i, (prompt, p) in enumerate(zip(prompts, params_list, strict=True)):
             rid = f"offline-{next(self._ids)}"

@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 import torch
 
@@ -23,71 +22,15 @@ from kvpilot.engine.engine_args import EngineArgs, model_fingerprint
 from kvpilot.engine.model.device_memory import device_memory_for
 from kvpilot.engine.model.memory_profiling import KVCacheSizing, determine_num_blocks
 from kvpilot.engine.model.runner import ModelRunner
-from kvpilot.engine.model.sampler import SampleResult
-from kvpilot.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from kvpilot.engine.output_processor import ChildState, OutputProcessor, ParentState
+from kvpilot.engine.outputs import RequestOutput
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.stats import EngineStats
 from kvpilot.engine.structured_output import StructuredOutputManager
 from kvpilot.engine.text.detokenizer import IncrementalDetokenizer
-from kvpilot.engine.text.stop import check_token_stop, find_stop_string
 from kvpilot.engine.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class _Child:
-    """Per-sequence output state (one per ``n``)."""
-
-    request: Request
-    index: int
-    parent: _Parent
-    detok: IncrementalDetokenizer
-    logprobs: list[dict[int, Logprob]] | None
-    cumulative_logprob: float | None
-    stop_buffer: int                       # chars held back while streaming (stop strings)
-    text: str = ""
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-    def output(self) -> CompletionOutput:
-        return CompletionOutput(self.index, self.text, list(self.request.output_token_ids),
-                                self.cumulative_logprob,
-                                list(self.logprobs) if self.logprobs is not None else None,
-                                self.finish_reason, self.stop_reason)
-
-
-@dataclass(slots=True)
-class _Parent:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    arrival_time: float
-    children: list[_Child] = field(default_factory=list)
-    prompt_counted: bool = False   # the prompt counts once per request, not per child
-
-    @property
-    def finished(self) -> bool:
-        return all(c.finish_reason is not None for c in self.children)
-
-    def output(self) -> RequestOutput:
-        reqs = [c.request for c in self.children]
-        first = [r.first_token_time for r in reqs if r.first_token_time is not None]
-        sched = [r.first_scheduled_time for r in reqs if r.first_scheduled_time is not None]
-        last = [r.last_token_time for r in reqs if r.last_token_time is not None]
-        done = [r.finished_time for r in reqs if r.finished_time is not None]
-        metrics = RequestMetrics(
-            arrival_time=self.arrival_time,
-            first_scheduled_time=min(sched) if sched else None,
-            first_token_time=min(first) if first else None,
-            last_token_time=max(last) if last else None,
-            finished_time=max(done) if self.finished and done else None,
-            num_generation_tokens=sum(r.num_output_tokens for r in reqs),
-        )
-        cached = [r.num_cached_tokens or 0 for r in reqs]
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
-                             [c.output() for c in self.children], self.finished,
-                             max(cached), metrics)
 
 
 class LLMEngine:
@@ -107,7 +50,8 @@ class LLMEngine:
         # Memory is profiled against what the device held before the weights (None: CPU).
         self.device_memory = device_memory_for(device)
         self._memory_baseline = self.device_memory.snapshot() if self.device_memory is not None else None
-        self.runner = ModelRunner(model_config, cache_config, device, args.attention_backend)
+        self.runner = ModelRunner(model_config, cache_config, scheduler_config, device,
+                                  args.attention_backend)
         layout = self._kv_layout()
         sizing = self._size_kv_cache(layout)
         self.cache_info = self._allocate_kv_cache(layout, sizing)
@@ -128,10 +72,10 @@ class LLMEngine:
             self.tokenizer, model_config.arch.vocab_size,
             any_whitespace=not structured.disable_any_whitespace,
             reasoning_parser=None if structured.enable_in_reasoning else structured.reasoning_parser)
-        self._parents: dict[str, _Parent] = {}
-        self._children: dict[str, _Child] = {}
-        self._prompt_tokens = 0
-        self._generation_tokens = 0
+        decode = self.tokenizer.decode
+        self.output_processor = OutputProcessor(
+            lambda token_id: decode([token_id], skip_special_tokens=False),
+            model_config.max_model_len, self._finish)
         self._num_steps = 0
 
     # ---- start-up steps -----------------------------------------------------
@@ -207,7 +151,7 @@ class LLMEngine:
                     arrival_time: float | None = None, priority: int = 0,
                     cache_salt: str | None = None) -> None:
         """Queue a request; raises ValueError for input that can never be served."""
-        if request_id in self._parents:
+        if request_id in self.output_processor.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self._prompt_ids(prompt)
         max_len = self.model_config.max_model_len
@@ -224,24 +168,24 @@ class LLMEngine:
             self.structured_output.backend.compile(params.structured_outputs)
         params = params.with_stop_ids(self.eos_token_ids)
         arrival = time.time() if arrival_time is None else arrival_time
-        parent = _Parent(request_id, text, ids, arrival)
+        parent = ParentState(request_id, text, ids, arrival, params.output_kind)
         max_tokens = max_len - len(ids) if params.max_tokens is None else min(params.max_tokens, max_len - len(ids))
-        stop_buffer = 0 if params.include_stop_str_in_output else max((len(s) for s in params.stop or []), default=1) - 1
+        max_stop_len = max((len(s) for s in params.stop or []), default=0)
+        holdback = 0 if params.include_stop_str_in_output else max(max_stop_len - 1, 0)
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             child_params = params if params.n == 1 else params.for_child(i)
             request = Request(child_id, ids, child_params, arrival_time=arrival, priority=priority,
                               cache_salt=cache_salt, max_tokens=max_tokens)
-            child = _Child(request, i, parent, IncrementalDetokenizer(
-                self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens),
-                [] if params.logprobs is not None else None,
-                0.0 if params.logprobs is not None else None, stop_buffer)
-            parent.children.append(child)
+            detok = IncrementalDetokenizer(self.tokenizer, ids,
+                                           skip_special_tokens=params.skip_special_tokens)
+            logprobs = params.logprobs is not None
+            parent.children.append(ChildState(request, i, parent, detok, [] if logprobs else None,
+                                              0.0 if logprobs else None, holdback, max_stop_len))
         for child in parent.children:
             self.structured_output.add_request(child.request)
             self.scheduler.add_request(child.request)
-            self._children[child.request.request_id] = child
-        self._parents[request_id] = parent
+        self.output_processor.add(parent)
 
     def _check_params(self, params: SamplingParams) -> None:
         """ValueError for parameters this engine's limits refuse."""
@@ -257,90 +201,47 @@ class LLMEngine:
     def abort_request(self, request_ids: Iterable[str]) -> None:
         """Abort requests (by the id given to add_request); unknown ids are ignored."""
         for rid in list(request_ids):
-            parent = self._parents.pop(rid, None)
+            parent = self.output_processor.parents.pop(rid, None)
             if parent is None:
                 continue
             for child in parent.children:
-                self._finish(child, RequestStatus.FINISHED_ABORTED)
+                if child.finish_reason is None:
+                    self._finish(child, RequestStatus.FINISHED_ABORTED)
 
-    def _finish(self, child: _Child, status: RequestStatus) -> None:
+    def _finish(self, child: ChildState, status: RequestStatus) -> None:
         rid = child.request.request_id
         self.scheduler.finish_request(rid, status)
         self.runner.release(rid)
         self.structured_output.remove(rid)
-        self._children.pop(rid, None)
-        child.finish_reason = status.finish_reason
+        self.output_processor.mark_finished(child, status)
 
     # ---- stepping -----------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One scheduling + model step; returns the outputs the requests' kinds ask for."""
         sched = self.scheduler.schedule()
         if sched.is_empty:
+            self.runner.remove_preempted(sched.preempted_request_ids)
             if sched.kv_transfers:
                 self.runner.execute_kv_transfers(sched.kv_transfers)
             return []
         self._num_steps += 1
-        results = self.runner.execute(sched, self.structured_output.grammar_bitmask(sched))
-        advanced = self.scheduler.update_from_output(sched, {k: r.token_id for k, r in results.items()})
-        touched: dict[str, _Parent] = {}
-        for request in advanced:
-            self.structured_output.accept(request)
-            child = self._children[request.request_id]
-            self._process_token(child, results[request.request_id])
-            touched[child.parent.request_id] = child.parent
-        outputs = []
-        for rid, parent in touched.items():
-            outputs.append(parent.output())
-            if parent.finished:
-                self._parents.pop(rid, None)
+        structured = self.structured_output
+        result = self.runner.execute(sched, structured.grammar_bitmask(sched))
+        advanced = self.scheduler.update_from_output(sched, result.sampled())
+        if len(structured):
+            for request in advanced:
+                structured.accept(request)
+        outputs = self.output_processor.process(advanced, result.logprobs)
         if self.kv_offload is not None and not self.scheduler.has_unfinished_requests():
             self._run_pending_kv_transfers()   # save finished requests' blocks now, not next step
         return outputs
 
-    def _process_token(self, child: _Child, result: SampleResult) -> None:
-        request = child.request
-        if not child.parent.prompt_counted:
-            child.parent.prompt_counted = True
-            self._prompt_tokens += request.num_prompt_tokens
-        self._generation_tokens += 1
-        if child.logprobs is not None:
-            self._record_logprobs(child, result)
-        new_chars = len(child.detok.add_token(result.token_id))
-        status, stop_token = check_token_stop(request, self.model_config.max_model_len)
-        full = child.detok.text
-        params = request.sampling_params
-        if params.stop and new_chars:
-            hit = find_stop_string(full, new_chars, params.stop)
-            if hit is not None:
-                stop, idx = hit
-                full = full[: idx + len(stop)] if params.include_stop_str_in_output else full[:idx]
-                status, stop_token = RequestStatus.FINISHED_STOPPED, stop
-        if status is None:
-            # Hold back what could still become the start of a stop string.
-            child.text = full[: len(full) - child.stop_buffer] if child.stop_buffer else full
-            return
-        if not isinstance(stop_token, str):
-            child.detok.flush()          # emit a held-back partial character, if any
-            full = child.detok.text
-        child.text = full
-        child.stop_reason = stop_token
-        request.finished_time = time.time()
-        self._finish(child, status)
-
-    def _record_logprobs(self, child: _Child, result: SampleResult) -> None:
-        decode = self.tokenizer.decode
-        entry = {result.token_id: Logprob(result.logprob, result.rank, decode([result.token_id], skip_special_tokens=False))}
-        for rank, (tid, lp) in enumerate(result.top_logprobs or [], start=1):
-            if tid not in entry:
-                entry[tid] = Logprob(lp, rank, decode([tid], skip_special_tokens=False))
-        child.logprobs.append(entry)
-        child.cumulative_logprob += result.logprob
-
     # ---- introspection ------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
-        return bool(self._parents)
+        return bool(self.output_processor.parents)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self._parents)
+        return len(self.output_processor.parents)
 
     def get_stats(self) -> EngineStats:
         kv = self.kv_cache_manager
@@ -353,9 +254,9 @@ class LLMEngine:
             prefix_cache_queries=kv.stats.queries,
             prefix_cache_hits=kv.stats.hits,
             num_preemptions=self.scheduler.num_preemptions,
-            prompt_tokens=self._prompt_tokens,
+            prompt_tokens=self.output_processor.prompt_tokens,
             computed_prompt_tokens=self.scheduler.num_computed_prompt_tokens,
-            generation_tokens=self._generation_tokens,
+            generation_tokens=self.output_processor.generation_tokens,
             num_steps=self._num_steps,
             **(self.kv_offload.stats().engine_stat_fields() if self.kv_offload is not None else {}),
         )

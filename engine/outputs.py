@@ -54,3 +54,27 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int
     metrics: RequestMetrics
+
+    def add(self, other: RequestOutput) -> None:
+        """Fold a later DELTA output of the same request into this one (in place).
+
+        For consumers that fall behind the engine: the deltas of several steps become
+        one. Choices are matched by ``index``; text, token ids and logprobs are appended.
+        """
+        by_index = {c.index: c for c in self.outputs}
+        for c in other.outputs:
+            mine = by_index.get(c.index)
+            if mine is None:
+                self.outputs.append(c)
+                by_index[c.index] = c
+                continue
+            mine.text += c.text
+            mine.token_ids = mine.token_ids + c.token_ids
+            if c.logprobs is not None:
+                mine.logprobs = (mine.logprobs or []) + c.logprobs
+            mine.cumulative_logprob = c.cumulative_logprob
+            mine.finish_reason, mine.stop_reason = c.finish_reason, c.stop_reason
+        self.outputs.sort(key=lambda c: c.index)
+        self.finished = other.finished
+        self.num_cached_tokens = other.num_cached_tokens
+        self.metrics = other.metrics

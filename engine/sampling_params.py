@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,6 +59,19 @@ class StructuredOutputsParams:
         return kind, value
 
 
+class RequestOutputKind(enum.Enum):
+    """Which outputs ``LLMEngine.step()`` returns for a request (vLLM's names).
+
+    ``CUMULATIVE``: every step, everything so far. ``DELTA``: every step that adds
+    something, only what it adds (streaming). ``FINAL_ONLY``: one output, when the
+    request finishes (``LLM.generate``); no per-step output is built at all.
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How to sample one request's continuation.
@@ -88,6 +102,7 @@ class SamplingParams:
     # token id -> value added to its logit before sampling (OpenAI's logit_bias)
     logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Filled by the engine: the model's EOS ids, unless ignore_eos.
     all_stop_token_ids: frozenset[int] = field(default_factory=frozenset, repr=False)
 

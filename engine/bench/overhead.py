@@ -44,6 +44,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
+    p.add_argument("--output-kind", choices=("final", "delta", "cumulative"), default="final",
+                   help="outputs the engine builds: final (as LLM.generate, default), delta "
+                        "(as the server streams), cumulative (every step, everything)")
     p.add_argument("--repeats", type=int, default=1,
                    help="runs per batch size; the fastest is reported (noisy machines)")
     p.add_argument("--json-out", default=None, help="also write the results to this JSON file")
@@ -112,6 +115,7 @@ class _ForwardTimer:
 def measure(model_dir: str, batch_size: int, args) -> OverheadResult:
     from kvpilot.engine import LLMEngine, SamplingParams
     from kvpilot.engine.engine_args import EngineArgs
+    from kvpilot.engine.sampling_params import RequestOutputKind
 
     max_len = args.prompt_len + args.output_len
     blocks = batch_size * -(-max_len // 16) + 16
@@ -119,7 +123,10 @@ def measure(model_dir: str, batch_size: int, args) -> OverheadResult:
                                   num_gpu_blocks=blocks, enable_prefix_caching=True,
                                   dtype="float32"))
     timer = _ForwardTimer(engine.runner.model)
-    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    kind = {"final": RequestOutputKind.FINAL_ONLY, "delta": RequestOutputKind.DELTA,
+            "cumulative": RequestOutputKind.CUMULATIVE}[args.output_kind]
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True,
+                            output_kind=kind)
     warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     for i in range(min(batch_size, 8)):   # warm-up, not measured
         engine.add_request(f"warm-{i}", [100 + i] * args.prompt_len, warm)
@@ -155,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"micro model: Qwen3, {MICRO_CONFIG['num_hidden_layers']} layers, hidden "
               f"{MICRO_CONFIG['hidden_size']}, vocab {MICRO_CONFIG['vocab_size']}, float32; "
               f"{args.prompt_len} prompt + {args.output_len} output tokens per request; "
-              f"threads={torch.get_num_threads()}")
+              f"{args.output_kind} outputs; threads={torch.get_num_threads()}")
         print(f"{'batch':>6}{'ms/step':>10}{'forward ms':>12}{'outside':>9}{'tok/s':>10}")
         for size in sizes:
             best = min((measure(model_dir, size, args) for _ in range(args.repeats)),

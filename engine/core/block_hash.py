@@ -46,11 +46,23 @@ def extend_block_hashes(
     block_size: int,
     root: BlockHash,
     cache_salt: str | None = None,
+    *,
+    first_token: int = 0,
 ) -> None:
-    """Append the hashes of newly full blocks of ``token_ids`` to ``block_hashes`` in place."""
-    num_full = len(token_ids) // block_size
-    for i in range(len(block_hashes), num_full):
+    """Append the hashes of newly full blocks of ``token_ids`` to ``block_hashes`` in place.
+
+    ``token_ids[0]`` is the sequence's token number ``first_token`` (a block boundary no
+    later than the first unhashed block), so a caller can pass just the tokens of the
+    blocks still to hash: hashing a growing sequence then costs O(new tokens), not
+    O(sequence) per filled block.
+    """
+    start = len(block_hashes)
+    if first_token % block_size or first_token > start * block_size:
+        raise ValueError(f"first_token={first_token} must be a block boundary at or before "
+                         f"the first unhashed block ({start})")
+    num_full = (first_token + len(token_ids)) // block_size
+    for i in range(start, num_full):
         parent = block_hashes[i - 1] if i > 0 else root
         extra = ("salt:" + cache_salt,) if (i == 0 and cache_salt) else ()
-        block = token_ids[i * block_size:(i + 1) * block_size]
-        block_hashes.append(hash_block_tokens(parent, block, extra))
+        lo = i * block_size - first_token
+        block_hashes.append(hash_block_tokens(parent, token_ids[lo:lo + block_size], extra))

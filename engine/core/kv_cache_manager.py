@@ -49,6 +49,9 @@ class KVCacheManager:
         self.hash_root = hash_root
         self.pool = BlockPool(num_blocks, enable_caching, record_evictions)
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
+        # The same tables as block ids, kept in step with req_blocks so that a step never
+        # rebuilds a request's id list (the runner copies only the ids appended).
+        self.req_block_ids: dict[str, list[int]] = {}
         self._num_registered: dict[str, int] = {}
         self.stats = PrefixCacheStats()
 
@@ -61,13 +64,18 @@ class KVCacheManager:
         return self.pool.num_free_blocks
 
     def update_block_hashes(self, request: Request) -> None:
-        """Hash the request's newly full blocks (prompt at admission, outputs as they come)."""
+        """Hash the request's newly full blocks (prompt at admission, outputs as they come).
+
+        Only the tokens of the blocks still to hash are read: O(new tokens) per call.
+        """
         if self.enable_caching:
-            num_full = request.num_tokens // self.block_size
-            if num_full > len(request.block_hashes):
+            bs = self.block_size
+            num_full = request.num_tokens // bs
+            start = len(request.block_hashes)
+            if num_full > start:
                 extend_block_hashes(
-                    request.block_hashes, request.token_ids_slice(0, num_full * self.block_size),
-                    self.block_size, self.hash_root, request.cache_salt,
+                    request.block_hashes, request.token_ids_slice(start * bs, num_full * bs),
+                    bs, self.hash_root, request.cache_salt, first_token=start * bs,
                 )
 
     def find_prefix_hit(self, request: Request) -> PrefixHit:
@@ -106,9 +114,26 @@ class KVCacheManager:
 
         ``hit`` (admission only) is the prefix-cache hit whose blocks the request takes.
         """
+        rid = request.request_id
+        blocks = self.req_blocks.get(rid)
+        if hit is None and blocks is not None:
+            # A running request (the common decode case): no lookups, no hit accounting.
+            total = request.num_computed_tokens + num_new_tokens
+            missing = -(-total // self.block_size) - len(blocks)
+            if missing > 0:
+                if missing > self.pool.num_free_blocks:
+                    return False
+                new = self.pool.get_new_blocks(missing)
+                blocks.extend(new)
+                self.req_block_ids[rid].extend(b.block_id for b in new)
+            if self.enable_caching and min(total, request.num_tokens) // self.block_size > \
+                    self._num_registered.get(rid, 0):
+                self._register_full_blocks(request, blocks, total)
+            return True
         if self.num_blocks_needed(request, num_new_tokens, hit) > self.pool.num_free_blocks:
             return False
-        blocks = self.req_blocks.setdefault(request.request_id, [])
+        blocks = self.req_blocks.setdefault(rid, [])
+        ids = self.req_block_ids.setdefault(rid, [])
         computed = request.num_computed_tokens
         if hit is not None:
             if hit.blocks:
@@ -119,6 +144,7 @@ class KVCacheManager:
         required = -(-total // self.block_size)
         if required > len(blocks):
             blocks.extend(self.pool.get_new_blocks(required - len(blocks)))
+        ids.extend(b.block_id for b in blocks[len(ids):])
         if self.enable_caching:
             self._register_full_blocks(request, blocks, total)
         return True
@@ -140,6 +166,7 @@ class KVCacheManager:
         Returns the released block ids in table order.
         """
         blocks = self.req_blocks.pop(request.request_id, [])
+        self.req_block_ids.pop(request.request_id, None)
         self._num_registered.pop(request.request_id, None)
         # Blocks registered for tokens scheduled but never computed (a request preempted in
         # the very step that scheduled it) must not stay cached, nor be saved on eviction.
@@ -149,7 +176,9 @@ class KVCacheManager:
         return [b.block_id for b in blocks]
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+        """The request's block table as ids: the live list (read it, never modify it; it
+        grows as blocks are allocated and is dropped when the request's blocks are freed)."""
+        return self.req_block_ids.get(request_id, [])
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()

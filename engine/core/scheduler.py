@@ -31,6 +31,8 @@ class ScheduledRequest:
     request: Request
     num_computed_tokens: int     # tokens already in the cache before this step
     num_new_tokens: int          # tokens computed this step
+    # The request's block table: the KV cache manager's live list (never rebuilt per
+    # step; read it during the step, never modify it).
     block_ids: list[int]
 
     @property
@@ -164,19 +166,21 @@ class Scheduler:
         return self.kv.num_blocks_needed(request, num_new, hit) <= self.kv.num_free_blocks
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        allocate, scheduled = self.kv.allocate_slots, out.scheduled
+        running = RequestStatus.RUNNING
         for request in list(self.running):
             if budget <= 0:
                 break
-            if request.status != RequestStatus.RUNNING:
+            if request.status is not running:
                 continue   # preempted earlier in this step as someone else's victim
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(request, num_new):
+            while not allocate(request, num_new):
                 victim = self._pick_victim()
                 budget += self._preempt(victim, out)
                 if victim is request:
                     break
             else:
-                out.scheduled.append(self._scheduled(request, num_new))
+                scheduled.append(self._scheduled(request, num_new))
                 budget -= num_new
         return budget
 
@@ -262,10 +266,13 @@ class Scheduler:
         """Advance computed tokens and append sampled ones; returns requests that got a token."""
         now = time.time()
         advanced = []
+        update_hashes = self.kv.update_block_hashes if self.kv.enable_caching else None
+        block_size = self.kv.block_size
         for s in out.scheduled:
             request = s.request
-            prompt_end = min(s.num_computed_tokens + s.num_new_tokens, request.num_prompt_tokens)
-            self.num_computed_prompt_tokens += max(0, prompt_end - s.num_computed_tokens)
+            if s.num_computed_tokens < request.num_prompt_tokens:
+                prompt_end = min(s.num_computed_tokens + s.num_new_tokens, request.num_prompt_tokens)
+                self.num_computed_prompt_tokens += prompt_end - s.num_computed_tokens
             request.num_computed_tokens += s.num_new_tokens
             token = sampled.get(request.request_id)
             if token is None:
@@ -274,6 +281,7 @@ class Scheduler:
             if request.first_token_time is None:
                 request.first_token_time = now
             request.last_token_time = now
-            self.kv.update_block_hashes(request)
+            if update_hashes is not None and request.num_tokens // block_size > len(request.block_hashes):
+                update_hashes(request)
             advanced.append(request)
         return advanced

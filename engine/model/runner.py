@@ -1,22 +1,26 @@
 """Turns a scheduler step into tensors, runs the model and samples.
 
 Owns the model, the paged KV cache tensor ``[num_layers, 2, num_blocks, block_size,
-num_kv_heads, head_dim]`` and the per-request seeded generators.
+num_kv_heads, head_dim]`` and the persistent batch (``InputBatch``: per-request rows of
+tokens, block tables, sampling parameters and seeded generators), which a step updates
+with what changed rather than rebuilding from the scheduler's request objects.
 """
 
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import torch
 
-from kvpilot.engine.config import CacheConfig, ModelConfig
+from kvpilot.engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from kvpilot.engine.core.kv_transfer import KVTransfers
 from kvpilot.engine.core.scheduler import SchedulerOutput
 from kvpilot.engine.model.attention import AttentionMetadata, select_attention_backend
+from kvpilot.engine.model.input_batch import InputBatch
 from kvpilot.engine.model.loader import load_model
-from kvpilot.engine.model.sampler import SampleResult, SamplingRow, sample
-from kvpilot.engine.sampling_params import SamplingParams
+from kvpilot.engine.model.sampler import SampleResult, SamplingMetadata, sample
+from kvpilot.engine.model.step_inputs import StepInputBuilder
 
 TORCH_DTYPES = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -24,17 +28,24 @@ TORCH_DTYPES = {
 }
 
 
-def build_attention_metadata(out: SchedulerOutput, block_size: int, device: torch.device
-                             ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """(input_ids, positions, metadata) for one step's varlen batch."""
-    seqs = [(s.request.token_ids_slice(s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens),
-             s.num_computed_tokens, s.block_ids) for s in out.scheduled]
-    return metadata_from_seqs(seqs, block_size, device)
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """What a step sampled: one token per request that reached its last token."""
+
+    req_ids: list[str]
+    sampled_token_ids: list[int]                 # aligned with req_ids
+    logprobs: dict[str, SampleResult]            # for the requests that asked for logprobs
+
+    def sampled(self) -> dict[str, int]:
+        return dict(zip(self.req_ids, self.sampled_token_ids, strict=True))
 
 
 def metadata_from_seqs(seqs: list[tuple[list[int], int, list[int]]], block_size: int,
                        device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """Batch of (new token ids, tokens already cached, block ids) per sequence."""
+    """Batch of (new token ids, tokens already cached, block ids) per sequence.
+
+    Builds from Python lists: for one-off batches (memory profiling, tests), never per step.
+    """
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -81,7 +92,8 @@ def layer_kv_dtypes(model_config: ModelConfig, cache_config: CacheConfig) -> lis
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
-                 device: torch.device, attention_backend: str = "auto") -> None:
+                 scheduler_config: SchedulerConfig, device: torch.device,
+                 attention_backend: str = "auto") -> None:
         self.model_config = model_config
         self.cache_config = cache_config
         self.device = device
@@ -96,7 +108,10 @@ class ModelRunner:
         self.backend = select_attention_backend(attention_backend, device)
         self.kv_caches: torch.Tensor | list[torch.Tensor] | None = None
         self.block_size = cache_config.block_size
-        self._generators: dict[str, torch.Generator] = {}
+        self.input_batch = InputBatch(scheduler_config.max_num_seqs, model_config.max_model_len,
+                                      self.block_size, model_config.arch.vocab_size, device)
+        self.inputs = StepInputBuilder(self.input_batch, scheduler_config.max_num_batched_tokens,
+                                       device)
         # Executor half of the KV offload backend (kvpilot.engine.offload), None when off:
         # it runs each step's ``SchedulerOutput.kv_transfers`` before the forward pass.
         self.kv_transfer = None
@@ -129,18 +144,14 @@ class ModelRunner:
             raise RuntimeError("KV transfers scheduled but this runner has no offload executor")
         self.kv_transfer.execute(transfers)
 
-    def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
-        if seed is None:
-            return None
-        gen = self._generators.get(request_id)
-        if gen is None:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(seed)
-            self._generators[request_id] = gen
-        return gen
-
     def release(self, request_id: str) -> None:
-        self._generators.pop(request_id, None)
+        """A request finished: free its row and its seeded generator."""
+        self.input_batch.release(request_id)
+
+    def remove_preempted(self, request_ids: list[str]) -> None:
+        """Preempted requests leave the batch (their generators stay for the recompute)."""
+        for rid in request_ids:
+            self.input_batch.remove(rid)
 
     @torch.inference_mode()
     def profile_run(self, num_tokens: int, max_num_seqs: int = 1) -> None:
@@ -161,33 +172,36 @@ class ModelRunner:
         rows = torch.arange(max_num_seqs, device=self.device) % hidden.shape[0]
         logits = self.model.compute_logits(hidden[rows])
         del hidden
-        params = SamplingParams(temperature=0.8, top_p=0.95, top_k=50, min_p=0.05, logprobs=0)
-        sample(logits, [SamplingRow(params, [0], [], None)] * max_num_seqs)
+        dev = self.device
+        sample(logits, SamplingMetadata(
+            max_num_seqs, random_rows=torch.arange(max_num_seqs, device=dev), all_random=True,
+            temperature=torch.full((max_num_seqs,), 0.8, device=dev),
+            top_k=torch.full((max_num_seqs,), 50, device=dev),
+            top_p=torch.full((max_num_seqs,), 0.95, device=dev),
+            min_p=torch.full((max_num_seqs,), 0.05, device=dev),
+            logprobs=[(i, 0) for i in range(max_num_seqs)]))
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, token_bitmask=None) -> dict[str, SampleResult]:
-        """Run one step; returns the sampled token of each request that reached its end.
+    def execute(self, out: SchedulerOutput, token_bitmask=None) -> ModelRunnerOutput:
+        """Run one step; samples a token for each request that reached its last token.
 
         ``token_bitmask`` (structured outputs): the allowed tokens of constrained rows, in
         the order of the step's sampling requests; see ``sample``.
         """
         if out.kv_transfers:
             self.execute_kv_transfers(out.kv_transfers)
-        input_ids, positions, metadata = build_attention_metadata(out, self.block_size, self.device)
+        self.remove_preempted(out.preempted_request_ids)
+        step = self.inputs.build(out.scheduled)
         if self._calibrate_pending:
             self._calibrate_pending = False
             for layer in self.model.layers:
                 layer.self_attn.calibrate_kv_scales = True
-        hidden = self.model(input_ids, positions, self.kv_caches, metadata, self.backend)
-        ends = list(itertools.accumulate(metadata.query_lens_cpu))
-        sampling = [(i, s) for i, s in enumerate(out.scheduled) if s.samples]
-        if not sampling:
-            return {}
-        rows_idx = torch.tensor([ends[i] - 1 for i, _ in sampling], device=self.device)
-        logits = self.model.compute_logits(hidden[rows_idx])
-        rows = [SamplingRow(s.request.sampling_params, s.request.prompt_token_ids,
-                            s.request.output_token_ids,
-                            self._generator(s.request.request_id, s.request.sampling_params.seed))
-                for _, s in sampling]
-        results = sample(logits, rows, token_bitmask)
-        return {s.request.request_id: r for (_, s), r in zip(sampling, results, strict=True)}
+        hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.metadata, self.backend)
+        if not step.sample_req_ids:
+            return ModelRunnerOutput([], [], {})
+        logits = self.model.compute_logits(hidden[step.logits_indices])
+        sampled = sample(logits, self.input_batch.sampling_metadata(step.sample_rows), token_bitmask)
+        self.input_batch.append_sampled(step.sample_rows, sampled.token_ids)
+        req_ids = step.sample_req_ids
+        logprobs = {req_ids[i]: r for i, r in sampled.logprobs.items()}
+        return ModelRunnerOutput(req_ids, sampled.token_ids, logprobs)

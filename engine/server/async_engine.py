@@ -3,8 +3,9 @@
 The engine is single-threaded and its ``step()`` blocks for a whole model forward,
 so it never runs on the event loop. The event loop hands commands (add, abort) to
 the engine thread through a locked deque and a condition variable; the engine
-thread delivers each request's cumulative ``RequestOutput``s into that request's
-``asyncio.Queue`` with ``loop.call_soon_threadsafe``.
+thread delivers each request's ``RequestOutput`` deltas (``RequestOutputKind.DELTA``:
+what each step added) into that request's ``asyncio.Queue`` with
+``loop.call_soon_threadsafe``.
 
 NOTE (threading invariants):
 - Only the engine thread touches the engine's mutable state and ``_live``; the
@@ -13,8 +14,9 @@ NOTE (threading invariants):
 - ``RequestOutput``s are handed to the event loop as ``step()`` returns them: the
   engine builds fresh ``outputs`` / ``token_ids`` / ``logprobs`` lists for every
   output and never appends to a list it has returned
-  (``tests/server/test_async_engine.py`` checks this); the engine thread's stats
-  tracker and the consumers only read them.
+  (``tests/server/test_async_engine.py`` checks this). The engine thread's stats
+  tracker reads an output before it is delivered; after delivery it belongs to the
+  consumer, which may fold later deltas into it.
 - The engine thread sleeps on the condition when it has neither commands nor
   unfinished requests, so an idle server burns no CPU.
 - A step that raises fails every live request (their consumers see
@@ -36,6 +38,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvpilot.engine.sampling_params import RequestOutputKind
 from kvpilot.engine.server.latency_tracker import ABORT, ERROR, IterationStats, RequestStatsTracker
 
 if TYPE_CHECKING:
@@ -218,17 +221,21 @@ class AsyncEngine:
         arrival_time: float | None = None,
         priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
-        """Submits a request and yields its cumulative outputs until it finishes.
+        """Submits a request and yields its outputs as deltas until it finishes.
 
-        Outputs that pile up while the consumer is busy are coalesced (each one is
-        cumulative, so only the newest matters). Closing or cancelling the iterator
-        before the request finishes aborts it in the engine, freeing its blocks.
+        Each output holds what the request gained since the previous one (text, token
+        ids, logprobs per choice; ``RequestOutputKind.DELTA``), whatever ``params``
+        asked for. Deltas that pile up while the consumer is busy are folded into one,
+        so a slow consumer gets fewer, larger outputs. Closing or cancelling the
+        iterator before the request finishes aborts it in the engine, freeing its blocks.
 
         Raises (on the first iteration): EngineNotReady, EngineDead, QueueFull,
         RequestRejected; later RequestFailed if the engine breaks mid-request.
         """
         loop = asyncio.get_running_loop()
         live = _Live(asyncio.Queue(), loop)
+        if params.output_kind is not RequestOutputKind.DELTA:
+            params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
         self._submit_add(_Add(request_id, prompt_token_ids, params, cache_salt,
                               time.time() if arrival_time is None else arrival_time, live,
                               priority))
@@ -237,7 +244,11 @@ class AsyncEngine:
             while True:
                 item = await live.queue.get()
                 while not isinstance(item, BaseException) and not live.queue.empty():
-                    item = live.queue.get_nowait()
+                    later = live.queue.get_nowait()
+                    if isinstance(later, BaseException):
+                        item = later
+                    else:
+                        item.add(later)
                 if isinstance(item, BaseException):
                     finished = True  # the engine thread already forgot the request
                     raise item
@@ -364,6 +375,8 @@ class AsyncEngine:
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         now = time.time()
+        # Digest before delivering: a delivered output belongs to its consumer.
+        iteration = self._tracker.on_outputs(outputs, now)
         for out in outputs:
             live = self._live.get(out.request_id)
             if live is None:
@@ -371,7 +384,6 @@ class AsyncEngine:
             live.deliver(out)
             if out.finished:
                 del self._live[out.request_id]
-        iteration = self._tracker.on_outputs(outputs, now)
         if self._record is not None and not iteration.empty:
             try:
                 self._record(iteration)

@@ -207,13 +207,13 @@ class Generation:
         return self.first
 
     async def final(self) -> list[RequestOutput]:
-        """Waits for every request to finish; returns the last output of each."""
+        """Waits for every request to finish; returns each one's whole output (its deltas
+        folded together)."""
 
         async def last(first: RequestOutput, stream: AsyncIterator[RequestOutput]) -> RequestOutput:
-            out = first
-            async for out in stream:  # noqa: B007 - the last one is wanted
-                pass
-            return out
+            async for delta in stream:
+                first.add(delta)
+            return first
 
         try:
             return list(await asyncio.gather(*(last(f, s) for f, s in
@@ -223,7 +223,7 @@ class Generation:
             raise to_api_error(exc, self._state) from exc
 
     async def stream(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Yields ``(prompt_index, output)``: the first outputs, then the rest as they come."""
+        """Yields ``(prompt_index, delta)``: the first outputs, then the rest as they come."""
         for i, out in enumerate(self.first):
             yield i, out
         if len(self._streams) == 1:

@@ -1,7 +1,7 @@
 """Per-request latency bookkeeping on the engine thread, reported as plain dataclasses.
 
-The engine's ``step()`` returns cumulative ``RequestOutput``s; this tracker turns
-the sequence of them into what the metrics module records: one TTFT when a
+The engine's ``step()`` returns each served request's ``RequestOutput`` deltas (what a
+step added); this tracker turns the sequence of them into what the metrics module records: one TTFT when a
 request's first token appears, one inter-token latency per later step that adds
 tokens, and a summary when the request finishes, is aborted or fails.
 """
@@ -70,7 +70,7 @@ class RequestStatsTracker:
             self._removed.append(FinishedRequestStats(finish_reasons=(reason,) * state.n))
 
     def on_outputs(self, outputs: list[RequestOutput], now: float) -> IterationStats:
-        """Digest one step's outputs; ``now`` is the wall-clock time (``time.time()``) after it."""
+        """Digest one step's (delta) outputs; ``now`` is the wall-clock time (``time.time()``) after it."""
         ttfts: list[float] = []
         itls: list[float] = []
         finished = self._removed
@@ -79,8 +79,8 @@ class RequestStatsTracker:
             state = self._requests.get(out.request_id)
             if state is None:
                 continue
-            num_tokens = sum(len(c.token_ids) for c in out.outputs)
-            if num_tokens > state.num_tokens:
+            new_tokens = sum(len(c.token_ids) for c in out.outputs)
+            if new_tokens:
                 if state.last_token_time is None:
                     first = out.metrics.first_token_time or now
                     ttfts.append(max(0.0, first - state.arrival_time))
@@ -88,7 +88,7 @@ class RequestStatsTracker:
                 else:
                     itls.append(max(0.0, now - state.last_token_time))
                     state.last_token_time = now
-                state.num_tokens = num_tokens
+                state.num_tokens += new_tokens
             if out.finished:
                 del self._requests[out.request_id]
                 end = out.metrics.finished_time or now
@@ -97,6 +97,6 @@ class RequestStatsTracker:
                     e2e_latency=max(0.0, end - state.arrival_time),
                     queue_time=out.metrics.queue_time,
                     num_prompt_tokens=len(out.prompt_token_ids),
-                    num_generation_tokens=num_tokens,
+                    num_generation_tokens=state.num_tokens,
                 ))
         return IterationStats(tuple(ttfts), tuple(itls), tuple(finished))

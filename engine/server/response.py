@@ -87,26 +87,31 @@ class ChunkEncoder:
 
 @dataclass(slots=True)
 class _Progress:
-    """Per choice index: (characters, tokens) already streamed; the finished choices."""
+    """The finished choice indexes of a stream, and each prompt's output so far (for usage)."""
 
-    sent: dict[int, tuple[int, int]] = field(default_factory=dict)
     done: set[int] = field(default_factory=set)
+    totals: dict[int, RequestOutput] = field(default_factory=dict)
 
-    def deltas(self, out: RequestOutput, first_index: int, token_chunks: bool) -> list[ChoiceDelta]:
-        """The new parts of ``out``'s choices; a choice without new text is skipped unless it
-        finished, or ``token_chunks`` is set (logprobs) and it has new tokens."""
+    def deltas(self, prompt_index: int, out: RequestOutput, first_index: int,
+               token_chunks: bool) -> list[ChoiceDelta]:
+        """The choices of delta ``out`` worth a chunk; a choice without new text is skipped
+        unless it finished, or ``token_chunks`` is set (logprobs) and it has new tokens."""
         result = []
         for c in out.outputs:
             index = first_index + c.index
             if index in self.done:
                 continue
-            delta = ChoiceDelta.of(c, index, *self.sent.get(index, (0, 0)))
+            delta = ChoiceDelta.of(c, index)
             if not delta.text and delta.finish_reason is None and not (token_chunks and delta.token_ids):
                 continue
             result.append(delta)
-            self.sent[index] = (len(c.text), len(c.token_ids))
             if c.finish_reason is not None:
                 self.done.add(index)
+        total = self.totals.get(prompt_index)
+        if total is None:
+            self.totals[prompt_index] = out
+        else:
+            total.add(out)
         return result
 
 
@@ -125,17 +130,16 @@ async def stream_events(generation: Generation, state: ServerState, encode: Chun
         opening: choices of a first chunk sent before any output (chat's roles).
     """
     progress = _Progress()
-    last: dict[int, RequestOutput] = {}
     try:
         if opening:
             yield encode(opening)
         async for i, out in generation.stream():
-            last[i] = out
-            choices = [make_choice(d) for d in progress.deltas(out, i * n, token_chunks)]
+            choices = [make_choice(d) for d in progress.deltas(i, out, i * n, token_chunks)]
             if choices:
                 yield encode(choices)
         if encode.include_usage:
-            yield encode([], usage([last[i] for i in sorted(last)]))
+            totals = progress.totals
+            yield encode([], usage([totals[i] for i in sorted(totals)]))
     except Exception as exc:  # noqa: BLE001 - reported in-band: the status line is already sent
         yield sse.sse_event(to_api_error(exc, state).body())
     finally:

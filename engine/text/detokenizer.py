@@ -77,7 +77,11 @@ class IncrementalDetokenizer:
         self._ids: list[int] = context
         self._prefix_offset = 0
         self._read_offset = len(context)
-        self._text = ""
+        # Emitted text as chunks, joined on demand: appending to one growing string would
+        # copy it on every token (O(length^2) over a long output).
+        self._chunks: list[str] = []
+        self._joined = ""
+        self._num_chars = 0
         self._num_output_tokens = 0
 
     def _kept(self, token_id: int) -> bool:
@@ -115,7 +119,15 @@ class IncrementalDetokenizer:
     @property
     def text(self) -> str:
         """All output text emitted so far."""
-        return self._text
+        if self._chunks:
+            self._joined = "".join((self._joined, *self._chunks))
+            self._chunks.clear()
+        return self._joined
+
+    @property
+    def num_chars(self) -> int:
+        """Length of ``text``, without building it."""
+        return self._num_chars
 
     @property
     def num_output_tokens(self) -> int:
@@ -123,7 +135,9 @@ class IncrementalDetokenizer:
 
     def _emit(self, delta: str, new_read_offset: int) -> str:
         self._prefix_offset, self._read_offset = self._read_offset, new_read_offset
-        self._text += delta
+        if delta:
+            self._chunks.append(delta)
+            self._num_chars += len(delta)
         self._compact()
         return delta
 

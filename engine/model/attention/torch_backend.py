@@ -72,11 +72,16 @@ def gather_kv(
     block_table: torch.Tensor,   # [num_blocks_used] int32 for one sequence, or [n, blocks]
     num_tokens: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of the first ``num_tokens`` tokens of one or more sequences, in cache dtype."""
-    blocks = kv_cache[:, block_table.long()]   # [2, (n,) blocks, block_size, heads, dim]
-    shape = (*blocks.shape[:-4], -1, *blocks.shape[-2:])
-    k, v = blocks[0].reshape(shape[1:]), blocks[1].reshape(shape[1:])
-    return k[..., :num_tokens, :, :], v[..., :num_tokens, :, :]
+    """K and V of the first ``num_tokens`` tokens of one or more sequences, in cache dtype.
+
+    One ``index_select`` of whole blocks for K and V together (a block of one layer is
+    contiguous): about twice as fast on CPU as advanced indexing over the cache.
+    """
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    flat = kv_cache.reshape(2, num_blocks, block_size * num_kv_heads * head_dim)
+    blocks = flat.index_select(1, block_table.reshape(-1).long())
+    kv = blocks.view(2, *block_table.shape[:-1], -1, num_kv_heads, head_dim)
+    return kv[0][..., :num_tokens, :, :], kv[1][..., :num_tokens, :, :]
 
 
 def paged_attention(
@@ -96,24 +101,35 @@ def paged_attention(
     other_ids = [i for i, q in enumerate(metadata.query_lens_cpu) if q > 1]
 
     if decode_ids:
-        idx = torch.tensor(decode_ids, device=query.device)
-        seq_lens = metadata.seq_lens[idx].long()
+        all_decode = len(decode_ids) == len(metadata.query_lens_cpu) == metadata.num_actual_tokens
+        idx = None if all_decode else torch.tensor(decode_ids, device=query.device)
+        seq_lens = (metadata.seq_lens if all_decode else metadata.seq_lens[idx]).long()
         max_len = max(metadata.seq_lens_cpu[i] for i in decode_ids)
         num_blocks = -(-max_len // block_size)
-        k, v = gather_kv(kv_cache, metadata.block_tables[idx, :num_blocks], max_len)
-        mask = torch.arange(max_len, device=query.device)[None, :] < seq_lens[:, None]
+        tables = metadata.block_tables[:, :num_blocks] if all_decode else \
+            metadata.block_tables[idx, :num_blocks]
+        k, v = gather_kv(kv_cache, tables, max_len)
         # Slots past a shorter sequence's end are read and masked out. That is only safe
         # because cache slots are always finite (zero-initialised, written with saturated
         # values): 0 x NaN would still be NaN. Zeroing them here cost ~15% of a decode step.
+        mask = None
+        if min(metadata.seq_lens_cpu[i] for i in decode_ids) < max_len:
+            mask = (torch.arange(max_len, device=query.device)[None, :] < seq_lens[:, None])[:, None, None, :]
         k = dequantize_kv(k, k_scale, compute_dtype)   # [n, L, kv_heads, dim]
         v = dequantize_kv(v, v_scale, compute_dtype)
-        rows = torch.tensor([starts[i] for i in decode_ids], device=query.device)
-        q = query[rows].to(compute_dtype).unsqueeze(2)            # [n, heads, 1, dim]
+        if all_decode:
+            q = query[:len(decode_ids)]
+        else:
+            rows = torch.tensor([starts[i] for i in decode_ids], device=query.device)
+            q = query[rows]
         o = F.scaled_dot_product_attention(
-            q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None, None, :],
-            scale=scale, enable_gqa=True,
-        )
-        out[rows] = o.squeeze(2).to(query.dtype)
+            q.to(compute_dtype).unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),
+            attn_mask=mask, scale=scale, enable_gqa=True,
+        ).squeeze(2).to(query.dtype)                                # [n, heads, dim]
+        if all_decode:
+            out[:len(decode_ids)] = o
+        else:
+            out[rows] = o
 
     for i in other_ids:
         start, end = starts[i], starts[i + 1]

@@ -1,0 +1,150 @@
+"""One step's model inputs, gathered from the persistent batch into persistent buffers.
+
+Every per-step input (token ids, positions, slot mapping, sequence lengths, query
+starts, block tables) has one preallocated host buffer (pinned on CUDA) and, on a
+device, one preallocated device twin. A step writes the first ``n`` entries with
+vectorised numpy gathers over the scheduled rows and copies just those to the device;
+the attention metadata is views of the device buffers. Because the buffers never move,
+a CUDA graph captured over them replays with whatever the next step wrote
+(``pad_to``: a decode batch padded to a captured size, padding rows inert: slot -1 so
+nothing is stored, query length 0 so no attention runs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvpilot.engine.core.scheduler import ScheduledRequest
+from kvpilot.engine.model.input_batch import InputBatch
+from kvpilot.kernels.attention_metadata import AttentionMetadata
+
+
+class StagedBuffer:
+    """A host array and its device twin (the same tensor on CPU)."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+        on_cuda = device.type == "cuda"
+        self.cpu = torch.zeros(shape, dtype=dtype, pin_memory=on_cuda)
+        self.np = self.cpu.numpy()
+        self.device = self.cpu if device.type == "cpu" else torch.zeros(shape, dtype=dtype, device=device)
+
+    def to_device(self, n: int, width: int | None = None) -> torch.Tensor:
+        """The first ``n`` rows (and ``width`` columns) on the device."""
+        src = self.cpu[:n] if width is None else self.cpu[:n, :width]
+        dst = self.device[:n] if width is None else self.device[:n, :width]
+        if dst.data_ptr() != src.data_ptr():
+            dst.copy_(src, non_blocking=True)
+        return dst
+
+
+@dataclass(slots=True)
+class StepInputs:
+    input_ids: torch.Tensor           # [num_tokens] long
+    positions: torch.Tensor           # [num_tokens] long
+    metadata: AttentionMetadata
+    logits_indices: torch.Tensor      # [num_sampling] rows of the hidden states to sample from
+    sample_rows: np.ndarray           # persistent-batch rows of those, in the same order
+    sample_req_ids: list[str]
+
+
+class StepInputBuilder:
+    """Builds ``StepInputs`` for up to ``max_num_tokens`` tokens of ``batch``'s rows."""
+
+    def __init__(self, batch: InputBatch, max_num_tokens: int, device: torch.device) -> None:
+        self.batch = batch
+        self.device = device
+        seqs = batch.max_num_seqs
+        self.input_ids = StagedBuffer((max_num_tokens,), torch.long, device)
+        self.positions = StagedBuffer((max_num_tokens,), torch.long, device)
+        self.slot_mapping = StagedBuffer((max_num_tokens,), torch.long, device)
+        self.seq_lens = StagedBuffer((seqs,), torch.int32, device)
+        self.query_start_loc = StagedBuffer((seqs + 1,), torch.int32, device)
+        self.block_tables = StagedBuffer((seqs, batch.max_blocks_per_seq), torch.int32, device)
+        self.logits_indices = StagedBuffer((seqs,), torch.long, device)
+
+    def build(self, scheduled: list[ScheduledRequest], pad_to: int | None = None) -> StepInputs:
+        """Inputs for ``scheduled`` (adding rows for requests seen for the first time).
+
+        ``pad_to``: for a pure decode batch, pad to that many sequences (CUDA graphs).
+        """
+        batch = self.batch
+        rows_of, num_blocks = batch.rows, batch.num_blocks
+        rows, computed, num_new = [], [], []
+        width = 0
+        for s in scheduled:
+            row = rows_of.get(s.request.request_id)
+            if row is None:
+                row = batch.add(s.request, s.block_ids)
+            elif len(s.block_ids) != num_blocks[row]:
+                batch.update_blocks(row, s.block_ids)
+            rows.append(row)
+            computed.append(s.num_computed_tokens)
+            num_new.append(s.num_new_tokens)
+            if num_blocks[row] > width:
+                width = num_blocks[row]
+        n = len(rows)
+        rows_np = np.array(rows, dtype=np.int64)
+        computed_np = np.array(computed, dtype=np.int64)
+        query_lens = np.array(num_new, dtype=np.int64)
+        ends = np.cumsum(query_lens)
+        total = int(ends[-1])
+        if total == n:          # pure decode: one token per sequence
+            token_rows, positions = rows_np, computed_np
+        else:
+            token_rows = np.repeat(rows_np, query_lens)
+            positions = np.arange(total) + np.repeat(computed_np - (ends - query_lens), query_lens)
+        seq_lens = computed_np + query_lens
+        bs = batch.block_size
+        num_seqs = n if pad_to is None else pad_to
+        num_tokens = total if pad_to is None else pad_to
+        if pad_to is not None and (total != n or pad_to < n):
+            raise ValueError(f"only a decode batch of at most {pad_to} sequences can be padded")
+
+        self.input_ids.np[:total] = batch.token_ids[token_rows, positions]
+        self.positions.np[:total] = positions
+        slots = self.slot_mapping.np
+        slots[:total] = batch.block_table[token_rows, positions // bs]
+        slots[:total] *= bs
+        slots[:total] += positions % bs
+        self.seq_lens.np[:n] = seq_lens
+        starts = self.query_start_loc.np
+        starts[0] = 0
+        starts[1:n + 1] = ends
+        table_width = width if pad_to is None else batch.max_blocks_per_seq
+        self.block_tables.np[:n, :table_width] = batch.block_table[rows_np, :table_width]
+        if pad_to is not None and pad_to > n:
+            self.input_ids.np[n:pad_to] = 0
+            self.positions.np[n:pad_to] = 0
+            slots[n:pad_to] = -1
+            self.seq_lens.np[n:pad_to] = 0
+            starts[n + 1:pad_to + 1] = total
+            self.block_tables.np[n:pad_to] = 0
+
+        samples = seq_lens == batch.num_tokens[rows_np]
+        sample_positions = np.flatnonzero(samples)
+        num_sampling = len(sample_positions)
+        self.logits_indices.np[:num_sampling] = ends[sample_positions] - 1
+        query_lens_cpu = tuple(query_lens.tolist())
+        metadata = AttentionMetadata(
+            num_actual_tokens=total,
+            query_start_loc=self.query_start_loc.to_device(num_seqs + 1),
+            seq_lens=self.seq_lens.to_device(num_seqs),
+            block_tables=self.block_tables.to_device(num_seqs, table_width),
+            slot_mapping=self.slot_mapping.to_device(num_tokens),
+            max_query_len=max(query_lens_cpu),
+            query_lens_cpu=query_lens_cpu + (0,) * (num_seqs - n),
+            seq_lens_cpu=tuple(seq_lens.tolist()) + (0,) * (num_seqs - n),
+        )
+        sample_rows = rows_np[sample_positions]
+        req_ids = batch.req_ids
+        return StepInputs(
+            input_ids=self.input_ids.to_device(num_tokens),
+            positions=self.positions.to_device(num_tokens),
+            metadata=metadata,
+            logits_indices=self.logits_indices.to_device(num_sampling),
+            sample_rows=sample_rows,
+            sample_req_ids=[req_ids[r] for r in sample_rows.tolist()],
+        )

@@ -1,0 +1,207 @@
+"""From sampled tokens to text, stops and ``RequestOutput``s.
+
+Per token and request: one incremental detokenization, the token stop checks and, when
+the request has stop strings, a search of only the text that could contain a new
+match (the newest characters plus the longest stop string). Outputs are built only
+for requests whose output kind asks for one this step (``SamplingParams.output_kind``):
+``FINAL_ONLY`` requests (``LLM.generate``) build one output when they finish,
+``DELTA`` requests (the server) one small output per step with what it added, and
+``CUMULATIVE`` requests (the default) everything so far, every step.
+
+NOTE (invariant the server relies on): every output gets fresh lists (``outputs``,
+``token_ids``, ``logprobs``); a list handed out is never appended to later.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvpilot.engine.core.request import Request, RequestStatus
+from kvpilot.engine.model.sampler import SampleResult
+from kvpilot.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from kvpilot.engine.sampling_params import RequestOutputKind
+from kvpilot.engine.text.detokenizer import IncrementalDetokenizer
+from kvpilot.engine.text.stop import check_token_stop, find_stop_string
+
+CUMULATIVE, DELTA, FINAL_ONLY = (RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA,
+                                 RequestOutputKind.FINAL_ONLY)
+
+
+@dataclass(slots=True, eq=False)
+class ChildState:
+    """Output state of one sequence (one per ``n``)."""
+
+    request: Request
+    index: int
+    parent: ParentState
+    detok: IncrementalDetokenizer
+    logprobs: list[dict[int, Logprob]] | None
+    cumulative_logprob: float | None
+    holdback: int                # chars held back while running (a stop string may start there)
+    max_stop_len: int            # longest stop string (0: none)
+    tail: str = ""               # newest chars, kept to find stop strings spanning tokens
+    final_len: int | None = None  # text length once finished (a stop string may cut it)
+    num_sent_chars: int = 0      # DELTA: already returned
+    num_sent_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def visible_len(self) -> int:
+        if self.final_len is not None:
+            return self.final_len
+        return max(0, self.detok.num_chars - self.holdback)
+
+    def output(self, kind: RequestOutputKind) -> CompletionOutput:
+        tokens = self.request.output_token_ids
+        end = self.visible_len()
+        if kind is DELTA:
+            start, first = self.num_sent_chars, self.num_sent_tokens
+            text = self.detok.text[start:end] if end > start else ""
+            self.num_sent_chars, self.num_sent_tokens = max(start, end), len(tokens)
+            logprobs = self.logprobs[first:] if self.logprobs is not None else None
+            return CompletionOutput(self.index, text, tokens[first:], self.cumulative_logprob,
+                                    logprobs, self.finish_reason, self.stop_reason)
+        text = self.detok.text
+        return CompletionOutput(self.index, text[:end] if end < len(text) else text, list(tokens),
+                                self.cumulative_logprob,
+                                list(self.logprobs) if self.logprobs is not None else None,
+                                self.finish_reason, self.stop_reason)
+
+
+@dataclass(slots=True, eq=False)
+class ParentState:
+    """One ``add_request`` call: its ``n`` children and how it wants its outputs."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    arrival_time: float
+    kind: RequestOutputKind
+    children: list[ChildState] = field(default_factory=list)
+    num_unfinished: int = 0
+    prompt_counted: bool = False   # the prompt counts once per request, not per child
+
+    @property
+    def finished(self) -> bool:
+        return self.num_unfinished == 0
+
+    def metrics(self) -> RequestMetrics:
+        if len(self.children) == 1:
+            r = self.children[0].request
+            return RequestMetrics(self.arrival_time, r.first_scheduled_time, r.first_token_time,
+                                  r.last_token_time, r.finished_time if self.finished else None,
+                                  r.num_output_tokens)
+        reqs = [c.request for c in self.children]
+        first = [r.first_token_time for r in reqs if r.first_token_time is not None]
+        sched = [r.first_scheduled_time for r in reqs if r.first_scheduled_time is not None]
+        last = [r.last_token_time for r in reqs if r.last_token_time is not None]
+        done = [r.finished_time for r in reqs if r.finished_time is not None]
+        return RequestMetrics(
+            arrival_time=self.arrival_time,
+            first_scheduled_time=min(sched) if sched else None,
+            first_token_time=min(first) if first else None,
+            last_token_time=max(last) if last else None,
+            finished_time=max(done) if self.finished and done else None,
+            num_generation_tokens=sum(r.num_output_tokens for r in reqs),
+        )
+
+    def output(self) -> RequestOutput:
+        cached = max(c.request.num_cached_tokens or 0 for c in self.children)
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
+                             [c.output(self.kind) for c in self.children], self.finished,
+                             cached, self.metrics())
+
+
+class OutputProcessor:
+    """Digests each step's sampled tokens for the engine's live requests.
+
+    Args:
+        decode_token: token id -> text, for logprob entries.
+        max_model_len: the context limit (a length stop).
+        finish: called as ``finish(child, status)`` when a child stops; the engine frees
+            its blocks and its batch row there.
+    """
+
+    def __init__(self, decode_token: Callable[[int], str], max_model_len: int,
+                 finish: Callable[[ChildState, RequestStatus], None]) -> None:
+        self._decode_token = decode_token
+        self._max_model_len = max_model_len
+        self._finish = finish
+        self.parents: dict[str, ParentState] = {}
+        self.children: dict[str, ChildState] = {}
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+
+    def add(self, parent: ParentState) -> None:
+        self.parents[parent.request_id] = parent
+        parent.num_unfinished = len(parent.children)
+        for child in parent.children:
+            self.children[child.request.request_id] = child
+
+    def mark_finished(self, child: ChildState, status: RequestStatus) -> None:
+        """Record a child's end (its ids are forgotten; the parent when it was the last)."""
+        self.children.pop(child.request.request_id, None)
+        if child.finish_reason is None:
+            child.finish_reason = status.finish_reason
+            if child.final_len is None:
+                child.final_len = child.visible_len()
+            child.parent.num_unfinished -= 1
+
+    def process(self, advanced: list[Request], logprobs: dict[str, SampleResult]) -> list[RequestOutput]:
+        """Handle one step's new tokens; returns the outputs their requests ask for."""
+        touched: dict[str, ParentState] = {}
+        children = self.children
+        for request in advanced:
+            child = children[request.request_id]
+            self._process_token(child, logprobs.get(request.request_id))
+            parent = child.parent
+            if parent.kind is not FINAL_ONLY or parent.finished:
+                touched[parent.request_id] = parent
+        outputs = []
+        for rid, parent in touched.items():
+            outputs.append(parent.output())
+            if parent.finished:
+                self.parents.pop(rid, None)
+        return outputs
+
+    def _process_token(self, child: ChildState, result: SampleResult | None) -> None:
+        request = child.request
+        parent = child.parent
+        if not parent.prompt_counted:
+            parent.prompt_counted = True
+            self.prompt_tokens += request.num_prompt_tokens
+        self.generation_tokens += 1
+        if child.logprobs is not None and result is not None:
+            self._record_logprobs(child, result)
+        delta = child.detok.add_token(request.output_token_ids[-1])
+        status, stop_token = check_token_stop(request, self._max_model_len)
+        if child.max_stop_len and delta:
+            tail = child.tail + delta
+            stops = request.sampling_params.stop
+            hit = find_stop_string(tail, len(delta), stops)
+            if hit is not None:
+                stop, idx = hit
+                end = idx + len(stop) if request.sampling_params.include_stop_str_in_output else idx
+                child.final_len = child.detok.num_chars - len(tail) + end
+                status, stop_token = RequestStatus.FINISHED_STOPPED, stop
+            else:
+                child.tail = tail[-(child.max_stop_len - 1):] if child.max_stop_len > 1 else ""
+        if status is None:
+            return
+        if not isinstance(stop_token, str):
+            child.detok.flush()          # emit a held-back partial character, if any
+            child.final_len = child.detok.num_chars
+        child.stop_reason = stop_token
+        request.finished_time = time.time()
+        self._finish(child, status)
+
+    def _record_logprobs(self, child: ChildState, result: SampleResult) -> None:
+        decode = self._decode_token
+        entry = {result.token_id: Logprob(result.logprob, result.rank, decode(result.token_id))}
+        for rank, (tid, lp) in enumerate(result.top_logprobs or [], start=1):
+            if tid not in entry:
+                entry[tid] = Logprob(lp, rank, decode(tid))
+        child.logprobs.append(entry)
+        child.cumulative_logprob += result.logprob
