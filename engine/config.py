@@ -27,6 +27,7 @@ class ModelConfig:
     # Sampling defaults for requests that leave a field unset (generation_config.json):
     # SamplingParams field names -> values (see generation_defaults.py).
     default_sampling: dict[str, Any] = field(default_factory=dict)
+    enforce_eager: bool = False   # no CUDA graphs for decode steps
 
     def __post_init__(self) -> None:
         if self.dtype not in MODEL_DTYPES[1:]:

@@ -53,6 +53,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     attention_backend: str = "auto"
     device: str = "auto"
+    enforce_eager: bool = False               # CUDA: no CUDA graphs for decode steps
     scheduling_policy: str = "fcfs"
     # KV offload (vLLM's names): CPU tier GiB (None = off), backend, optional disk tier.
     kv_offloading_size: float | None = None
@@ -104,7 +105,8 @@ class EngineArgs:
         model_config = ModelConfig(model=model_dir, served_model_name=name, arch=arch, dtype=dtype,
                                    max_model_len=max_model_len, seed=self.seed,
                                    tokenizer=tokenizer, max_logprobs=self.max_logprobs,
-                                   default_sampling=defaults)
+                                   default_sampling=defaults,
+                                   enforce_eager=self.enforce_eager)
         kv_bytes = self.kv_cache_memory_bytes
         if (kv_bytes is None and self.num_gpu_blocks is None and device == "cpu"
                 and not os.environ.get(FAKE_DEVICE_MEMORY_ENV)):   # the test hook profiles instead

@@ -106,6 +106,7 @@ class LLMEngine:
     def _allocate_kv_cache(self, layout: KVLayout, sizing: KVCacheSizing) -> KVCacheInfo:
         cache, num_blocks = self.cache_config, sizing.num_blocks
         self.runner.allocate_kv_cache(num_blocks)
+        self.runner.capture_cuda_graphs()
         info = KVCacheInfo(
             num_gpu_blocks=num_blocks, block_size=layout.block_size,
             kv_cache_dtype=cache.kv_dtype_name(self.model_config.dtype),

@@ -1,4 +1,4 @@
-"""Triton kernels for the paged KV cache: KV store and unified paged attention.
+"""Triton kernels: KV store, paged attention (unified and split-KV), RMSNorm, rotary.
 
 Names are resolved lazily so that importing ``kvpilot.kernels`` does not import triton
 before the caller had a chance to set ``TRITON_INTERPRET``.
@@ -9,7 +9,11 @@ kernels, not the other way round; ``tests/test_layering.py`` checks it).
 - ``store_kv_cache`` / ``store_kv_cache_ref``: write new K/V into their cache slots
   (fp8 quantization with per-tensor scales).
 - ``unified_attention`` / ``unified_attention_ref``: causal varlen attention over the
-  paged cache (prefill, chunked prefill, decode; GQA; fp8 dequantization).
+  paged cache (prefill, chunked prefill, decode; GQA; fp8 dequantization); long-context
+  decode with few sequences splits the keys across programs
+  (``kvpilot.kernels.split_kv_attention``, chosen by ``choose_num_kv_splits``).
+- ``rms_norm`` / ``rms_norm_ref``: RMSNorm, optionally fused with the residual add.
+- ``rotary_embedding`` / ``rotary_embedding_ref``: rope ("rotate half"), in place.
 - ``kvpilot.kernels.fp8``: fp8 dtypes, limits and the torch quantizer (no triton).
 - ``kvpilot.kernels.attention_metadata``: ``AttentionMetadata``, the varlen batch the
   kernels and the engine's torch path read.
@@ -33,6 +37,11 @@ _EXPORTS = {
     "unified_attention_kernel": "kvpilot.kernels.unified_attention",
     "AttentionTiling": "kvpilot.kernels.unified_attention",
     "default_tiling": "kvpilot.kernels.unified_attention",
+    "choose_num_kv_splits": "kvpilot.kernels.split_kv_attention",
+    "rms_norm": "kvpilot.kernels.rms_norm",
+    "rms_norm_ref": "kvpilot.kernels.rms_norm",
+    "rotary_embedding": "kvpilot.kernels.rotary",
+    "rotary_embedding_ref": "kvpilot.kernels.rotary",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -34,3 +34,6 @@ class AttentionMetadata:
     # Host copies: the torch path loops over sequences and must not sync on device tensors.
     query_lens_cpu: tuple[int, ...]
     seq_lens_cpu: tuple[int, ...]
+    # Host bound on seq_lens (None: unknown): lets the Triton backend pick split-KV for
+    # long-context decode. A captured CUDA graph carries the bound it was captured with.
+    max_seq_len: int | None = None

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvpilot.kernels.attention_tiles import _attend_segment
 from kvpilot.kernels.fp8 import (
     CACHE_DTYPES,
     COMPUTE_DTYPES,
@@ -34,6 +35,7 @@ from kvpilot.kernels.fp8 import (
     is_fp8,
     is_interpreting,
 )
+from kvpilot.kernels.split_kv_attention import choose_num_kv_splits, split_kv_attention
 
 _DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
@@ -75,27 +77,6 @@ def default_tiling(max_query_len: int, num_queries_per_kv: int, head_size: int =
 
 
 @triton.jit
-def _find_seq_idx(
-    query_start_loc_ptr,   # [num_seqs + 1] int32
-    q_block_id,
-    num_seqs,
-    BLOCK_Q: tl.constexpr,
-):
-    # Sequence i's first query block has global id query_start_loc[i] // BLOCK_Q + i,
-    # which strictly increases with i; find the last i whose id is <= q_block_id.
-    lo = 0
-    hi = num_seqs
-    while lo < hi:
-        mid = (lo + hi) // 2
-        first = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
-        if first <= q_block_id:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo - 1
-
-
-@triton.jit
 def unified_attention_kernel(
     out_ptr,               # [num_tokens, num_heads, head_dim]
     query_ptr,             # [num_tokens, num_heads, head_dim]
@@ -124,67 +105,16 @@ def unified_attention_kernel(
     DOT_DTYPE: tl.constexpr,         # matmul operand dtype: the query dtype (see launcher)
     DOT_PRECISION: tl.constexpr,     # "ieee" for fp32 operands, else "tf32" (ignored by 16-bit)
 ):
-    q_block_id = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    seq = _find_seq_idx(query_start_loc_ptr, q_block_id, num_seqs, BLOCK_Q)
-    q_start = tl.load(query_start_loc_ptr + seq)
-    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    q_block = q_block_id - (q_start // BLOCK_Q + seq)
-    if q_block * BLOCK_Q >= q_len:
+    q_len, rows, head, row_ok, dim_ok, offs_d, m_i, l_i, acc = _attend_segment(
+        query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr,
+        query_start_loc_ptr, k_scale_ptr, softmax_scale, num_seqs, tl.program_id(0),
+        tl.program_id(1), 0, 1,
+        stride_q_tok, stride_q_head, stride_kc_block, stride_kc_off, stride_kc_head,
+        stride_vc_block, stride_vc_off, stride_vc_head, stride_bt_seq,
+        NUM_QUERIES_PER_KV, BLOCK_SIZE, HEAD_SIZE, HEAD_SIZE_PADDED, BLOCK_M, BLOCK_Q, TILE_N,
+        IS_FP8, DOT_DTYPE, DOT_PRECISION)
+    if q_len == 0:
         return
-    seq_len = tl.load(seq_lens_ptr + seq)
-    context_len = seq_len - q_len
-
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_SIZE_PADDED)
-    q_tok = q_block * BLOCK_Q + offs_m // NUM_QUERIES_PER_KV   # index among the new tokens
-    head = kv_head * NUM_QUERIES_PER_KV + offs_m % NUM_QUERIES_PER_KV
-    row_ok = (offs_m < BLOCK_Q * NUM_QUERIES_PER_KV) & (q_tok < q_len)
-    dim_ok = offs_d < HEAD_SIZE
-    q_pos = context_len + q_tok                                   # absolute token position
-
-    rows = (q_start + q_tok).to(tl.int64)
-    q = tl.load(query_ptr + rows[:, None] * stride_q_tok + head[:, None] * stride_q_head
-                + offs_d[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0).to(DOT_DTYPE)
-
-    qk_scale = softmax_scale * 1.4426950408889634   # exp2 units
-    if IS_FP8:
-        qk_scale = qk_scale * tl.load(k_scale_ptr)
-
-    # Keys 0 .. last_key are the most any row of this program may see.
-    last_key = context_len + tl.minimum((q_block + 1) * BLOCK_Q, q_len) - 1
-    num_tiles = tl.cdiv(last_key + 1, TILE_N)
-    block_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
-
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_SIZE_PADDED], tl.float32)
-    for tile in range(0, num_tiles):
-        offs_n = tile * TILE_N + tl.arange(0, TILE_N)
-        key_ok = offs_n <= last_key
-        block = tl.load(block_row + offs_n // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
-        offset = offs_n % BLOCK_SIZE
-        k_off = block * stride_kc_block + offset * stride_kc_off + kv_head * stride_kc_head
-        v_off = block * stride_vc_block + offset * stride_vc_off + kv_head * stride_vc_head
-        # Masked lanes read 0, so stale NaNs in unused slots never reach the sums.
-        k = tl.load(key_cache_ptr + k_off[None, :] + offs_d[:, None],
-                    mask=dim_ok[:, None] & key_ok[None, :], other=0.0)    # [HEAD_PAD, TILE_N]
-        v = tl.load(value_cache_ptr + v_off[:, None] + offs_d[None, :],
-                    mask=key_ok[:, None] & dim_ok[None, :], other=0.0)    # [TILE_N, HEAD_PAD]
-        k = k.to(DOT_DTYPE)   # exact for fp8 (every fp8 value fits 16/32-bit); else a no-op
-        v = v.to(DOT_DTYPE)
-
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
-        visible = row_ok[:, None] & (offs_n[None, :] <= q_pos[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)    # rows with nothing visible yet
-        p = tl.math.exp2(s - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
-        m_i = m_new
-
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     if IS_FP8:
         out = out * tl.load(v_scale_ptr)
@@ -207,6 +137,8 @@ def unified_attention(
     *,
     out: torch.Tensor | None = None,
     tiling: AttentionTiling | None = None,
+    max_seq_len: int | None = None,
+    num_kv_splits: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of every query row over its sequence's paged K/V.
 
@@ -215,6 +147,11 @@ def unified_attention(
     float32) are required for an fp8 cache and ignored otherwise. Returns ``out`` in the
     query dtype: when None it is allocated zeroed, so rows after ``query_start_loc[-1]``
     (padding) are 0; a given ``out`` keeps whatever those rows held.
+
+    ``num_kv_splits`` > 1 cuts each sequence's keys into that many segments run in
+    parallel (split-KV, ``kvpilot.kernels.split_kv_attention``); None lets
+    ``choose_num_kv_splits`` decide from ``max_seq_len`` (a host int, the longest
+    sequence; None: no split) and the device's size.
     """
     _check_attention_args(query, key_cache, value_cache, block_tables, seq_lens,
                           query_start_loc, k_scale, v_scale, out, max_query_len)
@@ -238,6 +175,17 @@ def unified_attention(
         dot_dtype = tl.float32
     if not fp8:   # never read by the kernel; any pointer will do
         k_scale = v_scale = seq_lens
+    if num_kv_splits is None:
+        num_kv_splits = choose_num_kv_splits(num_seqs, num_kv_heads, max_query_len, max_seq_len,
+                                             _target_programs(query.device))
+    if num_kv_splits < 1:
+        raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
+    if num_kv_splits > 1:
+        return split_kv_attention(
+            out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+            k_scale, v_scale, num_splits=num_kv_splits, block_m=tiling.block_m, block_q=block_q,
+            tile_n=tiling.tile_n, is_fp8=fp8, dot_dtype=dot_dtype, num_warps=tiling.num_warps,
+            num_stages=tiling.num_stages)
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     unified_attention_kernel[grid](
         out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
@@ -261,6 +209,13 @@ def unified_attention(
         num_stages=tiling.num_stages,
     )
     return out
+
+
+def _target_programs(device: torch.device) -> int:
+    """About two programs per streaming multiprocessor (16 when interpreting)."""
+    if device.type != "cuda":
+        return 16
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _check_attention_args(query, key_cache, value_cache, block_tables, seq_lens,

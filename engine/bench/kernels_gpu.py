@@ -4,7 +4,9 @@
    16/32-bit caches and the in-kernel fp8 e4m3 / e5m2 quantization byte for byte against
    torch's cast (including exact ties, rounding carries, subnormals and saturation),
    then unified attention on mixed prefill / chunked-prefill / decode batches (GQA,
-   non-power-of-two heads, fp8 caches) against its reference and the engine's torch path.
+   non-power-of-two heads, fp8 caches) against its reference and the engine's torch path,
+   split-KV attention, RMSNorm (+ residual) and rotary against theirs
+   (``kvpilot.engine.bench.gpu_kernel_checks``).
 2. Times decode and prefill attention against ``scaled_dot_product_attention`` on the
    same K/V laid out contiguously, with ``triton.testing.do_bench`` (median), sweeps a few
    tilings, and prints decode's achieved HBM bandwidth as a share of this device's
@@ -45,13 +47,13 @@ def _fp8_probe_values(dtype: torch.dtype, device) -> torch.Tensor:
     return x.to(device)
 
 
-def check_store(device, *, smoke: bool) -> list[str]:
-    """KV store against its reference and the engine's torch store; returns failure lines."""
+def check_store(device, *, smoke: bool) -> list[dict]:
+    """KV store against its reference and the engine's torch store; one record per case."""
     from kvpilot.engine.model.attention.torch_backend import store_kv
     from kvpilot.kernels.kv_store import store_kv_cache, store_kv_cache_ref
     from kvpilot.kernels.paged_batch import make_paged_batch
 
-    failures = []
+    records = []
     n = 40 if smoke else 2000
     specs = ((0, n), (5, 3))
     cases = [(torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16),
@@ -83,13 +85,12 @@ def check_store(device, *, smoke: bool) -> list[str]:
         ok = bad_ref == 0 and bad_engine == 0
         print(f"  {name} bytes differing: vs ref {bad_ref}, vs engine {bad_engine}  "
               f"{'ok' if ok else 'FAIL'}")
-        if not ok:
-            failures.append(name)
-    return failures
+        records.append({"name": name.strip(), "ok": ok, "bytes_differing": bad_ref + bad_engine})
+    return records
 
 
-def check_attention(device, *, smoke: bool) -> list[str]:
-    """Unified attention against its reference and the engine's torch path."""
+def check_attention(device, *, smoke: bool) -> list[dict]:
+    """Unified attention against its reference and the engine's torch path; one record per case."""
     from kvpilot.engine.model.attention.torch_backend import paged_attention
     from kvpilot.kernels.kv_store import store_kv_cache_ref
     from kvpilot.kernels.paged_batch import MIXED_SPECS, make_paged_batch
@@ -116,7 +117,7 @@ def check_attention(device, *, smoke: bool) -> list[str]:
     if smoke:
         cases = [(d, c, max(2, h // 8), max(1, kv // 8), hd, bs, t)
                  for d, c, h, kv, hd, bs, t in cases[::3]]
-    failures = []
+    records = []
     for dtype, cache_dtype, heads, kv_heads, head_dim, block_size, tiling in cases:
         b = make_paged_batch(specs, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
                              block_size=block_size, dtype=dtype, cache_dtype=cache_dtype,
@@ -139,9 +140,8 @@ def check_attention(device, *, smoke: bool) -> list[str]:
                 + (f" tiling={tiling.block_m}x{tiling.tile_n}" if tiling else ""))
         print(f"  {name:<78} max|err| vs ref {err_ref:.2e}, vs engine {err_engine:.2e}  "
               f"{'ok' if ok else 'FAIL'}")
-        if not ok:
-            failures.append(name)
-    return failures
+        records.append({"name": name, "ok": ok, "max_err": max(err_ref, err_engine)})
+    return records
 
 
 def _sdpa(q, k, v, causal: bool):
@@ -237,7 +237,7 @@ def bench_case(device, kind: str, num_seqs: int, seq_len: int, dtype, cache_dtyp
         return lambda: unified_attention(
             b.query, b.kv_cache[0], b.kv_cache[1], m.block_tables, m.seq_lens,
             m.query_start_loc, m.max_query_len, b.scale, b.k_scale, b.v_scale,
-            out=out_buf, tiling=tiling)
+            out=out_buf, tiling=tiling, max_seq_len=seq_len)   # split-KV where the engine would
 
     tol = TOL[dtype]
     default = default_tiling(m.max_query_len, heads // kv_heads, head_dim, dtype)
@@ -291,8 +291,11 @@ def _report(f: dict, copy_bw: float) -> str:
             f"max|diff| vs sdpa {f['max_diff']:.1e}")
 
 
-def bench_attention(device, *, smoke: bool) -> list[str]:
-    """Decode and prefill timings vs SDPA, with a tiling sweep; returns failure lines."""
+def bench_attention(device, *, smoke: bool) -> tuple[dict, list[str]]:
+    """Decode and prefill timings vs SDPA, with a tiling sweep.
+
+    Returns ({copy bandwidth, per-case figures with decode's share of copy bandwidth},
+    failure lines)."""
     copy_bw = copy_bandwidth(device, smoke)
     print(f"\ndevice-to-device copy bandwidth: {copy_bw / 1e9:.0f} GB/s (read + write)")
     shape = (4, 2, 64, 16) if smoke else (32, 8, 128, 16)
@@ -305,7 +308,7 @@ def bench_attention(device, *, smoke: bool) -> list[str]:
         ("prefill", 1, 16384, bf16, None)]
     print("heads={} kv_heads={} head_dim={} block_size={}; decode % = achieved HBM bytes/s "
           "over the copy bandwidth".format(*shape))
-    failures = []
+    failures, figures_list = [], []
     for kind, num_seqs, seq_len, dtype, cache_dtype in cases:
         try:
             figures, bad = bench_case(device, kind, num_seqs, seq_len, dtype, cache_dtype,
@@ -315,8 +318,36 @@ def bench_attention(device, *, smoke: bool) -> list[str]:
             print(f"{kind} B={num_seqs} L={seq_len}: FAILED ({type(e).__name__}: {e})")
             continue
         print(_report(figures, copy_bw), flush=True)
+        if kind == "decode" and figures["triton_ms"] and copy_bw:
+            figures["pct_of_copy_bandwidth"] = 100 * figures["bytes"] / (figures["triton_ms"] * 1e-3) / copy_bw
+        figures_list.append(figures)
         failures += bad
-    return failures
+    return {"copy_bandwidth_gbs": copy_bw / 1e9, "cases": figures_list}, failures
+
+
+def run_checks(device, *, smoke: bool, bench: bool) -> tuple[dict, list[str]]:
+    """Every kernel check (and the attention timings when ``bench``): (results, failures)."""
+    from kvpilot.engine.bench.gpu_kernel_checks import check_rms_norm, check_rotary, check_split_kv
+
+    results: dict = {"checks": []}
+    failures: list[str] = []
+    for check in (check_store, check_attention, check_split_kv, check_rms_norm, check_rotary):
+        try:
+            records = check(device, smoke=smoke)
+        except Exception as e:   # report and go on to the next check
+            failures.append(f"{check.__name__}: {type(e).__name__}: {e}")
+            print(f"{check.__name__} FAILED: {type(e).__name__}: {e}")
+            continue
+        results["checks"] += records
+        failures += [r["name"] for r in records if not r["ok"]]
+    if bench:
+        try:
+            results["attention_bench"], bad = bench_attention(device, smoke=smoke)
+            failures += bad
+        except Exception as e:
+            failures.append(f"bench_attention: {type(e).__name__}: {e}")
+            print(f"bench_attention FAILED: {type(e).__name__}: {e}")
+    return results, failures
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -346,14 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     torch.manual_seed(0)
     print("checks (compiled kernels vs pure-torch references):")
-    steps = [check_store, check_attention] + ([] if args.skip_bench else [bench_attention])
-    failures = []
-    for step in steps:
-        try:
-            failures += step(device, smoke=smoke)
-        except Exception as e:   # report and go on to the next step
-            failures.append(f"{step.__name__}: {type(e).__name__}: {e}")
-            print(f"{step.__name__} FAILED: {type(e).__name__}: {e}")
+    _, failures = run_checks(device, smoke=smoke, bench=not args.skip_bench)
     print(f"\n{len(failures)} failure(s) in {time.perf_counter() - start:.0f} s")
     for line in failures:
         print(f"  FAIL {line}")

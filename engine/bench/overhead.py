@@ -59,7 +59,7 @@ class OverheadResult:
     decode_steps: int
     ms_per_step: float          # mean wall time of a decode step
     forward_ms_per_step: float  # of which inside the model's forward + logits
-    outside_share: float        # 1 - forward / step
+    outside_share: float | None  # 1 - forward / step (CPU only)
     output_tokens_per_s: float  # whole run, prefill included
 
 
@@ -83,72 +83,81 @@ def write_micro_model(directory: Path) -> Path:
     return directory
 
 
-class _ForwardTimer:
-    """Wraps the model's forward and logits to time them and spot full decode steps."""
+class _StepProbe:
+    """Spots full decode steps (from the scheduler's output) and times the model's eager
+    forward and logits (a CUDA-graph replay is not a forward call: not timed)."""
 
-    def __init__(self, model) -> None:
+    def __init__(self, engine) -> None:
         self.forward_s = 0.0
-        self.last_was_decode = False
-        self.last_num_seqs = 0
-        self._forward, self._logits = model.forward, model.compute_logits
-        model.forward = self.forward
-        model.compute_logits = self.compute_logits
+        self.decode_seqs = 0            # sequences of the last step if it was all decode, else 0
+        scheduler, model = engine.scheduler, engine.runner.model
+        self._schedule, self._forward, self._logits = scheduler.schedule, model.forward, model.compute_logits
+        scheduler.schedule, model.forward, model.compute_logits = self.schedule, self.forward, self.logits
 
-    def forward(self, input_ids, positions, kv_caches, metadata, *args, **kwargs):
+    def schedule(self):
+        out = self._schedule()
+        n = len(out.scheduled)
+        self.decode_seqs = n if n and out.num_scheduled_tokens == n else 0
+        return out
+
+    def _timed(self, fn, *args, **kwargs):
         start = time.perf_counter()
         try:
-            return self._forward(input_ids, positions, kv_caches, metadata, *args, **kwargs)
-        finally:
-            self.forward_s += time.perf_counter() - start
-            num_seqs = metadata.seq_lens.shape[0]
-            self.last_num_seqs = num_seqs
-            self.last_was_decode = metadata.num_actual_tokens == num_seqs
-
-    def compute_logits(self, hidden):
-        start = time.perf_counter()
-        try:
-            return self._logits(hidden)
+            return fn(*args, **kwargs)
         finally:
             self.forward_s += time.perf_counter() - start
 
+    def forward(self, *args, **kwargs):
+        return self._timed(self._forward, *args, **kwargs)
 
-def measure(model_dir: str, batch_size: int, args) -> OverheadResult:
+    def logits(self, hidden):
+        return self._timed(self._logits, hidden)
+
+
+def measure(model_dir: str, batch_size: int, prompt_len: int = 64, output_len: int = 128,
+            output_kind: str = "final", device: str = "auto", enforce_eager: bool = False,
+            dtype: str = "float32", num_gpu_blocks: int | None = None) -> OverheadResult:
+    """One engine, ``batch_size`` requests at once; mean decode step and forward times.
+
+    The forward share is measured on CPU only (on CUDA kernels run asynchronously and
+    decode steps may replay CUDA graphs): ``forward_ms_per_step`` is 0 there.
+    """
     from kvpilot.engine import LLMEngine, SamplingParams
     from kvpilot.engine.engine_args import EngineArgs
     from kvpilot.engine.sampling_params import RequestOutputKind
 
-    max_len = args.prompt_len + args.output_len
-    blocks = batch_size * -(-max_len // 16) + 16
+    max_len = prompt_len + output_len
+    blocks = num_gpu_blocks or batch_size * -(-max_len // 16) + 16
     engine = LLMEngine(EngineArgs(model=model_dir, max_model_len=max_len + 16, max_num_seqs=batch_size,
-                                  num_gpu_blocks=blocks, enable_prefix_caching=True,
-                                  dtype="float32"))
-    timer = _ForwardTimer(engine.runner.model)
+                                  num_gpu_blocks=blocks, enable_prefix_caching=True, dtype=dtype,
+                                  device=device, enforce_eager=enforce_eager))
+    on_cpu = engine.runner.device.type == "cpu"
     kind = {"final": RequestOutputKind.FINAL_ONLY, "delta": RequestOutputKind.DELTA,
-            "cumulative": RequestOutputKind.CUMULATIVE}[args.output_kind]
-    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True,
-                            output_kind=kind)
+            "cumulative": RequestOutputKind.CUMULATIVE}[output_kind]
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True, output_kind=kind)
     warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     for i in range(min(batch_size, 8)):   # warm-up, not measured
-        engine.add_request(f"warm-{i}", [100 + i] * args.prompt_len, warm)
+        engine.add_request(f"warm-{i}", [100 + i] * prompt_len, warm)
     while engine.has_unfinished_requests():
         engine.step()
+    probe = _StepProbe(engine)
     for i in range(batch_size):
-        prompt = [(7 * i + 13 * j) % 1000 + 10 for j in range(args.prompt_len)]
+        prompt = [(7 * i + 13 * j) % 1000 + 10 for j in range(prompt_len)]
         engine.add_request(f"r{i}", prompt, params)
     step_ms, forward_ms = [], []
     start = time.perf_counter()
     while engine.has_unfinished_requests():
-        before, t0 = timer.forward_s, time.perf_counter()
+        before, t0 = probe.forward_s, time.perf_counter()
         engine.step()
         elapsed = time.perf_counter() - t0
-        if timer.last_was_decode and timer.last_num_seqs == batch_size:
+        if probe.decode_seqs == batch_size:
             step_ms.append(elapsed * 1000)
-            forward_ms.append((timer.forward_s - before) * 1000)
+            forward_ms.append((probe.forward_s - before) * 1000 if on_cpu else 0.0)
     total = time.perf_counter() - start
     engine.close()
     step, fwd = statistics.fmean(step_ms), statistics.fmean(forward_ms)
-    return OverheadResult(batch_size, len(step_ms), step, fwd, 1 - fwd / step,
-                          batch_size * args.output_len / total)
+    return OverheadResult(batch_size, len(step_ms), step, fwd, 1 - fwd / step if on_cpu else None,
+                          batch_size * output_len / total)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -165,7 +174,8 @@ def run(args: argparse.Namespace) -> int:
               f"{args.output_kind} outputs; threads={torch.get_num_threads()}")
         print(f"{'batch':>6}{'ms/step':>10}{'forward ms':>12}{'outside':>9}{'tok/s':>10}")
         for size in sizes:
-            best = min((measure(model_dir, size, args) for _ in range(args.repeats)),
+            best = min((measure(model_dir, size, args.prompt_len, args.output_len,
+                                args.output_kind) for _ in range(args.repeats)),
                        key=lambda r: r.ms_per_step)
             results.append(best)
             print(f"{size:>6}{best.ms_per_step:>10.2f}{best.forward_ms_per_step:>12.2f}"

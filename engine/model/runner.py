@@ -17,6 +17,7 @@ from kvpilot.engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from kvpilot.engine.core.kv_transfer import KVTransfers
 from kvpilot.engine.core.scheduler import SchedulerOutput
 from kvpilot.engine.model.attention import AttentionMetadata, select_attention_backend
+from kvpilot.engine.model.cuda_graphs import DecodeGraphs, capture_sizes
 from kvpilot.engine.model.input_batch import InputBatch
 from kvpilot.engine.model.loader import load_model
 from kvpilot.engine.model.sampler import SampleResult, SamplingMetadata, sample
@@ -76,6 +77,7 @@ def metadata_from_seqs(seqs: list[tuple[list[int], int, list[int]]], block_size:
         max_query_len=max(query_lens),
         query_lens_cpu=tuple(query_lens),
         seq_lens_cpu=tuple(seq_lens),
+        max_seq_len=max(seq_lens),
     )
     return as_tensor(input_ids, torch.long), as_tensor(positions, torch.long), metadata
 
@@ -106,12 +108,16 @@ class ModelRunner:
         if device.type == "cpu":
             self.model.use_transposed_output_weight()
         self.backend = select_attention_backend(attention_backend, device)
+        if self.backend.name == "triton":
+            self.model.use_triton_kernels()
         self.kv_caches: torch.Tensor | list[torch.Tensor] | None = None
         self.block_size = cache_config.block_size
         self.input_batch = InputBatch(scheduler_config.max_num_seqs, model_config.max_model_len,
                                       self.block_size, model_config.arch.vocab_size, device)
         self.inputs = StepInputBuilder(self.input_batch, scheduler_config.max_num_batched_tokens,
                                        device)
+        # Decode-step CUDA graphs (capture_cuda_graphs); None: every step runs eagerly.
+        self.graphs: DecodeGraphs | None = None
         # Executor half of the KV offload backend (kvpilot.engine.offload), None when off:
         # it runs each step's ``SchedulerOutput.kv_transfers`` before the forward pass.
         self.kv_transfer = None
@@ -137,6 +143,18 @@ class ModelRunner:
             views.append(groups[d][seen[d]])
             seen[d] += 1
         self.kv_caches = views
+
+    def capture_cuda_graphs(self) -> None:
+        """Capture decode graphs over the allocated cache: CUDA with the Triton backend,
+        unless ``enforce_eager``. Call once, after ``allocate_kv_cache``."""
+        if (self.device.type != "cuda" or self.model_config.enforce_eager
+                or self.backend.name != "triton"):
+            return
+        sizes = [s for s in capture_sizes(self.input_batch.max_num_seqs)
+                 if s <= self.inputs.input_ids.cpu.shape[0]]
+        self.graphs = DecodeGraphs(self.model, self.inputs, self.kv_caches, self.backend, sizes,
+                                   self.model_config.max_model_len)
+        self.graphs.capture()
 
     def execute_kv_transfers(self, transfers: KVTransfers) -> None:
         """Copies the blocks a step lists for the offload tiers (saves, then loads)."""
@@ -191,12 +209,17 @@ class ModelRunner:
         if out.kv_transfers:
             self.execute_kv_transfers(out.kv_transfers)
         self.remove_preempted(out.preempted_request_ids)
-        step = self.inputs.build(out.scheduled)
-        if self._calibrate_pending:
-            self._calibrate_pending = False
+        calibrate, self._calibrate_pending = self._calibrate_pending, False
+        graphs = self.graphs if not calibrate else None
+        step = self.inputs.build(out.scheduled, graphs.size_for if graphs is not None else None)
+        if calibrate:
             for layer in self.model.layers:
                 layer.self_attn.calibrate_kv_scales = True
-        hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.metadata, self.backend)
+        if step.padded_size is not None:
+            hidden = graphs.run(step, step.padded_size)
+        else:
+            hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.metadata,
+                                self.backend)
         if not step.sample_req_ids:
             return ModelRunnerOutput([], [], {})
         logits = self.model.compute_logits(hidden[step.logits_indices])

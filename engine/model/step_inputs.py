@@ -6,12 +6,13 @@ device, one preallocated device twin. A step writes the first ``n`` entries with
 vectorised numpy gathers over the scheduled rows and copies just those to the device;
 the attention metadata is views of the device buffers. Because the buffers never move,
 a CUDA graph captured over them replays with whatever the next step wrote
-(``pad_to``: a decode batch padded to a captured size, padding rows inert: slot -1 so
+(``pad_for``: a decode batch padded to a captured size, padding rows inert: slot -1 so
 nothing is stored, query length 0 so no attention runs).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,6 +49,7 @@ class StepInputs:
     logits_indices: torch.Tensor      # [num_sampling] rows of the hidden states to sample from
     sample_rows: np.ndarray           # persistent-batch rows of those, in the same order
     sample_req_ids: list[str]
+    padded_size: int | None = None    # a decode batch padded to this captured size
 
 
 class StepInputBuilder:
@@ -65,10 +67,12 @@ class StepInputBuilder:
         self.block_tables = StagedBuffer((seqs, batch.max_blocks_per_seq), torch.int32, device)
         self.logits_indices = StagedBuffer((seqs,), torch.long, device)
 
-    def build(self, scheduled: list[ScheduledRequest], pad_to: int | None = None) -> StepInputs:
+    def build(self, scheduled: list[ScheduledRequest],
+              pad_for: Callable[[int], int | None] | None = None) -> StepInputs:
         """Inputs for ``scheduled`` (adding rows for requests seen for the first time).
 
-        ``pad_to``: for a pure decode batch, pad to that many sequences (CUDA graphs).
+        ``pad_for(n)``: for a pure decode batch of ``n`` sequences, the size to pad it to
+        (a captured CUDA graph's) or None; prefill and mixed batches are never padded.
         """
         batch = self.batch
         rows_of, num_blocks = batch.rows, batch.num_blocks
@@ -98,10 +102,11 @@ class StepInputBuilder:
             positions = np.arange(total) + np.repeat(computed_np - (ends - query_lens), query_lens)
         seq_lens = computed_np + query_lens
         bs = batch.block_size
+        pad_to = pad_for(n) if pad_for is not None and total == n else None
+        if pad_to is not None and pad_to < n:
+            raise ValueError(f"cannot pad a decode batch of {n} sequences to {pad_to}")
         num_seqs = n if pad_to is None else pad_to
         num_tokens = total if pad_to is None else pad_to
-        if pad_to is not None and (total != n or pad_to < n):
-            raise ValueError(f"only a decode batch of at most {pad_to} sequences can be padded")
 
         self.input_ids.np[:total] = batch.token_ids[token_rows, positions]
         self.positions.np[:total] = positions
@@ -137,6 +142,7 @@ class StepInputBuilder:
             max_query_len=max(query_lens_cpu),
             query_lens_cpu=query_lens_cpu + (0,) * (num_seqs - n),
             seq_lens_cpu=tuple(seq_lens.tolist()) + (0,) * (num_seqs - n),
+            max_seq_len=int(seq_lens.max()),
         )
         sample_rows = rows_np[sample_positions]
         req_ids = batch.req_ids
@@ -147,4 +153,5 @@ class StepInputBuilder:
             logits_indices=self.logits_indices.to_device(num_sampling),
             sample_rows=sample_rows,
             sample_req_ids=[req_ids[r] for r in sample_rows.tolist()],
+            padded_size=pad_to,
         )

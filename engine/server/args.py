@@ -102,7 +102,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     model.add_argument("--max-logprobs", type=max_logprobs, default=20, metavar="N",
                        help="most logprobs / top_logprobs a request may ask for (-1: the vocabulary)")
     model.add_argument("--enforce-eager", action="store_true",
-                       help="accepted for vLLM command lines; kvpilot always runs eagerly (no CUDA graphs)")
+                       help="CUDA: run every step eagerly, without CUDA graphs (by default decode "
+                            "batches of 1, 2, 4, 8, 16, ... up to --max-num-seqs replay captured graphs)")
 
     cache = parser.add_argument_group("KV cache")
     cache.add_argument("--block-size", type=positive_int, default=16, metavar="TOKENS",
@@ -265,6 +266,7 @@ def engine_args_from_namespace(ns: argparse.Namespace):
         "override_generation_config": ns.override_generation_config,
         "max_logprobs": ns.max_logprobs,
         "structured_outputs_config": structured,
+        "enforce_eager": ns.enforce_eager,
     }
     for name in ("kv_offloading_size", "kv_offloading_backend", "kv_offloading_disk_path",
                  "kv_offloading_disk_size"):

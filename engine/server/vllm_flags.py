@@ -76,7 +76,7 @@ VLLM_FLAGS: tuple[VLLMFlag, ...] = (
     _h("--generation-config", "`auto`: the checkpoint's generation_config.json sampling defaults apply to requests that omit them; `vllm`: none; or a directory holding generation_config.json"),
     _h("--override-generation-config", "JSON object of sampling defaults, merged over --generation-config's"),
     _h("--max-logprobs", "most logprobs / top_logprobs a request may ask for (`-1`: the vocabulary)"),
-    _h("--enforce-eager", "accepted: kvpilot always runs the model eagerly (it captures no CUDA graphs)"),
+    _h("--enforce-eager", "CUDA: no CUDA graphs (decode batches otherwise replay graphs captured for 1, 2, 4, 8, 16, ... up to --max-num-seqs)"),
     _h("--device", "`auto`, `cpu`, `cuda`, `cuda:N`"),
     _r("--quantization", "weight quantization is not implemented (the fp8 KV cache is --kv-cache-dtype)", "-q"),
     _r("--revision", _HUB),

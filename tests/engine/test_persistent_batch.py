@@ -96,16 +96,44 @@ def test_padded_decode_batch_is_inert():
     sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=MAX_LEN), kv)
     for i in range(3):
         sched.add_request(Request(f"r{i}", [1 + i] * (3 + i), SamplingParams(max_tokens=5), max_tokens=5))
-    out = sched.schedule()                       # prefill
-    got = builder.build(out.scheduled)
+    out = sched.schedule()                       # prefill: never padded
+    got = builder.build(out.scheduled, pad_for=lambda n: 8)
+    assert got.padded_size is None
     batch.append_sampled(got.sample_rows, [7, 8, 9])
     sched.update_from_output(out, dict(zip(got.sample_req_ids, [7, 8, 9], strict=True)))
     out = sched.schedule()                       # decode of 3, padded to 8
-    padded = builder.build(out.scheduled, pad_to=8)
+    padded = builder.build(out.scheduled, pad_for=lambda n: 8)
+    assert padded.padded_size == 8
     m = padded.metadata
     assert padded.input_ids.shape == (8,) and padded.input_ids[:3].tolist() == [7, 8, 9]
     assert m.slot_mapping[3:].tolist() == [-1] * 5 and m.seq_lens[3:].tolist() == [0] * 5
     assert m.query_start_loc.tolist() == [0, 1, 2, 3, 3, 3, 3, 3, 3]
     assert m.block_tables.shape == (8, batch.max_blocks_per_seq)
-    with pytest.raises(ValueError, match="decode batch"):
-        builder.build(out.scheduled, pad_to=2)
+    with pytest.raises(ValueError, match="cannot pad"):
+        builder.build(out.scheduled, pad_for=lambda n: 2)
+
+
+def test_padded_decode_path_gives_the_eager_tokens(tiny_checkpoint):
+    """The CUDA-graph path's inputs (decode batches padded to a captured size, static
+    buffers, hidden states sliced back) give the eager path's greedy tokens. On CPU the
+    "graph" runs the padded forward eagerly; the capture itself needs CUDA."""
+    from kvpilot.engine import LLM, SamplingParams
+    from kvpilot.engine.model.cuda_graphs import DecodeGraphs, capture_sizes
+
+    path = str(tiny_checkpoint("qwen3"))
+    prompts = [[5, 6, 7], [8] * 20, [9, 10], [11] * 5, [12] * 33]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (9, 3, 6, 12, 2)]
+    eager = [o.outputs[0].token_ids for o in
+             LLM(path, num_gpu_blocks=64, max_model_len=128).generate(prompts, params)]
+    llm = LLM(path, num_gpu_blocks=64, max_model_len=128, max_num_seqs=8)
+    runner = llm.llm_engine.runner
+    assert capture_sizes(8) == [1, 2, 4, 8] and capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+    runner.graphs = DecodeGraphs(runner.model, runner.inputs, runner.kv_caches, runner.backend,
+                                 capture_sizes(8), 128)
+    padded = []
+    real_run = runner.graphs.run
+    runner.graphs.run = lambda step, size: padded.append((len(step.sample_req_ids), size)) or \
+        real_run(step, size)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == eager
+    assert {size for _, size in padded} == {8, 4, 2, 1}     # 5, 4, 3, 2, 1 running
+    assert all(size == min(s for s in (1, 2, 4, 8) if s >= n) for n, size in padded)

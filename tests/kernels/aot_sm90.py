@@ -19,6 +19,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 
 from kvpilot.kernels.kv_store import kv_store_kernel
+from kvpilot.kernels.rms_norm import rms_norm_kernel
+from kvpilot.kernels.rotary import rotary_kernel
+from kvpilot.kernels.split_kv_attention import merge_splits_kernel, split_kv_attention_kernel
 from kvpilot.kernels.unified_attention import default_tiling, unified_attention_kernel
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -89,11 +92,57 @@ def attention_variants():
         yield name, unified_attention_kernel, types, consts, tiling.num_warps, tiling.num_stages
 
 
+def split_kv_variants():
+    import torch
+    import triton.language as tl
+
+    dot = {"bf16": tl.bfloat16, "fp16": tl.float16}
+    for q, cache, group, head, splits in (("bf16", "bf16", 4, 128, 16), ("fp16", "fp8e4nv", 8, 128, 5),
+                                          ("bf16", "bf16", 7, 80, 3), ("bf16", "bf16", 1, 96, 2)):
+        tiling = default_tiling(1, group, head, torch.bfloat16)
+        head_padded = max(16, triton.next_power_of_2(head))
+        types = {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "query_ptr": f"*{q}",
+                 "key_cache_ptr": f"*{cache}", "value_cache_ptr": f"*{cache}",
+                 "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
+                 "k_scale_ptr": "*fp32", "softmax_scale": "fp32"}
+        consts = {"NUM_SPLITS": splits, "NUM_QUERIES_PER_KV": group, "BLOCK_SIZE": 16,
+                  "HEAD_SIZE": head, "HEAD_SIZE_PADDED": head_padded, "BLOCK_M": tiling.block_m,
+                  "BLOCK_Q": tiling.block_m // group, "TILE_N": tiling.tile_n,
+                  "IS_FP8": cache.startswith("fp8"), "DOT_DTYPE": dot[q], "DOT_PRECISION": "tf32"}
+        yield (f"split-kv q={q} cache={cache} group={group} head={head} splits={splits}",
+               split_kv_attention_kernel, types, consts, tiling.num_warps, tiling.num_stages)
+        types = {"out_ptr": f"*{q}", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32",
+                 "query_start_loc_ptr": "*i32", "v_scale_ptr": "*fp32"}
+        consts = {"NUM_SPLITS": splits, "SPLITS_PADDED": triton.next_power_of_2(splits),
+                  "HEAD_SIZE": head, "HEAD_SIZE_PADDED": head_padded,
+                  "IS_FP8": cache.startswith("fp8")}
+        yield (f"merge-splits q={q} head={head} splits={splits}", merge_splits_kernel, types,
+               consts, 4 if head_padded >= 128 else 2, 1)
+
+
+def norm_rotary_variants():
+    for dtype, hidden, residual in (("bf16", 1024, True), ("fp16", 5120, False), ("fp32", 2560, True)):
+        block = triton.next_power_of_2(hidden)
+        types = {"out_ptr": f"*{dtype}", "residual_out_ptr": f"*{dtype}", "x_ptr": f"*{dtype}",
+                 "residual_ptr": f"*{dtype}", "weight_ptr": f"*{dtype}", "eps": "fp32"}
+        yield (f"rms_norm {dtype} hidden={hidden} residual={residual}", rms_norm_kernel, types,
+               {"BLOCK": block, "HAS_RESIDUAL": residual}, min(16, max(1, block // 256)), 1)
+    for dtype, head, heads, kv_heads in (("bf16", 128, 32, 8), ("fp16", 80, 14, 2), ("bf16", 96, 8, 1)):
+        half = head // 2
+        types = {"positions_ptr": "*i64", "q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}",
+                 "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
+        consts = {"HALF": half, "HALF_PADDED": triton.next_power_of_2(half),
+                  "Q_HEADS_PADDED": triton.next_power_of_2(heads),
+                  "K_HEADS_PADDED": triton.next_power_of_2(kv_heads)}
+        yield f"rotary {dtype} head={head} heads={heads}/{kv_heads}", rotary_kernel, types, consts, 4, 1
+
+
 def main() -> int:
     if triton.knobs.runtime.interpret:
         print("unset TRITON_INTERPRET: compilation needs real @triton.jit functions")
         return 2
-    for name, kernel, types, consts, warps, stages in (*store_variants(), *attention_variants()):
+    for name, kernel, types, consts, warps, stages in (*store_variants(), *attention_variants(),
+                                                       *split_kv_variants(), *norm_rotary_variants()):
         compiled = _compile(kernel, types, consts, warps, stages)
         print(json.dumps({"name": name, **_resources(compiled)}), flush=True)
     return 0

@@ -26,7 +26,7 @@ def test_default_variants_compile_for_sm90_without_spills():
                           capture_output=True, text=True, env=env, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     variants = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(variants) >= 12, proc.stdout
+    assert len(variants) >= 28, proc.stdout   # store, attention, split-KV + merge, norm, rotary
     for v in variants:
         assert v["shared"] <= SHARED_LIMIT, v
         assert v["stack"] == 0, f"register spills: {v}"

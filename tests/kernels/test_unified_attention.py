@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from attention_helpers import assert_attention_close, attend, stored
 
 from kvpilot.engine.model.attention.torch_backend import paged_attention
 from kvpilot.kernels.paged_batch import MIXED_SPECS, make_paged_batch
@@ -28,32 +29,6 @@ from kvpilot.kernels.unified_attention import (
 )
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
-
-
-def _attend(batch, fn, **kwargs):
-    m = batch.metadata
-    args = (batch.query, batch.kv_cache[0], batch.kv_cache[1], m.block_tables, m.seq_lens,
-            m.query_start_loc)
-    if fn is unified_attention:
-        return fn(*args, m.max_query_len, batch.scale, batch.k_scale, batch.v_scale, **kwargs)
-    return fn(*args, batch.scale, batch.k_scale, batch.v_scale)
-
-
-def _stored(batch):
-    """The batch with its new tokens' K/V already in the cache (attention runs after the store)."""
-    from kvpilot.kernels.kv_store import store_kv_cache_ref
-
-    store_kv_cache_ref(batch.key, batch.value, batch.kv_cache[0], batch.kv_cache[1],
-                       batch.metadata.slot_mapping, batch.k_scale, batch.v_scale)
-    return batch
-
-
-def _assert_close(out, ref, dtype):
-    tol = TOL[dtype]
-    assert out.dtype == dtype
-    assert torch.isfinite(out.float()).all(), "NaN/inf leaked from an unused cache slot"
-    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
 
 
 CASES = [
@@ -72,11 +47,11 @@ CASES = [
                           "block_size"), CASES)
 def test_mixed_batch_matches_reference(dtype, cache_dtype, num_heads, num_kv_heads, head_dim,
                                        block_size):
-    batch = _stored(make_paged_batch(num_heads=num_heads, num_kv_heads=num_kv_heads,
+    batch = stored(make_paged_batch(num_heads=num_heads, num_kv_heads=num_kv_heads,
                                      head_dim=head_dim, block_size=block_size, dtype=dtype,
                                      cache_dtype=cache_dtype))
-    out = _attend(batch, unified_attention)
-    _assert_close(out, _attend(batch, unified_attention_ref), dtype)
+    out = attend(batch, unified_attention)
+    assert_attention_close(out, attend(batch, unified_attention_ref), dtype)
     n = batch.metadata.num_actual_tokens
     assert bool((out[n:] == 0).all()), "padding rows must be zero"
 
@@ -84,38 +59,38 @@ def test_mixed_batch_matches_reference(dtype, cache_dtype, num_heads, num_kv_hea
 @pytest.mark.parametrize(("dtype", "cache_dtype"), [(torch.bfloat16, None), (torch.float16, E5M2)])
 def test_agrees_with_engine_torch_path(dtype, cache_dtype):
     """The engine's torch ``paged_attention`` is the contract; zero-filled cache (see report)."""
-    batch = _stored(make_paged_batch(num_heads=4, num_kv_heads=2, head_dim=80, dtype=dtype,
+    batch = stored(make_paged_batch(num_heads=4, num_kv_heads=2, head_dim=80, dtype=dtype,
                                      cache_dtype=cache_dtype, fill="zero"))
-    out = _attend(batch, unified_attention)
+    out = attend(batch, unified_attention)
     ref = paged_attention(batch.query, batch.kv_cache, batch.metadata, batch.scale,
                           batch.k_scale, batch.v_scale)
-    _assert_close(out, ref, dtype)
+    assert_attention_close(out, ref, dtype)
 
 
 @pytest.mark.parametrize("tiling", [AttentionTiling(block_m=16, tile_n=16),
                                     AttentionTiling(block_m=32, tile_n=64)])
 def test_tilings_split_sequences_and_blocks(tiling):
     """Several query blocks per sequence (the binary search), tiles smaller and larger than a block."""
-    batch = _stored(make_paged_batch(num_heads=4, num_kv_heads=2, head_dim=64, block_size=32))
-    out = _attend(batch, unified_attention, tiling=tiling)
-    _assert_close(out, _attend(batch, unified_attention_ref), torch.float32)
+    batch = stored(make_paged_batch(num_heads=4, num_kv_heads=2, head_dim=64, block_size=32))
+    out = attend(batch, unified_attention, tiling=tiling)
+    assert_attention_close(out, attend(batch, unified_attention_ref), torch.float32)
 
 
 def test_reference_matches_engine_torch_path():
     """Both oracles agree, so a kernel bug cannot hide behind a matching reference bug."""
-    batch = _stored(make_paged_batch(num_heads=6, num_kv_heads=2, head_dim=64, fill="zero"))
-    ref = _attend(batch, unified_attention_ref)
+    batch = stored(make_paged_batch(num_heads=6, num_kv_heads=2, head_dim=64, fill="zero"))
+    ref = attend(batch, unified_attention_ref)
     engine = paged_attention(batch.query, batch.kv_cache, batch.metadata, batch.scale,
                              batch.k_scale, batch.v_scale)
     torch.testing.assert_close(ref, engine, atol=1e-5, rtol=1e-5)
 
 
 def test_all_decode_and_all_prefill_batches():
-    decode = _stored(make_paged_batch(((5, 1), (17, 1), (40, 1)), num_heads=4, num_kv_heads=2))
-    prefill = _stored(make_paged_batch(((0, 19), (0, 3)), num_heads=4, num_kv_heads=2,
+    decode = stored(make_paged_batch(((5, 1), (17, 1), (40, 1)), num_heads=4, num_kv_heads=2))
+    prefill = stored(make_paged_batch(((0, 19), (0, 3)), num_heads=4, num_kv_heads=2,
                                        num_padding_tokens=0))
     for batch in (decode, prefill):
-        _assert_close(_attend(batch, unified_attention), _attend(batch, unified_attention_ref),
+        assert_attention_close(attend(batch, unified_attention), attend(batch, unified_attention_ref),
                       torch.float32)
 
 
@@ -193,8 +168,8 @@ def test_random_batches(seed):
     num_kv_heads, group = pick([(1, 4), (2, 2), (2, 3), (4, 1)])
     dtype = pick([torch.float32, torch.float16, torch.bfloat16])
     cache_dtype = pick([None, None, E4M3, E5M2])
-    batch = _stored(make_paged_batch(specs, num_heads=num_kv_heads * group,
+    batch = stored(make_paged_batch(specs, num_heads=num_kv_heads * group,
                                      num_kv_heads=num_kv_heads, head_dim=pick([64, 80, 96, 128]),
                                      block_size=pick([16, 32]), dtype=dtype,
                                      cache_dtype=cache_dtype, seed=seed))
-    _assert_close(_attend(batch, unified_attention), _attend(batch, unified_attention_ref), dtype)
+    assert_attention_close(attend(batch, unified_attention), attend(batch, unified_attention_ref), dtype)

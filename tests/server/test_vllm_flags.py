@@ -76,7 +76,7 @@ HONOURED_CASES = {
         ["--override-generation-config", '{"temperature": 0.5}'],
         lambda ns, ea, sc: ea.override_generation_config == {"temperature": 0.5}),
     "--max-logprobs": (["--max-logprobs", "5"], lambda ns, ea, sc: ea.max_logprobs == 5),
-    "--enforce-eager": (["--enforce-eager"], lambda ns, ea, sc: ns.enforce_eager),
+    "--enforce-eager": (["--enforce-eager"], lambda ns, ea, sc: ea.enforce_eager),
     "--device": (["--device", "cpu"], lambda ns, ea, sc: ea.device == "cpu"),
     "--block-size": (["--block-size", "32"], lambda ns, ea, sc: ea.block_size == 32),
     "--gpu-memory-utilization": (["--gpu-memory-utilization", "0.5"],

@@ -44,4 +44,5 @@ class TritonAttentionBackend:
         return self._attend(
             query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
             metadata.query_start_loc, metadata.max_query_len, scale, k_scale, v_scale,
+            max_seq_len=metadata.max_seq_len,
         )

@@ -1,6 +1,14 @@
-"""RMSNorm, computed in float32 exactly as HF transformers' Llama/Qwen do."""
+"""RMSNorm, computed in float32 exactly as HF transformers' Llama/Qwen do.
+
+``forward(x, residual)`` also adds the residual first and returns the sum as the new
+residual (vLLM's fused add + norm), so a decoder layer hands one tensor pair from norm
+to norm. With the Triton kernels on (``use_kernel``: the CUDA path) the whole thing is
+one kernel per call; otherwise torch ops.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -11,8 +19,27 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self._kernel: Callable | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def use_kernel(self, kernel: Callable) -> None:
+        """Run ``kernel`` (``kvpilot.kernels.rms_norm.rms_norm``) instead of torch ops."""
+        self._kernel = kernel
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """``norm(x)``, or with ``residual``: ``(norm(x + residual), x + residual)``."""
+        if self._kernel is not None:
+            shape = x.shape
+            flat = x.reshape(-1, shape[-1])
+            if residual is None:
+                return self._kernel(flat, self.weight, self.eps).view(shape)
+            out, summed = self._kernel(flat, self.weight, self.eps, residual.reshape(-1, shape[-1]))
+            return out.view(shape), summed.view(shape)
+        if residual is not None:
+            x = x + residual
+            return self._norm(x), x
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)

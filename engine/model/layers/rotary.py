@@ -86,6 +86,7 @@ class RotaryEmbedding(nn.Module):
         self.scaling = scaling
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self._table_len = 0
+        self._kernel = None
         self.register_buffer("cos_table", torch.empty(0), persistent=False)
         self.register_buffer("sin_table", torch.empty(0), persistent=False)
         self._ensure_table(max_position)
@@ -100,7 +101,13 @@ class RotaryEmbedding(nn.Module):
         self.sin_table = emb.sin() * self.scaling
         self._table_len = length
 
+    def use_kernel(self, kernel) -> None:
+        """Rotate with ``kernel`` (``kvpilot.kernels.rotary.rotary_embedding``, in place)."""
+        self._kernel = kernel
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._kernel is not None:
+            return self._kernel(positions, q, k, self.cos_table, self.sin_table, self.rotary_dim)
         cos = self.cos_table[positions].to(q.dtype).unsqueeze(1)   # [T, 1, rotary_dim]
         sin = self.sin_table[positions].to(q.dtype).unsqueeze(1)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

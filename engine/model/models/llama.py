@@ -92,9 +92,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions, hidden, kv_cache, metadata, backend):
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, metadata, backend)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, positions, hidden, residual, kv_cache, metadata, backend):
+        """``(mlp output, residual)``: the residual stream is carried, not yet added, so each
+        norm adds it and normalises in one step (the sums are those of HF's layer)."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, metadata, backend)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -114,9 +121,22 @@ class LlamaForCausalLM(nn.Module):
                 metadata: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         """Final hidden states ``[num_tokens, hidden]``; ``kv_caches[layer]`` is one layer's cache."""
         hidden = self.embed_tokens(input_ids)
+        residual = None
         for i, layer in enumerate(self.layers):
-            hidden = layer(positions, hidden, kv_caches[i], metadata, backend)
-        return self.norm(hidden)
+            hidden, residual = layer(positions, hidden, residual, kv_caches[i], metadata, backend)
+        return self.norm(hidden, residual)[0]
+
+    def use_triton_kernels(self) -> None:
+        """RMSNorm (+ residual add) and rotary through the Triton kernels (with the Triton
+        attention backend: on CUDA, or in the interpreter on CPU)."""
+        from kvpilot.kernels.rms_norm import rms_norm
+        from kvpilot.kernels.rotary import rotary_embedding
+
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.use_kernel(rms_norm)
+            elif isinstance(module, RotaryEmbedding):
+                module.use_kernel(rotary_embedding)
 
     @property
     def output_weight(self) -> torch.Tensor:
