@@ -72,13 +72,15 @@ def run_engine(model_dir: str, wl: Workload, args) -> tuple[float, float, float]
     """(seconds, paged KV waste %, max_model_len-reservation waste %)."""
     from kvpilot.engine import LLMEngine, SamplingParams
     from kvpilot.engine.engine_args import EngineArgs
+    from kvpilot.engine.sampling_params import RequestOutputKind
 
     engine = LLMEngine(EngineArgs(model=model_dir, max_model_len=args.max_model_len,
                                   max_num_seqs=args.max_num_seqs, enable_prefix_caching=False,
                                   dtype="float32"))
     block = engine.cache_info.block_size
     for i, (p, n) in enumerate(zip(wl.prompts, wl.output_lens, strict=True)):
-        engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True,
+                                                     output_kind=RequestOutputKind.FINAL_ONLY))
     allocated = used = reserved = 0
     start = time.perf_counter()
     while engine.has_unfinished_requests():

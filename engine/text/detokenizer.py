@@ -24,7 +24,10 @@ take text back.) Ids that decode drops anyway (skipped special tokens, ids past 
 vocabulary such as a model's padding rows) are left out of the window altogether.
 
 Cost per token is one decode of the window, which for valid UTF-8 spans the last
-emitted token(s) plus at most a character's worth of pending tokens. A model can emit
+emitted token(s) plus at most a character's worth of pending tokens. With a byte-level
+decoder (GPT-2, Llama 3, Qwen), whose text is the UTF-8 decoding of the tokens' bytes
+concatenated, a token that arrives with nothing pending and decodes on its own to
+complete characters is its own delta: one decode of one token, no window. A model can emit
 byte tokens that never form a character; the pending window would then grow without
 bound, so past ``MAX_PENDING_TOKENS`` the text up to a boundary that no later byte can
 change is emitted (see ``_emit_settled``).
@@ -33,6 +36,8 @@ change is emitted (see ``_emit_settled``).
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+from tokenizers import decoders
 
 REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens decoded as left context for the first output token.
@@ -57,6 +62,7 @@ class IncrementalDetokenizer:
     ) -> None:
         # The raw tokenizers object skips a Python layer per call (this runs per token).
         self._decode_fn = tokenizer.backend.decode
+        self._byte_level = isinstance(getattr(tokenizer.backend, "decoder", None), decoders.ByteLevel)
         self._skip_special_tokens = skip_special_tokens
         # Ids that decode drops anyway (skipped special tokens, ids past the vocabulary,
         # e.g. the model's padding rows) never enter the window: a window starting just
@@ -95,6 +101,13 @@ class IncrementalDetokenizer:
         self._num_output_tokens += 1
         if not self._kept(token_id):
             return ""
+        if self._byte_level and self._read_offset == len(self._ids):
+            # Nothing pending, so the emitted text ends on a character boundary: if this
+            # token's bytes are whole characters, the window's decode would just append them.
+            piece = self._decode_fn([token_id], skip_special_tokens=self._skip_special_tokens)
+            if not piece.endswith(REPLACEMENT_CHAR):
+                self._ids.append(token_id)
+                return self._emit(piece, len(self._ids))
         self._ids.append(token_id)
         prefix_text = self._decode(self._prefix_offset, self._read_offset)
         new_text = self._decode(self._prefix_offset)
