@@ -25,23 +25,21 @@ def _chain(tokens, root, salt=None):
 
 
 @pytest.mark.parametrize("salt", [None, "tenant"])
-def test_token_by_token_updates_give_the_whole_sequence_chain_and_read_only_new_tokens(salt):
+def test_token_by_token_updates_give_the_whole_sequence_chain_and_read_only_new_tokens(salt, monkeypatch):
     rng = random.Random(0)
     root = root_hash("seed", "model")
     kv = KVCacheManager(8, BLOCK, enable_caching=True, hash_root=root)
     prompt = [rng.randrange(1000) for _ in range(1000)]
     request = Request("r", prompt, SamplingParams(max_tokens=300), cache_salt=salt, max_tokens=300)
     read = []
-    real_slice = request.token_ids_slice
-    request_type = type(request)
-    try:
-        request_type.token_ids_slice = lambda self, a, b: read.append(b - a) or real_slice(a, b)
-        kv.update_block_hashes(request)               # the prompt at admission
-        for _ in range(300):                          # then one output token at a time
-            request.output_token_ids.append(rng.randrange(1000))
-            kv.update_block_hashes(request)
-    finally:
-        request_type.token_ids_slice = real_slice
+    real_slice = Request.token_ids_slice
+    monkeypatch.setattr(Request, "token_ids_slice",
+                        lambda self, a, b: read.append(b - a) or real_slice(self, a, b))
+    kv.update_block_hashes(request)               # the prompt at admission
+    for _ in range(300):                          # then one output token at a time
+        request.output_token_ids.append(rng.randrange(1000))
+        kv.update_block_hashes(request)
+    monkeypatch.undo()
     assert request.block_hashes == _chain(prompt + request.output_token_ids, root, salt)
     assert sum(read) == len(request.block_hashes) * BLOCK   # every token read once
 
