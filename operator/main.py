@@ -151,7 +151,7 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
     @kopf.on.event("apiextensions.k8s.io", "v1", "customresourcedefinitions", registry=registry,
                    when=lambda spec, **_: spec.get("group") in CHILD_GROUPS)
     async def child_api_changed(type: str | None, spec: kopf.Spec, memo: kopf.Memo,
-                                   logger: logging.Logger, **_: Any) -> None:
+                                logger: logging.Logger, **_: Any) -> None:
         if type is None:  # the initial listing: nothing was cached before it
             return
         memo.ctx.discovery.forget(spec["group"])
