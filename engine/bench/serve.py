@@ -40,16 +40,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("serve", help="load an OpenAI-compatible server: TTFT, ITL, tokens/s",
                               description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--base-url", default="http://127.0.0.1:8000",
-                   help="server to load (default: %(default)s)")
-    p.add_argument("--launch", action="store_true",
-                   help="start `kvpilot serve` on a free loopback port first (see --serve-args)")
-    p.add_argument("--serve-args", default="",
-                   help="flags for the launched server, one string, e.g. "
-                        "\"--kv-cache-memory-bytes 256Mi --max-model-len 4096\"")
-    p.add_argument("--model", default=None, help="model name (default: the server's first)")
-    p.add_argument("--api-key", default=os.environ.get("KVPILOT_API_KEY", "none"),
-                   help="bearer key (default: $KVPILOT_API_KEY)")
+    add_server_arguments(p)
     p.add_argument("--workload", choices=("random", "shared-prefix", "all"), default="all")
     p.add_argument("--num-prompts", type=int, default=32, help="random workload: requests")
     p.add_argument("--input-len", type=int, default=128, help="random workload: prompt tokens")
@@ -62,6 +53,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json-out", default=None, help="also write the results to this JSON file")
     p.set_defaults(func=run)
+
+
+def add_server_arguments(p: argparse.ArgumentParser, serve_args: str = "") -> None:
+    """The flags saying which server a benchmark loads (``run_with_server`` reads them)."""
+    p.add_argument("--base-url", default="http://127.0.0.1:8000",
+                   help="server to load (default: %(default)s)")
+    p.add_argument("--launch", action="store_true",
+                   help="start `kvpilot serve` on a free loopback port first (see --serve-args)")
+    p.add_argument("--serve-args", default=serve_args,
+                   help="flags for the launched server, one string, e.g. "
+                        "\"--kv-cache-memory-bytes 256Mi --max-model-len 4096\" "
+                        "(default: %(default)r)")
+    p.add_argument("--model", default=None, help="model name (default: the server's first)")
+    p.add_argument("--api-key", default=os.environ.get("KVPILOT_API_KEY", "none"),
+                   help="bearer key (default: $KVPILOT_API_KEY)")
 
 
 @dataclass(slots=True)
@@ -253,7 +259,10 @@ async def _bench(args, base_url: str) -> dict:
     return results
 
 
-def run(args: argparse.Namespace) -> int:
+def run_with_server(args: argparse.Namespace, bench) -> dict:
+    """``asyncio.run(bench(args, base_url))`` against ``--base-url``, or against a server
+    started first with ``--launch`` (``--serve-args``) and stopped after; the results also
+    go to ``--json-out`` when given. Shared by the benchmarks that load a server."""
     server = None
     base_url = args.base_url.rstrip("/")
     if args.launch:
@@ -264,11 +273,16 @@ def run(args: argparse.Namespace) -> int:
         base_url = server.base_url
         print(f"server ready at {base_url} (log: {server.log_path})", flush=True)
     try:
-        results = asyncio.run(_bench(args, base_url))
+        results = asyncio.run(bench(args, base_url))
     finally:
         if server is not None:
             server.stop()
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(results, f, indent=2)
+    return results
+
+
+def run(args: argparse.Namespace) -> int:
+    run_with_server(args, _bench)
     return 0

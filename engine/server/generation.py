@@ -17,7 +17,7 @@ from http import HTTPStatus
 from typing import Any
 
 from kvpilot.engine.outputs import RequestOutput
-from kvpilot.engine.sampling_params import SamplingParams
+from kvpilot.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from kvpilot.engine.server.async_engine import (
     EngineDead,
     EngineNotReady,
@@ -100,11 +100,13 @@ def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: in
 
 
 def sampling_params(body: SamplingRequest, *, max_tokens: int, logprobs: int | None,
-                    defaults: Mapping[str, Any]) -> SamplingParams:
+                    defaults: Mapping[str, Any],
+                    structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
     """The engine's SamplingParams for a request; 400 on a combination it rejects.
 
     ``defaults`` (the model's generation config, see ``generation_defaults``) fill the
-    sampling fields the request leaves unset, before the built-in defaults do.
+    sampling fields the request leaves unset, before the built-in defaults do;
+    ``structured_outputs`` is the request's checked output constraint (``structured``).
     """
     stop = [body.stop] if isinstance(body.stop, str) else body.stop
     logit_bias = _logit_bias(body.logit_bias)
@@ -133,6 +135,7 @@ def sampling_params(body: SamplingRequest, *, max_tokens: int, logprobs: int | N
             skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output,
             logit_bias=logit_bias,
+            structured_outputs=structured_outputs,
         )
     except ValueError as exc:
         raise bad_request(str(exc), param="logit_bias" if "logit_bias" in str(exc) else None) from None

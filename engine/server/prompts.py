@@ -60,7 +60,8 @@ def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: b
     OpenAI's ``developer`` role is the newer name of ``system``; templates know only the latter.
     """
     plain = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
-              **({"name": m.name} if m.name else {})}
+              **m.model_dump(include={"name", "tool_calls", "tool_call_id", "reasoning_content"},
+                             exclude_none=True)}
              for m in messages]
     try:
         text = tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 # Torch's generator seeds are 64-bit; the engine derives child seeds as seed + i.
 MAX_SEED = 2**63 - 1 - 1024
@@ -23,6 +23,33 @@ TokenId = Annotated[int, Field(ge=0)]
 
 class StreamOptions(BaseModel):
     include_usage: bool = Field(False, description="send a last chunk with token usage")
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str = Field("response", description="a name for the schema")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema",
+                                           description="the JSON schema the answer follows")
+    strict: bool | None = Field(None, description="accepted; answers always follow the schema")
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(BaseModel):
+    """vLLM's ``structured_outputs`` extension: exactly one constraint."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json", description="a JSON schema")
+    json_object: bool | None = Field(None, description="any JSON object")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, description="the answer is one of these strings")
+    grammar: str | None = Field(None, description="an EBNF grammar (xgrammar's GBNF dialect)")
 
 
 class SamplingRequest(BaseModel):
@@ -45,6 +72,17 @@ class SamplingRequest(BaseModel):
     user: str | None = Field(None, description="end-user id (accepted, not used)")
     priority: int = Field(0, description="vLLM extension: with --scheduling-policy priority, "
                                          "lower values are served first")
+    response_format: ResponseFormat | None = Field(
+        None, description="text, json_object (any JSON object) or json_schema (JSON following "
+                          "json_schema.schema)")
+    structured_outputs: StructuredOutputsRequest | None = Field(
+        None, description="vLLM extension: constrain the answer to a JSON schema, a regex, a "
+                          "choice of strings or a grammar")
+    # vLLM's older names of structured_outputs' fields
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     cache_salt: NonEmptyStr | None = Field(
         None, description="kvpilot/vLLM extension: requests share prefix-cache blocks only "
                           "when their cache_salt is equal (tenant isolation)")
@@ -77,10 +115,37 @@ class TextContentPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = Field(description="the arguments as a JSON object's text")
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class MessageFunctionCall(BaseModel):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class MessageToolCall(BaseModel):
+    """A tool call in an assistant message of the conversation sent back."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: MessageFunctionCall
+
+
 class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = Field(None, description="assistant: calls it made")
+    tool_call_id: str | None = Field(None, description="tool: the call this result answers")
+    reasoning_content: str | None = Field(None, description="assistant: its reasoning")
 
     def text(self) -> str:
         if self.content is None:
@@ -90,14 +155,39 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
+class FunctionDefinition(BaseModel):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON schema of the arguments")
+    strict: bool | None = None
+
+
+class ChatCompletionTool(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: int | None = Field(None, ge=1, description="deprecated alias of max_completion_tokens")
     max_completion_tokens: int | None = Field(None, ge=1, description="None = up to the context length")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, description="at most --max-logprobs")
-    tools: list[dict[str, Any]] | None = Field(None, description="not supported; must be empty")
-    response_format: dict[str, Any] | None = Field(None, description="only {'type': 'text'}")
+    tools: list[ChatCompletionTool] | None = Field(None, description="functions the model may call")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="none, auto (the default with tools; needs --enable-auto-tool-choice), "
+                          "required, or a named function")
+    parallel_tool_calls: bool | None = Field(
+        None, description="false: at most one call (tool_choice required)")
     add_generation_prompt: bool = Field(True, description="vLLM extension")
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="vLLM extension: extra variables for the chat template")
@@ -124,7 +214,7 @@ class CompletionLogProbs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 
 
 class CompletionChoice(BaseModel):
@@ -170,6 +260,8 @@ class ChatChoiceLogProbs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = Field(None, description="with --reasoning-parser")
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -189,9 +281,23 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):

@@ -116,7 +116,7 @@ class _Progress:
 
 
 async def stream_events(generation: Generation, state: ServerState, encode: ChunkEncoder,
-                        make_choice: Callable[[ChoiceDelta], dict], *, n: int,
+                        make_choice: Callable[[ChoiceDelta], dict | None], *, n: int,
                         token_chunks: bool, opening: list[dict] | None = None) -> AsyncIterator[str]:
     """The SSE frames of a started ``generation``, ending with ``data: [DONE]``.
 
@@ -124,7 +124,7 @@ async def stream_events(generation: Generation, state: ServerState, encode: Chun
         generation: started (``respond`` does that); closed when the stream ends.
         state: maps an engine failure mid-stream onto the error reported in-band.
         encode: frames the chunks.
-        make_choice: one chunk choice from a ``ChoiceDelta``.
+        make_choice: one chunk choice from a ``ChoiceDelta`` (None: nothing to send yet).
         n: choices per prompt.
         token_chunks: send a chunk for new tokens even without new text (logprobs).
         opening: choices of a first chunk sent before any output (chat's roles).
@@ -134,7 +134,8 @@ async def stream_events(generation: Generation, state: ServerState, encode: Chun
         if opening:
             yield encode(opening)
         async for i, out in generation.stream():
-            choices = [make_choice(d) for d in progress.deltas(i, out, i * n, token_chunks)]
+            choices = [c for c in map(make_choice, progress.deltas(i, out, i * n, token_chunks))
+                       if c is not None]
             if choices:
                 yield encode(choices)
         if encode.include_usage:

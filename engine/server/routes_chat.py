@@ -1,13 +1,17 @@
-"""``POST /v1/chat/completions``: the tokenizer's chat template, then generation.
+"""``POST /v1/chat/completions``: the chat template, generation, then the answer parsed.
 
-messages -> ``tokenizer.apply_chat_template(..., add_generation_prompt=True)`` ->
-text -> ``encode(text, add_special_tokens=False)`` (templates write their own BOS).
+messages (+ tools) -> ``tokenizer.apply_chat_template(..., add_generation_prompt=True)``
+-> text -> ``encode(text, add_special_tokens=False)`` (templates write their own BOS).
+``tools`` / ``tool_choice`` decide whether the answer is constrained to valid calls
+(``parsing.tool_choice``); with a reasoning or tool-call parser each choice's text is
+split into ``reasoning_content``, ``content`` and ``tool_calls`` (``parsing.chat_output``),
+the same way for a stream and a plain response.
 """
 
 from __future__ import annotations
 
 import time
-from functools import partial
+from collections.abc import Callable
 
 from fastapi import APIRouter, Depends, Request
 
@@ -22,6 +26,8 @@ from kvpilot.engine.server.generation import (
     usage,
 )
 from kvpilot.engine.server.logprobs import chat_logprobs
+from kvpilot.engine.server.parsing.chat_output import ChoiceOutput, DeltaParts
+from kvpilot.engine.server.parsing.tool_choice import ToolPlan, plan_tools
 from kvpilot.engine.server.prompts import render_chat
 from kvpilot.engine.server.protocol import (
     ChatChoice,
@@ -30,6 +36,7 @@ from kvpilot.engine.server.protocol import (
     ChatCompletionResponse,
     ChatCompletionStreamResponse,
     ChatResponseMessage,
+    ToolCall,
 )
 from kvpilot.engine.server.response import (
     ChoiceDelta,
@@ -40,17 +47,13 @@ from kvpilot.engine.server.response import (
 )
 from kvpilot.engine.server.routes_common import generation_responses
 from kvpilot.engine.server.state import ServerState, ready_state
+from kvpilot.engine.server.structured import check_constraint, requested_constraint
 
 router = APIRouter()
 
 
 def _check_request(body: ChatCompletionRequest, state: ServerState) -> None:
     check_request(body, state, body.top_logprobs if body.logprobs else None, "top_logprobs")
-    if body.tools:
-        raise bad_request("tools are not supported", param="tools")
-    if body.response_format and body.response_format.get("type", "text") != "text":
-        raise bad_request("only response_format {'type': 'text'} is supported",
-                          param="response_format")
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs=true", param="top_logprobs")
 
@@ -63,9 +66,17 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     _check_request(body, state)
     engine = state.engine.engine
     chat = state.config.chat
+    plan = plan_tools(body, chat)
+    constraint, param = requested_constraint(body)
+    if plan.constraint is not None:
+        if constraint is not None:
+            raise bad_request(f"{param} cannot be combined with tool_choice "
+                              f"{body.tool_choice if isinstance(body.tool_choice, str) else 'naming a function'}",
+                              param=param)
+        constraint, param = plan.constraint, "tools"
     prompt = render_chat(engine.tokenizer, body.messages, body.add_generation_prompt,
                          {**chat.default_template_kwargs, **(body.chat_template_kwargs or {})},
-                         chat_template=chat.chat_template)
+                         chat_template=chat.chat_template, tools=plan.template_tools)
     if not prompt:
         raise bad_request("the rendered conversation is empty", param="messages")
     defaults = engine.model_config.default_sampling
@@ -74,12 +85,19 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
         requested = defaults.get("max_tokens")
     max_tokens = resolve_max_tokens(requested, len(prompt), engine.model_config.max_model_len,
                                     "messages")
+    if constraint is not None:
+        await check_constraint(state, constraint, param)
     top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = sampling_params(body, max_tokens=max_tokens, logprobs=top_logprobs, defaults=defaults)
+    params = sampling_params(body, max_tokens=max_tokens, logprobs=top_logprobs, defaults=defaults,
+                             structured_outputs=constraint)
     request_id = random_id("chatcmpl")
     created = int(time.time())
     generation = Generation(state, request_id, [prompt], [params], body.cache_salt, body.priority)
     decode = engine.tokenizer.decode
+    parsed = chat.reasoning_parser is not None or plan.make_extractor is not None
+
+    def new_output() -> ChoiceOutput:
+        return ChoiceOutput(chat.reasoning_parser, plan.make_extractor)
 
     def events():
         encode = ChunkEncoder.for_stream(ChatCompletionStreamResponse, body, request_id, created,
@@ -88,18 +106,36 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
         opening = [{"index": i, "delta": {"role": "assistant", "content": ""},
                     "logprobs": None, "finish_reason": None} for i in range(body.n)]
         return stream_events(generation, state, encode,
-                             partial(_delta_choice, top_logprobs=top_logprobs, decode=decode),
+                             _stream_choice_maker(plan, new_output if parsed else None,
+                                                  top_logprobs, decode),
                              n=body.n, token_chunks=top_logprobs is not None, opening=opening)
 
     def build(final: list[RequestOutput]) -> ChatCompletionResponse:
-        choices = [ChatChoice(index=d.index, message=ChatResponseMessage(content=d.text),
-                              logprobs=_logprobs(d, top_logprobs, decode),
-                              finish_reason=d.finish_reason, stop_reason=d.stop_reason)
-                   for d in final_choices(final, body.n)]
+        choices = []
+        for d in final_choices(final, body.n):
+            message = ChatResponseMessage(content=d.text)
+            finish_reason = d.finish_reason
+            if parsed:
+                output = new_output()
+                output.feed(d.text, final=True)
+                message = ChatResponseMessage(
+                    content=output.content or None, reasoning_content=output.reasoning or None,
+                    tool_calls=[ToolCall(**call.as_openai()) for call in output.tool_calls])
+                finish_reason = _finish_reason(d.finish_reason, output, plan)
+            choices.append(ChatChoice(index=d.index, message=message,
+                                      logprobs=_logprobs(d, top_logprobs, decode),
+                                      finish_reason=finish_reason, stop_reason=d.stop_reason))
         return ChatCompletionResponse(id=request_id, created=created, model=model,
                                       choices=choices, usage=usage(final))
 
     return await respond(request, generation, events if body.stream else None, build)
+
+
+def _finish_reason(reason: str | None, output: ChoiceOutput, plan: ToolPlan) -> str | None:
+    """``tool_calls`` for an answer that ended by itself with calls (auto, required)."""
+    if reason == "stop" and output.tool_calls and plan.finish_with_tool_calls:
+        return "tool_calls"
+    return reason
 
 
 def _logprobs(delta: ChoiceDelta, top_logprobs: int | None, decode) -> ChatChoiceLogProbs | None:
@@ -109,9 +145,27 @@ def _logprobs(delta: ChoiceDelta, top_logprobs: int | None, decode) -> ChatChoic
                                                     top_logprobs, decode))
 
 
-def _delta_choice(delta: ChoiceDelta, *, top_logprobs: int | None, decode) -> dict:
-    """One choice of a stream chunk, built by hand: a delta carries only the fields it changes."""
-    logprobs = _logprobs(delta, top_logprobs, decode)
-    return {"index": delta.index, "delta": {"content": delta.text} if delta.text else {},
-            "logprobs": None if logprobs is None else logprobs.model_dump(mode="json"),
-            "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
+def _stream_choice_maker(plan: ToolPlan, new_output: Callable[[], ChoiceOutput] | None,
+                         top_logprobs: int | None, decode) -> Callable[[ChoiceDelta], dict | None]:
+    """Chunk choices of one stream, built by hand (a delta carries only the fields it
+    changes); with parsers, one ``ChoiceOutput`` per choice splits the text as it comes.
+    A chunk with nothing to say yet (text held back by a parser) is skipped (None)."""
+    outputs: dict[int, ChoiceOutput] = {}
+
+    def make(delta: ChoiceDelta) -> dict | None:
+        finish_reason = delta.finish_reason
+        if new_output is None:
+            parts = DeltaParts(content=delta.text)
+        else:
+            output = outputs.setdefault(delta.index, new_output())
+            parts = output.feed(delta.text, final=finish_reason is not None)
+            finish_reason = _finish_reason(finish_reason, output, plan)
+        logprobs = _logprobs(delta, top_logprobs, decode)
+        fields = parts.as_delta()
+        if not fields and finish_reason is None and logprobs is None:
+            return None
+        return {"index": delta.index, "delta": fields,
+                "logprobs": None if logprobs is None else logprobs.model_dump(mode="json"),
+                "finish_reason": finish_reason, "stop_reason": delta.stop_reason}
+
+    return make

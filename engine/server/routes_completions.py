@@ -34,6 +34,7 @@ from kvpilot.engine.server.response import (
 )
 from kvpilot.engine.server.routes_common import generation_responses
 from kvpilot.engine.server.state import ServerState, ready_state
+from kvpilot.engine.server.structured import check_constraint, requested_constraint
 
 router = APIRouter()
 
@@ -59,9 +60,13 @@ async def create_completion(body: CompletionRequest, request: Request,
     defaults = engine.model_config.default_sampling
     requested = body.max_tokens if body.max_tokens is not None else defaults.get("max_tokens")
     prompts = completion_prompt_ids(body.prompt, engine.tokenizer, engine.model_config.arch.vocab_size)
+    constraint, param = requested_constraint(body)
+    if constraint is not None:
+        await check_constraint(state, constraint, param)
     params = [sampling_params(body, logprobs=body.logprobs, defaults=defaults,
                               max_tokens=resolve_max_tokens(requested, len(ids), max_model_len,
-                                                            "prompt"))
+                                                            "prompt"),
+                              structured_outputs=constraint)
               for ids in prompts]
     request_id = random_id("cmpl")
     created = int(time.time())

@@ -21,6 +21,7 @@ until the reasoning-end token appears (or is already in the prompt).
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -64,6 +65,7 @@ class StructuredOutputManager:
         self._vocab_size = vocab_size
         self._any_whitespace = any_whitespace
         self._backend: GrammarBackend | None = None
+        self._backend_lock = threading.Lock()
         self._requests: dict[str, _Constrained] = {}
         self._reasoning_end_id: int | None = None
         if reasoning_parser is not None:
@@ -71,10 +73,13 @@ class StructuredOutputManager:
 
     @property
     def backend(self) -> GrammarBackend:
-        """The grammar compiler, built on first use (importing xgrammar takes a second)."""
-        if self._backend is None:
-            self._backend = GrammarBackend(self._tokenizer, self._vocab_size, self._any_whitespace)
-        return self._backend
+        """The grammar compiler, built on first use (importing xgrammar takes a second).
+        Thread-safe: the server compiles a request's constraint before queueing it."""
+        with self._backend_lock:
+            if self._backend is None:
+                self._backend = GrammarBackend(self._tokenizer, self._vocab_size,
+                                               self._any_whitespace)
+            return self._backend
 
     def __len__(self) -> int:
         return len(self._requests)

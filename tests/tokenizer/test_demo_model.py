@@ -144,8 +144,45 @@ def test_hf_transformers_reads_the_demo_tokenizer_identically(demo_tokenizer, hf
 def test_demo_chat_template_rejects_unknown_roles(demo_tokenizer):
     from kvpilot.engine.text.chat_templates import ChatTemplateError
 
-    with pytest.raises(ChatTemplateError, match="unsupported role 'tool'"):
-        demo_tokenizer.apply_chat_template([{"role": "tool", "content": "42"}])
+    with pytest.raises(ChatTemplateError, match="unsupported role 'robot'"):
+        demo_tokenizer.apply_chat_template([{"role": "robot", "content": "42"}])
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}
+TOOL_CONVERSATION = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Weather in Paris and Rome?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "a", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+        {"id": "b", "type": "function",
+         "function": {"name": "get_weather", "arguments": {"city": "Rome"}}}]},
+    {"role": "tool", "tool_call_id": "a", "content": "sunny"},
+    {"role": "tool", "tool_call_id": "b", "content": "rain"},
+    {"role": "assistant", "content": "Paris: sunny. Rome: rain."},
+    {"role": "user", "content": "Thanks"},
+]
+
+
+def test_demo_chat_template_renders_tools_like_hf(demo_tokenizer, hf_demo_tokenizer):
+    for tools, extra in (([WEATHER_TOOL], {}), (None, {"enable_thinking": False})):
+        ours = demo_tokenizer.apply_chat_template(TOOL_CONVERSATION, tools=tools, **extra)
+        theirs = hf_demo_tokenizer.apply_chat_template(TOOL_CONVERSATION, tools=tools,
+                                                       tokenize=False, add_generation_prompt=True,
+                                                       **extra)
+        assert ours == theirs
+    with_tools = demo_tokenizer.apply_chat_template(TOOL_CONVERSATION, tools=[WEATHER_TOOL])
+    assert with_tools.startswith("<|im_start|>system\nYou are terse.\n\n# Tools")
+    assert '<tools>\n{"type": "function", "function": {"name": "get_weather"' in with_tools
+    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": '
+            '{"city": "Paris"}}\n</tool_call>\n<tool_call>\n{"name": "get_weather", '
+            '"arguments": {"city": "Rome"}}\n</tool_call><|im_end|>\n') in with_tools
+    assert ("<|im_start|>user\n<tool_response>\nsunny\n</tool_response>\n<tool_response>\n"
+            "rain\n</tool_response><|im_end|>\n") in with_tools
+    assert ours.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
 
 def test_files_and_config_keys(demo_model_dir):

@@ -33,7 +33,7 @@ from kvpilot.engine.text.tiktoken_convert import load_tiktoken_ranks, tiktoken_t
 
 logger = logging.getLogger(__name__)
 
-DEMO_MODEL_NAME = "demo-qwen3-tiny-v3"  # bump the version when the files' content changes
+DEMO_MODEL_NAME = "demo-qwen3-tiny-v4"  # bump the version when the files' content changes
 DEMO_SEED = 20240901
 # Gain of the final RMSNorm. With N(0, 0.02) tied embeddings the next-token logits of a
 # random model would be nearly flat (max ~2 over 151,936 ids), so greedy decoding would
