@@ -21,6 +21,10 @@ MANAGER = "kvpilot-operator"
 # Annotation on each child holding the JSON it was last applied with: fields that were
 # applied before and are no longer wanted are removed (set to null) by the next patch.
 ANNOTATION_LAST_APPLIED = f"{GROUP}/last-applied"
+# Annotation on an engine Deployment holding the replica count an autoscaler left when
+# autoscaling was switched off: the operator keeps at least that many until spec.replicas
+# is set (kvpilot.operator.handover).
+ANNOTATION_INHERITED_REPLICAS = f"{GROUP}/inherited-replicas"
 FINALIZER = f"{GROUP}/finalizer"
 
 # Engine container layout.

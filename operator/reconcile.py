@@ -9,7 +9,8 @@ happen only where the server's state differs from the desired one.
 - Children are created, or merge-patched when a field the operator sets differs or a
   field it set before is no longer wanted (tracked in a last-applied annotation, as
   ``kubectl apply`` does). Fields listed as create-only (an autoscaled Deployment's
-  replica count) are set at creation and then left to their owner. An object of the
+  replica count) are set at creation and then left to their owner, and never removed
+  when they stop being managed (``handover``). An object of the
   same name controlled by something else is left alone (``Degraded``).
 - An invalid or infeasible spec leaves the children as they are (the running pods keep
   the last plan, which ``status.plan`` keeps showing) and sets ``Planned=False``.
@@ -35,6 +36,7 @@ from kvpilot.operator import constants as c
 from kvpilot.operator.cache import Children
 from kvpilot.operator.diff import contains, diff, drop_path, removals, still_present, union
 from kvpilot.operator.discovery import Discovery
+from kvpilot.operator.handover import inherited_replicas
 from kvpilot.operator.kube import FOREIGN_CONTROLLER, KubeError
 from kvpilot.operator.resources import DEPLOYMENT, Child, desired_children, possible_children
 from kvpilot.operator.resources.common import Owner
@@ -145,6 +147,8 @@ async def apply_child(children: Children, child: Child, result: ReconcileResult)
     except ValueError:
         previous = {}
     removal = removals(previous, managed)
+    for dotted in child.create_only:  # handed to another owner (an autoscaler), not unwanted
+        removal = drop_path(removal, dotted)
     if contains(actual, managed) and not still_present(actual, removal):
         return actual
     patched = await children.patch(child.kind, ns, child.name, union(removal, managed))
@@ -259,7 +263,9 @@ async def _apply_all(children: Children, discovery: Discovery, body: Mapping[str
     except KubeError as exc:
         result.failures.append(Failure("discovery of " + "/".join(PODMONITOR_API), exc))
         return
-    wanted = desired_children(owner, spec, outcome.sizing, settings, podmonitor_api=podmonitor_api)
+    inherited = inherited_replicas(children.get(DEPLOYMENT, owner.namespace, owner.name), spec.autoscaling.enabled)
+    wanted = desired_children(owner, spec, outcome.sizing, settings, podmonitor_api=podmonitor_api,
+                              inherited_replicas=inherited)
     for child in wanted:
         # Owner reference + the CR's labels on the child (not on the pod template: a
         # label edit on the InferenceService must not restart GPU pods).

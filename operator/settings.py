@@ -12,6 +12,7 @@
 | KVPILOT_LIVENESS_ENDPOINT       | http://0.0.0.0:8080/healthz ("" = off)    |
 | KVPILOT_HPA_KV_USAGE_METRIC     | vllm_kv_cache_usage_perc                  |
 | KVPILOT_HPA_WAITING_METRIC      | vllm_num_requests_waiting                 |
+| KVPILOT_HPA_PREEMPTION_METRIC   | vllm_num_preemptions_per_second           |
 | KVPILOT_TERMINATION_GRACE_SECONDS | 120                                     |
 | KVPILOT_PEERING                 | "" (off: one operator replica, standalone) |
 | KVPILOT_GPU_NODE_LABEL          | nvidia.com/gpu.product ("" = no GPU placement) |
@@ -26,8 +27,10 @@
 | KVPILOT_METRICS_PORT            | 0 (off); the Helm chart serves 8081       |
 
 The HPA metric names are the names a Prometheus adapter exposes in the custom metrics
-API: the engine exports ``vllm:kv_cache_usage_perc`` / ``vllm:num_requests_waiting``
-and a Prometheus adapter rule (README, "Operator") renames ``vllm:`` to ``vllm_``.
+API: the engine exports ``vllm:kv_cache_usage_perc`` / ``vllm:num_requests_waiting`` /
+``vllm:num_preemptions_total`` and the adapter rules the chart ships
+(``charts/kvpilot/files/prometheus-adapter/``) rename ``vllm:`` to ``vllm_`` (and the
+counter to its per-second rate, ``vllm_num_preemptions_per_second``).
 """
 
 from __future__ import annotations
@@ -58,7 +61,8 @@ class OperatorSettings:
         max_concurrent_reconciles: reconcile passes that may run at once, operator-wide.
         api_timeout_seconds: how long one API request may take before it counts as failed.
         liveness_endpoint: kopf's liveness URL to serve (None = off).
-        hpa_kv_usage_metric / hpa_waiting_metric: custom-metrics names used by HPAs.
+        hpa_kv_usage_metric / hpa_waiting_metric / hpa_preemption_metric: custom-metrics
+            names used by HPAs.
         termination_grace_seconds: how long a terminating engine pod may drain.
         peering: kopf peering name, or None for a standalone operator (the default). With a
             name, the replicas elect one to reconcile (``kvpilot.operator.peering``).
@@ -86,6 +90,7 @@ class OperatorSettings:
     liveness_endpoint: str | None = "http://0.0.0.0:8080/healthz"
     hpa_kv_usage_metric: str = "vllm_kv_cache_usage_perc"
     hpa_waiting_metric: str = "vllm_num_requests_waiting"
+    hpa_preemption_metric: str = "vllm_num_preemptions_per_second"
     termination_grace_seconds: int = 120
     peering: str | None = None
     gpu_node_label: str | None = "nvidia.com/gpu.product"
@@ -190,6 +195,7 @@ class OperatorSettings:
             liveness_endpoint=env.get("KVPILOT_LIVENESS_ENDPOINT", defaults.liveness_endpoint) or None,
             hpa_kv_usage_metric=env.get("KVPILOT_HPA_KV_USAGE_METRIC", defaults.hpa_kv_usage_metric),
             hpa_waiting_metric=env.get("KVPILOT_HPA_WAITING_METRIC", defaults.hpa_waiting_metric),
+            hpa_preemption_metric=env.get("KVPILOT_HPA_PREEMPTION_METRIC", defaults.hpa_preemption_metric),
             termination_grace_seconds=int(number("KVPILOT_TERMINATION_GRACE_SECONDS",
                                                  defaults.termination_grace_seconds)),
             peering=env.get("KVPILOT_PEERING") or None,

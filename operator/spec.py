@@ -29,6 +29,10 @@ AUTOSCALING_MODES = ("none", "hpa", "keda")
 ACCESS_MODES = ("ReadWriteMany", "ReadWriteOnce")
 FAILURE_MODES = ("FailOpen", "FailClose")
 DEFAULT_PROMETHEUS = "http://prometheus-operated.monitoring.svc:9090"
+# The composite scale signal's defaults: ~5 queued requests per replica is the usual
+# vLLM queue-depth target; one preemption per 10 s per pod means the KV cache thrashes.
+DEFAULT_WAITING_REQUESTS_TARGET = 5
+DEFAULT_PREEMPTION_RATE_TARGET = 0.1
 
 # field -> (type, bounds as in the CRD schema: Reader.get's keyword arguments)
 Fields = dict[str, tuple[type, dict[str, Any]]]
@@ -158,11 +162,24 @@ class OffloadSpec:
 
 @dataclass(frozen=True, slots=True)
 class AutoscalingSpec:
+    """``spec.autoscaling``: the composite scale signal's per-pod targets and the bounds.
+
+    Args:
+        mode: ``none``, ``hpa`` (through a Prometheus adapter) or ``keda``.
+        min_replicas / max_replicas: the bounds; 0 (scale to zero) only with KEDA.
+        kv_cache_usage_target: average KV cache usage (0..1) per pod.
+        waiting_requests_target: average queued requests per pod (catches prefill-heavy
+            saturation that KV usage misses: the queue grows while usage stays flat).
+        preemption_rate_target: average preemptions per second per pod (KV thrash).
+        prometheus_server_address: the Prometheus KEDA's triggers query.
+    """
+
     mode: str = "none"
     min_replicas: int = 1
     max_replicas: int | None = None
     kv_cache_usage_target: float = 0.7
-    waiting_requests_target: int | None = None
+    waiting_requests_target: int = DEFAULT_WAITING_REQUESTS_TARGET
+    preemption_rate_target: float = DEFAULT_PREEMPTION_RATE_TARGET
     prometheus_server_address: str = DEFAULT_PROMETHEUS
 
     @property
@@ -342,14 +359,19 @@ def _parse_autoscaling(r: Reader | None) -> AutoscalingSpec:
         return AutoscalingSpec()
     auto = AutoscalingSpec(
         mode=r.get("mode", str, "none", choices=AUTOSCALING_MODES),
-        min_replicas=r.get("minReplicas", int, 1, minimum=1, maximum=1000),
+        min_replicas=r.get("minReplicas", int, 1, minimum=0, maximum=1000),
         max_replicas=r.get("maxReplicas", int, minimum=1, maximum=1000),
         kv_cache_usage_target=r.get("kvCacheUsageTarget", float, 0.7, minimum=0.05, maximum=1),
-        waiting_requests_target=r.get("waitingRequestsTarget", int, minimum=1),
+        waiting_requests_target=r.get("waitingRequestsTarget", int, DEFAULT_WAITING_REQUESTS_TARGET,
+                                      minimum=1),
+        preemption_rate_target=r.get("preemptionRateTarget", float, DEFAULT_PREEMPTION_RATE_TARGET,
+                                     minimum=0, exclusive_min=True),
         prometheus_server_address=r.get("prometheusServerAddress", str, DEFAULT_PROMETHEUS),
     )
     if auto.enabled and auto.max_replicas is None:
         raise SpecError("autoscaling.maxReplicas is required when autoscaling.mode is hpa or keda")
+    if auto.min_replicas == 0 and auto.mode != "keda":
+        raise SpecError("autoscaling.minReplicas 0 (scale to zero) needs autoscaling.mode keda")
     if auto.max_replicas is not None and auto.min_replicas > auto.max_replicas:
         raise SpecError("autoscaling.minReplicas must be <= autoscaling.maxReplicas")
     return auto

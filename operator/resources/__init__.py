@@ -86,7 +86,8 @@ def possible_children(owner: Owner) -> list[tuple[ChildKind, str]]:
 
 
 def desired_children(owner: Owner, spec: InferenceServiceSpec, sizing: EngineSizing,
-                     settings: OperatorSettings, *, podmonitor_api: bool) -> list[Child]:
+                     settings: OperatorSettings, *, podmonitor_api: bool,
+                     inherited_replicas: int | None = None) -> list[Child]:
     """The children that should exist for ``spec`` planned as ``sizing``.
 
     Args:
@@ -95,9 +96,11 @@ def desired_children(owner: Owner, spec: InferenceServiceSpec, sizing: EngineSiz
         sizing: the plan's flags and sizes.
         settings: operator settings.
         podmonitor_api: whether the cluster serves monitoring.coreos.com/v1 PodMonitors.
+        inherited_replicas: the count an autoscaler left when autoscaling was switched off
+            (``kvpilot.operator.handover``), a floor while ``spec.replicas`` is unset.
     """
-    policy = ReplicaPolicy.of(spec, sizing)
-    deployment = Child(DEPLOYMENT, build_deployment(owner, spec, sizing, settings),
+    policy = ReplicaPolicy.of(spec, sizing, inherited_replicas)
+    deployment = Child(DEPLOYMENT, build_deployment(owner, spec, sizing, settings, policy),
                        create_only=("spec.replicas",) if policy.autoscaled else ())
     children = [deployment, Child(SERVICE, build_service(owner))]
     if disk_claim_child(policy, sizing):

@@ -1,14 +1,24 @@
-"""Autoscalers on the engine's own load signals: KV cache usage and queued requests.
+"""Autoscalers on the engine's own load signals: a composite of three per-pod targets.
 
-Both target the Deployment (not the InferenceService's scale subresource), and while one
-exists the operator leaves ``Deployment.spec.replicas`` alone. Metric names:
+KV cache usage alone misses saturation under prefill-heavy load (the queue grows while
+usage stays flat), so every autoscaler watches three signals and follows whichever asks
+for the most replicas (the HPA's rule for several metrics):
 
-- HPA (``autoscaling/v2``, Pods metrics through a Prometheus adapter): the custom-metrics
-  names from the operator settings, by default ``vllm_kv_cache_usage_perc`` and
-  ``vllm_num_requests_waiting`` (the adapter renames the engine's ``vllm:`` series).
-- KEDA (``keda.sh/v1alpha1`` ScaledObject): PromQL over the engine's own series
-  ``vllm:kv_cache_usage_perc`` / ``vllm:num_requests_waiting``, summed over the service's
-  pods with ``AverageValue`` so the target is per pod, as with the HPA.
+| signal                 | engine series                 | HPA custom metric (adapter rename)  |
+|------------------------|-------------------------------|-------------------------------------|
+| KV cache usage (0..1)  | ``vllm:kv_cache_usage_perc``  | ``vllm_kv_cache_usage_perc``        |
+| queued requests        | ``vllm:num_requests_waiting`` | ``vllm_num_requests_waiting``       |
+| preemptions per second | ``vllm:num_preemptions_total``| ``vllm_num_preemptions_per_second`` |
+
+- HPA (``autoscaling/v2``): ``Pods`` metrics served by a Prometheus adapter whose rules
+  ship with the chart (``charts/kvpilot/files/prometheus-adapter/``); the names are
+  operator settings.
+- KEDA (``keda.sh/v1alpha1`` ScaledObject): PromQL over the engine's own series,
+  filtered by ``namespace`` (added by the scrape) and ``model_name`` (the engine's label:
+  the first served name), summed over the pods with ``AverageValue`` so that each target
+  is per pod, as with the HPA. ``minReplicas: 0`` (scale to zero) is KEDA's alone.
+
+Both target the Deployment; while one exists the operator leaves ``spec.replicas`` alone.
 """
 
 from __future__ import annotations
@@ -18,12 +28,27 @@ from kvpilot.operator.settings import OperatorSettings
 from kvpilot.operator.spec import InferenceServiceSpec
 
 KEDA_API = ("keda.sh", "v1alpha1")
+KV_USAGE_SERIES = "vllm:kv_cache_usage_perc"
+WAITING_SERIES = "vllm:num_requests_waiting"
+PREEMPTIONS_SERIES = "vllm:num_preemptions_total"
+# The window of the preemption rate (here and in the adapter rule): long enough to hold a
+# few scrapes at the usual 15-30 s interval, short enough to let go soon after a burst.
+RATE_WINDOW = "1m"
+# Scale up soon but not on one spike (a new pod needs minutes to load its weights anyway):
+# the highest recommendation of the last 30 s, at most doubling or +2 pods a minute.
+SCALE_UP_BEHAVIOR = {
+    "stabilizationWindowSeconds": 30,
+    "selectPolicy": "Max",
+    "policies": [{"type": "Percent", "value": 100, "periodSeconds": 60},
+                 {"type": "Pods", "value": 2, "periodSeconds": 60}],
+}
 # Scaling down drops a pod's prefix cache and a new pod needs minutes to load weights:
 # shrink slowly, one pod at a time.
 SCALE_DOWN_BEHAVIOR = {
     "stabilizationWindowSeconds": 300,
     "policies": [{"type": "Pods", "value": 1, "periodSeconds": 120}],
 }
+BEHAVIOR = {"scaleUp": SCALE_UP_BEHAVIOR, "scaleDown": SCALE_DOWN_BEHAVIOR}
 
 
 def _target(owner: Owner) -> dict:
@@ -39,11 +64,11 @@ def _pods_metric(name: str, per_pod: float) -> dict:
 
 
 def build_hpa(owner: Owner, spec: InferenceServiceSpec, settings: OperatorSettings) -> dict:
-    """An autoscaling/v2 HPA averaging KV usage (and optionally queue length) per pod."""
+    """An autoscaling/v2 HPA on the three per-pod signals (KV usage, queue, preemptions)."""
     auto = spec.autoscaling
-    metrics = [_pods_metric(settings.hpa_kv_usage_metric, auto.kv_cache_usage_target)]
-    if auto.waiting_requests_target is not None:
-        metrics.append(_pods_metric(settings.hpa_waiting_metric, auto.waiting_requests_target))
+    metrics = [_pods_metric(settings.hpa_kv_usage_metric, auto.kv_cache_usage_target),
+               _pods_metric(settings.hpa_waiting_metric, auto.waiting_requests_target),
+               _pods_metric(settings.hpa_preemption_metric, auto.preemption_rate_target)]
     return {
         "apiVersion": "autoscaling/v2",
         "kind": "HorizontalPodAutoscaler",
@@ -53,36 +78,38 @@ def build_hpa(owner: Owner, spec: InferenceServiceSpec, settings: OperatorSettin
             "minReplicas": auto.min_replicas,
             "maxReplicas": auto.ceiling,
             "metrics": metrics,
-            "behavior": {"scaleDown": SCALE_DOWN_BEHAVIOR},
+            "behavior": BEHAVIOR,
         },
     }
 
 
-def _trigger(owner: Owner, spec: InferenceServiceSpec, metric: str, threshold: str) -> dict:
-    """A KEDA Prometheus trigger on the sum of ``metric`` over the service's pods."""
-    query = f'sum({metric}{{namespace="{owner.namespace}",model_name="{spec.model.served_name}"}})'
-    return {"type": "prometheus", "metricType": "AverageValue",
-            "metadata": {"serverAddress": spec.autoscaling.prometheus_server_address,
-                         "query": query, "threshold": threshold}}
+def keda_queries(owner: Owner, spec: InferenceServiceSpec) -> list[tuple[str, float]]:
+    """(PromQL, per-pod threshold) of each KEDA trigger: sums over the service's pods."""
+    match = f'{{namespace="{owner.namespace}",model_name="{spec.model.served_name}"}}'
+    auto = spec.autoscaling
+    return [(f"sum({KV_USAGE_SERIES}{match})", auto.kv_cache_usage_target),
+            (f"sum({WAITING_SERIES}{match})", auto.waiting_requests_target),
+            (f"sum(rate({PREEMPTIONS_SERIES}{match}[{RATE_WINDOW}]))", auto.preemption_rate_target)]
 
 
 def build_scaledobject(owner: Owner, spec: InferenceServiceSpec) -> dict:
     """A KEDA ScaledObject with Prometheus triggers on the engine's vLLM-named series."""
     auto = spec.autoscaling
-    triggers = [_trigger(owner, spec, "vllm:kv_cache_usage_perc", f"{auto.kv_cache_usage_target:g}")]
-    if auto.waiting_requests_target is not None:
-        triggers.append(_trigger(owner, spec, "vllm:num_requests_waiting", str(auto.waiting_requests_target)))
+    triggers = [{"type": "prometheus", "metricType": "AverageValue",
+                 "metadata": {"serverAddress": auto.prometheus_server_address, "query": query,
+                              "threshold": f"{threshold:g}"}}
+                for query, threshold in keda_queries(owner, spec)]
     return {
         "apiVersion": "/".join(KEDA_API),
         "kind": "ScaledObject",
         "metadata": owner.metadata("autoscaler"),
         "spec": {
             "scaleTargetRef": _target(owner),
-            "minReplicaCount": auto.min_replicas,
+            "minReplicaCount": auto.min_replicas,   # 0 = scale to zero when every trigger is idle
             "maxReplicaCount": auto.ceiling,
             "pollingInterval": 15,
-            "cooldownPeriod": 300,
+            "cooldownPeriod": 300,                  # idle time before the last replica goes (0 only)
             "triggers": triggers,
-            "advanced": {"horizontalPodAutoscalerConfig": {"behavior": {"scaleDown": SCALE_DOWN_BEHAVIOR}}},
+            "advanced": {"horizontalPodAutoscalerConfig": {"behavior": BEHAVIOR}},
         },
     }

@@ -42,19 +42,29 @@ class ReplicaPolicy:
         replicas: the Deployment's count at creation (and always, when not autoscaled).
         autoscaled: an HPA/ScaledObject owns the count after creation.
         max_replicas: the most replicas there can be (decides PDB and disk-claim layout).
+        inherited: the count the operator took over from an autoscaler (``handover``),
+            kept as a floor while ``spec.replicas`` is unset; None when there is none.
     """
 
     replicas: int
     autoscaled: bool
     max_replicas: int
+    inherited: int | None = None
 
     @classmethod
-    def of(cls, spec: InferenceServiceSpec, sizing: EngineSizing) -> ReplicaPolicy:
+    def of(cls, spec: InferenceServiceSpec, sizing: EngineSizing,
+           inherited: int | None = None) -> ReplicaPolicy:
+        """The policy of ``spec`` planned as ``sizing``; ``inherited`` is the count an
+        autoscaler left when autoscaling was switched off (``handover.inherited_replicas``)."""
         auto = spec.autoscaling
         if auto.enabled:
             return cls(min(max(sizing.replicas, auto.min_replicas), auto.ceiling), True, auto.ceiling)
-        n = spec.replicas if spec.replicas is not None else sizing.replicas
-        return cls(n, False, n)
+        if spec.replicas is not None:  # explicit (kubectl scale kvis): wins over what was inherited
+            return cls(spec.replicas, False, spec.replicas)
+        if inherited is not None:
+            n = max(sizing.replicas, inherited)
+            return cls(n, False, n, inherited)
+        return cls(sizing.replicas, False, sizing.replicas)
 
 
 def disk_claim_child(policy: ReplicaPolicy, sizing: EngineSizing) -> bool:
@@ -123,7 +133,7 @@ def _disk_volume(owner: Owner, spec: InferenceServiceSpec, sizing: EngineSizing,
 
 
 def build_deployment(owner: Owner, spec: InferenceServiceSpec, sizing: EngineSizing,
-                     settings: OperatorSettings) -> dict:
+                     settings: OperatorSettings, policy: ReplicaPolicy | None = None) -> dict:
     """The engine Deployment for one InferenceService.
 
     Args:
@@ -131,8 +141,9 @@ def build_deployment(owner: Owner, spec: InferenceServiceSpec, sizing: EngineSiz
         spec: its parsed spec.
         sizing: the plan's flags and sizes (with spec overrides already applied).
         settings: operator settings (default image, metric names, grace period).
+        policy: the replica policy (default: ``ReplicaPolicy.of(spec, sizing)``).
     """
-    policy = ReplicaPolicy.of(spec, sizing)
+    policy = policy or ReplicaPolicy.of(spec, sizing)
     image = spec.image or settings.engine_image
     delivery = model_delivery(spec.model, image, settings.s3_fetch_image,
                               CONTAINER_SECURITY_CONTEXT, TMP_MOUNT)
@@ -186,10 +197,13 @@ def build_deployment(owner: Owner, spec: InferenceServiceSpec, sizing: EngineSiz
     # another node and wait forever for the volume): replace it instead.
     strategy = ({"type": "Recreate"} if disk_claim_child(policy, sizing) else
                 {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}})
+    metadata = owner.metadata("engine")
+    if policy.inherited is not None:  # remembered until spec.replicas is set or autoscaling is back
+        metadata["annotations"] = {c.ANNOTATION_INHERITED_REPLICAS: str(policy.inherited)}
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": owner.metadata("engine"),
+        "metadata": metadata,
         "spec": {
             "replicas": policy.replicas,
             "selector": {"matchLabels": owner.selector_labels},

@@ -5,7 +5,8 @@ rely on (see /work/shared/ENVIRONMENT.md). ``KubeEmulator`` extends kmock's ``Ra
 (request recording, DSL reactions for fault injection, the aiohttp ``Server``) with:
 
 - server-set ``uid``, ``resourceVersion``, ``creationTimestamp`` and ``generation`` (bumped
-  only when something outside metadata/status changes), ``generateName``;
+  only when something outside metadata/status changes), ``generateName``; a Deployment's
+  ``spec.replicas`` defaulted to 1 when absent;
 - status subresource isolation (writes to ``/status`` change only status; writes to the
   main resource keep status) and the ``/scale`` subresource (autoscaling/v1 Scale);
 - merge, strategic-merge (approximated as merge) and JSON patches; PUT with
@@ -145,6 +146,12 @@ class KubeEmulator(kmock.RawHandler):
         """Create a CRD as if POSTed (registers its resources); returns the stored CRD."""
         rtype = self.types[("apiextensions.k8s.io", "v1", "customresourcedefinitions")]
         return self._store_create(rtype, None, crd)
+
+    def history(self, group: str, plural: str, namespace: str | None, name: str) -> list[dict]:
+        """Every version of one object the store held, oldest first (deletions included)."""
+        return [copy.deepcopy(entry[3]) for entry in self._log  # (rv, group/plural, type, object, ...)
+                if entry[1] == f"{group}/{plural}" and entry[3]["metadata"].get("namespace") == namespace
+                and entry[3]["metadata"].get("name") == name]
 
     def _type_for(self, group: str, plural: str) -> api.ResourceType | None:
         return next((t for t in self.types.values() if t.group == group and t.plural == plural), None)
@@ -350,7 +357,7 @@ class KubeEmulator(kmock.RawHandler):
         obj["apiVersion"], obj["kind"] = rtype.api_version, rtype.kind
         if rtype.status:
             obj.pop("status", None)
-        obj = self._admit(rtype, obj, meta["name"])
+        obj = api.apply_builtin_defaults(rtype, self._admit(rtype, obj, meta["name"]))
         meta = obj["metadata"]
         meta.update(uid=str(uuid.uuid4()), creationTimestamp=_now(), generation=1)
         if rtype.kind == "CustomResourceDefinition":
@@ -402,7 +409,7 @@ class KubeEmulator(kmock.RawHandler):
             except api.PatchError as exc:
                 raise ApiError(422, "Invalid", str(exc)) from None
         new = self._isolate(rtype, old, new, subresource)
-        new = self._admit(rtype, new, name)
+        new = api.apply_builtin_defaults(rtype, self._admit(rtype, new, name))
         if new == old:
             return copy.deepcopy(old)  # a no-op write changes nothing, not even resourceVersion
         if _spec_part(new) != _spec_part(old):

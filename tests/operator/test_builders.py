@@ -24,7 +24,7 @@ from kvpilot.operator.planner.plan_request import PlanRequest
 from kvpilot.operator.resources import desired_children
 from kvpilot.operator.resources.common import Owner, decimal_quantity, gib_quantity
 from kvpilot.operator.settings import OperatorSettings
-from kvpilot.operator.spec import parse_spec
+from kvpilot.operator.spec import SpecError, parse_spec
 from kvpilot.operator.spec_to_plan import plan_request, plan_service
 
 SETTINGS = OperatorSettings(engine_image="registry.example/kvpilot:1.2.3")
@@ -268,7 +268,12 @@ def test_hpa_scales_the_deployment_on_kv_usage_and_queue_length():
     assert (hpa["minReplicas"], hpa["maxReplicas"]) == (1, 6)
     metrics = {m["pods"]["metric"]["name"]: m["pods"]["target"] for m in hpa["metrics"]}
     assert metrics == {"vllm_kv_cache_usage_perc": {"type": "AverageValue", "averageValue": "700m"},
-                       "vllm_num_requests_waiting": {"type": "AverageValue", "averageValue": "8"}}
+                       "vllm_num_requests_waiting": {"type": "AverageValue", "averageValue": "8"},
+                       "vllm_num_preemptions_per_second": {"type": "AverageValue", "averageValue": "100m"}}
+    # scale up within a minute, down slowly (a pod's prefix cache and a model load are at stake)
+    behavior = hpa["behavior"]
+    assert behavior["scaleUp"]["stabilizationWindowSeconds"] < behavior["scaleDown"]["stabilizationWindowSeconds"]
+    assert behavior["scaleDown"]["policies"] == [{"type": "Pods", "value": 1, "periodSeconds": 120}]
     deployment = children["Deployment"]
     assert deployment.create_only == ("spec.replicas",)  # the HPA owns the count after creation
     assert deployment.body["spec"]["replicas"] == min(max(plan.replicas, 1), 6)
@@ -285,9 +290,26 @@ def test_keda_scaledobject_queries_the_engine_series():
     assert (so["minReplicaCount"], so["maxReplicaCount"]) == (2, 5)
     queries = [t["metadata"]["query"] for t in so["triggers"]]
     assert queries == ['sum(vllm:kv_cache_usage_perc{namespace="serving",model_name="keda"})',
-                       'sum(vllm:num_requests_waiting{namespace="serving",model_name="keda"})']
-    assert [t["metadata"]["threshold"] for t in so["triggers"]] == ["0.6", "4"]
+                       'sum(vllm:num_requests_waiting{namespace="serving",model_name="keda"})',
+                       'sum(rate(vllm:num_preemptions_total{namespace="serving",model_name="keda"}[1m]))']
+    assert [t["metadata"]["threshold"] for t in so["triggers"]] == ["0.6", "4", "0.1"]
+    assert {t["metricType"] for t in so["triggers"]} == {"AverageValue"}  # per pod, as the HPA's
     assert all(isinstance(v, str) for t in so["triggers"] for v in t["metadata"].values())
+    assert so["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleDown"]["policies"]
+
+
+def test_keda_scales_to_zero_only_when_asked():
+    spec = copy.deepcopy(BASE)
+    spec["autoscaling"] = {"mode": "keda", "maxReplicas": 3}
+    default, _ = _build(_cr("warm", spec))
+    assert default["ScaledObject"].body["spec"]["minReplicaCount"] == 1
+    spec["autoscaling"]["minReplicas"] = 0
+    idle, plan = _build(_cr("idle", spec))
+    assert idle["ScaledObject"].body["spec"]["minReplicaCount"] == 0
+    assert idle["Deployment"].body["spec"]["replicas"] == max(plan.replicas, 1)  # starts serving
+    spec["autoscaling"]["mode"] = "hpa"  # the HPA cannot scale to zero
+    with pytest.raises(SpecError, match="needs autoscaling.mode keda"):
+        parse_spec(spec, "hpa-zero")
 
 
 def test_pdb_and_podmonitor_only_when_they_apply():

@@ -59,6 +59,10 @@ BAD = [
     ("min > max replicas", _with("autoscaling", {"mode": "hpa", "minReplicas": 4, "maxReplicas": 2}),
      "minReplicas must be <= autoscaling.maxReplicas"),
     ("autoscaling without max", _with("autoscaling", {"mode": "keda"}), "maxReplicas is required"),
+    ("scale to zero with an HPA", _with("autoscaling", {"mode": "hpa", "minReplicas": 0, "maxReplicas": 2}),
+     "needs autoscaling.mode keda"),
+    ("no preemption target", _with("autoscaling", {"mode": "hpa", "maxReplicas": 2, "preemptionRateTarget": 0}),
+     "less than or equal to the minimum of 0"),
     ("offload size without offload", _with("offload", {"cpuGiB": 16}), "need offload.enabled=true"),
     ("disk tier without offload", _with("offload", {"disk": {"sizeGiB": 50}}), "need offload.enabled=true"),
     ("lmcache settings on native", _with("offload", {"enabled": True, "lmcache": {"chunkSize": 256}}),
@@ -128,6 +132,8 @@ def test_cel_rules_accept_the_good_object_and_edge_values():
     assert crd_schema.admit(SCHEMA, GOOD)[1] == []
     edge = _with("autoscaling", {"mode": "hpa", "minReplicas": 3, "maxReplicas": 3})
     assert crd_schema.admit(SCHEMA, edge)[1] == []
+    to_zero = _with("autoscaling", {"mode": "keda", "minReplicas": 0, "maxReplicas": 3})
+    assert crd_schema.admit(SCHEMA, to_zero)[1] == []
     offload = _with("offload", {"enabled": True, "cpuGiB": 8, "disk": {}})
     assert crd_schema.admit(SCHEMA, offload)[1] == []
     lmcache = _with("offload", {"enabled": True, "backend": "lmcache",
