@@ -26,7 +26,8 @@ from harness import EmulatorThread, Kubectl, OperatorProcess, wait_for, write_ku
 from kvpilot.operator import constants as c
 
 CRD_NAME = f"{c.PLURAL}.{c.GROUP}"
-COLUMNS = ["NAME", "MODEL", "GPU", "KV-DTYPE", "MAX-SEQS", "READY-REPLICAS", "REPLICAS", "READY", "AGE"]
+COLUMNS = ["NAME", "MODEL", "GPU", "KV-DTYPE", "MAX-SEQS", "OBSERVED-KV-TOKENS", "READY-REPLICAS", "REPLICAS",
+           "READY", "AGE"]
 
 
 @contextlib.contextmanager

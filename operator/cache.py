@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvpilot.operator.constants import ENGINE_CONTAINER
 from kvpilot.operator.kube import KubeApi, KubeError
 from kvpilot.operator.resources import ChildKind
 
@@ -43,11 +44,18 @@ def newest(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> Mapping[
 
 
 def pod_summary(body: Mapping[str, Any]) -> dict:
-    """What the operator keeps of an engine pod: its identity and scheduling state (phase and
-    conditions), not the whole object."""
+    """What the operator keeps of an engine pod, not the whole object: its identity and
+    scheduling state (phase and conditions), and for ``engine_observer`` where its engine
+    serves (IP, ports), what it runs (args) and which process it is (restart counts)."""
     meta, status = body.get("metadata") or {}, body.get("status") or {}
-    return {"metadata": {k: meta[k] for k in ("name", "namespace", "labels", "resourceVersion") if k in meta},
-            "status": {k: copy.deepcopy(status[k]) for k in ("phase", "conditions") if k in status}}
+    engines = [{k: copy.deepcopy(ct[k]) for k in ("name", "args", "ports") if k in ct}
+               for ct in (body.get("spec") or {}).get("containers") or () if ct.get("name") == ENGINE_CONTAINER]
+    kept = {k: copy.deepcopy(status[k]) for k in ("phase", "conditions", "podIP") if k in status}
+    kept["containerStatuses"] = [{"name": cs.get("name"), "restartCount": cs.get("restartCount", 0)}
+                                 for cs in status.get("containerStatuses") or ()]
+    return {"metadata": {k: meta[k] for k in ("name", "namespace", "uid", "labels", "resourceVersion",
+                                              "deletionTimestamp") if k in meta},
+            "spec": {"containers": engines}, "status": kept}
 
 
 def stored_copy(body: Mapping[str, Any]) -> dict:

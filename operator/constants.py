@@ -41,4 +41,5 @@ PLANNED = "Planned"
 READY = "Ready"
 PROGRESSING = "Progressing"
 DEGRADED = "Degraded"
-CONDITION_TYPES = (PLANNED, READY, PROGRESSING, DEGRADED)
+SIZING_DRIFT = "SizingDrift"      # the engines' KV capacity differs from the plan (sizing_drift)
+CONDITION_TYPES = (PLANNED, READY, PROGRESSING, DEGRADED, SIZING_DRIFT)

@@ -110,8 +110,9 @@ class KubeApi:
 
     async def request(self, method: str, path: str, body: Any = None,
                       content_type: str = "application/json",
-                      query: list[tuple[str, str]] | None = None) -> dict:
-        """One API call; returns the decoded JSON answer, raises KubeError on non-2xx."""
+                      query: list[tuple[str, str]] | None = None, raw: bool = False) -> Any:
+        """One API call; returns the decoded JSON answer (``raw``: the text), raises KubeError
+        on non-2xx."""
         if self.closing:
             raise KubeError(0, "the API client is closing (operator shutdown)")
         headers = {"Accept": "application/json", "Content-Type": content_type}
@@ -140,7 +141,13 @@ class KubeApi:
                 message, reason = data.decode(errors="replace"), ""
             raise KubeError(response.status, message, _retry_after(response.headers.get("Retry-After")),
                             reason)
+        if raw:
+            return data.decode(errors="replace")
         return json.loads(data) if data else {}
+
+    async def get_text(self, path: str) -> str:
+        """A plain-text answer: a pod's ``/metrics`` through the API server's pod proxy."""
+        return await self.request("GET", path, raw=True)
 
     async def get(self, path: str) -> dict | None:
         """The object at ``path``, or None when it does not exist."""

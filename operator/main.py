@@ -14,8 +14,10 @@
   (kopf's in-memory cache of the operator's children, filled from one watch per kind
   and complete before any worker starts) and an event handler that pokes the owner's
   worker when a child changes or disappears (drift repair without polling);
-- engine pods (label-selected): an index of their scheduling state, read when replicas
-  are missing (``Degraded`` NoMatchingNodes / Unschedulable), and an event handler that
+- engine pods (label-selected): an index of their scheduling state, where they serve and
+  what they run (``cache.pod_summary``), read when replicas are missing (``Degraded``
+  NoMatchingNodes / Unschedulable) and to read what ready ones allocated
+  (``engine_observer``: ``status.observed``, ``SizingDrift``), and an event handler that
   pokes the service's worker when one changes;
 - CustomResourceDefinition events in a child kind's group: forget the cached discovery
   and poke every worker (PodMonitors / ScaledObjects can be made, or no longer).
@@ -37,6 +39,7 @@ import kopf
 from kvpilot.operator import constants as c
 from kvpilot.operator.cache import pod_summary, stored_copy
 from kvpilot.operator.discovery import Discovery
+from kvpilot.operator.engine_observer import EngineObserver
 from kvpilot.operator.kube import KubeApi
 from kvpilot.operator.metrics import serve_metrics
 from kvpilot.operator.peering import peering_priority
@@ -93,7 +96,8 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
         metrics = serve_metrics(config.metrics_port) if config.metrics_port else None
         api = await KubeApi.connect(config.api_timeout_seconds)
         memo.api = api
-        memo.ctx = WorkerContext(api=api, settings=config, discovery=Discovery(api.has_api), metrics=metrics)
+        memo.ctx = WorkerContext(api=api, settings=config, discovery=Discovery(api.has_api), metrics=metrics,
+                                 observer=EngineObserver.from_settings(config, api))
 
     @kopf.on.login(registry=registry)
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
@@ -102,6 +106,8 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+        if memo.get("ctx") is not None and memo.ctx.observer is not None:
+            await memo.ctx.observer.close()
         if memo.get("api") is not None:
             await memo.api.close()
 

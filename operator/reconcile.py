@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +36,7 @@ from kvpilot.operator import constants as c
 from kvpilot.operator.cache import Children
 from kvpilot.operator.diff import contains, diff, drop_path, removals, still_present, union
 from kvpilot.operator.discovery import Discovery
+from kvpilot.operator.engine_observer import EngineObserver, engine_pods
 from kvpilot.operator.handover import inherited_replicas
 from kvpilot.operator.kube import FOREIGN_CONTROLLER, KubeError
 from kvpilot.operator.resources import DEPLOYMENT, Child, desired_children, possible_children
@@ -44,6 +45,7 @@ from kvpilot.operator.resources.monitoring import PODMONITOR_API
 from kvpilot.operator.resources.placement import describe as describe_placement
 from kvpilot.operator.resources.service import endpoint
 from kvpilot.operator.settings import OperatorSettings
+from kvpilot.operator.sizing_drift import SizingObservation, sizing_observation
 from kvpilot.operator.spec import InferenceServiceSpec, SpecError, parse_spec
 from kvpilot.operator.spec_to_plan import PlanOutcome, plan_service
 from kvpilot.operator.status import (
@@ -59,7 +61,7 @@ logger = logging.getLogger(__name__)
 
 # status keys this operator owns; others (if any) are left alone by status patches
 STATUS_KEYS = ("observedGeneration", "conditions", "plan", "planError", "replicas",
-               "readyReplicas", "selector", "endpoint")
+               "readyReplicas", "selector", "endpoint", "observed")
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +90,7 @@ class ReconcileResult:
     events: list[Event] = field(default_factory=list)
     writes: list[str] = field(default_factory=list)
     failures: list[Failure] = field(default_factory=list)
+    sizing: SizingObservation | None = None  # planned vs observed KV capacity (observer on)
 
     @property
     def retry(self) -> bool:
@@ -202,7 +205,7 @@ def _status_patch(current: Mapping[str, Any], desired: Mapping[str, Any]) -> dic
 
 
 async def reconcile(children: Children, discovery: Discovery, body: Mapping[str, Any],
-                    settings: OperatorSettings) -> ReconcileResult:
+                    settings: OperatorSettings, observer: EngineObserver | None = None) -> ReconcileResult:
     """Bring ``body``'s children and status in line with its spec.
 
     Args:
@@ -211,6 +214,8 @@ async def reconcile(children: Children, discovery: Discovery, body: Mapping[str,
         discovery: which optional APIs (PodMonitor) the cluster serves.
         body: the InferenceService as last seen (its status is compared against).
         settings: operator settings.
+        observer: reads what the engine pods allocated (``status.observed``, ``SizingDrift``);
+            None: not observed.
     Returns:
         the status patch to write (empty when nothing changed), Events for condition
         changes worth one (``transition_events``), the child writes that were made, and
@@ -242,11 +247,15 @@ async def reconcile(children: Children, discovery: Discovery, body: Mapping[str,
     desired["replicas"] = state.replicas if state.exists else 0
     desired["readyReplicas"] = state.ready if state.exists else 0
     apply_error = "; ".join(str(f) for f in result.failures) or None
+    pods = children.pods(owner.namespace, owner.name)
     scheduling = None
     if spec is not None and outcome.sizing is not None and state.exists and state.ready < state.desired:
-        scheduling = scheduling_problem(children.pods(owner.namespace, owner.name),
-                                        describe_placement(spec, outcome.sizing.gpu, settings))
+        scheduling = scheduling_problem(pods, describe_placement(spec, outcome.sizing.gpu, settings))
     conditions = [planned, *workload_conditions(state, apply_error, scheduling)]
+    if observer is not None:
+        result.sizing = await _observe_engines(observer, owner, desired.get("plan"), pods, settings)
+        desired["observed"] = result.sizing.observed
+        conditions.append(result.sizing.condition)
     desired["conditions"] = merge_conditions(current.get("conditions"), conditions, generation,
                                              now_rfc3339())
     result.status_patch = _status_patch(current, desired)
@@ -283,8 +292,17 @@ async def _apply_all(children: Children, discovery: Discovery, body: Mapping[str
     await _remove_unwanted(children, owner, {(ch.kind.kind, ch.name) for ch in wanted}, result)
 
 
+async def _observe_engines(observer: EngineObserver, owner: Owner, plan: Mapping[str, Any] | None,
+                           pods: Sequence[Mapping[str, Any]], settings: OperatorSettings) -> SizingObservation:
+    """Planned vs observed KV capacity of the pods running ``plan`` (reads never fail the pass)."""
+    serve_args = (plan or {}).get("serveArgs")
+    running = engine_pods(pods, serve_args) if serve_args else []
+    samples = await observer.observe((owner.namespace, owner.name), running)
+    return sizing_observation(plan, samples, settings.sizing_drift_threshold)
+
+
 def transition_events(current: Any, conditions: list[Condition]) -> list[Event]:
-    """Events for a changed Planned condition and for Degraded turning on or off.
+    """Events for a changed Planned condition, and for Degraded or SizingDrift turning on or off.
 
     Only changes post Events, so a spec that stays infeasible or a child that keeps
     failing is reported once, not on every resync.
@@ -301,4 +319,9 @@ def transition_events(current: Any, conditions: list[Condition]) -> list[Event]:
             events.append(Event("Warning", cond.reason, cond.message))
         elif cond.type == c.DEGRADED and before.get("status") == "True" and cond.status == "False":
             events.append(Event("Normal", "Recovered", "no longer degraded"))
+        elif cond.type == c.SIZING_DRIFT and before.get("status") != cond.status:
+            if cond.status == "True":
+                events.append(Event("Warning", "SizingDrift", cond.message))
+            elif before.get("status") == "True":
+                events.append(Event("Normal", "SizingAsPlanned", cond.message))
     return events

@@ -25,6 +25,10 @@
 | KVPILOT_EPP_FAILURE_MODE        | FailClose                                 |
 | KVPILOT_PEERING_LIFETIME        | 60 (seconds a keep-alive stays valid)     |
 | KVPILOT_METRICS_PORT            | 0 (off); the Helm chart serves 8081       |
+| KVPILOT_ENGINE_METRICS          | pod (read engine pods' /metrics directly; apiserver: through the API server's pod proxy; off) |
+| KVPILOT_ENGINE_SCRAPE_TIMEOUT   | 2 (seconds one read of a pod's /metrics may take) |
+| KVPILOT_ENGINE_SCRAPES_PER_PASS | 4 (engine pods read at most per pass of a service) |
+| KVPILOT_SIZING_DRIFT_THRESHOLD  | 0.02 (relative error of observed vs planned KV capacity that sets SizingDrift) |
 
 The HPA metric names are the names a Prometheus adapter exposes in the custom metrics
 API: the engine exports ``vllm:kv_cache_usage_perc`` / ``vllm:num_requests_waiting`` /
@@ -44,6 +48,7 @@ from dataclasses import dataclass, field
 from kvpilot.operator.planner.gpu import gpu_names, gpu_node_products
 
 EPP_FAILURE_MODES = ("FailOpen", "FailClose")
+ENGINE_METRICS_MODES = ("pod", "apiserver", "off")
 _ON, _OFF = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
 
 
@@ -69,6 +74,10 @@ class OperatorSettings:
         peering_lifetime: seconds a replica's peering keep-alive stays valid: after a crash
             the next replica takes over within this time (after a clean stop at once).
         metrics_port: port of the operator's Prometheus ``/metrics`` (0 = off).
+        engine_metrics: how the operator reads engine pods' ``/metrics`` to observe their KV
+            cache (``engine_observer``): ``pod`` (directly), ``apiserver`` (pod proxy) or ``off``.
+        engine_scrape_timeout / engine_scrapes_per_pass: seconds per read; reads per pass.
+        sizing_drift_threshold: observed vs planned KV capacity error that sets ``SizingDrift``.
         gpu_node_label: node label whose value names the GPU product (GPU feature
             discovery's); None = pods are not pinned to a GPU type.
         gpu_node_values: GPU type -> label values, replacing the catalogue's products.
@@ -103,6 +112,10 @@ class OperatorSettings:
     endpoint_picker_failure_mode: str = "FailClose"
     peering_lifetime: int = 60
     metrics_port: int = 0
+    engine_metrics: str = "pod"
+    engine_scrape_timeout: float = 2.0
+    engine_scrapes_per_pass: int = 4
+    sizing_drift_threshold: float = 0.02
 
     def __post_init__(self) -> None:
         if not self.engine_image:
@@ -120,6 +133,13 @@ class OperatorSettings:
             raise ValueError(f"KVPILOT_PEERING_LIFETIME must be >= 1, got {self.peering_lifetime}")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"KVPILOT_METRICS_PORT must be a port (0 = off), got {self.metrics_port}")
+        if self.engine_metrics not in ENGINE_METRICS_MODES:
+            raise ValueError(f"KVPILOT_ENGINE_METRICS must be one of {', '.join(ENGINE_METRICS_MODES)}, "
+                             f"got {self.engine_metrics!r}")
+        if self.engine_scrape_timeout <= 0 or self.engine_scrapes_per_pass < 1:
+            raise ValueError("KVPILOT_ENGINE_SCRAPE_TIMEOUT must be > 0 and KVPILOT_ENGINE_SCRAPES_PER_PASS >= 1")
+        if not 0 < self.sizing_drift_threshold < 1:
+            raise ValueError(f"KVPILOT_SIZING_DRIFT_THRESHOLD must be in (0, 1), got {self.sizing_drift_threshold}")
         if not isinstance(logging.getLevelName(self.log_level.upper()), int):
             raise ValueError(f"KVPILOT_LOG_LEVEL: unknown level {self.log_level!r}")
         for gpu, values in self.gpu_node_values.items():
@@ -210,4 +230,9 @@ class OperatorSettings:
             or defaults.endpoint_picker_failure_mode,
             peering_lifetime=int(number("KVPILOT_PEERING_LIFETIME", defaults.peering_lifetime)),
             metrics_port=int(number("KVPILOT_METRICS_PORT", defaults.metrics_port)),
+            engine_metrics=env.get("KVPILOT_ENGINE_METRICS") or defaults.engine_metrics,
+            engine_scrape_timeout=number("KVPILOT_ENGINE_SCRAPE_TIMEOUT", defaults.engine_scrape_timeout),
+            engine_scrapes_per_pass=int(number("KVPILOT_ENGINE_SCRAPES_PER_PASS",
+                                               defaults.engine_scrapes_per_pass)),
+            sizing_drift_threshold=number("KVPILOT_SIZING_DRIFT_THRESHOLD", defaults.sizing_drift_threshold),
         )

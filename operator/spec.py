@@ -59,6 +59,8 @@ ENGINE_FIELDS: Fields = {
     "enablePrefixCaching": (bool, {}),
     # planner: plan the KV cache this fraction below the calibrated estimate (default 3%)
     "kvSafetyMargin": (float, {"minimum": 0, "maximum": 0.49}),
+    # planner: pin the KV cache size per GPU (--kv-cache-memory-bytes) instead of the estimate
+    "kvCacheMemoryBytes": (int, {"minimum": 1}),
 }
 # The one CRD field whose planner name is not its snake_case.
 PLANNER_NAMES = {"allowFp8KvCache": "allow_fp8_kv"}

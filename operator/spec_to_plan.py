@@ -119,6 +119,9 @@ def plan_status(plan: Plan) -> dict[str, Any]:
     status["estimates"] = {camel(k): v for k, v in data["estimates"].items() if v is not None}
     status["limits"] = {camel(k): v for k, v in data["limits"].items()}
     status["serveArgs"] = data["serve_args"]
+    # what the planner expects profiling to leave for the KV cache: the closed loop compares
+    # the engines' profiled figure with it (sizing_drift)
+    status["kvEstimateBytes"] = data["memory"]["kv_estimate_bytes"]
     return {k: v for k, v in status.items() if v is not None}
 
 

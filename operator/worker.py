@@ -39,6 +39,7 @@ import kopf
 from kvpilot.operator import constants as c
 from kvpilot.operator.cache import Children, WriteLog, newest, resource_version
 from kvpilot.operator.discovery import Discovery
+from kvpilot.operator.engine_observer import EngineObserver
 from kvpilot.operator.kube import KubeApi, KubeError
 from kvpilot.operator.metrics import OperatorMetrics
 from kvpilot.operator.reconcile import Failure, ReconcileResult, reconcile
@@ -124,6 +125,7 @@ class WorkerContext:
     backoff: Backoff = field(default_factory=Backoff)
     rng: random.Random = field(default_factory=random.Random)
     metrics: OperatorMetrics | None = None
+    observer: EngineObserver | None = None
     slots: asyncio.Semaphore | None = None
 
     def __post_init__(self) -> None:
@@ -215,6 +217,9 @@ class ServiceWorker:
                     return
                 if ctx.metrics is not None and result is not None:
                     ctx.metrics.record_pass(not result.failures, result.writes)
+                    if result.sizing is not None:
+                        ctx.metrics.record_sizing(*self.key, result.sizing.planned_blocks,
+                                                  result.sizing.observed_blocks)
                 if result is not None and result.retry:
                     failures += 1
                     delay = max(ctx.backoff.delay(failures, ctx.rng), result.retry_after or 0.0)
@@ -228,6 +233,10 @@ class ServiceWorker:
                     delay = min(delay, BLOCKED_RETRY_SECONDS * ctx.rng.uniform(0.75, 1.25))
         finally:
             ctx.workers.discard(self)
+            if ctx.observer is not None:  # the service is gone (or the operator stops)
+                ctx.observer.forget(self.key)
+            if ctx.metrics is not None:
+                ctx.metrics.forget(*self.key)
             stop_watch.cancel()
 
     async def reconcile_once(self) -> ReconcileResult | None:
@@ -238,7 +247,7 @@ class ServiceWorker:
         if meta.get("deletionTimestamp"):
             return None
         children = Children(ctx.api, self._indexes, ctx.writes, self._pods)
-        result = await reconcile(children, ctx.discovery, body, ctx.settings)
+        result = await reconcile(children, ctx.discovery, body, ctx.settings, ctx.observer)
         for write in result.writes:
             self._logger.info(write)
         self.passes += 1

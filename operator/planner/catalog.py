@@ -70,6 +70,11 @@ MODEL_PRESETS: dict[str, tuple[str, dict[str, Any], int]] = {
     "mistral-7b": ("mistralai/Mistral-7B-Instruct-v0.3",
                    _cfg("mistral", 32, 4096, 14336, 32, 8, 32768, 32768, 1e6, sliding_window=None),
                    7_248_023_552),
+    # kvpilot's built-in demo checkpoint (engine/model/models/demo.py; not on the hub)
+    "kvpilot-demo": ("kvpilot/demo-qwen3-tiny",
+                     _cfg("qwen3", 8, 256, 768, 4, 2, 151936, 8192, 1e6, tied=True, head_dim=64,
+                          sliding_window=None, use_sliding_window=False),
+                     45_192_448),
     "gemma-2-9b": ("google/gemma-2-9b-it",
                    _cfg("gemma2", 42, 3584, 14336, 16, 8, 256000, 8192, 1e4, tied=True, head_dim=256,
                         sliding_window=4096),

@@ -34,6 +34,11 @@ def _memory(req: PlanRequest, ev: Evaluation) -> list[Check]:
     out.append(Check("gpu_memory", ev.num_blocks >= 1,
                      f"weights {gib(b.weight_bytes):.2f} GiB + reserve {gib(b.reserve.total_bytes):.2f} GiB "
                      f"= {gib(used):.2f} GiB of a {gib(b.budget_bytes):.2f} GiB budget per GPU"))
+    if b.kv_pinned_bytes is not None:
+        room = max(0, b.kv_available_bytes)
+        out.append(Check("gpu_memory", b.kv_pinned_bytes <= room,
+                         f"the pinned KV cache of {gib(b.kv_pinned_bytes):.2f} GiB must fit in the "
+                         f"{gib(room):.2f} GiB the GPU leaves for it"))
     out.append(Check("kv_capacity", ev.limits["kv_capacity"] >= 1,
                      f"one max_context sequence needs {ev.max_context_blocks:,} blocks "
                      f"({gib(ev.layout.memory_for_blocks(ev.max_context_blocks)):.2f} GiB); the KV cache "

@@ -85,6 +85,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     o.add_argument("--kv-safety-margin", metavar="FRACTION", type=float,
                    help=f"plan the KV cache this fraction below the calibrated estimate "
                         f"(default {DEFAULT_KV_SAFETY_MARGIN:g})")
+    o.add_argument("--kv-cache-memory-bytes", metavar="BYTES", type=int,
+                   help="pin the KV cache per GPU instead of what the GPU leaves for it (must fit)")
     o.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="reserve memory for CUDA graphs (default: off, kvpilot serve captures none)")
     p.add_argument("-o", "--output", choices=FORMATS, default="text")

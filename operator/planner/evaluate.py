@@ -148,7 +148,8 @@ def evaluate(req: PlanRequest, tp: int, kv_cache_dtype: str) -> Evaluation:
     graphs = ov.cuda_graphs if ov.cuda_graphs is not None else ENGINE_CUDA_GRAPHS
     margin = ov.kv_safety_margin if ov.kv_safety_margin is not None else DEFAULT_KV_SAFETY_MARGIN
     budget = Budget(gpu.memory_bytes, ov.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION,
-                    math.ceil(weight_total / tp), reserve(model, tp, mnbt_cap, target, graphs), margin)
+                    math.ceil(weight_total / tp), reserve(model, tp, mnbt_cap, target, graphs), margin,
+                    ov.kv_cache_memory_bytes)
     layout = KVLayout(model.num_layers, kv_heads_per_rank(model.num_kv_heads, tp), model.head_dim,
                       kv_dtype.dtype_bytes(model, kv_cache_dtype), block_size)
     num_blocks = layout.num_blocks(max(0, budget.kv_bytes))

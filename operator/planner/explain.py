@@ -84,7 +84,8 @@ def _memory_lines(req: PlanRequest, ev: Evaluation, dtype_notes: list[str]) -> l
         *_reserve_lines(b.reserve),
         f"KV estimate per GPU = {_g(b.budget_bytes)} - {_g(b.weight_bytes)} weights - "
         f"{_g(b.reserve.total_bytes)} reserve = {_g(b.kv_estimate_bytes)}; less the "
-        f"{b.kv_safety_margin:.1%} safety margin = {_g(b.kv_bytes)}.",
+        f"{b.kv_safety_margin:.1%} safety margin = {_g(b.kv_available_bytes)}"
+        + (f"; pinned to {b.kv_bytes:,} B (kv_cache_memory_bytes)." if b.kv_pinned_bytes is not None else "."),
         f"KV dtype {kv_dtype.dtype_label(m, ev.kv_cache_dtype)}: {'; '.join(dtype_notes)}.",
         f"KV bytes/token per GPU = 2 (K,V) x {lay.num_layers} layers x {lay.num_kv_heads} KV heads x "
         f"{lay.head_dim} head_dim x {lay.dtype_bytes} B = {lay.bytes_per_token:,} B "

@@ -51,6 +51,7 @@ class Budget:
     weight_bytes: int          # per GPU
     reserve: Reserve
     kv_safety_margin: float = 0.0
+    kv_pinned_bytes: int | None = None  # the kv_cache_memory_bytes override
 
     @property
     def budget_bytes(self) -> int:
@@ -62,10 +63,15 @@ class Budget:
         return self.budget_bytes - self.weight_bytes - self.reserve.total_bytes
 
     @property
-    def kv_bytes(self) -> int:
-        """KV memory planned: the estimate less the safety margin."""
+    def kv_available_bytes(self) -> int:
+        """KV memory the GPU leaves for the plan: the estimate less the safety margin."""
         estimate = self.kv_estimate_bytes
         return int(estimate * (1 - self.kv_safety_margin)) if estimate > 0 else estimate
+
+    @property
+    def kv_bytes(self) -> int:
+        """KV memory planned: the pinned size, else all that is available."""
+        return self.kv_pinned_bytes if self.kv_pinned_bytes is not None else self.kv_available_bytes
 
 
 def blocks_for(model: ModelSpec, num_tokens: int, block_size: int) -> int:

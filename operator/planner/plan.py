@@ -110,7 +110,7 @@ def _to_plan(req: PlanRequest, ev: Evaluation, dtype_notes: list[str], shape_not
                 "weight_bytes_total": ev.weight_bytes_total, "weight_bytes_per_gpu": b.weight_bytes,
                 "reserve_bytes": b.reserve.total_bytes, **b.reserve.to_bytes(),
                 "reserve_activation_bytes": b.reserve.activation_bytes,
-                "kv_estimate_bytes": b.kv_estimate_bytes, "kv_available_bytes": b.kv_bytes,
+                "kv_estimate_bytes": b.kv_estimate_bytes, "kv_available_bytes": b.kv_available_bytes,
                 "bytes_per_block": ev.layout.bytes_per_block, "p95_sequence_blocks": ev.seq_blocks,
                 "max_context_blocks": ev.max_context_blocks},
         estimates={k: _finite(v) for k, v in {

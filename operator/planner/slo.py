@@ -106,6 +106,8 @@ class Overrides:
         kv_safety_margin: fraction of the calibrated KV estimate kept back (default
             ``reserve.DEFAULT_KV_SAFETY_MARGIN``), in [0, 0.5).
         cuda_graphs: reserve a CUDA-graph pool (default: whether kvpilot serve captures graphs).
+        kv_cache_memory_bytes: pin the KV cache per GPU (bytes) instead of what the GPU leaves
+            for it (a GPU shared with other processes, a small cache); it must fit in that.
     """
 
     tensor_parallel_size: int | None = None
@@ -122,9 +124,11 @@ class Overrides:
     weight_quantization: str | None = None
     kv_safety_margin: float | None = None
     cuda_graphs: bool | None = None
+    kv_cache_memory_bytes: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel_size", "replicas", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("tensor_parallel_size", "replicas", "max_num_seqs", "max_num_batched_tokens",
+                     "kv_cache_memory_bytes"):
             _positive(name, getattr(self, name))
         util = self.gpu_memory_utilization
         _positive("gpu_memory_utilization", util, integer=False)

@@ -37,4 +37,6 @@ def api_call(method: str, path: str, query: Mapping[str, str], user_agent: str) 
         verb = "delete" if p.name else "deletecollection"
     else:
         verb = {"POST": "create", "PUT": "update", "PATCH": "patch"}.get(method, method.lower())
-    return ApiCall(verb, p.group, p.plural, p.subresource, p.namespace, p.name, user_agent)
+    # RBAC names a subresource by its first segment (pods/NAME/proxy/metrics is pods/proxy)
+    subresource = p.subresource.split("/")[0] if p.subresource else None
+    return ApiCall(verb, p.group, p.plural, subresource, p.namespace, p.name, user_agent)

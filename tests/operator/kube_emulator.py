@@ -19,6 +19,7 @@ rely on (see /work/shared/ENVIRONMENT.md). ``KubeEmulator`` extends kmock's ``Ra
   its CEL rules (422 Invalid, as the API server answers);
 - ``meta.k8s.io/v1`` Table answers with the CRD's printer columns for ``kubectl get``;
 - a garbage collector: deleting an object deletes the objects it owns (ownerReferences);
+- the pod proxy (``GET .../pods/NAME:PORT/proxy/PATH`` is forwarded to the pod's IP);
 - finalizers and ``deletionTimestamp``; ``/api/v1/namespaces`` (mis-parsed by kmock);
 - watch bookmarks (``allowWatchBookmarks``) every ``bookmark_seconds``, and, on a watch
   with a label selector, ``DELETED`` / ``ADDED`` when an object stops / starts matching it
@@ -235,6 +236,8 @@ class KubeEmulator(kmock.RawHandler):
         method = raw.method
         if method == "GET" and req.params.get("watch") in ("true", "1"):
             return await self._watch(rtype, namespace, req.params, raw)  # takes the lock itself
+        if method == "GET" and rtype.plural == "pods" and (p.subresource or "").split("/")[0] == "proxy":
+            return await self._proxy_to_pod(namespace, p.name, p.subresource.partition("/")[2], raw)
         async with self._lock:
             if method == "GET" and p.name is None:
                 items = self._select(rtype, namespace, req.params)
@@ -261,6 +264,25 @@ class KubeEmulator(kmock.RawHandler):
             elif method == "DELETE" and p.name:
                 return _json(self._delete(rtype, namespace, p.name))
             raise ApiError(405, "MethodNotAllowed", f"{method} is not supported on {path}")
+
+    async def _proxy_to_pod(self, namespace: str | None, target: str, rest: str,
+                            raw: aiohttp.web.BaseRequest) -> aiohttp.web.Response:
+        """``GET .../pods/NAME[:PORT]/proxy/PATH``: the API server's pod proxy (HTTP to the pod's IP)."""
+        name, _, port = target.partition(":")
+        async with self._lock:
+            pod = self._get(self.types[("", "v1", "pods")], namespace, name)
+        ip = (pod.get("status") or {}).get("podIP")
+        if not ip or not port.isdigit():
+            raise ApiError(503, "ServiceUnavailable", f"pod {name} has no IP, or no port was named")
+        url = f"http://{ip}:{port}/{rest}" + (f"?{raw.query_string}" if raw.query_string else "")
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session, \
+                    session.get(url) as answer:
+                body = await answer.read()
+                return aiohttp.web.Response(body=body, status=answer.status,
+                                            content_type=answer.content_type or "text/plain")
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise ApiError(503, "ServiceUnavailable", f"error trying to reach pod {name}: {exc}") from None
 
     # ------------------------------------------------------------------ discovery
 

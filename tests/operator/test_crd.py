@@ -90,7 +90,8 @@ def test_crd_is_a_valid_custom_resource_definition():
     assert version["subresources"]["status"] == {}
     assert version["subresources"]["scale"]["specReplicasPath"] == ".spec.replicas"
     columns = [col["name"] for col in version["additionalPrinterColumns"]]
-    assert columns == ["Model", "GPU", "KV-Dtype", "Max-Seqs", "Ready-Replicas", "Replicas", "Ready", "Age"]
+    assert columns == ["Model", "GPU", "KV-Dtype", "Max-Seqs", "Observed-KV-Tokens", "Ready-Replicas", "Replicas",
+                       "Ready", "Age"]
 
 
 @pytest.mark.parametrize("path", crd_schema.EXAMPLES, ids=lambda p: p.stem)
@@ -191,7 +192,7 @@ def test_examples_name_catalogue_models():
 
 def test_status_schema_keeps_every_field_the_operator_writes():
     plan = SCHEMA["properties"]["status"]["properties"]["plan"]["properties"]
-    assert set(plan) == {camel(f) for f in STATUS_FIELDS} | {"generation", "serveArgs"}
+    assert set(plan) == {camel(f) for f in STATUS_FIELDS} | {"generation", "serveArgs", "kvEstimateBytes"}
     status = SCHEMA["properties"]["status"]["properties"]
     from kvpilot.operator.reconcile import STATUS_KEYS
 

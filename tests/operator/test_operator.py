@@ -258,11 +258,13 @@ def test_ready_follows_the_deployment_status(cluster):
     assert cluster.condition("ready", "Progressing")["status"] == "False"
     assert cluster.cr("ready")["status"]["readyReplicas"] == replicas
     table = cluster.kubectl("get", "inferenceservices", "ready").stdout.splitlines()
-    assert table[0].split() == ["NAME", "MODEL", "GPU", "KV-DTYPE", "MAX-SEQS", "READY-REPLICAS", "REPLICAS",
-                                "READY", "AGE"]
+    assert table[0].split() == ["NAME", "MODEL", "GPU", "KV-DTYPE", "MAX-SEQS", "OBSERVED-KV-TOKENS",
+                                "READY-REPLICAS", "REPLICAS", "READY", "AGE"]
     max_seqs = str(cluster.cr("ready")["status"]["plan"]["maxNumSeqs"])
     assert table[1].split()[1:8] == ["hf://Qwen/Qwen3-0.6B", "l4", "auto", max_seqs, str(replicas),
                                      str(replicas), "True"]
+    observed = table[0].index("OBSERVED-KV-TOKENS")
+    assert table[1][observed:table[0].index("READY-REPLICAS")].strip() == ""  # no engine pod read yet
 
 
 def test_an_infeasible_spec_is_reported_and_builds_nothing(cluster):

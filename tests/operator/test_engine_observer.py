@@ -1,0 +1,185 @@
+"""Reading what the engines allocated: the parser against the engine's own exporter, pod
+selection, and the observer's reads (bounded, remembered, timed out, failures harmless),
+straight from pods and through the API server's pod proxy.
+
+Oracles: the engine's real ``ServerMetrics`` exposition (what ``kvpilot serve`` exports),
+served over real HTTP on loopback; the API emulator's pod proxy; the chart's RBAC.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+
+import aiohttp.web
+import pytest
+from chart import render
+from harness import EmulatorThread, write_kubeconfig
+from prometheus_client import CollectorRegistry, generate_latest
+from rbac import assert_chart_grants, call_key, grants, operator_calls, ungranted
+
+from kvpilot.engine.config import KVCacheInfo
+from kvpilot.engine.server.metrics import ServerMetrics
+from kvpilot.operator import constants as c
+from kvpilot.operator.cache import pod_summary
+from kvpilot.operator.engine_observer import (
+    ApiServerReader,
+    DirectReader,
+    EngineCache,
+    EngineObserver,
+    EnginePod,
+    engine_pods,
+    parse_engine_cache,
+)
+from kvpilot.operator.kube import KubeApi
+
+SERVE_ARGS = ["--max-num-seqs", "4", "--kv-cache-memory-bytes", "4194304"]
+
+
+def exposition(num_gpu_blocks: int = 64, profiled: int | None = None) -> str:
+    """A /metrics page as kvpilot serve exports it, for a KV cache of ``num_gpu_blocks``."""
+    registry = CollectorRegistry()
+    info = KVCacheInfo(num_gpu_blocks=num_gpu_blocks, block_size=16, kv_cache_dtype="bfloat16",
+                       bytes_per_block=65536, kv_cache_memory_bytes=num_gpu_blocks * 65536,
+                       enable_prefix_caching=True, gpu_memory_utilization=0.9,
+                       profiled_available_bytes=profiled)
+    ServerMetrics(registry, "chat", info, 256, lambda: None)
+    return generate_latest(registry).decode()
+
+
+def test_the_parser_reads_the_engines_own_exposition():
+    assert parse_engine_cache(exposition(48)) == EngineCache(48, 16, "bfloat16", 48 * 65536, None)
+    cache = parse_engine_cache(exposition(64, profiled=20 << 30))
+    assert (cache.profiled_kv_bytes, cache.token_capacity) == (20 << 30, 1024)
+    with pytest.raises(ValueError, match="no vllm:cache_config_info"):
+        parse_engine_cache("process_open_fds 12\n")
+    with pytest.raises(ValueError):
+        parse_engine_cache("this is { not the text format\n")
+
+
+def pod(name: str, ip: str = "127.0.0.1", port: int = 8000, args=SERVE_ARGS, ready: bool = True,
+        restarts: int = 0) -> dict:
+    """An engine Pod object as the kubelet reports it."""
+    return {"metadata": {"name": name, "namespace": "ns", "uid": f"uid-{name}"},
+            "spec": {"containers": [{"name": c.ENGINE_CONTAINER, "args": ["--model", "/m", *args, "--x"],
+                                     "ports": [{"name": "http", "containerPort": port}]}]},
+            "status": {"phase": "Running", "podIP": ip,
+                       "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+                       "containerStatuses": [{"name": c.ENGINE_CONTAINER, "restartCount": restarts}]}}
+
+
+def test_only_ready_pods_running_the_plan_are_read():
+    terminating = pod("d")
+    terminating["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    no_ip = pod("e")
+    del no_ip["status"]["podIP"]
+    no_port = copy.deepcopy(pod("f"))
+    no_port["spec"]["containers"][0]["ports"] = []
+    pods = [pod("b", port=9000, restarts=2), pod("a"), pod("c", ready=False), terminating, no_ip, no_port,
+            pod("g", args=["--max-num-seqs", "8", "--kv-cache-memory-bytes", "4194304"])]  # an older plan
+    expected = [EnginePod("ns", "a", "uid-a", "127.0.0.1", 8000, 0), EnginePod("ns", "b", "uid-b", "127.0.0.1", 9000, 2)]
+    assert engine_pods(pods, SERVE_ARGS) == expected
+    # what the operator keeps of a pod in its watch cache is enough to find them
+    assert engine_pods([pod_summary(p) for p in pods], SERVE_ARGS) == expected
+
+
+class MetricsServers:
+    """Engine-like /metrics servers on 127.0.0.1: each answers with a page, an error, or late."""
+
+    def __init__(self) -> None:
+        self.hits: dict[int, int] = {}
+        self._runners: list[aiohttp.web.AppRunner] = []
+
+    async def start(self, page: str | None, delay: float = 0.0) -> int:
+        async def metrics(_: aiohttp.web.Request) -> aiohttp.web.Response:
+            self.hits[port] = self.hits.get(port, 0) + 1
+            await asyncio.sleep(delay)
+            if page is None:
+                return aiohttp.web.Response(status=500, text="engine broken")
+            return aiohttp.web.Response(text=page, content_type="text/plain")
+        app = aiohttp.web.Application()
+        app.router.add_get("/metrics", metrics)
+        runner = aiohttp.web.AppRunner(app)
+        await runner.setup()
+        site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        self._runners.append(runner)
+        return port
+
+    async def close(self) -> None:
+        for runner in self._runners:
+            await runner.cleanup()
+
+
+def test_each_pod_is_read_once_a_few_per_pass_and_failures_only_delay(caplog):
+    caplog.set_level(logging.INFO, logger="kvpilot.operator.engine_observer")
+    async def scenario():
+        servers = MetricsServers()
+        reader = DirectReader()
+        observer = EngineObserver(reader, timeout=0.5, max_scrapes_per_pass=2)
+        try:
+            ports = [await servers.start(exposition(64)), await servers.start(exposition(48)),
+                     await servers.start(None), await servers.start(exposition(64), delay=3)]
+            pods = engine_pods([pod(f"p{i}", port=port) for i, port in enumerate(ports)], SERVE_ARGS)
+            service = ("ns", "chat")
+            first = await observer.observe(service, pods)           # p0, p1 read; p2, p3 wait
+            assert [(s.pod, s.cache.num_gpu_blocks) for s in first] == [("p0", 64), ("p1", 48)]
+            started = asyncio.get_running_loop().time()
+            second = await observer.observe(service, pods)          # p2 fails, p3 times out
+            assert asyncio.get_running_loop().time() - started < 2.5
+            assert [s.pod for s in second] == ["p0", "p1"]
+            assert servers.hits == {ports[0]: 1, ports[1]: 1, ports[2]: 1, ports[3]: 1}
+            await observer.observe(service, pods)                   # retried; p0, p1 from memory
+            assert servers.hits[ports[0]] == 1 and servers.hits[ports[2]] == 2
+            restarted = engine_pods([pod("p0", port=ports[0], restarts=1)], SERVE_ARGS)
+            assert [s.pod for s in await observer.observe(service, restarted)] == ["p0"]
+            assert servers.hits[ports[0]] == 2                      # a new process is read again
+            observer.forget(service)
+            await observer.observe(service, restarted)
+            assert servers.hits[ports[0]] == 3
+        finally:
+            await observer.close()
+            await servers.close()
+    asyncio.run(scenario())
+    assert "engine broken" in caplog.text or "500" in caplog.text
+
+
+def test_reading_through_the_api_servers_pod_proxy(tmp_path, monkeypatch):
+    """``KVPILOT_ENGINE_METRICS=apiserver``: for an operator the pods' network is closed to;
+    the chart grants ``get pods/proxy`` exactly in that mode."""
+    with EmulatorThread() as emu:
+        monkeypatch.setenv("KUBECONFIG", str(write_kubeconfig(emu.kubeconfig("ns"), tmp_path)))
+
+        async def scenario() -> list:
+            servers = MetricsServers()
+            port = await servers.start(exposition(56))
+            body = pod("p0", port=port)
+
+            def create(e):
+                pods = e.types[("", "v1", "pods")]
+                e._store_create(pods, "ns", copy.deepcopy(body))
+                e._write(pods, "ns", "p0", "status", "PATCH", "application/merge-patch+json",
+                         {"status": body["status"]})
+            emu.run(create)
+            api = await KubeApi.connect()
+            observer = EngineObserver(ApiServerReader(api))
+            try:
+                stored = (await api.request("GET", "/api/v1/namespaces/ns/pods"))["items"]
+                return await observer.observe(("ns", "chat"), engine_pods([pod_summary(p) for p in stored],
+                                                                          SERVE_ARGS))
+            finally:
+                await observer.close()
+                await api.close()
+                await servers.close()
+        (sample,) = asyncio.run(scenario())
+        assert (sample.pod, sample.cache.num_gpu_blocks) == ("p0", 56)
+        calls = [call for call in emu.emulator.calls if call.subresource == "proxy"]
+        assert [(call.verb, call.resource, call.name.split(":")[0]) for call in calls] == [("get", "pods", "p0")]
+        values = tmp_path / "values.yaml"
+        values.write_text("operator:\n  engineMetrics: apiserver\n")
+        assert_chart_grants(emu.emulator.calls, [values])
+        docs = render()
+        assert [call_key(call) for call in ungranted(operator_calls(calls), grants(docs, "kvpilot", "kvpilot"))] \
+            == [("get", "", "pods/proxy")]  # not granted in the default mode (pod)
