@@ -25,21 +25,19 @@ from typing import Any
 
 import crd_schema
 import yaml
-from harness import EmulatorThread, Kubectl, OperatorProcess, free_port, wait_for, write_kubeconfig
+from harness import (
+    EmulatorThread,
+    Kubectl,
+    OperatorProcess,
+    free_port,
+    schemaless_crd,
+    wait_for,
+    write_kubeconfig,
+)
 from kubelet import Kubelet, engine_container
 from prometheus_sd import LocalPrometheus, PrometheusApi, podmonitor_targets
 
 GIB = 1 << 30
-
-
-def schemaless_crd(group: str, version: str, kind: str, plural: str) -> dict:
-    """A CRD that makes the emulator serve a kind of another project (KEDA, Prometheus operator)."""
-    return {"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
-            "metadata": {"name": f"{plural}.{group}"},
-            "spec": {"group": group, "scope": "Namespaced",
-                     "names": {"kind": kind, "plural": plural, "singular": kind.lower()},
-                     "versions": [{"name": version, "served": True, "storage": True, "schema": {
-                         "openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}}}]}}
 
 
 class Platform:

@@ -19,7 +19,15 @@ import json
 import pytest
 import yaml
 from chart import CHART, of_kind, operator_container, operator_env, render
-from harness import EmulatorThread, Kubectl, OperatorProcess, free_port, wait_for, write_kubeconfig
+from harness import (
+    EmulatorThread,
+    Kubectl,
+    OperatorProcess,
+    free_port,
+    schemaless_crd,
+    wait_for,
+    write_kubeconfig,
+)
 from rbac import call_key, grants, operator_calls, ungranted
 
 from kvpilot.operator import constants as c
@@ -38,17 +46,6 @@ SMALL = {"model": {"uri": "hf://Qwen/Qwen3-0.6B"}, "gpu": {"type": "l4"},
          "slo": {"maxContext": 8192, "p95PromptTokens": 2048, "p95OutputTokens": 512, "concurrency": 8}}
 OFFLOAD = {**SMALL, "replicas": 1, "offload": {"enabled": True, "cpuGiB": 4, "disk": {"sizeGiB": 20}}}
 AUTOSCALED = {**SMALL, "autoscaling": {"mode": "hpa", "minReplicas": 2, "maxReplicas": 4}}
-
-
-def _api_crd(group: str, version: str, kind: str, plural: str) -> dict:
-    """A schemaless CRD that makes the emulator serve a kind (KEDA, the Prometheus operator)."""
-    return {"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
-            "metadata": {"name": f"{plural}.{group}"},
-            "spec": {"group": group, "scope": "Namespaced",
-                     "names": {"kind": kind, "plural": plural, "singular": kind.lower()},
-                     "versions": [{"name": version, "served": True, "storage": True, "schema": {
-                         "openAPIV3Schema": {"type": "object",
-                                             "x-kubernetes-preserve-unknown-fields": True}}}]}}
 
 
 def _chart_crds() -> list[dict]:
@@ -122,8 +119,8 @@ def _prove(calls, docs) -> tuple[set, set]:
 
 def test_cluster_rbac_grants_exactly_what_the_operator_calls(tmp_path):
     docs = render(release=RELEASE, namespace=RELEASE_NS)
-    crds = _chart_crds() + [_api_crd("keda.sh", "v1alpha1", "ScaledObject", "scaledobjects"),
-                            _api_crd("monitoring.coreos.com", "v1", "PodMonitor", "podmonitors")]
+    crds = _chart_crds() + [schemaless_crd("keda.sh", "v1alpha1", "ScaledObject", "scaledobjects"),
+                            schemaless_crd("monitoring.coreos.com", "v1", "PodMonitor", "podmonitors")]
     with EmulatorThread(crds) as emu:
         s = Scenario(emu, docs, tmp_path)
         with s.operator:

@@ -34,6 +34,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def schemaless_crd(group: str, version: str, kind: str, plural: str) -> dict:
+    """A CRD without a schema that makes a server serve a kind of another project (KEDA's
+    ScaledObject, the Prometheus operator's PodMonitor)."""
+    return {"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+            "metadata": {"name": f"{plural}.{group}"},
+            "spec": {"group": group, "scope": "Namespaced",
+                     "names": {"kind": kind, "plural": plural, "singular": kind.lower()},
+                     "versions": [{"name": version, "served": True, "storage": True, "schema": {
+                         "openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}}}]}}
+
+
 def wait_for(probe: Callable[[], T], timeout: float = 20.0, interval: float = 0.05,
              what: str = "condition") -> T:
     """Poll ``probe`` until it returns something truthy; its last value on success."""
