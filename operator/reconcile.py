@@ -24,6 +24,7 @@ happen only where the server's state differs from the desired one.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Mapping, Sequence
@@ -298,7 +299,8 @@ async def _observe_engines(observer: EngineObserver, owner: Owner, plan: Mapping
     serve_args = (plan or {}).get("serveArgs")
     running = engine_pods(pods, serve_args) if serve_args else []
     samples = await observer.observe((owner.namespace, owner.name), running)
-    return sizing_observation(plan, samples, settings.sizing_drift_threshold)
+    found = sizing_observation(plan, samples, settings.sizing_drift_threshold)
+    return dataclasses.replace(found, unread=len(running) - len(samples))
 
 
 def transition_events(current: Any, conditions: list[Condition]) -> list[Event]:

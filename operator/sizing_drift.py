@@ -38,12 +38,14 @@ class SizingObservation:
         observed: ``status.observed`` (None: nothing observed; the key is removed).
         condition: the ``SizingDrift`` condition.
         planned_blocks / observed_blocks: for the operator's gauges (None: unknown).
+        unread: engine pods running the plan whose figures are not read yet (a later pass).
     """
 
     observed: dict[str, Any] | None
     condition: Condition
     planned_blocks: int | None = None
     observed_blocks: int | None = None
+    unread: int = 0
 
 
 def _error(observed: float, planned: float) -> float:

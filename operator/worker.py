@@ -48,6 +48,7 @@ from kvpilot.operator.settings import OperatorSettings
 
 ServiceKey = tuple[str, str]  # namespace, name
 BLOCKED_RETRY_SECONDS = 60.0
+UNREAD_ENGINES_RETRY_SECONDS = 5.0
 logger = logging.getLogger(__name__)
 
 
@@ -229,6 +230,10 @@ class ServiceWorker:
                     continue
                 failures, not_before = 0, 0.0
                 delay = ctx.resync_delay()
+                if result is not None and result.sizing is not None and result.sizing.unread:
+                    # engine pods whose KV cache could not be read yet (busy, or more than a
+                    # pass reads): look again soon rather than at the next resync
+                    delay = min(delay, UNREAD_ENGINES_RETRY_SECONDS * ctx.rng.uniform(0.75, 1.25))
                 if result is not None and result.failures:  # needs a change: look again now and then
                     delay = min(delay, BLOCKED_RETRY_SECONDS * ctx.rng.uniform(0.75, 1.25))
         finally:

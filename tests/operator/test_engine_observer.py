@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import http.server
+import json
 import logging
+import threading
+import time
 
 import aiohttp.web
+import crd_schema
 import pytest
 from chart import render
-from harness import EmulatorThread, write_kubeconfig
+from harness import EmulatorThread, Kubectl, OperatorProcess, wait_for, write_kubeconfig
 from prometheus_client import CollectorRegistry, generate_latest
 from rbac import assert_chart_grants, call_key, grants, operator_calls, ungranted
 
@@ -33,8 +38,15 @@ from kvpilot.operator.engine_observer import (
     parse_engine_cache,
 )
 from kvpilot.operator.kube import KubeApi
+from kvpilot.operator.spec import parse_spec
+from kvpilot.operator.spec_to_plan import plan_service
 
 SERVE_ARGS = ["--max-num-seqs", "4", "--kv-cache-memory-bytes", "4194304"]
+
+
+def outcome_plan(spec: dict) -> dict:
+    """``status.plan`` as the operator will write it for ``spec``."""
+    return dict(plan_service(parse_spec(spec, "chat")).sizing.status)
 
 
 def exposition(num_gpu_blocks: int = 64, profiled: int | None = None) -> str:
@@ -183,3 +195,75 @@ def test_reading_through_the_api_servers_pod_proxy(tmp_path, monkeypatch):
         docs = render()
         assert [call_key(call) for call in ungranted(operator_calls(calls), grants(docs, "kvpilot", "kvpilot"))] \
             == [("get", "", "pods/proxy")]  # not granted in the default mode (pod)
+
+
+class FlakyEngine:
+    """An engine's /metrics on loopback (the engine's own exposition) that fails its first read."""
+
+    def __init__(self, page: str) -> None:
+        self.hits = 0
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+                outer.hits += 1
+                code, body = (500, b"warming up") if outer.hits == 1 else (200, page.encode())
+                self.send_response(code)
+                self.send_header("Content-Type", "text/plain")
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_the_operator_reads_a_new_pod_soon_even_when_the_first_read_fails(tmp_path):
+    """With the safety-net resync 10 minutes away, a ready pod is read when it appears and a
+    failed read is tried again within seconds; the failure never disturbs the pass."""
+    spec = {"model": {"uri": "hf://Qwen/Qwen3-0.6B"}, "gpu": {"type": "l4"},
+            "slo": {"maxContext": 8192, "p95PromptTokens": 2048, "p95OutputTokens": 512, "concurrency": 8}}
+    with EmulatorThread([crd_schema.load_crd()]) as emu:
+        kubeconfig = write_kubeconfig(emu.kubeconfig("ns"), tmp_path)
+        kubectl = Kubectl(kubeconfig, tmp_path, "ns")
+        with OperatorProcess(kubeconfig, tmp_path / "operator.log", env={"KVPILOT_RESYNC_SECONDS": "600"}) as op:
+            plan = outcome_plan(spec)
+            engine = FlakyEngine(exposition(plan["numGpuBlocks"]))
+            try:
+                kubectl("apply", "--validate=false", "-f", "-", stdin=json.dumps(
+                    {"apiVersion": c.API_VERSION, "kind": c.KIND, "metadata": {"name": "chat", "namespace": "ns"},
+                     "spec": {**spec, "port": engine.port}}))
+                deployment = wait_for(lambda: emu.run(lambda e: copy.deepcopy(
+                    e.objects.get(("apps", "deployments", "ns", "chat")))), what="the Deployment")
+                template = deployment["spec"]["template"]
+                ready = {"phase": "Running", "podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}],
+                         "containerStatuses": [{"name": c.ENGINE_CONTAINER, "restartCount": 0}]}
+
+                def create(e):
+                    pods = e.types[("", "v1", "pods")]
+                    e._store_create(pods, "ns", {"metadata": {"name": "chat-1", "labels": template["metadata"]["labels"]},
+                                                 "spec": template["spec"]})
+                    e._write(pods, "ns", "chat-1", "status", "PATCH", "application/merge-patch+json", {"status": ready})
+                started = time.monotonic()
+                emu.run(create)
+
+                def observed():
+                    status = emu.run(lambda e: copy.deepcopy(e.objects[(c.GROUP, c.PLURAL, "ns", "chat")]))["status"]
+                    return status.get("observed") and status
+                status = wait_for(observed, 30, 0.2, "status.observed")
+                assert time.monotonic() - started < 15 and engine.hits == 2   # failed once, then read
+                assert status["observed"]["numGpuBlocks"] == plan["numGpuBlocks"]
+                conditions = {cd["type"]: cd for cd in status["conditions"]}
+                assert conditions["SizingDrift"]["status"] == "False"
+                assert conditions["Planned"]["status"] == "True" and conditions["Degraded"]["status"] == "False"
+                assert "reading the KV cache figures of engine pod ns/chat-1 failed" in op.log()
+            finally:
+                engine.close()
+        assert "Traceback" not in op.log()
