@@ -57,7 +57,9 @@ def test_pending_pods_that_no_node_matches_are_reported(cluster):
                         _pod_status("Running", {"status": "True", "reason": None, "message": None}))
         cleared = cluster.wait_condition("placed", "Degraded", "False")
         assert cleared["reason"] == "AsExpected"
-        assert ("Normal", "Recovered") in [(e["type"], e["reason"]) for e in cluster.events("placed")]
+        # kopf posts Events in the background, after the status write: wait for it
+        wait_for(lambda: ("Normal", "Recovered") in [(e["type"], e["reason"]) for e in cluster.events("placed")],
+                 what="the Recovered Event")
     finally:
         cluster.kubectl("delete", "pod", "placed-7d9c-x2x", "--wait=false")
 
