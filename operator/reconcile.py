@@ -42,6 +42,7 @@ from kvpilot.operator.handover import inherited_replicas
 from kvpilot.operator.kube import FOREIGN_CONTROLLER, KubeError
 from kvpilot.operator.resources import DEPLOYMENT, Child, desired_children, possible_children
 from kvpilot.operator.resources.common import Owner
+from kvpilot.operator.resources.inference_pool import INFERENCE_POOL_API
 from kvpilot.operator.resources.monitoring import PODMONITOR_API
 from kvpilot.operator.resources.placement import describe as describe_placement
 from kvpilot.operator.resources.service import endpoint
@@ -268,14 +269,16 @@ async def _apply_all(children: Children, discovery: Discovery, body: Mapping[str
                      owner: Owner, spec: InferenceServiceSpec, outcome: PlanOutcome, settings: OperatorSettings,
                      desired: dict[str, Any], result: ReconcileResult) -> None:
     """Apply every desired child and remove the unwanted ones, recording failures."""
-    try:
-        podmonitor_api = await discovery.has_api(*PODMONITOR_API)
-    except KubeError as exc:
-        result.failures.append(Failure("discovery of " + "/".join(PODMONITOR_API), exc))
-        return
+    apis = {}
+    for api in (PODMONITOR_API, INFERENCE_POOL_API):
+        try:
+            apis[api] = await discovery.has_api(*api)
+        except KubeError as exc:
+            result.failures.append(Failure("discovery of " + "/".join(api), exc))
+            return
     inherited = inherited_replicas(children.get(DEPLOYMENT, owner.namespace, owner.name), spec.autoscaling.enabled)
-    wanted = desired_children(owner, spec, outcome.sizing, settings, podmonitor_api=podmonitor_api,
-                              inherited_replicas=inherited)
+    wanted = desired_children(owner, spec, outcome.sizing, settings, podmonitor_api=apis[PODMONITOR_API],
+                              inherited_replicas=inherited, inference_pool_api=apis[INFERENCE_POOL_API])
     for child in wanted:
         # Owner reference + the CR's labels on the child (not on the pod template: a
         # label edit on the InferenceService must not restart GPU pods).

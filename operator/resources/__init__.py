@@ -6,10 +6,12 @@
 |-------------------------|-------------------------------------------------------------|
 | Deployment, Service     | always (once the spec is planned)                           |
 | PersistentVolumeClaim   | a disk KV tier and at most one replica (else per-pod claims) |
+| PersistentVolumeClaim   | the hf:// model cache: ReadWriteMany, or at most one replica |
 | HorizontalPodAutoscaler | autoscaling.mode = hpa                                       |
 | ScaledObject (KEDA)     | autoscaling.mode = keda                                      |
 | PodMonitor              | the monitoring.coreos.com/v1 API exists                      |
 | PodDisruptionBudget     | more than one replica (autoscaled: minReplicas > 1)          |
+| InferencePool           | the inference.networking.k8s.io/v1 API exists and spec.routing.inferencePool.enabled |
 """
 
 from __future__ import annotations
@@ -20,10 +22,15 @@ from kvpilot.operator.resources.autoscaling import KEDA_API, build_hpa, build_sc
 from kvpilot.operator.resources.common import Owner
 from kvpilot.operator.resources.deployment import ReplicaPolicy, build_deployment, disk_claim_child
 from kvpilot.operator.resources.disruption import build_pdb
+from kvpilot.operator.resources.inference_pool import INFERENCE_POOL_API, build_inference_pool
 from kvpilot.operator.resources.monitoring import PODMONITOR_API, build_podmonitor
 from kvpilot.operator.resources.service import build_service
 from kvpilot.operator.resources.sizing import EngineSizing
-from kvpilot.operator.resources.storage import build_kv_disk_claim
+from kvpilot.operator.resources.storage import (
+    build_kv_disk_claim,
+    build_model_cache_claim,
+    model_cache_claim_child,
+)
 from kvpilot.operator.settings import OperatorSettings
 from kvpilot.operator.spec import InferenceServiceSpec
 
@@ -54,8 +61,9 @@ HPA = ChildKind("autoscaling/v2", "HorizontalPodAutoscaler", "horizontalpodautos
 SCALED_OBJECT = ChildKind("/".join(KEDA_API), "ScaledObject", "scaledobjects")
 POD_MONITOR = ChildKind("/".join(PODMONITOR_API), "PodMonitor", "podmonitors")
 PDB = ChildKind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets")
+INFERENCE_POOL = ChildKind("/".join(INFERENCE_POOL_API), "InferencePool", "inferencepools")
 KINDS: dict[str, ChildKind] = {k.kind: k for k in (DEPLOYMENT, SERVICE, PVC, HPA, SCALED_OBJECT,
-                                                   POD_MONITOR, PDB)}
+                                                   POD_MONITOR, PDB, INFERENCE_POOL)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,13 +89,15 @@ class Child:
 def possible_children(owner: Owner) -> list[tuple[ChildKind, str]]:
     """Every (kind, name) this owner may have: those not desired are removed if present."""
     return [(DEPLOYMENT, owner.name), (SERVICE, owner.name), (PVC, owner.kv_disk_claim),
+            (PVC, owner.model_cache_claim),
             (HPA, owner.name), (SCALED_OBJECT, owner.name), (POD_MONITOR, owner.name),
-            (PDB, owner.name)]
+            (PDB, owner.name), (INFERENCE_POOL, owner.name)]
 
 
 def desired_children(owner: Owner, spec: InferenceServiceSpec, sizing: EngineSizing,
                      settings: OperatorSettings, *, podmonitor_api: bool,
-                     inherited_replicas: int | None = None) -> list[Child]:
+                     inherited_replicas: int | None = None,
+                     inference_pool_api: bool = False) -> list[Child]:
     """The children that should exist for ``spec`` planned as ``sizing``.
 
     Args:
@@ -98,6 +108,7 @@ def desired_children(owner: Owner, spec: InferenceServiceSpec, sizing: EngineSiz
         podmonitor_api: whether the cluster serves monitoring.coreos.com/v1 PodMonitors.
         inherited_replicas: the count an autoscaler left when autoscaling was switched off
             (``kvpilot.operator.handover``), a floor while ``spec.replicas`` is unset.
+        inference_pool_api: whether it serves inference.networking.k8s.io/v1 InferencePools.
     """
     policy = ReplicaPolicy.of(spec, sizing, inherited_replicas)
     deployment = Child(DEPLOYMENT, build_deployment(owner, spec, sizing, settings, policy),
@@ -105,6 +116,10 @@ def desired_children(owner: Owner, spec: InferenceServiceSpec, sizing: EngineSiz
     children = [deployment, Child(SERVICE, build_service(owner))]
     if disk_claim_child(policy, sizing):
         children.append(Child(PVC, build_kv_disk_claim(owner, spec, sizing)))
+    if model_cache_claim_child(spec, settings, policy.max_replicas):
+        # A claim's size and access mode are fixed once bound (it cannot shrink): set at creation.
+        children.append(Child(PVC, build_model_cache_claim(owner, spec, sizing, settings),
+                              create_only=("spec",)))
     if spec.autoscaling.mode == "hpa":
         children.append(Child(HPA, build_hpa(owner, spec, settings)))
     elif spec.autoscaling.mode == "keda":
@@ -114,4 +129,6 @@ def desired_children(owner: Owner, spec: InferenceServiceSpec, sizing: EngineSiz
     least = spec.autoscaling.min_replicas if policy.autoscaled else policy.replicas
     if least > 1:
         children.append(Child(PDB, build_pdb(owner)))
+    if inference_pool_api and spec.inference_pool.enabled:
+        children.append(Child(INFERENCE_POOL, build_inference_pool(owner, spec, settings)))
     return children

@@ -45,6 +45,10 @@ class Owner:
     def kv_disk_claim(self) -> str:
         return f"{self.name}-kv-disk"
 
+    @property
+    def model_cache_claim(self) -> str:
+        return f"{self.name}-model-cache"
+
 
 def gib_quantity(gib: float) -> str:
     """A memory/storage quantity for ``gib`` GiB, rounded up, in the API server's canonical form.

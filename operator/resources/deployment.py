@@ -15,9 +15,16 @@ from dataclasses import dataclass
 from kvpilot.operator import constants as c
 from kvpilot.operator.resources import placement
 from kvpilot.operator.resources.common import Owner, format_gib, gib_quantity
+from kvpilot.operator.resources.inference_pool import ENGINE_TYPE, ENGINE_TYPE_LABEL
 from kvpilot.operator.resources.model import model_delivery
 from kvpilot.operator.resources.sizing import EngineSizing
-from kvpilot.operator.resources.storage import disk_claim_spec
+from kvpilot.operator.resources.storage import (
+    RWO,
+    disk_claim_spec,
+    model_cache_access_mode,
+    model_cache_claim_child,
+    model_cache_volume,
+)
 from kvpilot.operator.settings import OperatorSettings
 from kvpilot.operator.spec import InferenceServiceSpec
 
@@ -145,8 +152,8 @@ def build_deployment(owner: Owner, spec: InferenceServiceSpec, sizing: EngineSiz
     """
     policy = policy or ReplicaPolicy.of(spec, sizing)
     image = spec.image or settings.engine_image
-    delivery = model_delivery(spec.model, image, settings.s3_fetch_image,
-                              CONTAINER_SECURITY_CONTEXT, TMP_MOUNT)
+    delivery = model_delivery(spec.model, image, settings.s3_fetch_image, CONTAINER_SECURITY_CONTEXT,
+                              TMP_MOUNT, model_cache_volume(owner, spec, sizing, settings, policy.max_replicas))
     volumes = [*delivery.volumes,
                {"name": "dshm", "emptyDir": {"medium": "Memory",
                                              "sizeLimit": gib_quantity(sizing.shm_gib)}},
@@ -193,9 +200,11 @@ def build_deployment(owner: Owner, spec: InferenceServiceSpec, sizing: EngineSiz
     if spec.service_account_name:
         pod_spec["serviceAccountName"] = spec.service_account_name
 
-    # A single replica on a ReadWriteOnce disk claim cannot surge (the new pod could land on
-    # another node and wait forever for the volume): replace it instead.
-    strategy = ({"type": "Recreate"} if disk_claim_child(policy, sizing) else
+    # A single replica on a ReadWriteOnce claim (disk tier, model cache) cannot surge (the new
+    # pod could land on another node and wait forever for the volume): replace it instead.
+    rwo_cache = (model_cache_claim_child(spec, settings, policy.max_replicas)
+                 and model_cache_access_mode(spec, settings) == RWO)
+    strategy = ({"type": "Recreate"} if disk_claim_child(policy, sizing) or rwo_cache else
                 {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}})
     metadata = owner.metadata("engine")
     if policy.inherited is not None:  # remembered until spec.replicas is set or autoscaling is back
@@ -212,7 +221,8 @@ def build_deployment(owner: Owner, spec: InferenceServiceSpec, sizing: EngineSiz
             "progressDeadlineSeconds": 3600,
             "template": {
                 "metadata": {
-                    "labels": owner.labels("engine"),
+                    # the engine type tells Gateway API inference routing which metrics to read
+                    "labels": {**owner.labels("engine"), ENGINE_TYPE_LABEL: ENGINE_TYPE},
                     "annotations": {"prometheus.io/scrape": "true",
                                     "prometheus.io/port": str(spec.port),
                                     "prometheus.io/path": "/metrics"},

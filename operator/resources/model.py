@@ -2,7 +2,8 @@
 
 - ``pvc://claim/path``: the claim is mounted read-only; the engine reads ``/models/path``.
 - ``hf://org/name[@rev]``: an init container (engine image, ``kvpilot.operator.model_fetch``)
-  downloads into an emptyDir shared with the engine, which mounts it read-only.
+  fills the model cache (a claim that outlives pods, see ``storage``; an emptyDir when the
+  cache is off), downloading only what the cache lacks; the engine mounts it read-only.
 - ``s3://bucket/prefix``: the same with the AWS CLI image (``aws s3 sync``).
 - ``/path``: weights baked into the image; nothing to mount.
 
@@ -39,7 +40,8 @@ def _fetch_container(name: str, image: str, command: list[str], model: ModelSour
         "image": image,
         "command": command,
         "env": [{"name": "HOME", "value": "/tmp"},
-                {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"}],
+                {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
+                {"name": "HF_HUB_DISABLE_PROGRESS_BARS", "value": "1"}],  # one log line per start
         "volumeMounts": [{"name": MODEL_VOLUME, "mountPath": c.MODEL_MOUNT}, tmp_mount],
         "securityContext": security_context,
     }
@@ -49,7 +51,7 @@ def _fetch_container(name: str, image: str, command: list[str], model: ModelSour
 
 
 def model_delivery(model: ModelSource, engine_image: str, s3_image: str,
-                   security_context: dict, tmp_mount: dict) -> ModelDelivery:
+                   security_context: dict, tmp_mount: dict, cache: dict | None = None) -> ModelDelivery:
     """Volumes, mounts and init containers for ``model``.
 
     Args:
@@ -58,6 +60,7 @@ def model_delivery(model: ModelSource, engine_image: str, s3_image: str,
         s3_image: image with the AWS CLI for s3:// downloads.
         security_context: container securityContext to give the init container.
         tmp_mount: the pod's writable /tmp mount (HOME of the download tools).
+        cache: the volume source of the hf:// model cache (None: an emptyDir).
     """
     mount = {"name": MODEL_VOLUME, "mountPath": c.MODEL_MOUNT, "readOnly": True}
     if model.scheme == "pvc":
@@ -79,7 +82,7 @@ def model_delivery(model: ModelSource, engine_image: str, s3_image: str,
         return ModelDelivery(model_path=model.image_path or "/")
     return ModelDelivery(
         model_path=DOWNLOAD_DIR,
-        volumes=[{"name": MODEL_VOLUME, "emptyDir": {}}],
+        volumes=[{"name": MODEL_VOLUME, **(cache if cache and model.scheme == "hf" else {"emptyDir": {}})}],
         engine_mounts=[mount],
         init_containers=[_fetch_container("model-fetch", image, command, model,
                                           security_context, tmp_mount)],

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -46,6 +47,12 @@ SMALL = {"model": {"uri": "hf://Qwen/Qwen3-0.6B"}, "gpu": {"type": "l4"},
          "slo": {"maxContext": 8192, "p95PromptTokens": 2048, "p95OutputTokens": 512, "concurrency": 8}}
 OFFLOAD = {**SMALL, "replicas": 1, "offload": {"enabled": True, "cpuGiB": 4, "disk": {"sizeGiB": 20}}}
 AUTOSCALED = {**SMALL, "autoscaling": {"mode": "hpa", "minReplicas": 2, "maxReplicas": 4}}
+
+
+def _inference_pool_crd() -> dict:
+    """The Gateway API inference extension's InferencePool (tests/operator/inferencepool_crd.yaml)."""
+    path = Path(__file__).resolve().parents[1] / "operator" / "inferencepool_crd.yaml"
+    return yaml.safe_load(path.read_text())
 
 
 def _chart_crds() -> list[dict]:
@@ -120,15 +127,17 @@ def _prove(calls, docs) -> tuple[set, set]:
 def test_cluster_rbac_grants_exactly_what_the_operator_calls(tmp_path):
     docs = render(release=RELEASE, namespace=RELEASE_NS)
     crds = _chart_crds() + [schemaless_crd("keda.sh", "v1alpha1", "ScaledObject", "scaledobjects"),
-                            schemaless_crd("monitoring.coreos.com", "v1", "PodMonitor", "podmonitors")]
+                            schemaless_crd("monitoring.coreos.com", "v1", "PodMonitor", "podmonitors"),
+                            _inference_pool_crd()]
     with EmulatorThread(crds) as emu:
         s = Scenario(emu, docs, tmp_path)
         with s.operator:
             s.service("cached", OFFLOAD)
             s.service("scaled", AUTOSCALED)
-            s.wait_children("cached", {"Deployment", "Service", "PersistentVolumeClaim", "PodMonitor"})
+            s.wait_children("cached", {"Deployment", "Service", "PersistentVolumeClaim", "PodMonitor",
+                                       "InferencePool"})
             scaled = s.wait_children("scaled", {"Deployment", "Service", "HorizontalPodAutoscaler",
-                                                "PodMonitor", "PodDisruptionBudget"})
+                                                "PodMonitor", "PodDisruptionBudget", "InferencePool"})
             # acceptance: the engine image the chart rendered is what the operator runs
             image = operator_env(docs)["KVPILOT_ENGINE_IMAGE"]
             pod = scaled["Deployment"]["spec"]["template"]["spec"]
@@ -139,13 +148,18 @@ def test_cluster_rbac_grants_exactly_what_the_operator_calls(tmp_path):
             s.service("scaled", {**AUTOSCALED, "autoscaling": {"mode": "keda", "minReplicas": 2,
                                                                "maxReplicas": 4}})
             s.wait_children("scaled", {"Deployment", "Service", "ScaledObject", "PodMonitor",
-                                       "PodDisruptionBudget"})
+                                       "PodDisruptionBudget", "InferencePool"})
             s.tamper("scaled")
             wait_for(lambda: s.untampered("scaled"), 20, 0.1, "ScaledObject repaired")
-            s.service("scaled", {**SMALL, "replicas": 1})
-            s.wait_children("scaled", {"Deployment", "Service", "PodMonitor"})
+            # one replica: the hf:// model cache becomes a claim child (the disk tier's goes);
+            # routing off: the InferencePool goes
+            s.service("scaled", {**SMALL, "replicas": 1, "routing": {"inferencePool": {"enabled": False}}})
+            s.wait_children("scaled", {"Deployment", "Service", "PodMonitor", "PersistentVolumeClaim"})
             s.service("cached", {**SMALL, "replicas": 1})
-            s.wait_children("cached", {"Deployment", "Service", "PodMonitor"})
+            wait_for(lambda: s.emu.run(lambda e: ("", "persistentvolumeclaims", "team-a", "cached-kv-disk")
+                                       not in e.objects), 20, 0.1, "the disk tier's claim deleted")
+            s.wait_children("cached", {"Deployment", "Service", "PodMonitor", "PersistentVolumeClaim",
+                                       "InferencePool"})
             s.delete("cached")
             s.delete("scaled")
         calls = operator_calls(emu.emulator.calls)
@@ -160,11 +174,12 @@ def test_cluster_rbac_grants_exactly_what_the_operator_calls(tmp_path):
     # the lifecycle really covered every child kind's list + watch (the operator's cache),
     # create, patch, get (a create that found the name taken) and, where droppable, delete
     for kind in ("deployments", "services", "persistentvolumeclaims", "horizontalpodautoscalers",
-                 "scaledobjects", "podmonitors", "poddisruptionbudgets"):
+                 "scaledobjects", "podmonitors", "poddisruptionbudgets", "inferencepools"):
         assert {v for v, g, r in used if r == kind} >= {"list", "watch", "get", "create", "patch"}, kind
     assert {v for v, g, r in used if r == "pods"} == {"list", "watch"}
     assert {r for v, g, r in used if v == "delete"} == {
-        "persistentvolumeclaims", "horizontalpodautoscalers", "scaledobjects", "poddisruptionbudgets"}
+        "persistentvolumeclaims", "horizontalpodautoscalers", "scaledobjects", "poddisruptionbudgets",
+        "inferencepools"}
     assert ("patch", "kopf.dev", "clusterkopfpeerings") in used
     # the check can fail: without one rule, the calls that need it are reported
     (role,) = of_kind(docs, "ClusterRole")
@@ -183,7 +198,7 @@ def test_namespaced_rbac_covers_the_operator_in_its_namespaces(tmp_path):
             s.service("other", SMALL, ns="team-b")
             s.wait_children("scaled", {"Deployment", "Service", "HorizontalPodAutoscaler",
                                        "PodDisruptionBudget"})
-            s.wait_children("other", {"Deployment", "Service"}, ns="team-b")
+            s.wait_children("other", {"Deployment", "Service", "PersistentVolumeClaim"}, ns="team-b")
             assert s.children("ignored", ns="default") == {}
             s.delete("scaled")
         calls = operator_calls(emu.emulator.calls)

@@ -48,7 +48,8 @@ def _build(cr: dict, podmonitor_api: bool = True):
     for child in children:
         kopf.adopt(child.body, owner=cr)
     plan = make_plan(PlanRequest.from_dict(plan_request(spec)))
-    return {ch.kind.kind: ch for ch in children}, plan
+    # by kind; the model cache claim apart from the disk tier's
+    return {"ModelCache" if ch.name == owner.model_cache_claim else ch.kind.kind: ch for ch in children}, plan
 
 
 def _example(stem: str) -> dict:
@@ -79,7 +80,7 @@ def test_every_child_of_every_example_is_a_valid_object(path):
     cr = _example(path.stem)
     children, _ = _build(cr)
     for kind, child in children.items():
-        if kind in BUILTIN:
+        if child.kind.kind in BUILTIN:
             assert kubernetes_validate.validate(child.body, K8S_VERSION, strict=True) == K8S_VERSION
         else:  # CRD kinds of other projects: no schema offline; check the fields we rely on
             assert kind in ("PodMonitor", "ScaledObject")
@@ -219,7 +220,8 @@ def test_model_delivery_by_scheme():
     assert _flag(init["command"], "--dest") == _flag(_engine(hf)["args"], "--model")
     assert init["envFrom"] == [{"secretRef": {"name": "hf-token"}}]
     assert init["image"] == SETTINGS.engine_image
-    assert next(v for v in _pod(hf)["volumes"] if v["name"] == "model")["emptyDir"] == {}
+    assert next(v for v in _pod(hf)["volumes"] if v["name"] == "model")["persistentVolumeClaim"] == \
+        {"claimName": hf["ModelCache"].name}  # the model cache (tests/operator/test_model_cache_claims.py)
 
     spec = copy.deepcopy(BASE)
     spec["model"] = {"uri": "s3://weights/qwen3/0.6b", "architecture": "qwen3-0.6b",
@@ -314,7 +316,7 @@ def test_keda_scales_to_zero_only_when_asked():
 
 def test_pdb_and_podmonitor_only_when_they_apply():
     one, _ = _build(_cr("one", {**BASE, "replicas": 1}), podmonitor_api=False)
-    assert set(one) == {"Deployment", "Service"}
+    assert set(one) == {"Deployment", "Service", "ModelCache"}  # one replica: a ReadWriteOnce cache claim
     two, _ = _build(_cr("two", {**BASE, "replicas": 2}), podmonitor_api=True)
     assert two["PodDisruptionBudget"].body["spec"]["maxUnavailable"] == 1
     monitor = two["PodMonitor"].body["spec"]

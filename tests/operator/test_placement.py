@@ -13,21 +13,18 @@ from __future__ import annotations
 import copy
 
 import crd_schema
-import kopf
 import kubernetes_validate
 import pytest
 import yaml
+from built import SETTINGS, build
 
 from kvpilot.operator import constants as c
 from kvpilot.operator.planner.gpu import GPU_NODE_PRODUCTS, gpu_names
-from kvpilot.operator.resources import desired_children
-from kvpilot.operator.resources.common import Owner
 from kvpilot.operator.settings import OperatorSettings
 from kvpilot.operator.spec import SpecError, parse_spec
 from kvpilot.operator.spec_to_plan import plan_service
 from kvpilot.operator.status import scheduling_problem, workload_conditions
 
-SETTINGS = OperatorSettings(engine_image="registry.example/kvpilot:1.2.3")
 K8S_VERSION = "1.33"
 PRODUCT = "nvidia.com/gpu.product"
 BASE = {"model": {"uri": "hf://Qwen/Qwen3-0.6B"}, "gpu": {"type": "l4"},
@@ -78,13 +75,8 @@ def node_matches(pod: dict, labels: dict[str, str]) -> bool:
 
 def _pod(cr: dict, settings: OperatorSettings = SETTINGS) -> tuple[dict, dict]:
     """(the Deployment, its pod spec) as the operator builds them."""
-    spec = parse_spec(cr["spec"], cr["metadata"]["name"])
-    outcome = plan_service(spec)
-    assert outcome.feasible, outcome.message
-    owner = Owner(cr["metadata"]["name"], "serving", "uid-1")
-    children = desired_children(owner, spec, outcome.sizing, settings, podmonitor_api=False)
+    children = build(cr["spec"], settings, cr["metadata"]["name"])
     deployment = next(ch.body for ch in children if ch.kind.kind == "Deployment")
-    kopf.adopt(deployment, owner=cr)
     assert kubernetes_validate.validate(deployment, K8S_VERSION, strict=True) == K8S_VERSION
     return deployment, deployment["spec"]["template"]["spec"]
 

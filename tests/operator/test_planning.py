@@ -65,7 +65,8 @@ def test_scaled_to_zero_plans_one_replica_and_runs_none():
     assert outcome.feasible
     children = desired_children(Owner("svc", "ns"), spec, outcome.sizing, OperatorSettings(), podmonitor_api=False)
     assert children[0].body["spec"]["replicas"] == 0
-    assert [ch.kind.kind for ch in children] == ["Deployment", "Service"]
+    # the model cache claim stays: scaling up again starts from the cached weights
+    assert [ch.kind.kind for ch in children] == ["Deployment", "Service", "PersistentVolumeClaim"]
 
 
 def test_outcomes():
