@@ -9,8 +9,8 @@ Layout, by the path a request takes (each sub-package's docstring says what it m
 - top level: the public API: ``LLM`` (``llm.py``), ``LLMEngine`` (``llm_engine.py``: add
   requests, ``step()``; ``output_processor.py`` turns sampled tokens into text, stops and
   outputs), ``EngineArgs`` (``engine_args.py``), ``SamplingParams``,
-  ``RequestOutput`` (``outputs.py``), ``EngineStats`` (``stats.py``) and the frozen
-  configs (``config.py``).
+  ``RequestOutput`` (``outputs.py``), ``EngineStats`` (``stats.py``), the frozen
+  configs (``config.py``) and ``EngineDeadError`` (``exceptions.py``).
 - ``core/`` (torch-free): what a step decides: block hashing, the block pool, the KV cache
   manager, requests, queues, the scheduler, the KV transfer list, shared constants and the
   KV formula.
@@ -35,6 +35,7 @@ _LAZY = {
     "RequestOutput": "kvpilot.engine.outputs",
     "CompletionOutput": "kvpilot.engine.outputs",
     "EngineStats": "kvpilot.engine.stats",
+    "EngineDeadError": "kvpilot.engine.exceptions",
 }
 
 __all__ = sorted(_LAZY)

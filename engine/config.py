@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpilot.engine.core.constants import KV_CACHE_DTYPES, MODEL_DTYPES
-from kvpilot.engine.core.kv_layout import KV_DTYPE_BYTES
+from kvpilot.engine.core.constants import KV_CACHE_DTYPES, MAX_TENSOR_PARALLEL_SIZE, MODEL_DTYPES
+from kvpilot.engine.core.kv_layout import KV_DTYPE_BYTES, tensor_parallel_split_error
 from kvpilot.engine.core.request_queue import SCHEDULING_POLICIES
 from kvpilot.engine.model.hf_config import ArchConfig
 
@@ -97,6 +97,35 @@ class SchedulerConfig:
             raise ValueError(
                 f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) "
                 f"must be >= max_model_len ({self.max_model_len})")
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    """Tensor parallelism: ``tensor_parallel_size`` ranks, one process and one device each
+    (rank 0 is the engine's own process), all on ``devices`` (one per rank)."""
+
+    tensor_parallel_size: int = 1
+    devices: tuple[str, ...] = ("cpu",)
+
+    def __post_init__(self) -> None:
+        tp = self.tensor_parallel_size
+        if not 1 <= tp <= MAX_TENSOR_PARALLEL_SIZE:
+            raise ValueError(f"tensor_parallel_size must be in [1, {MAX_TENSOR_PARALLEL_SIZE}] "
+                             f"(GPUs of one node), got {tp}")
+        if len(self.devices) != tp:
+            raise ValueError(f"tensor_parallel_size {tp} needs one device per rank, got {self.devices}")
+
+    def check_model(self, arch: ArchConfig) -> None:
+        """ValueError when the model's heads or MLP cannot be split over the ranks."""
+        why = tensor_parallel_split_error(arch.num_attention_heads, arch.num_key_value_heads,
+                                          arch.intermediate_size, self.tensor_parallel_size)
+        if why is not None:
+            valid = [n for n in range(1, MAX_TENSOR_PARALLEL_SIZE + 1)
+                     if tensor_parallel_split_error(arch.num_attention_heads, arch.num_key_value_heads,
+                                                    arch.intermediate_size, n) is None]
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} cannot split "
+                             f"{arch.architecture}: {why}; sizes that work: "
+                             f"{', '.join(map(str, valid))}")
 
 
 STRUCTURED_OUTPUT_BACKENDS = ("auto", "xgrammar")

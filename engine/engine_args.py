@@ -12,13 +12,14 @@ from pathlib import Path
 from kvpilot.engine.config import (
     CacheConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     StructuredOutputsConfig,
 )
 from kvpilot.engine.core.constants import MODEL_DTYPES
 from kvpilot.engine.generation_defaults import load_generation_defaults
 from kvpilot.engine.model.device_memory import FAKE_DEVICE_MEMORY_ENV
-from kvpilot.engine.model.hf_config import load_arch_config
+from kvpilot.engine.model.hf_config import ArchConfig, load_arch_config
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,9 @@ class EngineArgs:
     attention_backend: str = "auto"
     device: str = "auto"
     enforce_eager: bool = False               # CUDA: no CUDA graphs for decode steps
+    # Ranks (processes, GPUs) one replica of the model is split over: Megatron-style
+    # tensor parallelism; ranks use consecutive devices from ``device`` (cuda:N..N+tp-1).
+    tensor_parallel_size: int = 1
     scheduling_policy: str = "fcfs"
     # KV offload (vLLM's names): CPU tier GiB (None = off), backend, optional disk tier.
     kv_offloading_size: float | None = None
@@ -129,6 +133,32 @@ class EngineArgs:
         )
         return model_config, cache_config, scheduler_config
 
+    def create_parallel_config(self, arch: ArchConfig) -> ParallelConfig:
+        """The ranks' devices; ValueError when the model cannot be split over
+        ``tensor_parallel_size`` ranks or there are fewer GPUs than ranks."""
+        tp = self.tensor_parallel_size
+        device = self.resolve_device()
+        if tp == 1:
+            return ParallelConfig(1, (device,))
+        kind, _, index = device.partition(":")
+        if kind == "cpu":
+            devices = ("cpu",) * tp
+        elif kind == "cuda":
+            import torch
+
+            first = int(index or 0)
+            visible = torch.cuda.device_count()
+            if first + tp > visible:
+                raise ValueError(f"tensor_parallel_size {tp} needs {tp} GPUs (cuda:{first}..cuda:"
+                                 f"{first + tp - 1}) but {visible} are visible; lower "
+                                 f"--tensor-parallel-size or make more GPUs visible")
+            devices = tuple(f"cuda:{first + r}" for r in range(tp))
+        else:
+            raise ValueError(f"tensor parallelism runs on cuda or cpu devices, not {device!r}")
+        config = ParallelConfig(tp, devices)
+        config.check_model(arch)
+        return config
+
     def create_offload_config(self):
         """The ``OffloadConfig``, or None when KV offloading is off; ValueError for bad values."""
         from kvpilot.engine.offload.config import OffloadConfig
@@ -141,6 +171,10 @@ class EngineArgs:
         if not self.enable_prefix_caching:
             raise ValueError("KV offloading extends the prefix cache: it needs "
                              "enable_prefix_caching=True")
+        if self.tensor_parallel_size > 1:
+            raise ValueError("KV offloading is not implemented with tensor parallelism (each rank "
+                             "holds its own heads' blocks): use tensor_parallel_size 1 or turn "
+                             "offloading off")
         if self.calculate_kv_scales and (config.disk_path is not None or config.backend == "lmcache"):
             raise ValueError("calculate_kv_scales calibrates fp8 scales per engine start, so KV "
                              "blocks kept on disk or in LMCache would be read back with other "

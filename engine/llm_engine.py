@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,8 +20,10 @@ from kvpilot.engine.core.kv_layout import KVLayout
 from kvpilot.engine.core.request import Request, RequestStatus
 from kvpilot.engine.core.scheduler import Scheduler
 from kvpilot.engine.engine_args import EngineArgs, model_fingerprint
+from kvpilot.engine.exceptions import EngineDeadError
 from kvpilot.engine.model.device_memory import device_memory_for
 from kvpilot.engine.model.memory_profiling import KVCacheSizing, determine_num_blocks
+from kvpilot.engine.model.parallel.group import RanksOutOfStep
 from kvpilot.engine.model.runner import ModelRunner
 from kvpilot.engine.output_processor import ChildState, OutputProcessor, ParentState
 from kvpilot.engine.outputs import RequestOutput
@@ -30,28 +33,52 @@ from kvpilot.engine.structured_output import StructuredOutputManager
 from kvpilot.engine.text.detokenizer import IncrementalDetokenizer
 from kvpilot.engine.text.tokenizer import Tokenizer
 
+if TYPE_CHECKING:
+    from kvpilot.engine.model.parallel.workers import WorkerGroup
+
 logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    """Start-up is four named steps: load the model, size the KV cache, allocate it, and
-    build the scheduler side (block tables, prefix cache, KV offload)."""
+    """Start-up is named steps: start the tensor-parallel workers (if any), load the model,
+    size the KV cache, allocate it, and build the scheduler side (block tables, prefix
+    cache, KV offload). With ``tensor_parallel_size > 1`` this process is rank 0: it
+    schedules and samples for all ranks (``kvpilot.engine.model.parallel``)."""
 
     def __init__(self, args: EngineArgs) -> None:
         model_config, cache_config, scheduler_config = args.create_configs()
         offload_config = args.create_offload_config()   # validated before the model loads
+        parallel_config = args.create_parallel_config(model_config.arch)
         self.args = args
         self.model_config = model_config
         self.cache_config = cache_config
         self.scheduler_config: SchedulerConfig = scheduler_config
+        self.parallel_config = parallel_config
         self.tokenizer = Tokenizer.from_pretrained(model_config.tokenizer_dir)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(model_config.arch.eos_token_ids)
-        device = torch.device(args.resolve_device())
+        device = torch.device(parallel_config.devices[0])
         # Memory is profiled against what the device held before the weights (None: CPU).
         self.device_memory = device_memory_for(device)
         self._memory_baseline = self.device_memory.snapshot() if self.device_memory is not None else None
+        self.workers = self._start_workers()
+        try:
+            self._start(device, offload_config)
+        except BaseException as exc:
+            if self.workers is None:
+                raise
+            death = self.workers.death()   # a worker's own error says more than a broken pipe
+            self.workers.close(graceful=False)   # they may be mid-command: no goodbye
+            if death is None:
+                raise
+            raise death from exc
+
+    def _start(self, device: torch.device, offload_config) -> None:
+        args, model_config, cache_config = self.args, self.model_config, self.cache_config
+        scheduler_config = self.scheduler_config
+        workers = self.workers
         self.runner = ModelRunner(model_config, cache_config, scheduler_config, device,
-                                  args.attention_backend)
+                                  args.attention_backend, tp=workers.group if workers else None,
+                                  channel=workers.channel if workers else None)
         layout = self._kv_layout()
         sizing = self._size_kv_cache(layout)
         self.cache_info = self._allocate_kv_cache(layout, sizing)
@@ -79,11 +106,23 @@ class LLMEngine:
         self._num_steps = 0
 
     # ---- start-up steps -----------------------------------------------------
+    def _start_workers(self) -> WorkerGroup | None:
+        """Ranks 1..N-1 (their own processes), loading their shards while this one loads."""
+        parallel = self.parallel_config
+        if parallel.tensor_parallel_size == 1:
+            return None
+        from kvpilot.engine.model.parallel.workers import WorkerGroup
+
+        return WorkerGroup(model_config=self.model_config, cache_config=self.cache_config,
+                           scheduler_config=self.scheduler_config, parallel_config=parallel,
+                           attention_backend=self.args.attention_backend)
+
     def _kv_layout(self) -> KVLayout:
-        """The cache's shape per the shared KV formula (per-layer dtypes where they differ)."""
+        """One rank's cache shape per the shared KV formula: its KV heads (all of them at one
+        rank), per-layer dtypes where they differ."""
         arch, cache = self.model_config.arch, self.cache_config
         layer_bytes = tuple(d.itemsize for d in self.runner.layer_kv_dtypes)
-        return KVLayout(arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim,
+        return KVLayout(arch.num_hidden_layers, self.runner.num_kv_heads, arch.head_dim,
                         cache.kv_dtype_bytes(self.model_config.dtype), cache.block_size,
                         layer_dtype_bytes=layer_bytes if len(set(layer_bytes)) > 1 else ())
 
@@ -115,9 +154,10 @@ class LLMEngine:
             gpu_memory_utilization=cache.gpu_memory_utilization,
             profiled_available_bytes=(sizing.profile.available_kv_bytes if sizing.profile is not None else None),
         )
-        logger.info("KV cache: %d blocks x %d tokens (%s, %.2f GiB); max_model_len %d",
-                    num_blocks, layout.block_size, info.kv_cache_dtype,
-                    info.kv_cache_memory_bytes / (1 << 30), self.model_config.max_model_len)
+        logger.info("KV cache%s: %d blocks x %d tokens (%s, %.2f GiB); max_model_len %d",
+                    " per GPU" if self.workers is not None else "", num_blocks, layout.block_size,
+                    info.kv_cache_dtype, info.kv_cache_memory_bytes / (1 << 30),
+                    self.model_config.max_model_len)
         return info
 
     def _create_offload(self, offload_config, layout: KVLayout, hash_root: bytes):
@@ -227,7 +267,7 @@ class LLMEngine:
             return []
         self._num_steps += 1
         structured = self.structured_output
-        result = self.runner.execute(sched, structured.grammar_bitmask(sched))
+        result = self._execute(sched, structured.grammar_bitmask(sched))
         advanced = self.scheduler.update_from_output(sched, result.sampled())
         if len(structured):
             for request in advanced:
@@ -236,6 +276,30 @@ class LLMEngine:
         if self.kv_offload is not None and not self.scheduler.has_unfinished_requests():
             self._run_pending_kv_transfers()   # save finished requests' blocks now, not next step
         return outputs
+
+    def _execute(self, sched, bitmask):
+        """The runner's step. With workers, a dead worker or a failure while the ranks ran
+        the step together (they may be out of step) is the engine's death, raised as
+        ``EngineDeadError``; a failure on this rank alone (sampling) fails only the step."""
+        if self.workers is None:
+            return self.runner.execute(sched, bitmask)
+        self.workers.check()
+        try:
+            return self.runner.execute(sched, bitmask)
+        except RanksOutOfStep as exc:
+            raise self.workers.dead_error(exc.__cause__ or exc) from exc
+
+    # ---- health ---------------------------------------------------------------
+    @property
+    def dead_error(self) -> EngineDeadError | None:
+        """Why the engine can no longer serve (a tensor-parallel worker died), else None."""
+        return self.workers.failure if self.workers is not None else None
+
+    def on_dead(self, callback) -> None:
+        """Call ``callback(EngineDeadError)`` as soon as the engine dies (from another
+        thread, possibly while a step is blocked); never called for a one-rank engine."""
+        if self.workers is not None:
+            self.workers.on_failure(callback)
 
     # ---- introspection ------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
@@ -272,7 +336,12 @@ class LLMEngine:
             self.runner.execute_kv_transfers(transfers)
 
     def close(self) -> None:
-        """Finish background work (KV offload saves and disk writes) and release it."""
-        if self.kv_offload is not None:
-            self._run_pending_kv_transfers()
-            self.kv_offload.close()
+        """Finish background work (KV offload saves and disk writes) and release it; stop
+        the tensor-parallel workers."""
+        try:
+            if self.kv_offload is not None:
+                self._run_pending_kv_transfers()
+                self.kv_offload.close()
+        finally:
+            if self.workers is not None:
+                self.workers.close()

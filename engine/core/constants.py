@@ -26,5 +26,6 @@ OFFLOAD_BACKENDS = ("native", "lmcache")
 # tier's volume here).
 DEFAULT_OFFLOAD_DISK_PATH = "/var/cache/kvpilot/kv"
 
-# GPUs per model replica (``--tensor-parallel-size``) this engine build can run.
-MAX_TENSOR_PARALLEL_SIZE = 1
+# GPUs per model replica (``--tensor-parallel-size``): tensor parallelism within one node
+# (one pod); the CRD's gpu.count has the same ceiling. Multi-node replicas are out of scope.
+MAX_TENSOR_PARALLEL_SIZE = 8

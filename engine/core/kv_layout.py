@@ -41,6 +41,28 @@ def kv_heads_per_rank(num_kv_heads: int, tensor_parallel_size: int) -> int:
     return max(1, math.ceil(num_kv_heads / tensor_parallel_size))
 
 
+def tensor_parallel_split_error(num_attention_heads: int, num_kv_heads: int,
+                                intermediate_size: int, tensor_parallel_size: int) -> str | None:
+    """Why ``tensor_parallel_size`` ranks cannot split this model, or None when they can.
+
+    Query heads and the MLP's intermediate size must split evenly; KV heads must split
+    evenly too, or (fewer KV heads than ranks) the ranks must be a multiple of them,
+    each KV head then replicated on ``tensor_parallel_size / num_kv_heads`` ranks
+    (vLLM's rule). The engine and the planner both ask this one function.
+    """
+    tp = tensor_parallel_size
+    if tp < 1:
+        return f"tensor_parallel_size must be >= 1, got {tp}"
+    if num_attention_heads % tp:
+        return f"its {num_attention_heads} attention heads do not split evenly over {tp} GPUs"
+    if num_kv_heads % tp and tp % num_kv_heads:
+        return (f"its {num_kv_heads} KV heads neither split evenly over {tp} GPUs nor divide {tp} "
+                f"(to be replicated)")
+    if intermediate_size % tp:
+        return f"its MLP intermediate size {intermediate_size} does not split evenly over {tp} GPUs"
+    return None
+
+
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
     """2 x layers x kv_heads x head_dim x dtype_bytes (the 2 is one K and one V)."""
     for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),

@@ -19,6 +19,9 @@ object (GiB figures)::
 default to 0: what the allocator holds once the weights are loaded, how far its peak rises
 in the profile step, and the non-torch memory the engine adds. With the variable set the
 engine profiles on any device, CPU included, against that GPU; nothing else changes.
+Under tensor parallelism every rank simulates its own GPU from the same figures, except
+those a ``"ranks"`` object overrides for a rank: ``{"ranks": {"1": {"activation_gib": 1}}}``
+gives rank 1 a larger activation peak than the others.
 """
 
 from __future__ import annotations
@@ -101,15 +104,21 @@ class FakeDeviceMemory:
             raise ValueError(f"{FAKE_DEVICE_MEMORY_ENV}: weights + activation + non-torch exceed free memory")
 
     @classmethod
-    def from_json(cls, text: str) -> FakeDeviceMemory:
+    def from_json(cls, text: str, rank: int = 0) -> FakeDeviceMemory:
+        """The simulated GPU of tensor-parallel rank ``rank`` (see the module docstring)."""
         try:
             spec = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ValueError(f"{FAKE_DEVICE_MEMORY_ENV} is not valid JSON: {exc}") from None
         known = {"total_gib", "free_gib", "weights_gib", "activation_gib", "non_torch_gib"}
-        if not isinstance(spec, dict) or not {"total_gib", "free_gib"} <= set(spec) or set(spec) - known:
+        ranks = spec.pop("ranks", {}) if isinstance(spec, dict) else {}
+        if (not isinstance(spec, dict) or not {"total_gib", "free_gib"} <= set(spec) or set(spec) - known
+                or not isinstance(ranks, dict)
+                or any(not isinstance(v, dict) or set(v) - known for v in ranks.values())):
             raise ValueError(f"{FAKE_DEVICE_MEMORY_ENV} must be a JSON object with total_gib and free_gib "
-                             f"and optionally weights_gib, activation_gib, non_torch_gib")
+                             f"and optionally weights_gib, activation_gib, non_torch_gib, and ranks "
+                             f"(rank -> overrides of those)")
+        spec.update(ranks.get(str(rank), {}))
         return cls(*(int(float(spec.get(k, 0)) * GIB) for k in ("total_gib", "free_gib", "weights_gib",
                                                                  "activation_gib", "non_torch_gib")))
 
@@ -129,12 +138,12 @@ class FakeDeviceMemory:
         self._phase = 2
 
 
-def device_memory_for(device) -> DeviceMemory | None:
-    """The fake when ``KVPILOT_FAKE_DEVICE_MEMORY`` is set, CUDA on a CUDA device, else None
-    (no profiling: on CPU the KV cache size is given)."""
+def device_memory_for(device, rank: int = 0) -> DeviceMemory | None:
+    """The fake (as tensor-parallel rank ``rank`` sees it) when ``KVPILOT_FAKE_DEVICE_MEMORY``
+    is set, CUDA on a CUDA device, else None (no profiling: on CPU the KV cache size is given)."""
     spec = os.environ.get(FAKE_DEVICE_MEMORY_ENV)
     if spec:
-        return FakeDeviceMemory.from_json(spec)
+        return FakeDeviceMemory.from_json(spec, rank)
     if device.type == "cuda":
         return CudaMemory(device)
     return None

@@ -1,8 +1,10 @@
 """Loading HF safetensors checkpoints into the engine's model (never pickle).
 
-The checkpoint's separate q/k/v and gate/up tensors are concatenated into the fused
-projections. Missing or unexpected tensors are an error that names them; per-layer fp8
-KV scales (``...k_scale`` / ``...v_scale``) are picked up when present.
+The checkpoint's separate q/k/v and gate/up tensors go into their parts of the fused
+projections. Under tensor parallelism each rank reads only its own slice of every
+tensor (safetensors slices), straight into parameters allocated on its device. Missing
+or unexpected tensors are an error that names them; per-layer fp8 KV scales
+(``...k_scale`` / ``...v_scale``) are picked up when present.
 """
 
 from __future__ import annotations
@@ -11,13 +13,18 @@ import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from kvpilot.engine.model.hf_config import ArchConfig
 from kvpilot.engine.model.layers.rotary import RotaryEmbedding
 from kvpilot.engine.model.models.llama import LlamaForCausalLM
+from kvpilot.engine.model.parallel.group import TPGroup
+from kvpilot.engine.model.parallel.linear import ShapeMismatch, check_shape
+from kvpilot.engine.model.parallel.sharding import read_shard
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # checkpoint sub-name -> (fused parameter, shard index among the fused parts)
@@ -49,11 +56,12 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, Any]]:
+    """``(name, safetensors slice)`` for every tensor: nothing is read until sliced."""
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118  (safe_open is not iterable)
-                yield name, f.get_tensor(name)
+                yield name, f.get_slice(name)
 
 
 def _target(name: str) -> tuple[str, int | None]:
@@ -73,20 +81,36 @@ def _target(name: str) -> tuple[str, int | None]:
     return name, None
 
 
+def _load_one(module: nn.Module, param_name: str, src: Any, shard: int | None) -> None:
+    """This rank's part of ``src`` into ``module``'s parameter (tensor-parallel layers
+    shard it; anything else is replicated whole)."""
+    load = getattr(module, "load_weight", None)
+    if load is not None:
+        load(param_name, src, shard)
+        return
+    param = getattr(module, param_name)
+    check_shape(src, tuple(param.shape))
+    param.data.copy_(read_shard(src, 0, None).to(param.dtype))
+
+
 def load_model(model_dir: str | Path, cfg: ArchConfig, max_model_len: int,
-               dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+               dtype: torch.dtype, device: torch.device, tp: TPGroup | None = None) -> LlamaForCausalLM:
+    """The model with this rank's shard of the checkpoint's weights (all of them at one
+    rank), in ``dtype`` on ``device``; each rank reads only its own slices."""
     model_dir = Path(model_dir)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, max_model_len)
+        model = LlamaForCausalLM(cfg, max_model_len, tp).to(dtype)
+    model = model.to_empty(device=device)
+    modules = dict(model.named_modules())
     params = dict(model.named_parameters())
-    parts: dict[str, dict[int, torch.Tensor]] = {}
-    loaded: dict[str, torch.Tensor] = {}
+    loaded: dict[str, set[int | None]] = {}
     unexpected: list[str] = []
     kv_scales: dict[tuple[int, str], float] = {}
-    for name, tensor in iter_checkpoint(model_dir):
+    for name, src in iter_checkpoint(model_dir):
         scale = _KV_SCALE.match(name)
         if scale:
-            kv_scales[(int(scale.group(1)), scale.group(2))] = float(tensor.float().reshape(-1)[0])
+            value = read_shard(src, 0, None).float().reshape(-1)[0]
+            kv_scales[(int(scale.group(1)), scale.group(2))] = float(value)
             continue
         if "rotary_emb.inv_freq" in name:
             continue
@@ -95,24 +119,22 @@ def load_model(model_dir: str | Path, cfg: ArchConfig, max_model_len: int,
         target, shard = _target(name)
         if target not in params:
             unexpected.append(name)
-        elif shard is None:
-            loaded[target] = tensor
-        else:
-            parts.setdefault(target, {})[shard] = tensor
-    for target, shards in parts.items():
-        loaded[target] = torch.cat([shards[i] for i in sorted(shards)], dim=0)
+            continue
+        module_name, _, param_name = target.rpartition(".")
+        try:
+            _load_one(modules[module_name], param_name, src, shard)
+        except ShapeMismatch as exc:
+            raise ValueError(f"weight {name} has shape {exc.got}, expected {exc.expected} "
+                             f"for this config") from None
+        loaded.setdefault(target, set()).add(shard)
     missing = sorted(set(params) - set(loaded))
-    incomplete = [t for t, s in parts.items() if len(s) != (3 if "qkv" in t else 2)]
+    incomplete = [t for t, shards in loaded.items() if None not in shards
+                  and len(shards) != len(modules[t.rpartition(".")[0]].parts)]
     if missing or incomplete or unexpected:
         raise ValueError(
             f"checkpoint in {model_dir} does not match {cfg.architecture}: "
             f"missing weights {missing or 'none'}; incomplete fused weights {incomplete or 'none'}; "
             f"unexpected weights {unexpected[:10] or 'none'}")
-    for target, tensor in loaded.items():
-        if tuple(tensor.shape) != tuple(params[target].shape):
-            raise ValueError(f"weight {target} has shape {tuple(tensor.shape)}, "
-                             f"expected {tuple(params[target].shape)} for this config")
-    model.load_state_dict({k: v.to(dtype) for k, v in loaded.items()}, strict=False, assign=True)
     # Non-persistent buffers (rope tables, kv scales) were created on meta: rebuild them.
     _materialize_buffers(model, cfg, max_model_len)
     model = model.to(device)

@@ -15,12 +15,18 @@ figures, or with ``clamp_kv_cache_memory`` the cache shrinks to ``available`` wi
 warning); else ``available``. On CPU without the hook nothing is profiled and the size must
 be given. Blocks are counted with the shared torch-free formula (``KVLayout.num_blocks``),
 the one the planner uses too.
+
+Under tensor parallelism every rank profiles its own device (its shard, its KV heads)
+in the same worst-case step, and all ranks adopt the profile of the rank that leaves the
+least for the KV cache: the block count is then the same everywhere and fits every GPU.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+
+import torch
 
 from kvpilot.engine.config import CacheConfig, SchedulerConfig
 from kvpilot.engine.core.kv_layout import KVLayout
@@ -86,9 +92,27 @@ def profile_memory(device_memory: DeviceMemory, baseline: MemorySnapshot, runner
         weights_bytes=loaded.torch_allocated_bytes - baseline.torch_allocated_bytes,
         activation_peak_bytes=max(0, after.torch_peak_bytes - loaded.torch_allocated_bytes),
         non_torch_bytes=max(0, after.non_torch_bytes - baseline.non_torch_bytes))
+    if runner.tp.world_size > 1:
+        profile = _smallest_across_ranks(runner.tp, profile)
     logger.info("memory profile: %s -> %.2f GiB for the KV cache", profile.describe(),
                 profile.available_kv_bytes / GIB)
     return profile
+
+
+def _smallest_across_ranks(tp, profile: MemoryProfile) -> MemoryProfile:
+    """The profile, among all ranks' (a collective: every rank calls it), that leaves the
+    least for the KV cache."""
+    mine = torch.tensor([profile.total_bytes, profile.weights_bytes, profile.activation_peak_bytes,
+                         profile.non_torch_bytes], dtype=torch.int64)
+    rows = tp.all_gather_cpu(mine).tolist()
+    profiles = [MemoryProfile(total, profile.gpu_memory_utilization, weights, activation, non_torch)
+                for total, weights, activation, non_torch in rows]
+    smallest = min(profiles, key=lambda p: p.available_kv_bytes)
+    if smallest.available_kv_bytes < profile.available_kv_bytes:
+        logger.info("rank %d's profile leaves %.2f GiB for the KV cache; the tightest rank's, "
+                    "%.2f GiB, sizes every rank", tp.rank, profile.available_kv_bytes / GIB,
+                    smallest.available_kv_bytes / GIB)
+    return smallest
 
 
 def _pinned_blocks(layout: KVLayout, cache: CacheConfig, profile: MemoryProfile | None) -> KVCacheSizing:

@@ -4,6 +4,13 @@ Owns the model, the paged KV cache tensor ``[num_layers, 2, num_blocks, block_si
 num_kv_heads, head_dim]`` and the persistent batch (``InputBatch``: per-request rows of
 tokens, block tables, sampling parameters and seeded generators), which a step updates
 with what changed rather than rebuilding from the scheduler's request objects.
+
+Under tensor parallelism every rank has a runner over its own shard and its own KV
+heads' cache (same block count, same block tables). The driver's (rank 0) runner alone
+holds the persistent batch and samples; before each thing it does that needs the
+workers (a step, the profiling step, allocating the cache) it sends them the command
+through ``channel``, and they run the same thing on their shard
+(``kvpilot.engine.model.parallel.worker``).
 """
 
 from __future__ import annotations
@@ -14,14 +21,17 @@ from dataclasses import dataclass
 import torch
 
 from kvpilot.engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from kvpilot.engine.core.kv_layout import kv_heads_per_rank
 from kvpilot.engine.core.kv_transfer import KVTransfers
 from kvpilot.engine.core.scheduler import SchedulerOutput
 from kvpilot.engine.model.attention import AttentionMetadata, select_attention_backend
 from kvpilot.engine.model.cuda_graphs import DecodeGraphs, capture_sizes
 from kvpilot.engine.model.input_batch import InputBatch
 from kvpilot.engine.model.loader import load_model
+from kvpilot.engine.model.parallel.group import RanksOutOfStep, TPGroup
+from kvpilot.engine.model.parallel.step_channel import Command, StepSender
 from kvpilot.engine.model.sampler import SampleResult, SamplingMetadata, sample
-from kvpilot.engine.model.step_inputs import StepInputBuilder
+from kvpilot.engine.model.step_inputs import StepInputBuilder, StepInputs
 
 TORCH_DTYPES = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -93,18 +103,27 @@ def layer_kv_dtypes(model_config: ModelConfig, cache_config: CacheConfig) -> lis
 
 
 class ModelRunner:
+    """Args:
+        tp: this rank among the tensor-parallel ranks (default: the only rank).
+        channel: the driver's channel to the other ranks (None: no other ranks).
+    """
+
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
                  scheduler_config: SchedulerConfig, device: torch.device,
-                 attention_backend: str = "auto") -> None:
+                 attention_backend: str = "auto", tp: TPGroup | None = None,
+                 channel: StepSender | None = None) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
         self.device = device
+        self.tp = tp = tp or TPGroup()
+        self.channel = channel
         self.dtype = TORCH_DTYPES[model_config.dtype]
         self.kv_dtype = TORCH_DTYPES[cache_config.kv_dtype_name(model_config.dtype)]
         self.layer_kv_dtypes = layer_kv_dtypes(model_config, cache_config)
+        self.num_kv_heads = kv_heads_per_rank(model_config.arch.num_key_value_heads, tp.world_size)
         torch.manual_seed(model_config.seed)
         self.model = load_model(model_config.model, model_config.arch, model_config.max_model_len,
-                                self.dtype, device)
+                                self.dtype, device, tp)
         if device.type == "cpu":
             self.model.use_transposed_output_weight()
         self.backend = select_attention_backend(attention_backend, device)
@@ -112,10 +131,15 @@ class ModelRunner:
             self.model.use_triton_kernels()
         self.kv_caches: torch.Tensor | list[torch.Tensor] | None = None
         self.block_size = cache_config.block_size
+        # KV blocks each rank allocated (checked equal across ranks at allocation)
+        self.num_blocks_per_rank: list[int] = []
+        # The persistent batch and the step builder live on the driver only: workers get
+        # each step's inputs ready-made (``parallel.step_channel``).
         self.input_batch = InputBatch(scheduler_config.max_num_seqs, model_config.max_model_len,
-                                      self.block_size, model_config.arch.vocab_size, device)
+                                      self.block_size, model_config.arch.vocab_size, device) \
+            if tp.is_driver else None
         self.inputs = StepInputBuilder(self.input_batch, scheduler_config.max_num_batched_tokens,
-                                       device)
+                                       device) if tp.is_driver else None
         # Decode-step CUDA graphs (capture_cuda_graphs); None: every step runs eagerly.
         self.graphs: DecodeGraphs | None = None
         # Executor half of the KV offload backend (kvpilot.engine.offload), None when off:
@@ -125,13 +149,24 @@ class ModelRunner:
         self._calibrate_pending = cache_config.calculate_kv_scales and not self.model.loaded_kv_scales
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        """One ``[layers, 2, blocks, block_size, kv_heads, head_dim]`` tensor per KV dtype.
+        """Allocate the cache (on every rank: ``num_blocks`` each, checked)."""
+        if self.channel is not None:
+            self.channel.send(Command.ALLOCATE, num_blocks)
+        self._allocate(num_blocks)
+        counts = self.tp.all_gather_cpu(torch.tensor([num_blocks])).flatten().tolist()
+        if len(set(counts)) != 1:
+            raise RuntimeError(f"tensor-parallel ranks allocated different KV block counts: {counts}")
+        self.num_blocks_per_rank = counts
+
+    def _allocate(self, num_blocks: int) -> None:
+        """One ``[layers, 2, blocks, block_size, kv_heads, head_dim]`` tensor per KV dtype
+        (this rank's KV heads).
 
         Zeroed, not empty: masked-out padding slots are still multiplied by 0 weights.
         ``kv_caches[layer]`` is that layer's view whichever tensor holds it.
         """
         arch = self.model_config.arch
-        shape = (2, num_blocks, self.block_size, arch.num_key_value_heads, arch.head_dim)
+        shape = (2, num_blocks, self.block_size, self.num_kv_heads, arch.head_dim)
         dtypes = self.layer_kv_dtypes
         if len(set(dtypes)) == 1:
             self.kv_caches = torch.zeros((len(dtypes), *shape), dtype=dtypes[0], device=self.device)
@@ -148,7 +183,9 @@ class ModelRunner:
         """Capture decode graphs over the allocated cache: CUDA with the Triton backend,
         unless ``enforce_eager``. Call once, after ``allocate_kv_cache``."""
         if (self.device.type != "cuda" or self.model_config.enforce_eager
-                or self.backend.name != "triton"):
+                or self.backend.name != "triton" or self.tp.world_size > 1):
+            # NOTE: under tensor parallelism every step runs eagerly (graphs would have to
+            # be captured and replayed in lockstep on every rank, collectives included).
             return
         sizes = [s for s in capture_sizes(self.input_batch.max_num_seqs)
                  if s <= self.inputs.input_ids.cpu.shape[0]]
@@ -175,7 +212,10 @@ class ModelRunner:
     def profile_run(self, num_tokens: int, max_num_seqs: int = 1) -> None:
         """A worst-case step for memory profiling: a full token budget of prefill, then the
         sampler over ``max_num_seqs`` rows with every filter on (its float32 logits,
-        probabilities and sort buffers are the peak when the vocabulary is large)."""
+        probabilities and sort buffers are the peak when the vocabulary is large). The
+        other ranks run it too (they sample nothing)."""
+        if self.channel is not None:
+            self.channel.send(Command.PROFILE, num_tokens, max_num_seqs)
         max_len = self.model_config.max_model_len - 1
         seqs, next_block = [], 0
         for start in range(0, num_tokens, max_len):
@@ -183,13 +223,15 @@ class ModelRunner:
             blocks = list(range(next_block, next_block + -(-n // self.block_size)))
             next_block += len(blocks)
             seqs.append(([0] * n, 0, blocks))
-        self.allocate_kv_cache(next_block)
+        self._allocate(next_block)
         input_ids, positions, metadata = metadata_from_seqs(seqs, self.block_size, self.device)
         hidden = self.model(input_ids, positions, self.kv_caches, metadata, self.backend)
         self.kv_caches = None
         rows = torch.arange(max_num_seqs, device=self.device) % hidden.shape[0]
         logits = self.model.compute_logits(hidden[rows])
         del hidden
+        if logits is None:        # not the driver: nothing to sample
+            return
         dev = self.device
         sample(logits, SamplingMetadata(
             max_num_seqs, random_rows=torch.arange(max_num_seqs, device=dev), all_random=True,
@@ -212,19 +254,34 @@ class ModelRunner:
         calibrate, self._calibrate_pending = self._calibrate_pending, False
         graphs = self.graphs if not calibrate else None
         step = self.inputs.build(out.scheduled, graphs.size_for if graphs is not None else None)
-        if calibrate:
-            for layer in self.model.layers:
-                layer.self_attn.calibrate_kv_scales = True
-        if step.padded_size is not None:
-            hidden = graphs.run(step, step.padded_size)
+        if self.channel is None:
+            logits = self.forward_step(step, calibrate)
         else:
-            hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.metadata,
-                                self.backend)
-        if not step.sample_req_ids:
+            try:
+                self.channel.send_step(self.inputs, step, calibrate)
+                logits = self.forward_step(step, calibrate)
+            except Exception as exc:
+                raise RanksOutOfStep(f"{type(exc).__name__}: {exc}") from exc
+        if logits is None:
             return ModelRunnerOutput([], [], {})
-        logits = self.model.compute_logits(hidden[step.logits_indices])
         sampled = sample(logits, self.input_batch.sampling_metadata(step.sample_rows), token_bitmask)
         self.input_batch.append_sampled(step.sample_rows, sampled.token_ids)
         req_ids = step.sample_req_ids
         logprobs = {req_ids[i]: r for i, r in sampled.logprobs.items()}
         return ModelRunnerOutput(req_ids, sampled.token_ids, logprobs)
+
+    @torch.inference_mode()
+    def forward_step(self, step: StepInputs, calibrate: bool = False) -> torch.Tensor | None:
+        """The forward pass of one step and the logits of its sampling rows (every rank
+        runs this for every step; the logits come back on the driver, else None)."""
+        if calibrate:
+            for layer in self.model.layers:
+                layer.self_attn.calibrate_kv_scales = True
+        if step.padded_size is not None:
+            hidden = self.graphs.run(step, step.padded_size)
+        else:
+            hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.metadata,
+                                self.backend)
+        if step.logits_indices.shape[0] == 0:
+            return None
+        return self.model.compute_logits(hidden[step.logits_indices])

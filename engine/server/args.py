@@ -166,7 +166,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     device.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
                         help="attention implementation; auto = triton on CUDA, torch elsewhere")
     device.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1, metavar="N",
-                        help="GPUs per model replica; this build supports only 1")
+                        help=f"GPUs per model replica (1 to {MAX_TENSOR_PARALLEL_SIZE}, one node): "
+                             "Megatron-style tensor parallelism, one process per GPU; N must split "
+                             "the attention heads")
 
     structured = parser.add_argument_group("structured outputs and reasoning")
     structured.add_argument("--structured-outputs-config", type=_structured_outputs_config,
@@ -229,20 +231,22 @@ def structured_outputs_config(ns: argparse.Namespace) -> StructuredOutputsConfig
 def engine_args_from_namespace(ns: argparse.Namespace):
     """Builds the engine's ``EngineArgs`` from parsed ``kvpilot serve`` flags.
 
-    Raises ValueError for a combination this build cannot serve (tensor parallelism,
-    offload flags without offload support) and whatever ``EngineArgs`` rejects.
+    Raises ValueError for a combination this build cannot serve (tensor parallelism past
+    one node, offload flags without offload support) and whatever ``EngineArgs`` rejects.
     """
     from kvpilot.engine.engine_args import EngineArgs  # lazy: keeps this module light
 
     if ns.tensor_parallel_size > MAX_TENSOR_PARALLEL_SIZE:
         raise ValueError(
-            f"--tensor-parallel-size {ns.tensor_parallel_size} is not supported: this engine "
-            "runs one replica per GPU (use --tensor-parallel-size 1 and scale with replicas)"
+            f"--tensor-parallel-size {ns.tensor_parallel_size} is not supported: one replica "
+            f"spans at most {MAX_TENSOR_PARALLEL_SIZE} GPUs of one node (multi-node replicas are "
+            "not implemented); scale further with replicas"
         )
     structured = structured_outputs_config(ns)
     kwargs = {
         "model": resolve_model(ns),
         "served_model_name": ns.served_model_name[0] if ns.served_model_name else None,
+        "tensor_parallel_size": ns.tensor_parallel_size,
         "tokenizer": ns.tokenizer,
         "dtype": ns.dtype,
         "seed": ns.seed,

@@ -23,6 +23,10 @@ NOTE (threading invariants):
   ``RequestFailed``) and aborts them in the engine; the thread keeps serving. If
   the engine cannot even abort, it is declared dead: new requests get
   ``EngineDead`` and ``healthy`` turns False.
+- An engine that dies for good (``EngineDeadError``: a tensor-parallel worker died)
+  is dead at once: the engine's ``on_dead`` callback (another thread) turns
+  ``healthy`` False and wakes the engine thread, which fails every live and queued
+  request, whether or not a step was running.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvpilot.engine.exceptions import EngineDeadError
 from kvpilot.engine.sampling_params import RequestOutputKind
 from kvpilot.engine.server.latency_tracker import ABORT, ERROR, IterationStats, RequestStatsTracker
 
@@ -295,6 +300,9 @@ class AsyncEngine:
         self._record = record
         scheduler_config = getattr(engine, "scheduler_config", None)
         self._max_num_seqs = getattr(scheduler_config, "max_num_seqs", None)
+        on_dead = getattr(engine, "on_dead", None)
+        if on_dead is not None:
+            on_dead(self._declare_dead)
         self._stats = engine.get_stats()
         self._ready.set()
         self._done.set()
@@ -304,7 +312,8 @@ class AsyncEngine:
             logger.exception("engine thread crashed")
             self._declare_dead(exc)
         finally:
-            self._fail_all(EngineDead("the engine stopped"))
+            self._fail_all(EngineDead(f"the engine stopped: {self._error}" if self._error is not None
+                                      else "the engine stopped"))
             self._close(engine)
 
     @staticmethod
@@ -323,9 +332,9 @@ class AsyncEngine:
         while True:
             busy = engine.has_unfinished_requests()
             with self._cond:
-                while not self._commands and not busy and not self._stopping:
+                while not self._commands and not busy and not self._stopping and not self._dead:
                     self._cond.wait()
-                if self._stopping:
+                if self._stopping or self._dead:
                     return
                 commands = list(self._commands)
                 self._commands.clear()
@@ -335,6 +344,11 @@ class AsyncEngine:
                 try:
                     outputs = engine.step()
                     consecutive_failures = 0
+                except EngineDeadError as exc:
+                    logger.error("engine died; failing %d request(s): %s", len(self._live), exc)
+                    self._declare_dead(exc)
+                    self._fail_all(RequestFailed(f"the engine died while serving this request: {exc}"))
+                    return
                 except Exception as exc:  # noqa: BLE001 - fail the batch, keep serving
                     consecutive_failures += 1
                     logger.exception("engine step failed; failing %d request(s)", len(self._live))
@@ -407,9 +421,14 @@ class AsyncEngine:
             self._declare_dead(exc)
 
     def _declare_dead(self, exc: BaseException) -> None:
+        """Mark the engine dead (from any thread) and wake the engine thread to fail what
+        is in flight."""
         with self._cond:
+            if self._dead and self._error is not None:
+                return
             self._dead = True
             self._error = exc
+            self._cond.notify_all()
         logger.error("the engine is dead: %s", exc)
 
     def _publish_stats(self, engine: LLMEngine, num_adds: int) -> None:

@@ -56,7 +56,7 @@ def _r(name: str, meaning: str, *aliases: str) -> VLLMFlag:
 
 _LORA = "LoRA adapters are not implemented"
 _SPEC = "speculative decoding is not implemented"
-_PARALLEL = "one GPU serves one replica (no pipeline, data or expert parallelism); scale with replicas"
+_PARALLEL = "a replica is one node's tensor-parallel GPUs (no pipeline, data or expert parallelism); scale with replicas"
 _MM = "kvpilot serves text-only models (no multimodal inputs)"
 _HUB = "kvpilot loads local checkpoint directories only (no Hugging Face Hub downloads)"
 _RUNTIME = "kvpilot has no such runtime mode"
@@ -123,7 +123,7 @@ VLLM_FLAGS: tuple[VLLMFlag, ...] = (
     _r("--num-lookahead-slots", _SPEC),
     _r("--scheduler-cls", "the scheduler is not pluggable"),
     # ---- parallelism and runtime
-    _h("--tensor-parallel-size", "only 1 (one GPU per replica; scale with replicas)", "-tp"),
+    _h("--tensor-parallel-size", "GPUs per replica, 1 to 8 (one node): Megatron-style tensor parallelism, one worker process per GPU", "-tp"),
     _r("--pipeline-parallel-size", _PARALLEL, "-pp"),
     _r("--data-parallel-size", _PARALLEL, "-dp"),
     _r("--data-parallel-size-local", _PARALLEL),

@@ -21,9 +21,13 @@ GIB, MIB = 1 << 30, 1 << 20
 SMALL = dict(max_model_len=64, max_num_batched_tokens=64, max_num_seqs=4, device="cpu")
 
 
-def fake_gpu(monkeypatch, **gib: float) -> int:
-    """Install the simulated GPU; returns the KV bytes its profile must leave at utilization 0.9."""
-    monkeypatch.setenv(FAKE_DEVICE_MEMORY_ENV, json.dumps({f"{k}_gib": v for k, v in gib.items()}))
+def fake_gpu(monkeypatch, ranks: dict | None = None, **gib: float) -> int:
+    """Install the simulated GPU (``ranks``: per-rank overrides, as the hook takes them);
+    returns the KV bytes its profile must leave at utilization 0.9."""
+    spec = {f"{k}_gib": v for k, v in gib.items()}
+    if ranks:
+        spec["ranks"] = ranks
+    monkeypatch.setenv(FAKE_DEVICE_MEMORY_ENV, json.dumps(spec))
     used = sum(int(gib.get(k, 0) * GIB) for k in ("weights", "activation", "non_torch"))
     return int(int(gib["total"] * GIB) * 0.9) - used
 
@@ -79,3 +83,20 @@ def test_the_hook_rejects_a_bad_spec(monkeypatch, demo_model_dir):
     monkeypatch.setenv(FAKE_DEVICE_MEMORY_ENV, '{"total_gib": 8}')
     with pytest.raises(ValueError, match="total_gib and free_gib"):
         LLMEngine(EngineArgs(model=str(demo_model_dir), **SMALL))
+
+
+@pytest.mark.slow
+def test_two_ranks_size_the_cache_by_the_tightest_rank(monkeypatch, demo_model_dir):
+    """Each rank profiles its own (simulated) GPU; rank 1's larger activation peak leaves
+    less, and every rank allocates what it leaves."""
+    fake_gpu(monkeypatch, total=1, free=1, weights=0.5, activation=0.1,
+             ranks={"1": {"activation_gib": 0.25}})
+    tightest = int(int(1 * GIB) * 0.9) - int(0.5 * GIB) - int(0.25 * GIB)
+    engine = LLMEngine(EngineArgs(model=str(demo_model_dir), tensor_parallel_size=2, **SMALL))
+    try:
+        info = engine.cache_info
+        assert info.profiled_available_bytes == tightest
+        assert info.num_gpu_blocks == tightest // info.bytes_per_block
+        assert engine.runner.num_blocks_per_rank == [info.num_gpu_blocks] * 2
+    finally:
+        engine.close()

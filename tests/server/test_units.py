@@ -95,9 +95,10 @@ def test_bad_flags_are_rejected_by_the_parser(argv, capsys):
     assert argv[0] in capsys.readouterr().err
 
 
-def test_tensor_parallel_is_rejected_clearly(capsys):
-    assert main(["serve", "--tensor-parallel-size", "2"]) == 2
-    assert "--tensor-parallel-size 2 is not supported" in capsys.readouterr().err
+def test_tensor_parallel_beyond_one_node_is_rejected_clearly(capsys):
+    assert main(["serve", "--tensor-parallel-size", "16"]) == 2
+    assert "--tensor-parallel-size 16 is not supported: one replica spans at most 8 GPUs" in \
+        capsys.readouterr().err
 
 
 def test_offload_flags_need_engine_support():

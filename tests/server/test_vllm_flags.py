@@ -101,7 +101,7 @@ HONOURED_CASES = {
                                  lambda ns, ea, sc: ea.enable_chunked_prefill is False),
     "--scheduling-policy": (["--scheduling-policy", "priority"],
                             lambda ns, ea, sc: ea.scheduling_policy == "priority"),
-    "--tensor-parallel-size": (["-tp", "1"], lambda ns, ea, sc: ns.tensor_parallel_size == 1),
+    "--tensor-parallel-size": (["-tp", "2"], lambda ns, ea, sc: ea.tensor_parallel_size == 2),
     "--structured-outputs-config": (
         ["--structured-outputs-config",
          '{"backend": "xgrammar", "disable_any_whitespace": false, "reasoning_parser": "qwen3"}'],
@@ -167,8 +167,8 @@ def test_honoured_flag_reaches_its_setting(name):
     ns, engine_args, server_config = _parse(argv)
     assert check(ns, engine_args, server_config)
     # ... and the defaults do not already satisfy the check (the flag changed something),
-    # except where the flag spells out the default (-tp 1, --disable-log-requests)
-    if name not in ("--tensor-parallel-size", "--disable-log-requests"):
+    # except where the flag spells out the default (--disable-log-requests)
+    if name != "--disable-log-requests":
         assert not check(*_parse([]))
 
 

@@ -2,13 +2,20 @@
 
 All tokens of a step are one flat varlen batch ``[num_tokens, hidden]``; attention
 reads and writes the paged KV cache through the explicit ``AttentionMetadata``. The
-q/k/v and gate/up projections are fused (one matmul each); the loader concatenates the
-checkpoint's separate tensors.
+q/k/v and gate/up projections are fused (one matmul each); the loader puts the
+checkpoint's separate tensors into their parts.
+
+Under tensor parallelism (``tp``, see ``kvpilot.engine.model.parallel``) each rank holds
+its query heads, its KV heads (replicated when there are fewer than ranks), its share of
+the MLP and of the vocabulary; o_proj and down_proj all-reduce, the embedding
+all-reduces, and ``compute_logits`` gathers the logits on the driver. With one rank the
+layers are plain linear / embedding layers.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -17,21 +24,37 @@ from kvpilot.engine.model.attention.torch_backend import FP8_DTYPES
 from kvpilot.engine.model.hf_config import ArchConfig
 from kvpilot.engine.model.layers.norm import RMSNorm
 from kvpilot.engine.model.layers.rotary import RotaryEmbedding
+from kvpilot.engine.model.parallel.group import TPGroup
+from kvpilot.engine.model.parallel.linear import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    vocab_parallel_logits,
+)
+from kvpilot.engine.model.parallel.sharding import even_shard, kv_head_shard
 from kvpilot.kernels.attention_metadata import AttentionMetadata
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ArchConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
+    """This rank's query heads and KV heads (all of them at one rank)."""
+
+    def __init__(self, cfg: ArchConfig, layer_idx: int, rotary: RotaryEmbedding, tp: TPGroup) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        self.tp = tp
+        self.head_dim = cfg.head_dim
+        q_heads = even_shard(cfg.num_attention_heads, tp.rank, tp.world_size, "attention heads")
+        kv_heads = kv_head_shard(cfg.num_key_value_heads, tp.rank, tp.world_size)
+        self.num_heads, self.num_kv_heads = q_heads.size, kv_heads.size
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.qkv_proj = ColumnParallelLinear(
+            cfg.hidden_size, [q_heads.scaled(self.head_dim), kv_heads.scaled(self.head_dim),
+                              kv_heads.scaled(self.head_dim)], bias=cfg.qkv_bias)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size,
+                                        cfg.o_bias, tp)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary
@@ -59,22 +82,28 @@ class Attention(nn.Module):
 
 
     def _calibrate(self, k: torch.Tensor, v: torch.Tensor, cache_dtype: torch.dtype) -> None:
-        """Scales = amax / dtype max of this batch's K and V (fp8 caches only), then fixed."""
+        """Scales = amax / dtype max of this batch's K and V (fp8 caches only), then fixed.
+
+        The amax is over all ranks' heads, so every rank (and a one-rank engine) gets the
+        same scales."""
         self.calibrate_kv_scales = False
         if cache_dtype not in FP8_DTYPES:
             return
         limit = torch.finfo(cache_dtype).max
         tiny = torch.finfo(torch.float32).tiny
-        self.k_scale.copy_((k.abs().max().float() / limit).clamp(min=tiny))
-        self.v_scale.copy_((v.abs().max().float() / limit).clamp(min=tiny))
+        amax = torch.stack([k.abs().max().float(), v.abs().max().float()])
+        self.tp.all_reduce(amax, dist.ReduceOp.MAX)
+        self.k_scale.copy_((amax[0] / limit).clamp(min=tiny))
+        self.v_scale.copy_((amax[1] / limit).clamp(min=tiny))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ArchConfig) -> None:
+    def __init__(self, cfg: ArchConfig, tp: TPGroup) -> None:
         super().__init__()
-        self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        part = even_shard(cfg.intermediate_size, tp.rank, tp.world_size, "intermediate size")
+        self.intermediate_size = part.size
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [part, part], bias=cfg.mlp_bias)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, tp)
         if cfg.hidden_act not in ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act {cfg.hidden_act!r}; supported: {list(ACTIVATIONS)}")
         self.act = ACTIVATIONS[cfg.hidden_act]
@@ -85,10 +114,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ArchConfig, layer_idx: int, rotary: RotaryEmbedding, tp: TPGroup) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, layer_idx, rotary)
-        self.mlp = MLP(cfg)
+        self.self_attn = Attention(cfg, layer_idx, rotary, tp)
+        self.mlp = MLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -107,15 +136,17 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """One class for the three supported architectures; ``cfg`` switches the variants."""
 
-    def __init__(self, cfg: ArchConfig, max_model_len: int) -> None:
+    def __init__(self, cfg: ArchConfig, max_model_len: int, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.tp = tp = tp or TPGroup()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max(max_model_len, 1), cfg.max_position_embeddings)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary, tp) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # the LM head is split like the embedding (and is the embedding when tied)
         self.lm_head = (None if cfg.tie_word_embeddings
-                        else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
+                        else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
                 metadata: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
@@ -153,8 +184,9 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("output_weight_t", self.output_weight.detach().t().contiguous(),
                              persistent=False)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Float32 logits ``[rows, vocab]`` on the driver; None on other ranks, which must
+        call it too (the logits are gathered from every rank's vocabulary shard)."""
         transposed = getattr(self, "output_weight_t", None)
-        if transposed is not None:
-            return (hidden @ transposed).float()
-        return F.linear(hidden, self.output_weight).float()
+        local = hidden @ transposed if transposed is not None else F.linear(hidden, self.output_weight)
+        return vocab_parallel_logits(local, self.tp, self.cfg.vocab_size)

@@ -1,0 +1,18 @@
+"""Tensor parallelism: one model replica split over ranks (processes, one device each).
+
+- ``group``: ``TPGroup``, one engine's ranks and their collectives (its own process
+  groups over its own store: no torch.distributed default group, so several engines can
+  live in one process).
+- ``sharding``: which rows / columns / heads a rank holds (pure arithmetic), and reading
+  just those out of a checkpoint tensor, before any dtype conversion.
+- ``linear``: Megatron-style layers: column-parallel (fused QKV, gate/up), row-parallel
+  (o_proj, down, then an all-reduce), vocab-parallel embedding and LM head.
+- ``step_channel``: the driver's per-step broadcast of flat int64 step inputs and the
+  workers' unpacking of them into their own persistent buffers.
+- ``workers``: the driver's side: spawning ranks 1..N-1, watching them, shutting down.
+- ``worker``: a rank's process: load its shard, then serve the driver's commands.
+
+Rank 0 (the driver) is the engine's own process: it schedules, builds each step's
+inputs, runs its shard and samples once from the gathered logits. Workers never see
+requests, only tensors. May import torch and the rest of ``kvpilot.engine.model``.
+"""

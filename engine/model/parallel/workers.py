@@ -1,0 +1,250 @@
+"""The driver's side of tensor parallelism: start ranks 1..N-1, watch them, stop them.
+
+``WorkerGroup`` hosts the engine's ``TCPStore`` on a free loopback port, starts one
+process per worker rank (``python -m kvpilot.engine.model.parallel.worker RANK``, its
+``WorkerSpec`` pickled once on stdin: unlike multiprocessing's spawn, this never re-runs
+the caller's main script), waits until each has announced itself (failing fast, with
+the worker's own error, if one dies while starting), then joins the ranks' process
+groups as rank 0. The driver's ``ModelRunner`` sends its commands through ``channel``.
+
+Failure: a monitor thread per worker waits for its process to end. When a worker dies
+outside a shutdown, the group is marked failed with an ``EngineDeadError`` that names
+the rank, its exit status and the error it recorded; the other workers are stopped (on
+CUDA the process groups are aborted, so a driver blocked in a collective raises instead
+of hanging) and the callbacks registered with ``on_failure`` run, on the monitor thread.
+A collective that raises on the driver (gloo notices a closed connection at once) is
+turned into the same error by ``dead_error``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from kvpilot.engine.exceptions import EngineDeadError
+from kvpilot.engine.model.parallel.group import DEFAULT_TIMEOUT, create_tp_group
+from kvpilot.engine.model.parallel.step_channel import Command, StepSender
+from kvpilot.engine.model.parallel.worker import WorkerSpec, error_key, ready_key
+
+logger = logging.getLogger(__name__)
+
+STORE_HOST = "127.0.0.1"
+# How long a failing collective waits for the monitor to name the worker that died.
+FAILURE_ATTRIBUTION_S = 2.0
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "is not responding"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"
+
+
+def _wait(process: subprocess.Popen, timeout: float) -> None:
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(max(0.0, timeout))
+
+
+def _stop_processes(processes: list[subprocess.Popen], timeout: float = 10.0) -> None:
+    """Wait for the processes to exit, then terminate, then kill what is left."""
+    deadline = time.monotonic() + timeout
+    for p in processes:
+        _wait(p, deadline - time.monotonic())
+    for signal_them in ("terminate", "kill"):
+        alive = [p for p in processes if p.poll() is None]
+        for p in alive:
+            getattr(p, signal_them)()
+        for p in alive:
+            _wait(p, 2.0)
+
+
+def _watch(group_ref: weakref.ref, rank: int, process: subprocess.Popen) -> None:
+    """A monitor thread: tell the group (if it still exists) when rank ``rank`` exits."""
+    process.wait()
+    group = group_ref()
+    if group is not None:
+        group._worker_exited(rank)
+
+
+def _start_worker(rank: int, spec: WorkerSpec) -> subprocess.Popen:
+    # PYTHONSAFEPATH: the working directory must not shadow the standard library (the
+    # repository's operator/ folder would hide ``operator``)
+    env = {**os.environ, "PYTHONSAFEPATH": "1"}
+    process = subprocess.Popen([sys.executable, "-m", "kvpilot.engine.model.parallel.worker", str(rank)],
+                               stdin=subprocess.PIPE, env=env)
+    with contextlib.suppress(BrokenPipeError):   # it died at once: _wait_ready says how
+        process.stdin.write(pickle.dumps(spec))
+        process.stdin.close()
+    return process
+
+
+class WorkerGroup:
+    """Ranks 1..N-1 of one engine, as seen from rank 0 (this process).
+
+    Args:
+        model_config, cache_config, scheduler_config, parallel_config, attention_backend:
+            what every rank builds its runner from (sent to the workers once, at start).
+        start_timeout_s: how long the workers may take to announce themselves.
+        timeout: how long a collective may wait for a rank (a dead rank is noticed sooner).
+    """
+
+    def __init__(self, *, model_config, cache_config, scheduler_config, parallel_config,
+                 attention_backend: str, start_timeout_s: float = 300.0,
+                 timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> None:
+        self.world_size = world_size = parallel_config.tensor_parallel_size
+        self.device = torch.device(parallel_config.devices[0])
+        self.store = dist.TCPStore(STORE_HOST, 0, world_size, is_master=True, wait_for_workers=False,
+                                   timeout=timeout)
+        spec = WorkerSpec(model_config, cache_config, scheduler_config, parallel_config, attention_backend,
+                          STORE_HOST, self.store.port, timeout.total_seconds(),
+                          logging.getLogger("kvpilot").getEffectiveLevel())
+        self.processes = [_start_worker(rank, spec) for rank in range(1, world_size)]
+        # workers never outlive this object (nor this process), even if close() is never called
+        self._finalizer = weakref.finalize(self, _stop_processes, self.processes, 0.0)
+        self.failure: EngineDeadError | None = None
+        self._callbacks: list[Callable[[EngineDeadError], None]] = []
+        self._lock = threading.Lock()
+        self._closing = False
+        try:
+            self._wait_ready(start_timeout_s)
+            self.group = create_tp_group(self.store, 0, world_size, self.device, timeout)
+        except BaseException:
+            self.close(graceful=False)
+            raise
+        self.channel = StepSender(self.group)
+        # monitors hold no strong reference: an unclosed group can still be collected
+        for rank, process in enumerate(self.processes, start=1):
+            threading.Thread(target=_watch, args=(weakref.ref(self), rank, process),
+                             name=f"kvpilot-tp-monitor-{rank}", daemon=True).start()
+        logger.info("tensor parallelism: %d ranks on %s; worker pids %s", world_size,
+                    ", ".join(parallel_config.devices), [p.pid for p in self.processes])
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of ranks 1..N-1, in rank order."""
+        return [p.pid for p in self.processes]
+
+    # ---- start-up --------------------------------------------------------------
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        pending = set(range(1, self.world_size))
+        while pending:
+            for rank in sorted(pending):
+                if self.store.check([ready_key(rank)]):
+                    pending.discard(rank)
+                    continue
+                process = self.processes[rank - 1]
+                if process.poll() is not None:
+                    raise RuntimeError(f"tensor-parallel worker rank {rank} "
+                                       f"{_describe_exit(process.returncode)} while starting"
+                                       f"{self._recorded_error(rank)}")
+            if pending and time.monotonic() > deadline:
+                raise RuntimeError(f"tensor-parallel worker rank(s) {sorted(pending)} did not start "
+                                   f"within {timeout_s:.0f} s")
+            if pending:
+                time.sleep(0.05)
+
+    def _recorded_error(self, rank: int) -> str:
+        try:
+            if self.store.check([error_key(rank)]):
+                return ": " + self.store.get(error_key(rank)).decode(errors="replace")
+        except Exception:  # noqa: BLE001 - the reason is a nicety
+            pass
+        return ""
+
+    # ---- failure ---------------------------------------------------------------
+    def on_failure(self, callback: Callable[[EngineDeadError], None]) -> None:
+        """Call ``callback(error)`` (on the monitor thread) when a worker dies; at once if
+        one already has."""
+        with self._lock:
+            failure = self.failure
+            if failure is None:
+                self._callbacks.append(callback)
+        if failure is not None:
+            callback(failure)
+
+    def _worker_exited(self, rank: int) -> None:
+        """The monitor saw rank ``rank``'s process end."""
+        if self._closing:
+            return
+        process = self.processes[rank - 1]
+        self._fail(EngineDeadError(f"tensor-parallel worker rank {rank} (pid {process.pid}) "
+                                   f"{_describe_exit(process.returncode)}{self._recorded_error(rank)}"))
+
+    def _fail(self, error: EngineDeadError) -> None:
+        with self._lock:
+            if self.failure is not None:
+                return
+            self.failure = error
+            callbacks = list(self._callbacks)
+        logger.error("the engine is dead: %s", error)
+        if self.device.type == "cuda":
+            self.group.abort()    # NCCL would otherwise wait for the dead rank until its timeout
+        for p in self.processes:
+            if p.poll() is None:
+                p.kill()          # the survivors are out of step with the driver now
+        for callback in callbacks:
+            try:
+                callback(error)
+            except Exception:  # noqa: BLE001 - one listener must not stop the others
+                logger.exception("a worker-failure callback raised")
+
+    def check(self) -> None:
+        """Raise the ``EngineDeadError`` if a worker has died."""
+        if self.failure is not None:
+            raise self.failure
+
+    def death(self, timeout: float = FAILURE_ATTRIBUTION_S) -> EngineDeadError | None:
+        """The failure of a worker that died or is dying (its exit is noticed within
+        ``timeout``); None when every worker lives on."""
+        deadline = time.monotonic() + timeout
+        while self.failure is None and time.monotonic() < deadline:
+            if all(p.poll() is None for p in self.processes) and \
+                    time.monotonic() > deadline - timeout + 0.2:
+                return None
+            time.sleep(0.02)
+        return self.failure
+
+    def dead_error(self, exc: BaseException) -> EngineDeadError:
+        """The error to raise for ``exc``, raised by the driver in the middle of a step.
+
+        The ranks may be out of step after any error in a step, so the group is failed
+        either way; the monitor gets a moment to name the worker whose death caused it.
+        """
+        deadline = time.monotonic() + FAILURE_ATTRIBUTION_S
+        while self.failure is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        self._fail(EngineDeadError(
+            f"a tensor-parallel step failed ({type(exc).__name__}: {exc}); the ranks are out "
+            f"of step, so the engine cannot continue"))   # no-op if the monitor named a worker
+        return self.failure
+
+    # ---- shutdown --------------------------------------------------------------
+    def close(self, graceful: bool = True) -> None:
+        """Stop the workers: a SHUTDOWN command when ``graceful`` and they are healthy (they
+        must be between commands: the engine is between steps), then signals."""
+        if self._closing:
+            return
+        self._closing = True
+        if graceful and self.failure is None and hasattr(self, "channel"):
+            with contextlib.suppress(Exception):   # stopping them anyway
+                self.channel.send(Command.SHUTDOWN)
+        _stop_processes(self.processes, timeout=10.0 if graceful else 0.0)
+        self._finalizer.detach()

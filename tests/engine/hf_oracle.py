@@ -1,0 +1,40 @@
+"""The HF transformers oracle of the parity tests: greedy continuations of token prompts.
+
+A plain module (tests/engine is put on ``sys.path`` by its conftest), shared by the
+one-rank and the tensor-parallel parity tests.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+MAX_NEW = 8
+
+
+def make_prompts(vocab: int, seed: int = 0) -> list[list[int]]:
+    """16+ prompts, lengths 1..600, several sharing long prefixes."""
+    rng = random.Random(seed)
+    rand = lambda n: [rng.randrange(3, vocab) for _ in range(n)]  # noqa: E731  (ids < 3 are special)
+    shared_a, shared_b = rand(400), rand(150)
+    prompts = [rand(n) for n in (1, 2, 7, 16, 17, 33, 100, 257, 600)]
+    prompts += [shared_a + rand(n) for n in (1, 16, 50, 200)]        # 401..600 tokens
+    prompts += [shared_b + rand(n) for n in (3, 40)]
+    prompts += [shared_a[:64], shared_b + shared_a[:20]]
+    assert len(prompts) >= 16 and min(map(len, prompts)) == 1 and max(map(len, prompts)) == 600
+    return prompts
+
+
+def hf_greedy(path, prompts: list[list[int]]) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW,
+                                 min_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0)
+            outs.append(gen[0, len(p):].tolist())
+    return outs
