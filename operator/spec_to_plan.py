@@ -5,7 +5,10 @@ Mapping rules (the planner's own rules decide everything else):
 - the model is a catalogue preset: ``spec.model.architecture``, else the hf:// repo id,
   else the last one or two path parts of a pvc:// / s3:// / image path URI. The operator
   never reads a path the spec names (``{"preset": ...}`` only);
-- ``gpu.count`` pins ``tensor_parallel_size``; ``spec.replicas`` pins replicas while
+- ``gpu.count`` pins ``tensor_parallel_size`` (one pod per replica, that many GPUs in it);
+  a count the engine cannot split the model over (heads, MLP), or combined with KV
+  offloading (not implemented under tensor parallelism), is ``Unsupported``, with the
+  reason; ``spec.replicas`` pins replicas while
   autoscaling is off (0, scaled to zero, is passed to the Deployment only);
   ``spec.engine`` fields pin the engine settings;
 - offload is opt-in: with ``offload.enabled`` false both tiers are pinned to 0; when
@@ -27,8 +30,8 @@ from kvpilot.operator.planner.result import Plan
 from kvpilot.operator.resources.sizing import EngineSizing
 from kvpilot.operator.spec import InferenceServiceSpec
 
-# GPUs per replica the engine can use: MAX_TENSOR_PARALLEL_SIZE. The CRD keeps gpu.count up
-# to 8 so that specs stay valid as that grows.
+# GPUs per replica the engine can use: MAX_TENSOR_PARALLEL_SIZE (one node), the CRD's
+# gpu.count maximum too.
 
 # Plan fields copied into status.plan (camelCase there); the CRD's status schema lists them.
 STATUS_FIELDS = (
@@ -135,10 +138,34 @@ def sizing_of(plan: Plan) -> EngineSizing:
         weight_bytes=plan.memory.get("weight_bytes_total"), status=status)
 
 
+def _unsupported(spec: InferenceServiceSpec, request: PlanRequest) -> str | None:
+    """Why the engine cannot serve ``spec``'s GPU count, or None."""
+    count = spec.gpu.count
+    if count > MAX_TENSOR_PARALLEL_SIZE:
+        return (f"gpu.count {count}: one replica spans at most {MAX_TENSOR_PARALLEL_SIZE} GPUs of one "
+                f"node (tensor parallelism); replicas spanning nodes are not supported")
+    why = request.model.tensor_parallel_error(count)
+    if why is not None:
+        valid = request.model.valid_tensor_parallel_sizes(tuple(range(1, MAX_TENSOR_PARALLEL_SIZE + 1)))
+        return (f"gpu.count {count} cannot split {request.model.name} for tensor parallelism: {why}; "
+                f"counts that work: {', '.join(map(str, valid))}")
+    if count > 1 and spec.offload.enabled:
+        return (f"gpu.count {count} with KV offloading: the engine does not offload KV under tensor "
+                f"parallelism yet; disable offload or use gpu.count 1")
+    return None
+
+
 def plan_service(spec: InferenceServiceSpec) -> PlanOutcome:
     """Plan ``spec``; an invalid request or an infeasible plan is an outcome, not an error."""
     try:
-        plan = make_plan(PlanRequest.from_dict(plan_request(spec)))
+        request = PlanRequest.from_dict(plan_request(spec))
+    except ValueError as exc:
+        return PlanOutcome.rejected("InvalidSpec", str(exc))
+    unsupported = _unsupported(spec, request)
+    if unsupported is not None:
+        return PlanOutcome.rejected("Unsupported", unsupported)
+    try:
+        plan = make_plan(request)
     except ValueError as exc:
         return PlanOutcome.rejected("InvalidSpec", str(exc))
     if not plan.feasible:
@@ -147,12 +174,6 @@ def plan_service(spec: InferenceServiceSpec) -> PlanOutcome:
         return PlanOutcome("Infeasible",
                            f"no feasible plan: {plan.binding_constraint}: {plan.binding_detail}.{hint}",
                            plan.binding_constraint, suggestions)
-    if plan.tensor_parallel_size > MAX_TENSOR_PARALLEL_SIZE:
-        return PlanOutcome("Unsupported",
-                           f"the plan needs {plan.tensor_parallel_size} GPUs per replica (tensor "
-                           f"parallelism), which the kvpilot engine does not implement yet: use "
-                           f"gpu.count 1 with a GPU type that holds the model, and scale with replicas",
-                           plan.binding_constraint)
     summary = (f"{plan.model} on {plan.tensor_parallel_size}x {plan.gpu}: KV {plan.kv_cache_dtype}, "
                f"{plan.kv_token_capacity:,} tokens, max_num_seqs {plan.max_num_seqs}, "
                f"{plan.replicas} replica(s); bound by {plan.binding_constraint}")

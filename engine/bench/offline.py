@@ -8,6 +8,12 @@ batching. The default workload has chat-like long-tailed lengths (``--workload
 uniform`` for uniform ranges). KV waste is measured every engine step as (allocated slots - slots holding
 a token) / allocated slots over the running requests, and compared with reserving
 ``max_model_len`` slots per running sequence, as a non-paged server would.
+
+``--tensor-parallel-size N`` (N > 1) also runs the engine split over N ranks (gloo
+worker processes on CPU) on the same workload, right after the one-rank engine, and
+prints both throughputs, the time per engine step of each and the share of requests
+whose tokens agree (greedy float32: the ranks' all-reduces sum in another order, which
+can flip a near-tie late in a long random-weight generation).
 """
 
 from __future__ import annotations
@@ -31,10 +37,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-prompt", type=int, default=512)
     p.add_argument("--min-output", type=int, default=16)
     p.add_argument("--max-output", type=int, default=128)
-    p.add_argument("--hf-batch-sizes", default="8,16,32", help="comma-separated; the best one is compared")
+    p.add_argument("--hf-batch-sizes", default="8,16,32",
+                   help="comma-separated; the best one is compared ('' skips HF)")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="also run the engine over N tensor-parallel ranks and compare with one rank")
     p.set_defaults(func=run)
 
 
@@ -68,30 +77,46 @@ def make_workload(args, vocab: int) -> Workload:
     return Workload(prompts, outs)
 
 
-def run_engine(model_dir: str, wl: Workload, args) -> tuple[float, float, float]:
-    """(seconds, paged KV waste %, max_model_len-reservation waste %)."""
+@dataclass(frozen=True, slots=True)
+class EngineRun:
+    seconds: float
+    num_steps: int
+    paged_waste: float            # % of allocated slots
+    reserve_waste: float          # % of max_model_len reservations
+    token_ids: dict[str, list[int]]
+
+
+def run_engine(model_dir: str, wl: Workload, args, tensor_parallel_size: int = 1) -> EngineRun:
+    """Every request of ``wl`` through one engine, timed from the first step to the last."""
     from kvpilot.engine import LLMEngine, SamplingParams
     from kvpilot.engine.engine_args import EngineArgs
     from kvpilot.engine.sampling_params import RequestOutputKind
 
     engine = LLMEngine(EngineArgs(model=model_dir, max_model_len=args.max_model_len,
                                   max_num_seqs=args.max_num_seqs, enable_prefix_caching=False,
-                                  dtype="float32"))
-    block = engine.cache_info.block_size
-    for i, (p, n) in enumerate(zip(wl.prompts, wl.output_lens, strict=True)):
-        engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True,
-                                                     output_kind=RequestOutputKind.FINAL_ONLY))
-    allocated = used = reserved = 0
-    start = time.perf_counter()
-    while engine.has_unfinished_requests():
-        engine.step()
-        for r in engine.scheduler.running:
-            slots = len(engine.kv_cache_manager.req_blocks.get(r.request_id, ())) * block
-            allocated += slots
-            used += min(r.num_computed_tokens, slots)
-            reserved += args.max_model_len
-    seconds = time.perf_counter() - start
-    return seconds, 100 * (allocated - used) / allocated, 100 * (reserved - used) / reserved
+                                  dtype="float32", tensor_parallel_size=tensor_parallel_size))
+    try:
+        block = engine.cache_info.block_size
+        for i, (p, n) in enumerate(zip(wl.prompts, wl.output_lens, strict=True)):
+            engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True,
+                                                         output_kind=RequestOutputKind.FINAL_ONLY))
+        allocated = used = reserved = steps = 0
+        token_ids = {}
+        start = time.perf_counter()
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                token_ids[out.request_id] = out.outputs[0].token_ids
+            steps += 1
+            for r in engine.scheduler.running:
+                slots = len(engine.kv_cache_manager.req_blocks.get(r.request_id, ())) * block
+                allocated += slots
+                used += min(r.num_computed_tokens, slots)
+                reserved += args.max_model_len
+        seconds = time.perf_counter() - start
+    finally:
+        engine.close()
+    return EngineRun(seconds, steps, 100 * (allocated - used) / allocated,
+                     100 * (reserved - used) / reserved, token_ids)
 
 
 def run_hf(model_dir: str, wl: Workload, batch_size: int) -> float:
@@ -130,16 +155,31 @@ def run(args: argparse.Namespace) -> int:
     print(f"workload ({args.workload}): {len(wl.prompts)} prompts of {plens[0]}-{plens[-1]} tokens "
           f"(median {plens[len(plens) // 2]}), outputs of {olens[0]}-{olens[-1]} tokens "
           f"(median {olens[len(olens) // 2]}, {wl.total_output} in total); threads={torch.get_num_threads()}")
-    eng_s, paged_waste, reserve_waste = run_engine(model_dir, wl, args)
-    eng_tps = wl.total_output / eng_s
-    print(f"kvpilot engine      : {eng_s:7.2f} s  {eng_tps:8.1f} output tok/s")
+    one = run_engine(model_dir, wl, args)
+    eng_tps = wl.total_output / one.seconds
+    print(f"kvpilot engine      : {one.seconds:7.2f} s  {eng_tps:8.1f} output tok/s  "
+          f"({1000 * one.seconds / one.num_steps:.1f} ms/step)")
+    if args.tensor_parallel_size > 1:
+        _compare_tensor_parallel(model_dir, wl, args, one)
     best = None
-    for bs in [int(x) for x in args.hf_batch_sizes.split(",")]:
+    for bs in [int(x) for x in args.hf_batch_sizes.split(",") if x.strip()]:
         hf_s = run_hf(model_dir, wl, bs)
         tps = wl.total_output / hf_s
         print(f"HF generate (bs={bs:3d}): {hf_s:7.2f} s  {tps:8.1f} output tok/s")
         best = max(best or 0.0, tps)
-    print(f"throughput ratio (engine / best HF): {eng_tps / best:.2f}x")
-    print(f"KV waste, paged blocks            : {paged_waste:5.2f}% of allocated slots")
-    print(f"KV waste, reserve max_model_len   : {reserve_waste:5.2f}% (max_model_len={args.max_model_len})")
+    if best:
+        print(f"throughput ratio (engine / best HF): {eng_tps / best:.2f}x")
+    print(f"KV waste, paged blocks            : {one.paged_waste:5.2f}% of allocated slots")
+    print(f"KV waste, reserve max_model_len   : {one.reserve_waste:5.2f}% (max_model_len={args.max_model_len})")
     return 0
+
+
+def _compare_tensor_parallel(model_dir: str, wl: Workload, args, one: EngineRun) -> None:
+    tp = args.tensor_parallel_size
+    split = run_engine(model_dir, wl, args, tp)
+    tps, one_tps = wl.total_output / split.seconds, wl.total_output / one.seconds
+    same = sum(split.token_ids.get(rid) == ids for rid, ids in one.token_ids.items())
+    print(f"kvpilot engine TP={tp} : {split.seconds:7.2f} s  {tps:8.1f} output tok/s  "
+          f"({1000 * split.seconds / split.num_steps:.1f} ms/step)")
+    print(f"throughput ratio (TP={tp} / TP=1)   : {tps / one_tps:.2f}x; steps {split.num_steps} vs "
+          f"{one.num_steps}; identical outputs: {same}/{len(one.token_ids)} requests")

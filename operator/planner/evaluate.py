@@ -38,6 +38,7 @@ from kvpilot.operator.planner.memory import (
     PrefixTiers,
     blocks_for,
     kv_seq_limit,
+    offload_allowed,
     place_prefixes,
 )
 from kvpilot.operator.planner.plan_request import PlanRequest
@@ -192,8 +193,9 @@ def evaluate(req: PlanRequest, tp: int, kv_cache_dtype: str) -> Evaluation:
         prefixes = place_prefixes(
             blocks_each=blocks_each, bytes_each=blocks_each * block_size * layout.bytes_per_token * tp,
             distinct=slo.distinct_prefixes, free_blocks=free if msq >= 1 else 0,
-            replica_gpu_memory_bytes=gpu.memory_bytes * tp, cpu_offload_gib=ov.cpu_offload_gib,
-            disk_offload_gib=ov.disk_offload_gib)
+            replica_gpu_memory_bytes=gpu.memory_bytes * tp,
+            cpu_offload_gib=ov.cpu_offload_gib if offload_allowed(tp) else 0,
+            disk_offload_gib=ov.disk_offload_gib if offload_allowed(tp) else 0)
 
     throughput = _throughput(req, tp, layout, budget, msq, mnbt, cached, factor) if msq >= 1 else None
     replicas, need, replicas_source = _replicas(req, msq, throughput)

@@ -13,6 +13,7 @@ from kvpilot.operator.planner.memory import (
     HOST_BASE_GIB,
     HOST_PER_RANK_GIB,
     SHM_BASE_GIB,
+    SHM_PER_EXTRA_RANK_GIB,
     gib,
     host_memory_gib,
     offload_tiers_gib,
@@ -171,9 +172,10 @@ def _host_lines(req: PlanRequest, ev: Evaluation) -> list[str]:
                    f"{p.on_cpu:,} go to the CPU tier ({p.cpu_offload_gib:g} GiB), {p.on_disk:,} to disk "
                    f"({p.disk_offload_gib:g} GiB)" + (f", {p.uncached:,} are not cached" if p.uncached else "")
                    + ".")
-    cpu, _ = offload_tiers_gib(p, req.overrides.cpu_offload_gib, req.overrides.disk_offload_gib)
+    cpu, _ = offload_tiers_gib(p, req.overrides.cpu_offload_gib, req.overrides.disk_offload_gib, ev.tp)
     pod, shm = host_memory_gib(ev.tp, cpu)
-    out.append(f"Host: /dev/shm {shm:g} GiB ({cpu:g} GiB CPU KV tier + {SHM_BASE_GIB} GiB IPC); pod memory "
+    nccl = (f" + {SHM_PER_EXTRA_RANK_GIB} GiB x {ev.tp - 1} further rank(s) for NCCL" if ev.tp > 1 else "")
+    out.append(f"Host: /dev/shm {shm:g} GiB ({cpu:g} GiB CPU KV tier + {SHM_BASE_GIB} GiB IPC{nccl}); pod memory "
                f"{pod:g} GiB = {HOST_BASE_GIB} GiB base + {HOST_PER_RANK_GIB} GiB x {ev.tp} GPU worker(s) + "
                "/dev/shm (tmpfs counts against the pod's memory limit).")
     return out

@@ -16,7 +16,12 @@ target never frees KV memory (the planner's monotonicity guarantees rely on it).
 Prefix tiers: each distinct shared prefix occupies ``shared_prefix_tokens // block_size``
 full blocks (only full blocks are cached). Prefixes stay on the GPU in whatever KV
 is left after ``max_num_seqs`` sequences; the rest go to a CPU tier (host memory,
-default cap 2 x the replica's GPU memory), then to disk.
+default cap 2 x the replica's GPU memory), then to disk. The engine does not offload
+KV under tensor parallelism, so a replica of more than one GPU gets no tiers.
+
+Host memory per replica (one pod): a base for the engine process, a share per GPU worker
+process, and ``/dev/shm`` (the CPU KV tier, the engine's IPC, and per extra rank room for
+NCCL's shared-memory transport between the GPU workers).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ CPU_TIER_CAP_PER_GPU_MEMORY = 2.0
 HOST_BASE_GIB = 4            # engine process, tokenizer, safetensors page cache churn
 HOST_PER_RANK_GIB = 2        # per GPU worker process
 SHM_BASE_GIB = 1             # inter-process buffers (NCCL, tokenizer workers)
+SHM_PER_EXTRA_RANK_GIB = 1   # tensor parallelism: NCCL's shared-memory buffers per further rank
 
 
 def gib(num_bytes: float) -> float:
@@ -132,10 +138,17 @@ def place_prefixes(*, blocks_each: int, bytes_each: int, distinct: int, free_blo
     return PrefixTiers(blocks_each, bytes_each, distinct, on_gpu, on_cpu, on_disk, cpu, disk)
 
 
+def offload_allowed(tensor_parallel_size: int) -> bool:
+    """Whether a replica of this many GPUs can have KV offload tiers (one GPU only)."""
+    return tensor_parallel_size == 1
+
+
 def offload_tiers_gib(prefixes: PrefixTiers | None, cpu_offload_gib: float | None,
-                      disk_offload_gib: float | None) -> tuple[float, float]:
+                      disk_offload_gib: float | None, tensor_parallel_size: int = 1) -> tuple[float, float]:
     """(CPU, disk) KV tier sizes per replica in GiB: where the shared prefixes were placed,
-    else the pinned sizes (0 when not pinned)."""
+    else the pinned sizes (0 when not pinned, and always 0 under tensor parallelism)."""
+    if not offload_allowed(tensor_parallel_size):
+        return 0, 0
     if prefixes is not None:
         return prefixes.cpu_offload_gib, prefixes.disk_offload_gib
     return cpu_offload_gib or 0, disk_offload_gib or 0
@@ -144,5 +157,5 @@ def offload_tiers_gib(prefixes: PrefixTiers | None, cpu_offload_gib: float | Non
 def host_memory_gib(tp: int, cpu_offload_gib: float) -> tuple[float, float]:
     """(pod memory, /dev/shm size) in GiB: the CPU tier lives in shared memory, and
     tmpfs pages count against the pod's memory limit, so the pod needs both."""
-    shm = cpu_offload_gib + SHM_BASE_GIB
+    shm = cpu_offload_gib + SHM_BASE_GIB + SHM_PER_EXTRA_RANK_GIB * (tp - 1)
     return HOST_BASE_GIB + HOST_PER_RANK_GIB * tp + shm, shm

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any
 
+from kvpilot.engine.core.kv_layout import tensor_parallel_split_error
 from kvpilot.operator.planner.weights import DTYPE_BYTES, estimate_num_params, ties_embeddings
 
 # rope scaling types whose factor stretches the usable context beyond the trained length
@@ -111,10 +112,16 @@ class ModelSpec:
         kept = self.num_full_layers * num_tokens + self.num_sliding_layers * min(num_tokens, self.sliding_window)
         return -(-kept // self.num_layers)
 
+    def tensor_parallel_error(self, tensor_parallel_size: int) -> str | None:
+        """Why the engine cannot split this model over ``tensor_parallel_size`` GPUs, or None
+        (the engine's own rule: ``kv_layout.tensor_parallel_split_error``)."""
+        return tensor_parallel_split_error(self.num_attention_heads, self.num_kv_heads,
+                                           self.intermediate_size, tensor_parallel_size)
+
     def valid_tensor_parallel_sizes(self, choices: tuple[int, ...] = (1, 2, 4, 8)) -> list[int]:
-        """TP sizes that split the query heads evenly and the KV heads evenly (or replicate them)."""
-        return [tp for tp in choices if tp >= 1 and self.num_attention_heads % tp == 0
-                and (self.num_kv_heads % tp == 0 or tp % self.num_kv_heads == 0)]
+        """TP sizes that split the query heads and the MLP evenly and the KV heads evenly
+        (or replicate them)."""
+        return [tp for tp in choices if tp >= 1 and self.tensor_parallel_error(tp) is None]
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -3,7 +3,9 @@
 Shape search: GPUs per replica is the pinned ``tensor_parallel_size``; otherwise each
 of 1, 2, 4, 8 that splits the model's heads is planned and the feasible one with the
 fewest GPUs in total (replicas x GPUs per replica) wins, ties going to fewer GPUs per
-replica; if none is feasible, the plan for the largest is returned, infeasible. For each shape
+replica; if none is feasible, the plan for the largest is returned, infeasible. A replica
+spans one node at most (``MAX_TENSOR_PARALLEL_SIZE`` GPUs): when even the largest shape
+has no room for the model, the plan says that it would need more than one node. For each shape
 the KV dtype candidates of ``kv_dtype.candidates`` are evaluated and the one with
 the most ``max_num_seqs`` wins (ties go to 16-bit). Infeasible plans then get
 suggestions, each verified by planning the patched request.
@@ -14,6 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from kvpilot.engine.core.constants import MAX_TENSOR_PARALLEL_SIZE
 from kvpilot.operator.planner import kv_dtype
 from kvpilot.operator.planner.evaluate import Evaluation, evaluate
 from kvpilot.operator.planner.explain import derivation
@@ -23,14 +26,15 @@ from kvpilot.operator.planner.plan_request import PlanRequest
 from kvpilot.operator.planner.result import DEFAULT_DISK_PATH, Plan
 from kvpilot.operator.planner.suggest import suggest
 
-TENSOR_PARALLEL_CHOICES = (1, 2, 4, 8)
+TENSOR_PARALLEL_CHOICES = tuple(n for n in (1, 2, 4, 8, 16) if n <= MAX_TENSOR_PARALLEL_SIZE)
 
 
 def _check_tp(model: ModelSpec, tp: int) -> None:
-    if not model.valid_tensor_parallel_sizes((tp,)):
+    why = model.tensor_parallel_error(tp)
+    if why is not None:
         ok = model.valid_tensor_parallel_sizes(tuple(range(1, 65)))
-        raise ValueError(f"tensor_parallel_size {tp} does not split {model.name}'s {model.num_attention_heads} "
-                         f"query / {model.num_kv_heads} KV heads evenly; valid: {', '.join(map(str, ok))}")
+        raise ValueError(f"tensor_parallel_size {tp} does not split {model.name}: {why}; "
+                         f"valid: {', '.join(map(str, ok))}")
 
 
 def _pick(evaluations: list[Evaluation]) -> Evaluation:
@@ -50,9 +54,23 @@ def _dtype_choice_note(req: PlanRequest, evs: list[Evaluation], chosen: Evaluati
             f"{kv_dtype.dtype_label(req.model, chosen.kv_cache_dtype)}."]
 
 
+def multi_node_note(req: PlanRequest, ev: Evaluation) -> str | None:
+    """Why the model needs more than one node, when the largest one-node shape has no room
+    for it (its weights and one max_context sequence); else None."""
+    if ev.feasible or ev.binding.name not in ("gpu_memory", "kv_capacity"):
+        return None
+    largest = max(req.model.valid_tensor_parallel_sizes(TENSOR_PARALLEL_CHOICES), default=1)
+    if ev.tp < largest:
+        return None
+    return (f"{req.model.name}'s weights and one max_context sequence do not fit even {ev.tp} x "
+            f"{req.gpu.name}, the most GPUs one replica can use: it would need more than one node's "
+            f"GPUs, and replicas spanning nodes (pipeline parallelism) are not supported")
+
+
 def _warnings(req: PlanRequest, ev: Evaluation) -> list[str]:
     m, ov, slo = req.model, req.overrides, req.slo
     out = kv_dtype.warnings_for(m, slo, ev.kv_cache_dtype, ov.kv_cache_dtype is not None)
+
     if m.weight_bytes is None and not m.weight_source.startswith("catalogue") and not ov.weight_quantization:
         out.append("weights estimated from the parameter count of the architecture; point --model at the "
                    "checkpoint directory for exact safetensors sizes")
@@ -66,6 +84,9 @@ def _warnings(req: PlanRequest, ev: Evaluation) -> list[str]:
                    f"not {ev.seq_blocks:,}")
     if ev.tp > 1:
         out.append("latency estimates leave out tensor-parallel all-reduce time")
+        if ov.cpu_offload_gib or ov.disk_offload_gib:
+            out.append("the engine does not offload KV under tensor parallelism: the pinned offload "
+                       "tiers are left out")
     if slo.shared_prefix_tokens and not ev.enable_prefix_caching:
         out.append("shared prefixes given but prefix caching is off: every request prefills its prefix")
     if ev.prefixes is not None and ev.prefixes.uncached:
@@ -84,7 +105,7 @@ def _finite(value: float | None) -> float | None:
 
 def _to_plan(req: PlanRequest, ev: Evaluation, dtype_notes: list[str], shape_notes: list[str]) -> Plan:
     ov, p, b = req.overrides, ev.prefixes, ev.budget
-    cpu, disk = offload_tiers_gib(p, ov.cpu_offload_gib, ov.disk_offload_gib)
+    cpu, disk = offload_tiers_gib(p, ov.cpu_offload_gib, ov.disk_offload_gib, ev.tp)
     offload = cpu > 0 or disk > 0
     backend = (ov.offload_backend or "native") if offload else None
     pod, shm = host_memory_gib(ev.tp, cpu)
@@ -92,7 +113,8 @@ def _to_plan(req: PlanRequest, ev: Evaluation, dtype_notes: list[str], shape_not
     msq = ev.max_num_seqs
     tput = ev.throughput
     return Plan(
-        feasible=ev.feasible, binding_constraint=binding.name, binding_detail=binding.detail,
+        feasible=ev.feasible, binding_constraint=binding.name,
+        binding_detail="; ".join(filter(None, (binding.detail, multi_node_note(req, ev)))),
         model=req.model.name, gpu=req.gpu.name, tensor_parallel_size=ev.tp, replicas=ev.replicas,
         kv_cache_dtype=ev.kv_cache_dtype, kv_dtype_name=kv_dtype.resolved_name(req.model, ev.kv_cache_dtype),
         kv_dtype_bytes=ev.layout.dtype_bytes,

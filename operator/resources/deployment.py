@@ -1,7 +1,9 @@
 """The engine Deployment: ``kvpilot serve`` with the planned flags.
 
 Pod layout: an optional model-download init container; the engine container with the GPU
-limit, probes on ``/health``, a memory-backed ``/dev/shm`` sized for the CPU KV tier, the
+limit (``gpu.count`` GPUs: one replica is one pod, its tensor-parallel worker processes
+inside), probes on ``/health``, a memory-backed ``/dev/shm`` sized for the CPU KV tier and
+the workers' NCCL buffers, the
 disk KV tier (the PVC child when the service has one replica, else a per-pod ephemeral
 claim, since a ReadWriteOnce claim cannot follow several pods), a writable ``/tmp`` and a
 read-only root filesystem; Prometheus scrape annotations; non-root; and a graceful stop

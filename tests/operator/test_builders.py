@@ -16,7 +16,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from kvpilot.engine.server.args import make_serve_parser
+from kvpilot.engine.server.args import engine_args_from_namespace, make_serve_parser
 from kvpilot.operator import constants as c
 from kvpilot.operator.model_fetch import parse_hf_uri
 from kvpilot.operator.planner.plan import make_plan
@@ -121,6 +121,32 @@ def test_long_context_example_plans_an_fp8_cache():
     children, plan = _build(_example("long-context-fp8"))
     assert plan.kv_cache_dtype.startswith("fp8")
     assert _flag(_engine(children)["args"], "--kv-cache-dtype") == plan.kv_cache_dtype
+
+
+def test_70b_example_is_one_pod_of_four_tensor_parallel_gpus():
+    """Issue 13, acceptance 4: gpu.count -> --tensor-parallel-size, the pod's GPUs, /dev/shm."""
+    children, plan = _build(_example("llama-70b-tensor-parallel"))
+    assert (plan.model, plan.gpu, plan.tensor_parallel_size) == ("Llama-3.1-70B-Instruct", "h100-80gb", 4)
+    assert plan.num_kv_heads_per_gpu == 2                    # 8 KV heads over 4 GPUs
+    assert plan.kv_bytes_per_token == 2 * 80 * 2 * 128 * 2   # per GPU: K+V x layers x heads x dim x bf16
+    assert plan.memory["weight_bytes_per_gpu"] * 4 >= plan.memory["weight_bytes_total"] > 80 << 30
+    deployment = children["Deployment"].body
+    engine, pod = _engine(children), _pod(children)
+    assert deployment["spec"]["replicas"] == plan.replicas
+    assert len(pod["containers"]) == 1                       # one pod holds the whole replica
+    for kind in ("limits", "requests"):
+        assert engine["resources"][kind]["nvidia.com/gpu"] == "4"
+        assert engine["resources"][kind]["memory"] == gib_quantity(plan.pod_memory_gib)
+    ns = make_serve_parser().parse_args(engine["args"])
+    assert ns.tensor_parallel_size == 4
+    assert ns.kv_cache_memory_bytes == plan.kv_cache_memory_bytes   # per GPU
+    assert engine_args_from_namespace(ns).tensor_parallel_size == 4
+    shm = {v["name"]: v for v in pod["volumes"]}["dshm"]["emptyDir"]
+    assert plan.shm_gib == 1 + 3                             # IPC + NCCL room per further rank
+    assert shm == {"medium": "Memory", "sizeLimit": gib_quantity(plan.shm_gib)}
+    assert plan.pod_memory_gib == 4 + 2 * 4 + plan.shm_gib   # base + per GPU worker + /dev/shm
+    assert pod["affinity"]["nodeAffinity"]                   # on nodes with that GPU type
+    assert kubernetes_validate.validate(deployment, K8S_VERSION, strict=True) == K8S_VERSION
 
 
 def test_offload_sizes_map_to_flags_shm_memory_and_the_claim():

@@ -110,6 +110,7 @@ def test_examples_cover_the_issue_cases():
     offload = specs["offload-cpu-disk"]["offload"]
     assert offload["enabled"] and "disk" in offload
     assert specs["autoscaled-kv-usage"]["autoscaling"]["kvCacheUsageTarget"] == 0.7
+    assert specs["llama-70b-tensor-parallel"]["gpu"]["count"] == 4
 
 
 @pytest.mark.parametrize("case,obj,phrase", BAD, ids=[b[0] for b in BAD])

@@ -81,11 +81,35 @@ def test_outcomes():
     assert invalid.reason == "InvalidSpec" and "architecture" in invalid.message
 
 
-def test_more_than_one_gpu_per_replica_is_refused_until_the_engine_has_tensor_parallelism():
+def test_gpu_count_is_the_tensor_parallel_size_when_it_splits_the_model():
     outcome = plan_service(_spec(gpu={"type": "l4", "count": 2}))
-    assert not outcome.feasible and outcome.reason == "Unsupported"
-    assert "tensor parallelism" in outcome.message and outcome.sizing is None
-    assert plan_service(_spec(gpu={"type": "h100-80gb", "count": 1})).feasible
+    assert outcome.feasible and outcome.reason == "Planned"
+    args = list(outcome.sizing.serve_args)
+    assert args[args.index("--tensor-parallel-size") + 1] == "2"
+    assert outcome.sizing.status["tensorParallelSize"] == 2
+    assert outcome.sizing.status["numGpuBlocks"] == make_plan(
+        PlanRequest.from_dict(plan_request(_spec(gpu={"type": "l4", "count": 2})))).num_gpu_blocks
+    assert "--tensor-parallel-size" not in plan_service(_spec()).sizing.serve_args
+
+
+def test_gpu_counts_the_engine_cannot_use_are_unsupported_with_the_reason():
+    # Qwen3-8B: 32 query heads, 8 KV heads
+    odd = plan_service(_spec(gpu={"type": "l4", "count": 6}))
+    assert not odd.feasible and odd.reason == "Unsupported" and odd.sizing is None
+    assert odd.message == ("gpu.count 6 cannot split Qwen3-8B for tensor parallelism: its 32 attention "
+                           "heads do not split evenly over 6 GPUs; counts that work: 1, 2, 4, 8")
+    offload = plan_service(_spec(gpu={"type": "l4", "count": 2}, offload={"enabled": True, "cpuGiB": 8}))
+    assert offload.reason == "Unsupported" and "KV offloading" in offload.message
+
+
+def test_a_model_beyond_one_node_says_so():
+    outcome = plan_service(_spec(model={"uri": "hf://meta-llama/Llama-3.1-70B-Instruct"},
+                                 gpu={"type": "l4", "count": 8},
+                                 slo={"maxContext": 131072, "p95PromptTokens": 8192, "p95OutputTokens": 1024,
+                                      "concurrency": 4}))
+    assert outcome.reason == "Infeasible"
+    assert "would need more than one node's GPUs" in outcome.message
+    assert "pipeline parallelism) are not supported" in outcome.message
 
 
 def test_the_kv_safety_margin_is_a_planner_setting_in_the_spec():
