@@ -64,8 +64,11 @@ def spec(port: int) -> dict:
 
 
 class Load:
-    """``REQUESTS`` streaming completions of distinct prompts against one engine, held open
-    until ``stop`` (disconnecting aborts them, as a client going away does)."""
+    """``REQUESTS`` clients, each streaming completions of its own prompt against one engine
+    one after another until ``stop`` (disconnecting aborts them, as a client going away
+    does): the KV cache stays full and requests keep waiting for as long as the check needs,
+    however fast the machine drains one round (a single round can finish between two
+    scrapes)."""
 
     def __init__(self, url: str) -> None:
         self.url, self.loop = url, asyncio.new_event_loop()
@@ -76,10 +79,11 @@ class Load:
         prompt = [1000 + 400 * i + j for j in range(PROMPT_TOKENS)]
         body = {"model": NAME, "prompt": prompt, "max_tokens": OUTPUT_TOKENS, "ignore_eos": True,
                 "temperature": 0, "stream": True}
-        async with httpx.AsyncClient(timeout=300) as client, \
-                client.stream("POST", f"{self.url}/v1/completions", json=body) as response:
-            async for _ in response.aiter_lines():
-                pass
+        async with httpx.AsyncClient(timeout=300) as client:
+            while True:
+                async with client.stream("POST", f"{self.url}/v1/completions", json=body) as response:
+                    async for _ in response.aiter_lines():
+                        pass
 
     def start(self) -> Load:
         self.thread.start()
