@@ -69,6 +69,11 @@ class EngineArgs:
     generation_config: str = "auto"
     override_generation_config: dict | None = None
     max_logprobs: int = 20
+    # Observability: sampled KV block residency histograms (vLLM's --kv-cache-metrics,
+    # --kv-cache-metrics-sample) and model-shape FLOPs / bytes counters (--enable-mfu-metrics).
+    kv_cache_metrics: bool = False
+    kv_cache_metrics_sample: float = 0.01
+    enable_mfu_metrics: bool = False
     structured_outputs_config: StructuredOutputsConfig = StructuredOutputsConfig()
 
     def resolve_device(self) -> str:

@@ -15,8 +15,10 @@ import torch
 
 from kvpilot.engine.config import KVCacheInfo, SchedulerConfig
 from kvpilot.engine.core.block_hash import root_hash
+from kvpilot.engine.core.constants import MODEL_DTYPE_BYTES
 from kvpilot.engine.core.kv_cache_manager import KVCacheManager
 from kvpilot.engine.core.kv_layout import KVLayout
+from kvpilot.engine.core.kv_residency import KVResidencySampler
 from kvpilot.engine.core.request import Request, RequestStatus
 from kvpilot.engine.core.scheduler import Scheduler
 from kvpilot.engine.engine_args import EngineArgs, model_fingerprint
@@ -27,8 +29,9 @@ from kvpilot.engine.model.parallel.group import RanksOutOfStep
 from kvpilot.engine.model.runner import ModelRunner
 from kvpilot.engine.output_processor import ChildState, OutputProcessor, ParentState
 from kvpilot.engine.outputs import RequestOutput
+from kvpilot.engine.perf_estimate import ModelCostModel
 from kvpilot.engine.sampling_params import SamplingParams
-from kvpilot.engine.stats import EngineStats
+from kvpilot.engine.stats import EngineStats, StepStats
 from kvpilot.engine.structured_output import StructuredOutputManager
 from kvpilot.engine.text.detokenizer import IncrementalDetokenizer
 from kvpilot.engine.text.tokenizer import Tokenizer
@@ -89,9 +92,11 @@ class LLMEngine:
                               f"{model_fingerprint(model_config.model)}|{self.cache_info.kv_cache_dtype}"
                               f"|{layout.block_size}")
         self.kv_offload = self._create_offload(offload_config, layout, hash_root)
+        self._residency = (KVResidencySampler(args.kv_cache_metrics_sample, seed=args.seed)
+                           if args.kv_cache_metrics else None)
         self.kv_cache_manager = KVCacheManager(
             num_blocks, layout.block_size, cache_config.enable_prefix_caching, hash_root,
-            record_evictions=self.kv_offload is not None)
+            record_evictions=self.kv_offload is not None, residency=self._residency)
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager, offload=self.kv_offload)
         self.runner.kv_transfer = self.kv_offload
         structured = args.structured_outputs_config
@@ -104,6 +109,18 @@ class LLMEngine:
             lambda token_id: decode([token_id], skip_special_tokens=False),
             model_config.max_model_len, self._finish)
         self._num_steps = 0
+        self._iteration_tokens: list[int] = []
+        self._cost_model = self._make_cost_model(layout) if args.enable_mfu_metrics else None
+        self._estimated = [0, 0, 0]   # flops, read bytes, write bytes (per GPU, cumulative)
+
+    def _make_cost_model(self, layout: KVLayout) -> ModelCostModel:
+        arch, tp = self.model_config.arch, self.parallel_config.tensor_parallel_size
+        return ModelCostModel(
+            num_layers=arch.num_hidden_layers, hidden_size=arch.hidden_size,
+            intermediate_size=arch.intermediate_size, num_heads=arch.num_attention_heads,
+            num_kv_heads=arch.num_key_value_heads, head_dim=arch.head_dim,
+            vocab_size=arch.vocab_size, weight_bytes=MODEL_DTYPE_BYTES[self.model_config.dtype],
+            kv_bytes_per_token=layout.bytes_per_token * tp, tensor_parallel_size=tp)
 
     # ---- start-up steps -----------------------------------------------------
     def _start_workers(self) -> WorkerGroup | None:
@@ -266,6 +283,13 @@ class LLMEngine:
                 self.runner.execute_kv_transfers(sched.kv_transfers)
             return []
         self._num_steps += 1
+        self._iteration_tokens.append(sched.num_scheduled_tokens)
+        if self._cost_model is not None:
+            cost = self._cost_model.step((s.num_new_tokens, s.num_computed_tokens + s.num_new_tokens)
+                                         for s in sched.scheduled)
+            self._estimated[0] += cost.flops
+            self._estimated[1] += cost.read_bytes
+            self._estimated[2] += cost.write_bytes
         structured = self.structured_output
         result = self._execute(sched, structured.grammar_bitmask(sched))
         advanced = self.scheduler.update_from_output(sched, result.sampled())
@@ -310,6 +334,7 @@ class LLMEngine:
 
     def get_stats(self) -> EngineStats:
         kv = self.kv_cache_manager
+        sources = self.scheduler.prompt_token_sources
         return EngineStats(
             num_running_reqs=self.scheduler.num_running,
             num_waiting_reqs=self.scheduler.num_waiting,
@@ -323,8 +348,21 @@ class LLMEngine:
             computed_prompt_tokens=self.scheduler.num_computed_prompt_tokens,
             generation_tokens=self.output_processor.generation_tokens,
             num_steps=self._num_steps,
+            prompt_tokens_local_compute=sources.local_compute,
+            prompt_tokens_local_cache_hit=sources.local_cache_hit,
+            prompt_tokens_external_kv_transfer=sources.external_kv_transfer,
+            prompt_tokens_recomputed=sources.recomputed,
+            **(dict(zip(("estimated_flops", "estimated_read_bytes", "estimated_write_bytes"),
+                        self._estimated, strict=True)) if self._cost_model is not None else {}),
             **(self.kv_offload.stats().engine_stat_fields() if self.kv_offload is not None else {}),
         )
+
+    def take_step_stats(self) -> StepStats:
+        """What the steps since the previous call did (tokens per step, sampled KV block
+        lives); the engine forgets it once taken."""
+        tokens, self._iteration_tokens = self._iteration_tokens, []
+        residency = self._residency.drain() if self._residency is not None else []
+        return StepStats(tuple(tokens), tuple(residency))
 
     def reset_prefix_cache(self) -> bool:
         """Forget the device pool's cached blocks (offload tiers keep theirs)."""

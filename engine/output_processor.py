@@ -92,7 +92,7 @@ class ParentState:
             r = self.children[0].request
             return RequestMetrics(self.arrival_time, r.first_scheduled_time, r.first_token_time,
                                   r.last_token_time, r.finished_time if self.finished else None,
-                                  r.num_output_tokens)
+                                  r.num_output_tokens, r.num_preemptions)
         reqs = [c.request for c in self.children]
         first = [r.first_token_time for r in reqs if r.first_token_time is not None]
         sched = [r.first_scheduled_time for r in reqs if r.first_scheduled_time is not None]
@@ -105,6 +105,7 @@ class ParentState:
             last_token_time=max(last) if last else None,
             finished_time=max(done) if self.finished and done else None,
             num_generation_tokens=sum(r.num_output_tokens for r in reqs),
+            num_preemptions=sum(r.num_preemptions for r in reqs),
         )
 
     def output(self) -> RequestOutput:

@@ -35,6 +35,7 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_generation_tokens: int = 0
+    num_preemptions: int = 0          # all n sequences together
 
     @property
     def queue_time(self) -> float | None:

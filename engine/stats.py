@@ -1,8 +1,11 @@
-"""A frozen snapshot of the engine's state and cumulative counters."""
+"""Frozen snapshots of the engine's state and counters (``EngineStats``) and of what its
+steps did since the previous look (``StepStats``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from kvpilot.engine.core.kv_residency import BlockResidency
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +33,31 @@ class EngineStats:
     kv_offload_cpu_capacity_bytes: int | None = None
     kv_offload_disk_used_bytes: int | None = None      # disk tier contents
     kv_offload_disk_capacity_bytes: int | None = None
+    # Where the prompt tokens of admitted sequences came from, counted at first admission
+    # (cumulative): computed, found in the device prefix cache, loaded from offload tiers.
+    prompt_tokens_local_compute: int = 0
+    prompt_tokens_local_cache_hit: int = 0
+    prompt_tokens_external_kv_transfer: int = 0
+    prompt_tokens_recomputed: int = 0   # of local_compute: cached tokens computed again
+    # Model-shape estimates per GPU (cumulative; None unless --enable-mfu-metrics).
+    estimated_flops: int | None = None
+    estimated_read_bytes: int | None = None
+    estimated_write_bytes: int | None = None
+
+    @property
+    def prompt_tokens_cached(self) -> int:
+        """Prompt tokens not computed: device prefix-cache hits plus offload-tier loads."""
+        return self.prompt_tokens_local_cache_hit + self.prompt_tokens_external_kv_transfer
+
+    @property
+    def num_waiting_for_capacity(self) -> int:
+        """Waiting requests held back by the batch or the KV cache: all of them (kvpilot
+        defers no request for anything else, e.g. a remote KV transfer)."""
+        return self.num_waiting_reqs
+
+    @property
+    def num_waiting_deferred(self) -> int:
+        return 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -42,3 +70,15 @@ class EngineStats:
             return None
         queries = self.external_prefix_cache_queries
         return (self.external_prefix_cache_hits or 0) / queries if queries else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class StepStats:
+    """What the engine's steps did since the last ``LLMEngine.take_step_stats()``.
+
+    ``iteration_tokens``: tokens computed by each model step, in order.
+    ``kv_block_residency``: sampled KV blocks evicted (``--kv-cache-metrics``).
+    """
+
+    iteration_tokens: tuple[int, ...] = ()
+    kv_block_residency: tuple[BlockResidency, ...] = ()

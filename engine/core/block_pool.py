@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 from kvpilot.engine.core.block_hash import BlockHash
+from kvpilot.engine.core.kv_residency import KVResidencySampler
 
 
 class KVCacheBlock:
@@ -88,10 +89,12 @@ class BlockPool:
         enable_caching: keep full blocks' hashes for prefix hits.
         record_evictions: keep a list of evicted cached blocks for ``drain_evicted``
             (the KV offload tiers save them); off, evictions are not recorded at all.
+        residency: follows sampled blocks' lives (``--kv-cache-metrics``); None = off.
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool = True,
-                 record_evictions: bool = False) -> None:
+                 record_evictions: bool = False,
+                 residency: KVResidencySampler | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -103,6 +106,7 @@ class BlockPool:
         # (block_id, block_hash) of cached blocks evicted since the last drain: their KV is
         # still in the block until the next forward pass overwrites it.
         self._evicted: list[tuple[int, BlockHash]] = []
+        self.residency = residency
 
     @property
     def num_free_blocks(self) -> int:
@@ -118,19 +122,25 @@ class BlockPool:
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on prefix-hit blocks, reviving free ones."""
+        residency = self.residency
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
             block.ref_cnt += 1
+            if residency is not None:
+                residency.on_hit(block.block_id)
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         if num_blocks > self.num_free_blocks:
             raise RuntimeError(f"asked for {num_blocks} blocks, {self.num_free_blocks} free")
         new = []
+        residency = self.residency
         for _ in range(num_blocks):
             block = self.free_queue.popleft()
             self._evict(block)
             block.ref_cnt = 1
+            if residency is not None:
+                residency.on_allocate(block.block_id)
             new.append(block)
         return new
 
@@ -170,6 +180,8 @@ class BlockPool:
                 raise RuntimeError(f"{block} freed more often than referenced")
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
+                if self.residency is not None:
+                    self.residency.on_release(block.block_id)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only possible when no block is in use."""

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from kvpilot.engine.core.block_hash import BlockHash, extend_block_hashes
 from kvpilot.engine.core.block_pool import BlockPool, KVCacheBlock
+from kvpilot.engine.core.kv_residency import KVResidencySampler
 from kvpilot.engine.core.request import Request
 
 
@@ -22,6 +23,9 @@ class PrefixHit:
     blocks: list[KVCacheBlock]
     num_tokens: int              # device hit plus offload hit
     num_offload_blocks: int = 0  # blocks after ``blocks`` that the offload tiers serve
+    # Tokens of the block after the hit that the device cache holds but that are computed
+    # again: a step must compute at least the last token (the whole-prompt-cached case).
+    num_recomputed_tokens: int = 0
 
     def extend_with_offload(self, num_blocks: int, block_size: int) -> None:
         """Adds ``num_blocks`` blocks the offload tiers hold right after the device hit."""
@@ -43,11 +47,12 @@ class KVCacheManager:
         enable_caching: bool,
         hash_root: BlockHash,
         record_evictions: bool = False,
+        residency: KVResidencySampler | None = None,
     ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.hash_root = hash_root
-        self.pool = BlockPool(num_blocks, enable_caching, record_evictions)
+        self.pool = BlockPool(num_blocks, enable_caching, record_evictions, residency)
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
         # The same tables as block ids, kept in step with req_blocks so that a step never
         # rebuilds a request's id list (the runner copies only the ids appended).
@@ -94,7 +99,11 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
-        return PrefixHit(blocks, len(blocks) * self.block_size)
+        recomputed = 0
+        if len(blocks) == max_blocks < len(request.block_hashes) and \
+                self.pool.get_cached_block(request.block_hashes[max_blocks]) is not None:
+            recomputed = self.block_size
+        return PrefixHit(blocks, len(blocks) * self.block_size, num_recomputed_tokens=recomputed)
 
     def record_admission(self, request: Request, hit: PrefixHit) -> None:
         self.stats.queries += request.num_tokens

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvpilot.engine.config import SchedulerConfig
-from kvpilot.engine.core.kv_cache_manager import KVCacheManager
+from kvpilot.engine.core.kv_cache_manager import KVCacheManager, PrefixHit
 from kvpilot.engine.core.kv_transfer import Admission, FinishedBlocks, KVTransfers, OffloadLookup
 from kvpilot.engine.core.request import Request, RequestStatus
 from kvpilot.engine.core.request_queue import make_request_queue
@@ -57,6 +57,17 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+@dataclass(slots=True)
+class PromptTokenSources:
+    """Prompt tokens of admitted sequences by where their KV came from (cumulative), counted
+    at first admission (a recompute after preemption is not counted again)."""
+
+    local_compute: int = 0          # run through the model
+    local_cache_hit: int = 0        # device prefix cache
+    external_kv_transfer: int = 0   # loaded from the KV offload tiers
+    recomputed: int = 0             # cached on the device but computed again (part of local_compute)
+
+
 class Scheduler:
     """Args:
         config: limits and policy.
@@ -77,6 +88,7 @@ class Scheduler:
         self.num_preemptions = 0
         # Prompt tokens run through the model (prefix hits excluded, recomputes included).
         self.num_computed_prompt_tokens = 0
+        self.prompt_token_sources = PromptTokenSources()
 
     # ---- queue management -------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -208,12 +220,22 @@ class Scheduler:
             request.num_computed_tokens = hit.num_tokens
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = hit.num_tokens
+                self._count_prompt_sources(request, hit)
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.time()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
+
+    def _count_prompt_sources(self, request: Request, hit: PrefixHit) -> None:
+        sources = self.prompt_token_sources
+        external = hit.num_offload_blocks * self.kv.block_size
+        sources.external_kv_transfer += external
+        sources.local_cache_hit += hit.num_tokens - external
+        sources.local_compute += max(0, request.num_prompt_tokens - hit.num_tokens)
+        if hit.num_offload_blocks == 0:   # offload tiers serving the block means no recompute
+            sources.recomputed += hit.num_recomputed_tokens
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         return ScheduledRequest(request, request.num_computed_tokens, num_new,

@@ -38,7 +38,8 @@ def build_async_engine(build_engine: Callable, config: ServerConfig,
     def on_ready(engine):
         model_name = config.reported_model_name(engine.model_config.served_model_name)
         metrics = ServerMetrics(registry, model_name, engine.cache_info,
-                                engine.model_config.max_model_len, lambda: async_engine.stats)
+                                engine.model_config.max_model_len, lambda: async_engine.stats,
+                                kv_cache_metrics=engine.args.kv_cache_metrics)
         return metrics.record
 
     async_engine = AsyncEngine(build_engine, max_waiting_requests=config.max_waiting_requests,

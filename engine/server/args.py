@@ -131,6 +131,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                        help="reuse KV blocks of identical prompt prefixes across requests")
     cache.add_argument("--prefix-caching-hash-seed", default=None, metavar="SEED",
                        help="seed of the prefix-cache hash chain (default: the engine's)")
+    cache.add_argument("--kv-cache-metrics", action="store_true",
+                       help="export sampled KV block residency histograms (vllm:kv_block_lifetime_"
+                            "seconds, ..._idle_before_evict_seconds, ..._reuse_gap_seconds)")
+    cache.add_argument("--kv-cache-metrics-sample", type=fraction, default=0.01, metavar="FRACTION",
+                       help="share of allocated KV blocks --kv-cache-metrics follows (default 0.01)")
+    cache.add_argument("--enable-mfu-metrics", action="store_true",
+                       help="export model-shape estimates of FLOPs and bytes read / written per GPU "
+                            "(vllm:estimated_flops_per_gpu_total, ...)")
 
     offload = parser.add_argument_group("KV offloading (only where this build supports it)")
     offload.add_argument("--kv-offloading-size", type=non_negative_float, default=None,
@@ -271,6 +279,9 @@ def engine_args_from_namespace(ns: argparse.Namespace):
         "max_logprobs": ns.max_logprobs,
         "structured_outputs_config": structured,
         "enforce_eager": ns.enforce_eager,
+        "kv_cache_metrics": ns.kv_cache_metrics,
+        "kv_cache_metrics_sample": ns.kv_cache_metrics_sample,
+        "enable_mfu_metrics": ns.enable_mfu_metrics,
     }
     for name in ("kv_offloading_size", "kv_offloading_backend", "kv_offloading_disk_path",
                  "kv_offloading_disk_size"):

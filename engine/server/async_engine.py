@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from kvpilot.engine.llm_engine import LLMEngine
     from kvpilot.engine.outputs import RequestOutput
     from kvpilot.engine.sampling_params import SamplingParams
-    from kvpilot.engine.stats import EngineStats
+    from kvpilot.engine.stats import EngineStats, StepStats
 
 logger = logging.getLogger(__name__)
 
@@ -356,7 +356,7 @@ class AsyncEngine:
                     if self._dead:
                         self._publish_stats(engine, num_adds)
                         return
-            self._deliver(outputs)
+            self._deliver(outputs, engine.take_step_stats())
             self._publish_stats(engine, num_adds)
 
     def _apply(self, engine: LLMEngine, commands: list[_Add | _Abort]) -> int:
@@ -382,15 +382,17 @@ class AsyncEngine:
                 cmd.live.deliver(RequestFailed(f"{type(exc).__name__}: {exc}"))
                 continue
             self._live[cmd.request_id] = cmd.live
-            self._tracker.add(cmd.request_id, cmd.params.n, cmd.arrival_time)
+            self._tracker.add(cmd.request_id, cmd.params.n, cmd.arrival_time, cmd.params.max_tokens)
         if aborts:
             engine.abort_request(aborts)
         return num_adds
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
+    def _deliver(self, outputs: list[RequestOutput], step: StepStats) -> None:
         now = time.time()
         # Digest before delivering: a delivered output belongs to its consumer.
-        iteration = self._tracker.on_outputs(outputs, now)
+        iteration = dataclasses.replace(self._tracker.on_outputs(outputs, now),
+                                        iteration_tokens=step.iteration_tokens,
+                                        kv_block_residency=step.kv_block_residency)
         for out in outputs:
             live = self._live.get(out.request_id)
             if live is None:

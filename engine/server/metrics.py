@@ -5,21 +5,18 @@ Dashboards, KEDA triggers, AIBrix and the Gateway API inference extension read
 vLLM's names, so kvpilot exports the same ones. Two sources feed them:
 
 - engine state and cumulative counters (KV usage, queue lengths, prefix-cache and
-  token counters, KV offloading) are read from the latest ``EngineStats`` snapshot at
-  scrape time by a custom collector, driven by the ``ENGINE_STAT_METRICS`` table; a row
-  whose field the snapshot lacks (or holds None, as offload fields do when offloading
-  is off) is skipped;
-- per-request histograms and the success counter are recorded from the
-  ``IterationStats`` the engine thread reports.
+  token counters, KV offloading, MFU estimates) are read from the latest
+  ``EngineStats`` snapshot at scrape time (``metrics_engine_stats``);
+- per-request and per-step histograms and the success counter are recorded from the
+  ``IterationStats`` the engine thread reports (tokens per step, request phases and
+  parameters, sampled KV block residency).
 
 All objects live in the ``CollectorRegistry`` passed in and carry ``model_name``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Literal
+from collections.abc import Callable
 
 from prometheus_client import (
     CollectorRegistry,
@@ -30,9 +27,9 @@ from prometheus_client import (
     PlatformCollector,
     ProcessCollector,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvpilot.engine.server.latency_tracker import ABORT, ERROR, IterationStats
+from kvpilot.engine.server.metrics_engine_stats import EngineStatsCollector
 
 FINISHED_REASONS = ("stop", "length", ABORT, ERROR)
 
@@ -42,6 +39,11 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
                            40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
+PREEMPTIONS_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
+KV_RESIDENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20,
+                        30, 60, 120, 300, 600, 1200, 1800)
 
 
 def token_buckets(max_value: int) -> tuple[float, ...]:
@@ -57,119 +59,6 @@ def token_buckets(max_value: int) -> tuple[float, ...]:
                 return tuple(buckets)
             buckets.append(float(value))
         power *= 10
-
-
-@dataclass(frozen=True, slots=True)
-class StatMetric:
-    """One metric read from an ``EngineStats`` field at scrape time.
-
-    ``name`` is the exposed name; counters are declared without ``_total`` (the
-    client library appends it). Rows sharing a name form one metric whose samples
-    differ in the fixed ``labels`` (e.g. ``transfer_type``); such rows must agree on
-    kind, documentation and label names.
-    """
-
-    name: str
-    kind: Literal["gauge", "counter"]
-    field: str
-    documentation: str
-    labels: tuple[tuple[str, str], ...] = ()
-
-
-_OFFLOAD_BYTES_DOC = ("Bytes of KV blocks moved by KV offloading, by transfer_type: GPU_to_CPU "
-                      "(device cache to host memory), CPU_to_GPU (back into the device cache), "
-                      "CPU_to_disk (written to the disk tier), disk_to_CPU (read from it).")
-
-# KV offloading (--kv-offloading-size ...): exported only when the engine reports them.
-OFFLOAD_STAT_METRICS: tuple[StatMetric, ...] = (
-    StatMetric("vllm:external_prefix_cache_queries", "counter", "external_prefix_cache_queries",
-               "Prompt tokens of admitted requests looked up in the KV offload tiers."),
-    StatMetric("vllm:external_prefix_cache_hits", "counter", "external_prefix_cache_hits",
-               "Prompt tokens loaded from the KV offload tiers instead of being computed."),
-    *(StatMetric("vllm:kv_offload_total_bytes", "counter", field, _OFFLOAD_BYTES_DOC,
-                 (("transfer_type", transfer),))
-      for transfer, field in (("GPU_to_CPU", "kv_offload_gpu_to_cpu_bytes"),
-                              ("CPU_to_GPU", "kv_offload_cpu_to_gpu_bytes"),
-                              ("CPU_to_disk", "kv_offload_cpu_to_disk_bytes"),
-                              ("disk_to_CPU", "kv_offload_disk_to_cpu_bytes"))),
-    StatMetric("kvpilot:kv_offload_cpu_usage_bytes", "gauge", "kv_offload_cpu_used_bytes",
-               "Bytes of KV blocks held in the CPU (host memory) offload tier."),
-    StatMetric("kvpilot:kv_offload_cpu_capacity_bytes", "gauge", "kv_offload_cpu_capacity_bytes",
-               "Capacity of the CPU offload tier in bytes (--kv-offloading-size)."),
-    StatMetric("kvpilot:kv_offload_disk_usage_bytes", "gauge", "kv_offload_disk_used_bytes",
-               "Bytes of KV block files in the disk offload tier."),
-    StatMetric("kvpilot:kv_offload_disk_capacity_bytes", "gauge", "kv_offload_disk_capacity_bytes",
-               "Capacity of the disk offload tier in bytes (--kv-offloading-disk-size)."),
-)
-
-ENGINE_STAT_METRICS: tuple[StatMetric, ...] = (
-    StatMetric("vllm:kv_cache_usage_perc", "gauge", "kv_cache_usage",
-               "KV cache usage as a fraction of all blocks (0 to 1; 1 = full). Blocks kept only "
-               "for prefix-cache reuse count as free."),
-    StatMetric("vllm:num_requests_running", "gauge", "num_running_reqs",
-               "Sequences in the running batch."),
-    StatMetric("vllm:num_requests_waiting", "gauge", "num_waiting_reqs",
-               "Requests waiting for a batch slot, including submissions the engine has not yet "
-               "admitted."),
-    StatMetric("vllm:prefix_cache_queries", "counter", "prefix_cache_queries",
-               "Prompt tokens looked up in the prefix cache."),
-    StatMetric("vllm:prefix_cache_hits", "counter", "prefix_cache_hits",
-               "Prompt tokens found in the prefix cache (hits / queries = hit rate)."),
-    StatMetric("vllm:num_preemptions", "counter", "num_preemptions",
-               "Sequences preempted (KV blocks freed, recomputed later) for lack of KV blocks."),
-    StatMetric("vllm:prompt_tokens", "counter", "prompt_tokens",
-               "Prompt tokens of requests that started generating (prefix-cache hits included)."),
-    StatMetric("vllm:generation_tokens", "counter", "generation_tokens",
-               "Tokens generated."),
-    *OFFLOAD_STAT_METRICS,
-)
-
-
-class EngineStatsCollector:
-    """Reads the newest ``EngineStats`` snapshot whenever Prometheus scrapes.
-
-    Args:
-        source: returns the snapshot, or None while the engine is loading (then
-            nothing is exported).
-        model_name: the ``model_name`` label value.
-        metrics: the table of exported fields.
-    """
-
-    def __init__(self, source: Callable[[], object | None], model_name: str,
-                 metrics: tuple[StatMetric, ...] = ENGINE_STAT_METRICS) -> None:
-        self._source = source
-        self._model_name = model_name
-        # Rows grouped by metric name once, not at every scrape.
-        groups: dict[str, list[StatMetric]] = {}
-        for metric in metrics:
-            groups.setdefault(metric.name, []).append(metric)
-        self._groups = tuple(tuple(rows) for rows in groups.values())
-
-    def describe(self) -> list[Metric]:
-        # Non-empty describe() lets the registry catch name clashes at registration.
-        return [self._family(rows[0]) for rows in self._groups]
-
-    def collect(self) -> Iterator[Metric]:
-        stats = self._source()
-        if stats is None:
-            return
-        for rows in self._groups:
-            family = None
-            for metric in rows:
-                value = getattr(stats, metric.field, None)
-                if value is None:
-                    continue
-                if family is None:
-                    family = self._family(metric)
-                family.add_metric([self._model_name, *(v for _, v in metric.labels)], float(value))
-            if family is not None:
-                yield family
-
-    @staticmethod
-    def _family(metric: StatMetric) -> Metric:
-        cls = GaugeMetricFamily if metric.kind == "gauge" else CounterMetricFamily
-        return cls(metric.name, metric.documentation,
-                   labels=["model_name", *(k for k, _ in metric.labels)])
 
 
 def make_registry() -> CollectorRegistry:
@@ -205,10 +94,13 @@ class ServerMetrics:
         cache_info: the engine's ``KVCacheInfo`` (exported as ``vllm:cache_config_info``).
         max_model_len: upper end of the token-count histogram buckets.
         stats_source: returns the newest ``EngineStats`` snapshot (or None).
+        kv_cache_metrics: export the sampled KV block residency histograms
+            (``--kv-cache-metrics``).
     """
 
     def __init__(self, registry: CollectorRegistry, model_name: str, cache_info,
-                 max_model_len: int, stats_source: Callable[[], object | None]) -> None:
+                 max_model_len: int, stats_source: Callable[[], object | None],
+                 kv_cache_metrics: bool = False) -> None:
         labels = ["model_name"]
         self.model_name = model_name
         registry.register(EngineStatsCollector(stats_source, model_name))
@@ -238,7 +130,7 @@ class ServerMetrics:
             return Histogram(name, documentation, labelnames=labels, buckets=buckets,
                              registry=registry).labels(model_name)
 
-        token_counts = token_buckets(max_model_len)
+        tokens = token_buckets(max_model_len)
         self._ttft = histogram(
             "vllm:time_to_first_token_seconds",
             "Seconds from a request's arrival to its first generated token.", TTFT_BUCKETS)
@@ -246,35 +138,88 @@ class ServerMetrics:
             "vllm:inter_token_latency_seconds",
             "Seconds between consecutive engine steps that gave a request new tokens.",
             ITL_BUCKETS)
-        self._e2e = histogram(
-            "vllm:e2e_request_latency_seconds",
-            "Seconds from a request's arrival to its last token (finished requests).",
-            REQUEST_LATENCY_BUCKETS)
-        self._queue = histogram(
-            "vllm:request_queue_time_seconds",
-            "Seconds a finished request waited before it was first scheduled.",
-            REQUEST_LATENCY_BUCKETS)
-        self._prompt_tokens = histogram(
-            "vllm:request_prompt_tokens", "Prompt length of finished requests, in tokens.",
-            token_counts)
-        self._generation_tokens = histogram(
-            "vllm:request_generation_tokens",
-            "Tokens generated by finished requests (all n choices together).", token_counts)
+        self._iteration_tokens = histogram(
+            "vllm:iteration_tokens_total",
+            "Tokens computed by one engine step (prefill chunks and decodes of the batch).",
+            ITERATION_TOKENS_BUCKETS)
+        # Finished requests: (metric, FinishedRequestStats field), observed when not None.
+        self._finished: list[tuple[object, str]] = []
+
+        def finished(name: str, documentation: str, buckets, field: str) -> None:
+            self._finished.append((histogram(name, documentation, buckets), field))
+
+        finished("vllm:e2e_request_latency_seconds",
+                 "Seconds from a request's arrival to its last token (finished requests).",
+                 REQUEST_LATENCY_BUCKETS, "e2e_latency")
+        finished("vllm:request_queue_time_seconds",
+                 "Seconds a finished request waited before it was first scheduled.",
+                 REQUEST_LATENCY_BUCKETS, "queue_time")
+        finished("vllm:request_prefill_time_seconds",
+                 "Seconds from a finished request's first scheduling to its first token.",
+                 REQUEST_LATENCY_BUCKETS, "prefill_time")
+        finished("vllm:request_decode_time_seconds",
+                 "Seconds from a finished request's first token to its last.",
+                 REQUEST_LATENCY_BUCKETS, "decode_time")
+        finished("vllm:request_inference_time_seconds",
+                 "Seconds from a finished request's first scheduling to its last token "
+                 "(prefill + decode).", REQUEST_LATENCY_BUCKETS, "inference_time")
+        finished("vllm:request_time_per_output_token_seconds",
+                 "A finished request's mean seconds per output token after the first (decode "
+                 "time / (tokens - 1) of its longest sequence).", ITL_BUCKETS,
+                 "time_per_output_token")
+        finished("vllm:request_prompt_tokens", "Prompt length of finished requests, in tokens.",
+                 tokens, "num_prompt_tokens")
+        finished("vllm:request_generation_tokens",
+                 "Tokens generated by finished requests (all n choices together).", tokens,
+                 "num_generation_tokens")
+        finished("vllm:request_max_num_generation_tokens",
+                 "Most tokens one of a finished request's n sequences generated.", tokens,
+                 "max_num_generation_tokens")
+        finished("vllm:request_params_n", "The n parameter of finished requests.",
+                 PARAMS_N_BUCKETS, "n")
+        finished("vllm:request_params_max_tokens",
+                 "The max_tokens parameter of finished requests that set it.", tokens, "max_tokens")
+        finished("vllm:request_prefill_kv_computed_tokens",
+                 "Prompt tokens of a finished request whose KV was computed (not found in the "
+                 "prefix cache or the offload tiers at first admission).", tokens,
+                 "prefill_kv_computed_tokens")
+        finished("vllm:request_num_preemptions",
+                 "Times a finished request's sequences were preempted (all n together).",
+                 PREEMPTIONS_BUCKETS, "num_preemptions")
+
+        self._residency = None
+        if kv_cache_metrics:
+            self._residency = tuple(histogram(name, documentation, KV_RESIDENCY_BUCKETS) for name, documentation in (
+                ("vllm:kv_block_lifetime_seconds",
+                 "Seconds a sampled KV block lived, from allocation to eviction "
+                 "(--kv-cache-metrics-sample)."),
+                ("vllm:kv_block_idle_before_evict_seconds",
+                 "Seconds a sampled KV block sat unused (no request holding it) before its "
+                 "eviction (--kv-cache-metrics-sample)."),
+                ("vllm:kv_block_reuse_gap_seconds",
+                 "Seconds between consecutive uses (allocation, prefix hit) of a sampled KV "
+                 "block; its latest 8 gaps (--kv-cache-metrics-sample)."),
+            ))
 
     def record(self, iteration: IterationStats) -> None:
-        """Records one engine iteration's request events (called on the engine thread)."""
+        """Records one engine iteration's events (called on the engine thread)."""
         for ttft in iteration.time_to_first_tokens:
             self._ttft.observe(ttft)
         for itl in iteration.inter_token_latencies:
             self._itl.observe(itl)
+        for num_tokens in iteration.iteration_tokens:
+            self._iteration_tokens.observe(num_tokens)
         for finished in iteration.finished:
             for reason in finished.finish_reasons:
                 self._success.labels(self.model_name, reason).inc()
-            if finished.e2e_latency is not None:
-                self._e2e.observe(finished.e2e_latency)
-            if finished.queue_time is not None:
-                self._queue.observe(finished.queue_time)
-            if finished.num_prompt_tokens is not None:
-                self._prompt_tokens.observe(finished.num_prompt_tokens)
-            if finished.num_generation_tokens is not None:
-                self._generation_tokens.observe(finished.num_generation_tokens)
+            for metric, field in self._finished:
+                value = getattr(finished, field)
+                if value is not None:
+                    metric.observe(value)
+        if self._residency is not None:
+            lifetime, idle, reuse = self._residency
+            for block in iteration.kv_block_residency:
+                lifetime.observe(block.lifetime_seconds)
+                idle.observe(block.idle_seconds)
+                for gap in block.reuse_gaps_seconds:
+                    reuse.observe(gap)

@@ -1,4 +1,5 @@
-"""Fast tests without a server: flags, the stats line, metric buckets, README coverage."""
+"""Fast tests without a server: flags, the stats line, metric buckets (README coverage of
+the metrics: ``test_metric_names.py``)."""
 
 from __future__ import annotations
 
@@ -9,15 +10,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from prometheus_client import CollectorRegistry
 
 from kvpilot.engine.cli.main import main
-from kvpilot.engine.config import KVCacheInfo
 from kvpilot.engine.engine_args import EngineArgs
 from kvpilot.engine.server.args import engine_args_from_namespace, make_serve_parser, parse_size
 from kvpilot.engine.server.config import server_config_from_namespace
-from kvpilot.engine.server.latency_tracker import FinishedRequestStats, IterationStats
-from kvpilot.engine.server.metrics import ServerMetrics, token_buckets
+from kvpilot.engine.server.metrics import token_buckets
 from kvpilot.engine.server.stats_logger import StatsLogger
 from kvpilot.engine.stats import EngineStats
 
@@ -152,28 +150,3 @@ def test_token_buckets_follow_1_2_5_up_to_the_limit():
     assert token_buckets(1) == (1,)
     with pytest.raises(ValueError):
         token_buckets(0)
-
-
-def _metrics_in_registry() -> dict[str, str]:
-    """Exposed name -> type of every vllm: metric, from a real ServerMetrics."""
-    registry = CollectorRegistry()
-    info = KVCacheInfo(num_gpu_blocks=64, block_size=16, kv_cache_dtype="float32",
-                       bytes_per_block=1024, kv_cache_memory_bytes=65536,
-                       enable_prefix_caching=True, gpu_memory_utilization=0.9)
-    metrics = ServerMetrics(registry, "m", info, 2048, lambda: _stats(kv_cache_usage=0.5))
-    metrics.record(IterationStats((0.1,), (0.01,), (FinishedRequestStats(("stop",), 1.0, 0.1, 5, 3),)))
-    exposed = {}
-    for family in registry.collect():
-        suffix = "_total" if family.type == "counter" else ""
-        exposed[family.name + suffix] = family.type
-    return {name: kind for name, kind in exposed.items() if name.startswith("vllm:")}
-
-
-def test_readme_documents_every_metric():
-    text = README.read_text()
-    assert "## Metrics" in text, "README lacks its Metrics section"
-    section = text.split("## Metrics", 1)[1]
-    documented = {}
-    for row in re.finditer(r"^\|\s*`(vllm:[a-z0-9_:]+)`\s*\|\s*(\w+)\s*\|", section, re.MULTILINE):
-        documented[row.group(1)] = row.group(2)
-    assert documented == _metrics_in_registry()

@@ -154,6 +154,10 @@ HONOURED_CASES = {
                                lambda ns, ea, sc: not sc.enable_log_requests),
     "--max-log-len": (["--max-log-len", "40"], lambda ns, ea, sc: sc.max_log_len == 40),
     "--disable-log-stats": (["--disable-log-stats"], lambda ns, ea, sc: sc.log_stats_interval == 0),
+    "--kv-cache-metrics": (["--kv-cache-metrics"], lambda ns, ea, sc: ea.kv_cache_metrics),
+    "--kv-cache-metrics-sample": (["--kv-cache-metrics-sample", "0.5"],
+                                  lambda ns, ea, sc: ea.kv_cache_metrics_sample == 0.5),
+    "--enable-mfu-metrics": (["--enable-mfu-metrics"], lambda ns, ea, sc: ea.enable_mfu_metrics),
 }
 
 

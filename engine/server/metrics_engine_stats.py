@@ -1,0 +1,164 @@
+"""Metrics read from the engine's ``EngineStats`` snapshot at scrape time: one table.
+
+Each ``StatMetric`` row names an exposed metric and the snapshot field (or property) it
+reads. A row whose field the snapshot lacks, or holds as None (offload fields when
+offloading is off, the MFU estimates without ``--enable-mfu-metrics``), is skipped, so
+a metric exists exactly when the engine has the figure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Literal
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+
+@dataclass(frozen=True, slots=True)
+class StatMetric:
+    """One metric read from an ``EngineStats`` field at scrape time.
+
+    ``name`` is the exposed name; counters are declared without ``_total`` (the
+    client library appends it). Rows sharing a name form one metric whose samples
+    differ in the fixed ``labels`` (e.g. ``transfer_type``); such rows must agree on
+    kind, documentation and label names.
+    """
+
+    name: str
+    kind: Literal["gauge", "counter"]
+    field: str
+    documentation: str
+    labels: tuple[tuple[str, str], ...] = ()
+
+
+_OFFLOAD_BYTES_DOC = ("Bytes of KV blocks moved by KV offloading, by transfer_type: GPU_to_CPU "
+                      "(device cache to host memory), CPU_to_GPU (back into the device cache), "
+                      "CPU_to_disk (written to the disk tier), disk_to_CPU (read from it).")
+
+# KV offloading (--kv-offloading-size ...): exported only when the engine reports them.
+OFFLOAD_STAT_METRICS: tuple[StatMetric, ...] = (
+    StatMetric("vllm:external_prefix_cache_queries", "counter", "external_prefix_cache_queries",
+               "Prompt tokens of admitted requests looked up in the KV offload tiers."),
+    StatMetric("vllm:external_prefix_cache_hits", "counter", "external_prefix_cache_hits",
+               "Prompt tokens loaded from the KV offload tiers instead of being computed."),
+    *(StatMetric("vllm:kv_offload_total_bytes", "counter", field, _OFFLOAD_BYTES_DOC,
+                 (("transfer_type", transfer),))
+      for transfer, field in (("GPU_to_CPU", "kv_offload_gpu_to_cpu_bytes"),
+                              ("CPU_to_GPU", "kv_offload_cpu_to_gpu_bytes"),
+                              ("CPU_to_disk", "kv_offload_cpu_to_disk_bytes"),
+                              ("disk_to_CPU", "kv_offload_disk_to_cpu_bytes"))),
+    StatMetric("kvpilot:kv_offload_cpu_usage_bytes", "gauge", "kv_offload_cpu_used_bytes",
+               "Bytes of KV blocks held in the CPU (host memory) offload tier."),
+    StatMetric("kvpilot:kv_offload_cpu_capacity_bytes", "gauge", "kv_offload_cpu_capacity_bytes",
+               "Capacity of the CPU offload tier in bytes (--kv-offloading-size)."),
+    StatMetric("kvpilot:kv_offload_disk_usage_bytes", "gauge", "kv_offload_disk_used_bytes",
+               "Bytes of KV block files in the disk offload tier."),
+    StatMetric("kvpilot:kv_offload_disk_capacity_bytes", "gauge", "kv_offload_disk_capacity_bytes",
+               "Capacity of the disk offload tier in bytes (--kv-offloading-disk-size)."),
+)
+
+ENGINE_STAT_METRICS: tuple[StatMetric, ...] = (
+    StatMetric("vllm:kv_cache_usage_perc", "gauge", "kv_cache_usage",
+               "KV cache usage as a fraction of all blocks (0 to 1; 1 = full). Blocks kept only "
+               "for prefix-cache reuse count as free."),
+    StatMetric("vllm:num_requests_running", "gauge", "num_running_reqs",
+               "Sequences in the running batch."),
+    StatMetric("vllm:num_requests_waiting", "gauge", "num_waiting_reqs",
+               "Requests waiting for a batch slot, including submissions the engine has not yet "
+               "admitted."),
+    StatMetric("vllm:prefix_cache_queries", "counter", "prefix_cache_queries",
+               "Prompt tokens looked up in the prefix cache."),
+    StatMetric("vllm:prefix_cache_hits", "counter", "prefix_cache_hits",
+               "Prompt tokens found in the prefix cache (hits / queries = hit rate)."),
+    StatMetric("vllm:num_preemptions", "counter", "num_preemptions",
+               "Sequences preempted (KV blocks freed, recomputed later) for lack of KV blocks."),
+    StatMetric("vllm:prompt_tokens", "counter", "prompt_tokens",
+               "Prompt tokens of requests that started generating (prefix-cache hits included)."),
+    StatMetric("vllm:generation_tokens", "counter", "generation_tokens",
+               "Tokens generated."),
+    *(StatMetric("vllm:num_requests_waiting_by_reason", "gauge", field,
+                 "Waiting requests by why they wait: capacity (no batch slot or KV blocks yet; "
+                 "every waiting request in kvpilot) or deferred (waiting for something else, "
+                 "e.g. a remote KV transfer; never in kvpilot).", (("reason", reason),))
+      for reason, field in (("capacity", "num_waiting_for_capacity"),
+                            ("deferred", "num_waiting_deferred"))),
+    *(StatMetric("vllm:prompt_tokens_by_source", "counter", field,
+                 "Prompt tokens of admitted sequences by source, counted at first admission: "
+                 "local_compute (run through the model), local_cache_hit (device prefix cache), "
+                 "external_kv_transfer (loaded from the KV offload tiers).", (("source", source),))
+      for source, field in (("local_compute", "prompt_tokens_local_compute"),
+                            ("local_cache_hit", "prompt_tokens_local_cache_hit"),
+                            ("external_kv_transfer", "prompt_tokens_external_kv_transfer"))),
+    StatMetric("vllm:prompt_tokens_cached", "counter", "prompt_tokens_cached",
+               "Prompt tokens of admitted sequences not computed: device prefix-cache hits plus "
+               "offload-tier loads."),
+    StatMetric("vllm:prompt_tokens_recomputed", "counter", "prompt_tokens_recomputed",
+               "Prompt tokens the device prefix cache held but that were computed again, counted "
+               "at first admission: a step computes at least a prompt's last token, so a fully "
+               "cached prompt recomputes its last block."),
+    StatMetric("vllm:estimated_flops_per_gpu", "counter", "estimated_flops",
+               "Floating-point operations the engine's steps needed per GPU, estimated from the "
+               "model's shape (--enable-mfu-metrics); rate() / peak FLOP/s = MFU."),
+    StatMetric("vllm:estimated_read_bytes_per_gpu", "counter", "estimated_read_bytes",
+               "Bytes the engine's steps read per GPU (weights once per step, the KV context), "
+               "estimated from the model's shape (--enable-mfu-metrics)."),
+    StatMetric("vllm:estimated_write_bytes_per_gpu", "counter", "estimated_write_bytes",
+               "Bytes the engine's steps wrote per GPU (the new tokens' KV), estimated from the "
+               "model's shape (--enable-mfu-metrics)."),
+    StatMetric("kvpilot:kv_cache_free_blocks", "gauge", "num_free_blocks",
+               "KV cache blocks no running request holds (cached-only blocks included)."),
+    StatMetric("kvpilot:engine_steps", "counter", "num_steps", "Model steps the engine ran."),
+    StatMetric("kvpilot:prompt_tokens_computed", "counter", "computed_prompt_tokens",
+               "Prompt tokens run through the model: prefix-cache hits excluded, recomputes "
+               "after preemption included (rate() against vllm:prompt_tokens_by_source shows "
+               "the recompute cost of preemption)."),
+    *OFFLOAD_STAT_METRICS,
+)
+
+
+class EngineStatsCollector:
+    """Reads the newest ``EngineStats`` snapshot whenever Prometheus scrapes.
+
+    Args:
+        source: returns the snapshot, or None while the engine is loading (then
+            nothing is exported).
+        model_name: the ``model_name`` label value.
+        metrics: the table of exported fields.
+    """
+
+    def __init__(self, source: Callable[[], object | None], model_name: str,
+                 metrics: tuple[StatMetric, ...] = ENGINE_STAT_METRICS) -> None:
+        self._source = source
+        self._model_name = model_name
+        # Rows grouped by metric name once, not at every scrape.
+        groups: dict[str, list[StatMetric]] = {}
+        for metric in metrics:
+            groups.setdefault(metric.name, []).append(metric)
+        self._groups = tuple(tuple(rows) for rows in groups.values())
+
+    def describe(self) -> list[Metric]:
+        # Non-empty describe() lets the registry catch name clashes at registration.
+        return [self._family(rows[0]) for rows in self._groups]
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._source()
+        if stats is None:
+            return
+        for rows in self._groups:
+            family = None
+            for metric in rows:
+                value = getattr(stats, metric.field, None)
+                if value is None:
+                    continue
+                if family is None:
+                    family = self._family(metric)
+                family.add_metric([self._model_name, *(v for _, v in metric.labels)], float(value))
+            if family is not None:
+                yield family
+
+    @staticmethod
+    def _family(metric: StatMetric) -> Metric:
+        cls = GaugeMetricFamily if metric.kind == "gauge" else CounterMetricFamily
+        return cls(metric.name, metric.documentation,
+                   labels=["model_name", *(k for k, _ in metric.labels)])

@@ -1,0 +1,108 @@
+"""The server's metrics against the README's table and against vLLM's names, types, labels
+and buckets (``vllm_metric_names.py``). The acceptance test with a real Prometheus
+(``tests/observability/test_dashboards_live.py``) checks the table against live servers too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry
+from vllm_metric_names import NOT_APPLICABLE, NOT_EXPORTED, TOKENS, VLLM_METRICS
+
+from kvpilot.engine.config import KVCacheInfo
+from kvpilot.engine.core.kv_residency import BlockResidency
+from kvpilot.engine.server.latency_tracker import FinishedRequestStats, IterationStats
+from kvpilot.engine.server.metrics import ServerMetrics, token_buckets
+from kvpilot.engine.stats import EngineStats
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+MAX_MODEL_LEN = 2048
+
+
+def readme_metrics() -> dict[str, str]:
+    """Exposed name -> type of every row of the README's Metrics table."""
+    text = README.read_text()
+    assert "## Metrics" in text, "README lacks its Metrics section"
+    section = text.split("## Metrics", 1)[1].split("\n## ", 1)[0]
+    documented = {}
+    for row in re.finditer(r"^\|\s*(`(?:vllm|kvpilot):[^|]+)\|\s*(\w+)\s*\|", section, re.MULTILINE):
+        for name in re.findall(r"`((?:vllm|kvpilot):[a-z0-9_:]+)`", row.group(1)):
+            documented[name] = row.group(2)
+    return documented
+
+
+@dataclasses.dataclass(frozen=True)
+class Exposed:
+    kind: str
+    labels: frozenset[str]
+    buckets: tuple[float, ...] | None
+
+
+def _full_stats() -> EngineStats:
+    """A real snapshot with every optional figure present (offload on, MFU on)."""
+    values = {f.name: 1 for f in dataclasses.fields(EngineStats)}
+    values.update(kv_cache_usage=0.5, num_gpu_blocks=64, num_free_blocks=32)
+    return EngineStats(**values)
+
+
+def registry_metrics() -> dict[str, Exposed]:
+    """Exposed name -> type, labels, buckets of everything a real ServerMetrics exports
+    with every optional figure on (after one recorded iteration)."""
+    registry = CollectorRegistry()
+    info = KVCacheInfo(num_gpu_blocks=64, block_size=16, kv_cache_dtype="float32",
+                       bytes_per_block=1024, kv_cache_memory_bytes=65536,
+                       enable_prefix_caching=True, gpu_memory_utilization=0.9,
+                       profiled_available_bytes=1 << 20)
+    metrics = ServerMetrics(registry, "m", info, MAX_MODEL_LEN, _full_stats, kv_cache_metrics=True)
+    finished = FinishedRequestStats(("stop",), 1.0, 0.1, 5, 3, prefill_time=0.2, decode_time=0.7,
+                                    inference_time=0.9, time_per_output_token=0.35, n=1,
+                                    max_tokens=3, max_num_generation_tokens=3, num_preemptions=1,
+                                    prefill_kv_computed_tokens=5)
+    metrics.record(IterationStats((0.1,), (0.01,), (finished,), iteration_tokens=(8,),
+                                  kv_block_residency=(BlockResidency(2.0, 1.0, (0.5,)),)))
+    exposed = {}
+    for family in registry.collect():
+        if not family.name.startswith(("vllm:", "kvpilot:")):
+            continue
+        name = family.name + ("_total" if family.type == "counter" else "")
+        labels = {k for s in family.samples for k in s.labels if k != "le"}
+        buckets = None
+        if family.type == "histogram":
+            buckets = tuple(float(s.labels["le"]) for s in family.samples
+                            if s.name.endswith("_bucket") and s.labels["le"] != "+Inf")
+        exposed[name] = Exposed(family.type, frozenset(labels), buckets)
+    return exposed
+
+
+def test_readme_table_is_exactly_what_the_server_exports():
+    exposed = {name: e.kind for name, e in registry_metrics().items()}
+    assert readme_metrics() == exposed
+
+
+def test_vllm_names_keep_vllm_types_labels_and_buckets():
+    exposed = registry_metrics()
+    for name, (kind, labels, buckets) in VLLM_METRICS.items():
+        if name not in exposed:
+            continue
+        ours = exposed[name]
+        assert ours.kind == kind, name
+        if labels is not None:
+            assert ours.labels == {"model_name", *labels}, name
+        if buckets is not None:
+            expected = token_buckets(MAX_MODEL_LEN) if buckets == TOKENS else buckets
+            assert ours.buckets == tuple(float(b) for b in expected), name
+
+
+def test_every_applicable_vllm_name_is_exported():
+    exposed = registry_metrics()
+    exported = {name for name in VLLM_METRICS if name in exposed}
+    applicable = set(VLLM_METRICS) - set(NOT_APPLICABLE)
+    assert exported == applicable - set(NOT_EXPORTED)
+    # every vllm: name kvpilot exports is one of vLLM's
+    assert {n for n in exposed if n.startswith("vllm:")} <= set(VLLM_METRICS)
+    print(f"kvpilot exports {len(exported)} of vLLM's {len(VLLM_METRICS)} metric names "
+          f"({len(exported)} of the {len(applicable)} that apply to a text-only engine "
+          "without LoRA, speculative decoding or sleep mode)")
