@@ -204,6 +204,8 @@ def test_image_tags_default_to_the_app_version():
 def test_dashboards_and_rules_come_from_the_chart_files(tmp_path):
     chart = tmp_path / "kvpilot"
     shutil.copytree(CHART, chart)
+    for shipped in ("dashboards", "rules"):   # the chart's own files: replaced by the test's
+        shutil.rmtree(chart / "files" / shipped, ignore_errors=True)
     dashboard = {"title": "kvpilot test", "panels": [], "schemaVersion": 39}
     (chart / "files" / "dashboards").mkdir()
     (chart / "files" / "dashboards" / "engine.json").write_text(json.dumps(dashboard, indent=2))
