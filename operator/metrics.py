@@ -6,10 +6,18 @@
 | ``kvpilot:operator_child_writes_total``       | counter | ``action`` (``created``, ``patched``, ``deleted``) |
 | ``kvpilot:planned_kv_blocks``                 | gauge   | ``namespace``, ``name`` (the InferenceService) |
 | ``kvpilot:observed_kv_blocks``                | gauge   | ``namespace``, ``name`` |
+| ``kvpilot:operator_plan_outcomes_total``      | counter | ``outcome`` (``feasible``, ``infeasible``), ``reason`` (the Planned condition's: an infeasible plan's binding constraint) |
+| ``kvpilot:inferenceservice_replicas``         | gauge   | ``namespace``, ``name``, ``model_name`` |
+| ``kvpilot:inferenceservice_desired_replicas`` | gauge   | ``namespace``, ``name``, ``model_name`` |
+| ``kvpilot:inferenceservice_max_replicas``     | gauge   | ``namespace``, ``name``, ``model_name`` |
+| ``kvpilot:inferenceservice_sizing_drift``     | gauge   | ``namespace``, ``name``, ``model_name`` |
 
 ``planned_kv_blocks`` is ``status.plan.numGpuBlocks`` (per replica); ``observed_kv_blocks``
 is what the engine pod furthest from the plan reports (``status.observed.numGpuBlocks``),
-absent until an engine has been read. A deleted service's series go with it.
+absent until an engine has been read. The ``inferenceservice_*`` gauges: the Deployment's
+``status.replicas`` and ``spec.replicas`` (what the autoscaler asks for), the autoscaler's
+ceiling (else the fixed count) and 1 while SizingDrift is True; ``model_name`` (the served
+name) joins them with the engines' series. A deleted service's series go with it.
 
 plus the process collectors (``process_*``, ``python_*``). A standby replica (kopf peering)
 reconciles nothing, so its counters stay at zero.
@@ -52,6 +60,24 @@ class OperatorMetrics:
             "kvpilot:observed_kv_blocks", documentation="KV cache blocks the InferenceService's "
             "engine pod furthest from the plan reports (status.observed.numGpuBlocks)",
             labelnames=["namespace", "name"], registry=registry)
+        self.plan_outcomes = Counter(
+            "kvpilot:operator_plan_outcomes", documentation="Reconcile passes by the plan's outcome "
+            "(feasible, infeasible) and the Planned condition's reason (for an infeasible plan, "
+            "its binding constraint)", labelnames=["outcome", "reason"], registry=registry)
+        service_labels = ["namespace", "name", "model_name"]
+        self.service_gauges = {
+            field: Gauge(f"kvpilot:inferenceservice_{metric}", documentation=doc,
+                         labelnames=service_labels, registry=registry)
+            for field, metric, doc in (
+                ("replicas", "replicas", "Replicas of the service's Deployment (status.replicas)"),
+                ("desired_replicas", "desired_replicas", "Replicas the service's Deployment asks "
+                 "for (spec.replicas: the autoscaler's decision when autoscaled)"),
+                ("max_replicas", "max_replicas", "The most replicas the service may run "
+                 "(the autoscaler's ceiling, else the fixed count)"),
+                ("sizing_drift", "sizing_drift", "1 while the service's SizingDrift condition is "
+                 "True (observed KV capacity off the plan), else 0"),
+            )}
+        self._service_keys: dict[tuple[str, str], tuple[str, str, str]] = {}
         for result in ("ok", "error"):
             self.reconcile_passes.labels(result=result)
         for action in ("created", "patched", "deleted"):
@@ -72,9 +98,33 @@ class OperatorMetrics:
             else:
                 _remove(gauge, namespace, name)
 
+    def record_service(self, namespace: str, name: str, figures) -> None:
+        """Count the pass's plan outcome and set the service's gauges from ``figures``
+        (a ``ServiceFigures``)."""
+        self.plan_outcomes.labels(outcome=figures.plan_outcome, reason=figures.plan_reason).inc()
+        key = (namespace, name, figures.model_name or "")
+        if self._service_keys.get((namespace, name), key) != key:   # the served name changed
+            self._forget_service(namespace, name)
+        self._service_keys[(namespace, name)] = key
+        values = {"replicas": figures.replicas, "desired_replicas": figures.desired_replicas,
+                  "max_replicas": figures.max_replicas,
+                  "sizing_drift": None if figures.sizing_drift is None else int(figures.sizing_drift)}
+        for field, gauge in self.service_gauges.items():
+            if values[field] is None:
+                _remove(gauge, *key)
+            else:
+                gauge.labels(*key).set(values[field])
+
+    def _forget_service(self, namespace: str, name: str) -> None:
+        key = self._service_keys.pop((namespace, name), None)
+        if key is not None:
+            for gauge in self.service_gauges.values():
+                _remove(gauge, *key)
+
     def forget(self, namespace: str, name: str) -> None:
         """Drop a deleted service's series."""
         self.record_sizing(namespace, name, None, None)
+        self._forget_service(namespace, name)
 
 
 def _remove(gauge: Gauge, *labels: str) -> None:

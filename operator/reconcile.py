@@ -84,6 +84,28 @@ class Failure:
         return f"{self.what}: {self.error}"
 
 
+@dataclass(frozen=True, slots=True)
+class ServiceFigures:
+    """One pass's figures of the service for the operator's gauges and counters.
+
+    Args:
+        model_name: the engines' ``model_name`` label (None when the spec does not parse).
+        replicas / desired_replicas: the Deployment's ``status.replicas`` / ``spec.replicas``.
+        max_replicas: the autoscaler's ceiling, else the fixed count (None: no valid spec).
+        plan_outcome: ``feasible`` or ``infeasible``; ``plan_reason`` the Planned condition's
+            reason (an infeasible plan's binding constraint).
+        sizing_drift: whether SizingDrift is True (None: not observed).
+    """
+
+    model_name: str | None
+    replicas: int
+    desired_replicas: int
+    max_replicas: int | None
+    plan_outcome: str
+    plan_reason: str
+    sizing_drift: bool | None = None
+
+
 @dataclass(slots=True)
 class ReconcileResult:
     """What one pass decided: the status merge patch, Events to post, writes made, failures."""
@@ -93,6 +115,7 @@ class ReconcileResult:
     writes: list[str] = field(default_factory=list)
     failures: list[Failure] = field(default_factory=list)
     sizing: SizingObservation | None = None  # planned vs observed KV capacity (observer on)
+    figures: ServiceFigures | None = None
 
     @property
     def retry(self) -> bool:
@@ -258,6 +281,15 @@ async def reconcile(children: Children, discovery: Discovery, body: Mapping[str,
         result.sizing = await _observe_engines(observer, owner, desired.get("plan"), pods, settings)
         desired["observed"] = result.sizing.observed
         conditions.append(result.sizing.condition)
+    feasible = spec is not None and outcome.sizing is not None
+    result.figures = ServiceFigures(
+        model_name=spec.model.served_name if spec is not None else None,
+        replicas=state.replicas if state.exists else 0,
+        desired_replicas=state.desired if state.exists else 0,
+        max_replicas=(None if spec is None else spec.autoscaling.ceiling if spec.autoscaling.enabled
+                      else state.desired if state.exists else None),
+        plan_outcome="feasible" if feasible else "infeasible", plan_reason=planned.reason,
+        sizing_drift=(result.sizing.condition.status == "True") if result.sizing is not None else None)
     desired["conditions"] = merge_conditions(current.get("conditions"), conditions, generation,
                                              now_rfc3339())
     result.status_patch = _status_patch(current, desired)

@@ -221,6 +221,8 @@ class ServiceWorker:
                     if result.sizing is not None:
                         ctx.metrics.record_sizing(*self.key, result.sizing.planned_blocks,
                                                   result.sizing.observed_blocks)
+                    if result.figures is not None:
+                        ctx.metrics.record_service(*self.key, result.figures)
                 if result is not None and result.retry:
                     failures += 1
                     delay = max(ctx.backoff.delay(failures, ctx.rng), result.retry_after or 0.0)

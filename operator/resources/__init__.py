@@ -23,7 +23,11 @@ from kvpilot.operator.resources.common import Owner
 from kvpilot.operator.resources.deployment import ReplicaPolicy, build_deployment, disk_claim_child
 from kvpilot.operator.resources.disruption import build_pdb
 from kvpilot.operator.resources.inference_pool import INFERENCE_POOL_API, build_inference_pool
-from kvpilot.operator.resources.monitoring import PODMONITOR_API, build_podmonitor
+from kvpilot.operator.resources.monitoring import (
+    PODMONITOR_API,
+    build_podmonitor,
+    build_slo_prometheusrule,
+)
 from kvpilot.operator.resources.service import build_service
 from kvpilot.operator.resources.sizing import EngineSizing
 from kvpilot.operator.resources.storage import (
@@ -60,10 +64,11 @@ PVC = ChildKind("v1", "PersistentVolumeClaim", "persistentvolumeclaims")
 HPA = ChildKind("autoscaling/v2", "HorizontalPodAutoscaler", "horizontalpodautoscalers")
 SCALED_OBJECT = ChildKind("/".join(KEDA_API), "ScaledObject", "scaledobjects")
 POD_MONITOR = ChildKind("/".join(PODMONITOR_API), "PodMonitor", "podmonitors")
+PROMETHEUS_RULE = ChildKind("/".join(PODMONITOR_API), "PrometheusRule", "prometheusrules")
 PDB = ChildKind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets")
 INFERENCE_POOL = ChildKind("/".join(INFERENCE_POOL_API), "InferencePool", "inferencepools")
 KINDS: dict[str, ChildKind] = {k.kind: k for k in (DEPLOYMENT, SERVICE, PVC, HPA, SCALED_OBJECT,
-                                                   POD_MONITOR, PDB, INFERENCE_POOL)}
+                                                   POD_MONITOR, PROMETHEUS_RULE, PDB, INFERENCE_POOL)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +96,7 @@ def possible_children(owner: Owner) -> list[tuple[ChildKind, str]]:
     return [(DEPLOYMENT, owner.name), (SERVICE, owner.name), (PVC, owner.kv_disk_claim),
             (PVC, owner.model_cache_claim),
             (HPA, owner.name), (SCALED_OBJECT, owner.name), (POD_MONITOR, owner.name),
-            (PDB, owner.name), (INFERENCE_POOL, owner.name)]
+            (PROMETHEUS_RULE, owner.name), (PDB, owner.name), (INFERENCE_POOL, owner.name)]
 
 
 def desired_children(owner: Owner, spec: InferenceServiceSpec, sizing: EngineSizing,
@@ -105,7 +110,8 @@ def desired_children(owner: Owner, spec: InferenceServiceSpec, sizing: EngineSiz
         spec: its parsed spec.
         sizing: the plan's flags and sizes.
         settings: operator settings.
-        podmonitor_api: whether the cluster serves monitoring.coreos.com/v1 PodMonitors.
+        podmonitor_api: whether the cluster serves monitoring.coreos.com/v1 (PodMonitors,
+            and PrometheusRules for the SLO alerts when the spec declares latency targets).
         inherited_replicas: the count an autoscaler left when autoscaling was switched off
             (``kvpilot.operator.handover``), a floor while ``spec.replicas`` is unset.
         inference_pool_api: whether it serves inference.networking.k8s.io/v1 InferencePools.
@@ -126,6 +132,11 @@ def desired_children(owner: Owner, spec: InferenceServiceSpec, sizing: EngineSiz
         children.append(Child(SCALED_OBJECT, build_scaledobject(owner, spec)))
     if podmonitor_api:
         children.append(Child(POD_MONITOR, build_podmonitor(owner)))
+        slo_rule = build_slo_prometheusrule(owner, spec.model.served_name,
+                                            {"ttftP95Ms": spec.slo.ttft_p95_ms,
+                                             "itlP95Ms": spec.slo.itl_p95_ms})
+        if slo_rule is not None:
+            children.append(Child(PROMETHEUS_RULE, slo_rule))
     least = spec.autoscaling.min_replicas if policy.autoscaled else policy.replicas
     if least > 1:
         children.append(Child(PDB, build_pdb(owner)))

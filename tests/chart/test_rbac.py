@@ -46,7 +46,9 @@ ALLOWED_UNUSED = {
 SMALL = {"model": {"uri": "hf://Qwen/Qwen3-0.6B"}, "gpu": {"type": "l4"},
          "slo": {"maxContext": 8192, "p95PromptTokens": 2048, "p95OutputTokens": 512, "concurrency": 8}}
 OFFLOAD = {**SMALL, "replicas": 1, "offload": {"enabled": True, "cpuGiB": 4, "disk": {"sizeGiB": 20}}}
-AUTOSCALED = {**SMALL, "autoscaling": {"mode": "hpa", "minReplicas": 2, "maxReplicas": 4}}
+# latency SLOs: a PrometheusRule child (dropped again when the spec loses them)
+AUTOSCALED = {**SMALL, "slo": {**SMALL["slo"], "ttftP95Ms": 800, "itlP95Ms": 60},
+              "autoscaling": {"mode": "hpa", "minReplicas": 2, "maxReplicas": 4}}
 
 
 def _inference_pool_crd() -> dict:
@@ -128,6 +130,8 @@ def test_cluster_rbac_grants_exactly_what_the_operator_calls(tmp_path):
     docs = render(release=RELEASE, namespace=RELEASE_NS)
     crds = _chart_crds() + [schemaless_crd("keda.sh", "v1alpha1", "ScaledObject", "scaledobjects"),
                             schemaless_crd("monitoring.coreos.com", "v1", "PodMonitor", "podmonitors"),
+                            schemaless_crd("monitoring.coreos.com", "v1", "PrometheusRule",
+                                           "prometheusrules"),
                             _inference_pool_crd()]
     with EmulatorThread(crds) as emu:
         s = Scenario(emu, docs, tmp_path)
@@ -137,7 +141,8 @@ def test_cluster_rbac_grants_exactly_what_the_operator_calls(tmp_path):
             s.wait_children("cached", {"Deployment", "Service", "PersistentVolumeClaim", "PodMonitor",
                                        "InferencePool"})
             scaled = s.wait_children("scaled", {"Deployment", "Service", "HorizontalPodAutoscaler",
-                                                "PodMonitor", "PodDisruptionBudget", "InferencePool"})
+                                                "PodMonitor", "PrometheusRule", "PodDisruptionBudget",
+                                                "InferencePool"})
             # acceptance: the engine image the chart rendered is what the operator runs
             image = operator_env(docs)["KVPILOT_ENGINE_IMAGE"]
             pod = scaled["Deployment"]["spec"]["template"]["spec"]
@@ -148,7 +153,7 @@ def test_cluster_rbac_grants_exactly_what_the_operator_calls(tmp_path):
             s.service("scaled", {**AUTOSCALED, "autoscaling": {"mode": "keda", "minReplicas": 2,
                                                                "maxReplicas": 4}})
             s.wait_children("scaled", {"Deployment", "Service", "ScaledObject", "PodMonitor",
-                                       "PodDisruptionBudget", "InferencePool"})
+                                       "PrometheusRule", "PodDisruptionBudget", "InferencePool"})
             s.tamper("scaled")
             wait_for(lambda: s.untampered("scaled"), 20, 0.1, "ScaledObject repaired")
             # one replica: the hf:// model cache becomes a claim child (the disk tier's goes);
@@ -174,12 +179,13 @@ def test_cluster_rbac_grants_exactly_what_the_operator_calls(tmp_path):
     # the lifecycle really covered every child kind's list + watch (the operator's cache),
     # create, patch, get (a create that found the name taken) and, where droppable, delete
     for kind in ("deployments", "services", "persistentvolumeclaims", "horizontalpodautoscalers",
-                 "scaledobjects", "podmonitors", "poddisruptionbudgets", "inferencepools"):
+                 "scaledobjects", "podmonitors", "prometheusrules", "poddisruptionbudgets",
+                 "inferencepools"):
         assert {v for v, g, r in used if r == kind} >= {"list", "watch", "get", "create", "patch"}, kind
     assert {v for v, g, r in used if r == "pods"} == {"list", "watch"}
     assert {r for v, g, r in used if v == "delete"} == {
         "persistentvolumeclaims", "horizontalpodautoscalers", "scaledobjects", "poddisruptionbudgets",
-        "inferencepools"}
+        "inferencepools", "prometheusrules"}
     assert ("patch", "kopf.dev", "clusterkopfpeerings") in used
     # the check can fail: without one rule, the calls that need it are reported
     (role,) = of_kind(docs, "ClusterRole")

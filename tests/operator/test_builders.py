@@ -83,8 +83,12 @@ def test_every_child_of_every_example_is_a_valid_object(path):
         if child.kind.kind in BUILTIN:
             assert kubernetes_validate.validate(child.body, K8S_VERSION, strict=True) == K8S_VERSION
         else:  # CRD kinds of other projects: no schema offline; check the fields we rely on
-            assert kind in ("PodMonitor", "ScaledObject")
+            assert kind in ("PodMonitor", "PrometheusRule", "ScaledObject")
             assert child.body["apiVersion"] in ("monitoring.coreos.com/v1", "keda.sh/v1alpha1")
+            if kind == "PrometheusRule":  # the Prometheus operator's own model of the kind
+                from cloudcoil.models.prometheus_operator import v1
+                parsed = v1.PrometheusRule.model_validate(child.body)
+                assert parsed.model_dump(by_alias=True, exclude_unset=True, mode="json") == child.body
         meta = child.body["metadata"]
         assert meta["namespace"] == "serving"
         assert meta["labels"][c.LABEL_MANAGED_BY] == c.MANAGER

@@ -17,22 +17,31 @@ import json
 import re
 import time
 from collections.abc import Iterator
+from decimal import Decimal
 from pathlib import Path
 
 import crd_schema
 import pytest
 import yaml
 from chart import CHART
-from harness import EmulatorThread, Kubectl, OperatorProcess, wait_for, write_kubeconfig
+from harness import (
+    EmulatorThread,
+    Kubectl,
+    OperatorProcess,
+    schemaless_crd,
+    wait_for,
+    write_kubeconfig,
+)
 from rbac import assert_chart_grants
 
 from kvpilot.engine.server.args import make_serve_parser
 from kvpilot.operator import constants as c
+from kvpilot.operator.spec import parse_spec
 
 pytestmark = pytest.mark.slow
 NS = "team-a"
 CHILD_PLURALS = ("deployments", "services", "persistentvolumeclaims", "horizontalpodautoscalers",
-                 "poddisruptionbudgets", "podmonitors", "scaledobjects")
+                 "poddisruptionbudgets", "podmonitors", "scaledobjects", "prometheusrules")
 SMALL = {"model": {"uri": "hf://Qwen/Qwen3-0.6B"}, "gpu": {"type": "l4"},
          "slo": {"maxContext": 8192, "p95PromptTokens": 2048, "p95OutputTokens": 512, "concurrency": 8}}
 INFEASIBLE = {"model": {"uri": "hf://Qwen/Qwen3-32B"}, "gpu": {"type": "l4"},
@@ -380,6 +389,40 @@ def test_podmonitor_and_scaledobject_appear_with_their_apis(own_cluster):
     events = [(e["type"], e["reason"]) for e in cluster.events("kedaed")]
     assert events == [("Normal", "Planned"), ("Warning", "ApplyFailed"), ("Normal", "Recovered")]
     wait_for(lambda: "PodMonitor" in cluster.children("plain"), what="PodMonitor for existing services too")
+
+
+def _slo_thresholds(rule: dict) -> dict[str, Decimal]:
+    """alert -> the threshold (seconds) its expression compares the p95 with."""
+    (group,) = rule["spec"]["groups"]
+    return {r["alert"]: Decimal(r["expr"].rsplit(" > ", 1)[1]) for r in group["rules"]}
+
+
+def test_slo_prometheusrule_follows_the_declared_slo(own_cluster):
+    cluster = own_cluster  # it installs the monitoring CRDs: later services would get children
+    for kind, plural in (("PodMonitor", "podmonitors"), ("PrometheusRule", "prometheusrules")):
+        cluster.kubectl("apply", "--validate=false", "-f", "-", stdin=yaml.safe_dump(
+            schemaless_crd("monitoring.coreos.com", "v1", kind, plural)))
+    slo = {**SMALL["slo"], "ttftP95Ms": 750, "itlP95Ms": 45.5}
+    cluster.apply("chat", {**SMALL, "slo": slo}, labels={"team": "search"})
+    rule = wait_for(lambda: cluster.children("chat").get("PrometheusRule"), what="the SLO PrometheusRule")
+    assert [ref["name"] for ref in rule["metadata"]["ownerReferences"]] == ["chat"]
+    assert rule["metadata"]["labels"]["team"] == "search"
+    served = parse_spec({**SMALL, "slo": slo}, "chat").model.served_name
+    (group,) = rule["spec"]["groups"]
+    for r in group["rules"]:
+        assert {k: r["labels"][k] for k in ("namespace", "inferenceservice", "model_name")} == \
+            {"namespace": NS, "inferenceservice": "chat", "model_name": served}
+        assert f'namespace="{NS}",model_name="{served}"' in r["expr"]
+    # thresholds are the SLO exactly (milliseconds -> seconds, decimal)
+    assert _slo_thresholds(rule) == {"KVPilotTTFTAboveSLO": Decimal("0.75"), "KVPilotITLAboveSLO": Decimal("0.0455")}
+    # the SLO changes: the rule follows; the latency targets go: so does the rule
+    cluster.apply("chat", {**SMALL, "slo": {**SMALL["slo"], "ttftP95Ms": 300}}, labels={"team": "search"})
+    wait_for(lambda: _slo_thresholds(cluster.children("chat").get("PrometheusRule") or
+                                     {"spec": {"groups": [{"rules": []}]}}) == {"KVPilotTTFTAboveSLO": Decimal("0.3")},
+             what="the PrometheusRule updated to the new SLO")
+    cluster.apply("chat", SMALL, labels={"team": "search"})
+    wait_for(lambda: "PrometheusRule" not in cluster.children("chat"), what="the PrometheusRule removed")
+    assert "PodMonitor" in cluster.children("chat")
 
 
 def test_an_operator_restart_resumes_without_writes(cluster):

@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvpilot.operator import constants as c
 from kvpilot.operator.engine_observer import EngineCache, EngineSample
 from kvpilot.operator.metrics import OperatorMetrics
-from kvpilot.operator.reconcile import transition_events
+from kvpilot.operator.reconcile import ServiceFigures, transition_events
 from kvpilot.operator.sizing_drift import sizing_observation
 
 GIB = 1 << 30
@@ -91,6 +91,33 @@ def test_the_operator_exports_planned_and_observed_blocks():
     metrics.forget("ns", "chat")
     metrics.forget("ns", "never-seen")
     assert values() == {("kvpilot:planned_kv_blocks", "other"): 32}
+
+
+def test_the_operator_exports_service_replicas_drift_and_plan_outcomes():
+    metrics = OperatorMetrics(CollectorRegistry())
+
+    def values() -> dict:
+        text = generate_latest(metrics.registry).decode()
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name.startswith(("kvpilot:inferenceservice_", "kvpilot:operator_plan_outcomes_total"))}
+    chat = (("model_name", "chat-model"), ("name", "chat"), ("namespace", "ns"))
+    metrics.record_service("ns", "chat", ServiceFigures("chat-model", 3, 4, 8, "feasible", "Planned", True))
+    metrics.record_service("ns", "big", ServiceFigures("big", 0, 0, None, "infeasible", "KVCacheTooSmall"))
+    assert values() == {
+        ("kvpilot:inferenceservice_replicas", chat): 3, ("kvpilot:inferenceservice_desired_replicas", chat): 4,
+        ("kvpilot:inferenceservice_max_replicas", chat): 8, ("kvpilot:inferenceservice_sizing_drift", chat): 1,
+        ("kvpilot:inferenceservice_replicas", (("model_name", "big"), ("name", "big"), ("namespace", "ns"))): 0,
+        ("kvpilot:inferenceservice_desired_replicas", (("model_name", "big"), ("name", "big"),
+                                                        ("namespace", "ns"))): 0,
+        ("kvpilot:operator_plan_outcomes_total", (("outcome", "feasible"), ("reason", "Planned"))): 1,
+        ("kvpilot:operator_plan_outcomes_total", (("outcome", "infeasible"), ("reason", "KVCacheTooSmall"))): 1}
+    metrics.forget("ns", "big")
+    metrics.record_service("ns", "chat", ServiceFigures("renamed", 3, 3, 8, "feasible", "Planned", False))
+    renamed = (("model_name", "renamed"), ("name", "chat"), ("namespace", "ns"))
+    assert {k for k in values() if k[0].startswith("kvpilot:inferenceservice_")} == {
+        (f"kvpilot:inferenceservice_{g}", renamed) for g in ("replicas", "desired_replicas", "max_replicas",
+                                                             "sizing_drift")}
 
 
 def test_observed_describes_the_pod_the_verdict_is_about():
