@@ -101,10 +101,6 @@ class EngineArgs:
             if dtype not in MODEL_DTYPES:
                 dtype = "bfloat16"
         max_model_len = self.max_model_len or arch.max_position_embeddings
-        if arch.sliding_window and max_model_len > arch.sliding_window:
-            raise ValueError(
-                f"{arch.architecture} uses sliding-window attention (window {arch.sliding_window}), "
-                f"which this engine does not implement; set max_model_len <= {arch.sliding_window}")
         name = self.served_model_name or (Path(model_dir).name if self.model else "kvpilot-demo")
         tokenizer = self.tokenizer
         if tokenizer is not None and not Path(tokenizer).is_dir():
@@ -176,6 +172,15 @@ class EngineArgs:
         if not self.enable_prefix_caching:
             raise ValueError("KV offloading extends the prefix cache: it needs "
                              "enable_prefix_caching=True")
+        if self.model is not None:
+            arch = load_arch_config(self.model, self.architecture)
+            max_len = self.max_model_len or arch.max_position_embeddings
+            if arch.kv_release_window is not None and max_len > arch.kv_release_window:
+                raise ValueError(
+                    f"KV offloading is not implemented for sliding-window models whose blocks are "
+                    f"released outside the window ({arch.architecture}, window "
+                    f"{arch.kv_release_window}); turn offloading off or set max_model_len <= "
+                    f"{arch.kv_release_window}")
         if self.tensor_parallel_size > 1:
             raise ValueError("KV offloading is not implemented with tensor parallelism (each rank "
                              "holds its own heads' blocks): use tensor_parallel_size 1 or turn "

@@ -17,7 +17,7 @@ from kvpilot.engine.config import KVCacheInfo, SchedulerConfig
 from kvpilot.engine.core.block_hash import root_hash
 from kvpilot.engine.core.constants import MODEL_DTYPE_BYTES
 from kvpilot.engine.core.kv_cache_manager import KVCacheManager
-from kvpilot.engine.core.kv_layout import KVLayout
+from kvpilot.engine.core.kv_layout import KVLayout, blocks_held
 from kvpilot.engine.core.kv_residency import KVResidencySampler
 from kvpilot.engine.core.request import Request, RequestStatus
 from kvpilot.engine.core.scheduler import Scheduler
@@ -96,7 +96,8 @@ class LLMEngine:
                            if args.kv_cache_metrics else None)
         self.kv_cache_manager = KVCacheManager(
             num_blocks, layout.block_size, cache_config.enable_prefix_caching, hash_root,
-            record_evictions=self.kv_offload is not None, residency=self._residency)
+            record_evictions=self.kv_offload is not None, residency=self._residency,
+            release_window=self._release_window())
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager, offload=self.kv_offload)
         self.runner.kv_transfer = self.kv_offload
         structured = args.structured_outputs_config
@@ -143,14 +144,28 @@ class LLMEngine:
                         cache.kv_dtype_bytes(self.model_config.dtype), cache.block_size,
                         layer_dtype_bytes=layer_bytes if len(set(layer_bytes)) > 1 else ())
 
+    def _release_window(self) -> int | None:
+        """The sliding window outside which blocks are released (all layers slide and a
+        sequence can outgrow the window), else None."""
+        window = self.model_config.arch.kv_release_window
+        return window if window is not None and self.model_config.max_model_len > window else None
+
     def _size_kv_cache(self, layout: KVLayout) -> KVCacheSizing:
         """Blocks to allocate (given, from a byte budget checked against profiling, or by
-        profiling); must hold one ``max_model_len`` sequence."""
+        profiling); must hold one ``max_model_len`` sequence (on a model whose layers all
+        slide: its window, one block, and a full prefill chunk)."""
         sizing = determine_num_blocks(layout, self.cache_config, self.runner, self.scheduler_config,
                                       self.device_memory, self._memory_baseline)
         num_blocks = sizing.num_blocks
         capacity = layout.token_capacity(num_blocks)
         max_len = self.model_config.max_model_len
+        window = self._release_window()
+        if window is not None:
+            chunk = self.scheduler_config.max_num_batched_tokens
+            # a chunk's queries see from window - 1 keys before it to its end
+            needed = blocks_held(max_len, layout.block_size, window - 1 + chunk)
+            if num_blocks >= needed:
+                return sizing
         if capacity < max_len:
             raise ValueError(
                 f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {layout.block_size}), "

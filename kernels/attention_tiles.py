@@ -6,6 +6,9 @@ query heads that share one KV head. ``_attend_tiles`` runs the online softmax ov
 range of ``TILE_N``-key tiles, each key's cache block looked up in the block table.
 ``_attend_segment`` is a whole program's work: its query block, then segment ``split``
 of ``num_splits`` of the tiles it may see (all of them when ``num_splits == 1``).
+``sliding_window`` > 0 limits a query at position ``p`` to keys ``p - window + 1 .. p``:
+tiles wholly before the program's first visible key are skipped and keys before it
+masked, so blocks released outside the window are never read.
 See ``kvpilot.kernels.unified_attention`` for the batch layout.
 """
 
@@ -39,7 +42,7 @@ def _find_seq_idx(
 @triton.jit
 def _query_block(
     query_ptr, query_start_loc_ptr, seq_lens_ptr, num_seqs, q_block_id, kv_head, stride_q_tok,
-    stride_q_head,
+    stride_q_head, sliding_window,
     NUM_QUERIES_PER_KV: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_SIZE_PADDED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):
@@ -61,23 +64,27 @@ def _query_block(
     rows = (q_start + q_tok).to(tl.int64)
     q = tl.load(query_ptr + rows[:, None] * stride_q_tok + head[:, None] * stride_q_head
                 + offs_d[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0).to(DOT_DTYPE)
-    # Keys 0 .. last_key are the most any row of this program may see.
+    # Keys first_key .. last_key are the most any row of this program may see.
     last_key = context_len + tl.minimum((q_block + 1) * BLOCK_Q, q_len) - 1
-    return seq, q_len, q, rows, head, row_ok, dim_ok, offs_d, q_pos, last_key
+    first_key = tl.where(sliding_window > 0,
+                         tl.maximum(context_len + q_block * BLOCK_Q - sliding_window + 1, 0), 0)
+    return seq, q_len, q, rows, head, row_ok, dim_ok, offs_d, q_pos, first_key, last_key
 
 
 @triton.jit
 def _attend_tiles(
     q, m_i, l_i, acc, key_cache_ptr, value_cache_ptr, block_row, kv_head, q_pos, row_ok, offs_d,
-    dim_ok, last_key, qk_scale, tile_start, tile_end,
+    dim_ok, first_key, last_key, sliding_window, qk_scale, tile_start, tile_end,
     stride_kc_block, stride_kc_off, stride_kc_head, stride_vc_block, stride_vc_off, stride_vc_head,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Online softmax over keys ``tile_start * TILE_N ..`` (tiles up to ``tile_end``)."""
+    # A row sees keys after ``window_floor`` (-1: all keys from 0).
+    window_floor = tl.where(sliding_window > 0, q_pos - sliding_window, -1)
     for tile in range(tile_start, tile_end):
         offs_n = tile * TILE_N + tl.arange(0, TILE_N)
-        key_ok = offs_n <= last_key
+        key_ok = (offs_n <= last_key) & (offs_n >= first_key)
         block = tl.load(block_row + offs_n // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
         offset = offs_n % BLOCK_SIZE
         k_off = block * stride_kc_block + offset * stride_kc_off + kv_head * stride_kc_head
@@ -91,7 +98,8 @@ def _attend_tiles(
         v = v.to(DOT_DTYPE)
 
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
-        visible = row_ok[:, None] & (offs_n[None, :] <= q_pos[:, None])
+        visible = row_ok[:, None] & (offs_n[None, :] <= q_pos[:, None]) \
+            & (offs_n[None, :] > window_floor[:, None])
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)    # rows with nothing visible yet
@@ -106,8 +114,8 @@ def _attend_tiles(
 @triton.jit
 def _attend_segment(
     query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    query_start_loc_ptr, k_scale_ptr, softmax_scale, num_seqs, q_block_id, kv_head, split,
-    num_splits,
+    query_start_loc_ptr, k_scale_ptr, softmax_scale, sliding_window, num_seqs, q_block_id,
+    kv_head, split, num_splits,
     stride_q_tok, stride_q_head, stride_kc_block, stride_kc_off, stride_kc_head,
     stride_vc_block, stride_vc_off, stride_vc_head, stride_bt_seq,
     NUM_QUERIES_PER_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr,
@@ -116,24 +124,25 @@ def _attend_segment(
     DOT_PRECISION: tl.constexpr,
 ):
     """(q_len, rows, head, row_ok, dim_ok, offs_d, m, l, acc) of one program; q_len 0: no work."""
-    seq, q_len, q, rows, head, row_ok, dim_ok, offs_d, q_pos, last_key = _query_block(
+    seq, q_len, q, rows, head, row_ok, dim_ok, offs_d, q_pos, first_key, last_key = _query_block(
         query_ptr, query_start_loc_ptr, seq_lens_ptr, num_seqs, q_block_id, kv_head,
-        stride_q_tok, stride_q_head, NUM_QUERIES_PER_KV, HEAD_SIZE, HEAD_SIZE_PADDED, BLOCK_M,
+        stride_q_tok, stride_q_head, sliding_window, NUM_QUERIES_PER_KV, HEAD_SIZE, HEAD_SIZE_PADDED, BLOCK_M,
         BLOCK_Q, DOT_DTYPE)
     qk_scale = softmax_scale * 1.4426950408889634   # exp2 units
     if IS_FP8:
         qk_scale = qk_scale * tl.load(k_scale_ptr)
-    num_tiles = tl.where(q_len == 0, 0, tl.cdiv(last_key + 1, TILE_N))
+    first_tile = first_key // TILE_N
+    num_tiles = tl.where(q_len == 0, 0, tl.cdiv(last_key + 1, TILE_N) - first_tile)
     per_split = tl.cdiv(num_tiles, num_splits)
-    tile_start = split * per_split
-    tile_end = tl.minimum(tile_start + per_split, num_tiles)
+    tile_start = first_tile + split * per_split
+    tile_end = tl.minimum(tile_start + per_split, first_tile + num_tiles)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_SIZE_PADDED], tl.float32)
     m_i, l_i, acc = _attend_tiles(
         q, m_i, l_i, acc, key_cache_ptr, value_cache_ptr,
         block_tables_ptr + seq.to(tl.int64) * stride_bt_seq, kv_head, q_pos, row_ok, offs_d,
-        dim_ok, last_key, qk_scale, tile_start, tile_end,
+        dim_ok, first_key, last_key, sliding_window, qk_scale, tile_start, tile_end,
         stride_kc_block, stride_kc_off, stride_kc_head, stride_vc_block, stride_vc_off,
         stride_vc_head, BLOCK_SIZE, TILE_N, DOT_DTYPE, DOT_PRECISION)
     return q_len, rows, head, row_ok, dim_ok, offs_d, m_i, l_i, acc

@@ -55,6 +55,7 @@ def split_kv_attention_kernel(
     query_start_loc_ptr,   # [num_seqs + 1] int32
     k_scale_ptr,           # [] float32, read only when IS_FP8
     softmax_scale,         # float
+    sliding_window,        # int: keys p - window + 1 .. p for a query at p (0: all keys)
     num_seqs,
     stride_pa_tok, stride_pa_head,
     stride_pml_half, stride_pml_tok, stride_pml_head,
@@ -77,7 +78,8 @@ def split_kv_attention_kernel(
     split = tl.program_id(2)
     q_len, rows, head, row_ok, dim_ok, offs_d, m_i, l_i, acc = _attend_segment(
         query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr,
-        query_start_loc_ptr, k_scale_ptr, softmax_scale, num_seqs, tl.program_id(0),
+        query_start_loc_ptr, k_scale_ptr, softmax_scale, sliding_window, num_seqs,
+        tl.program_id(0),
         tl.program_id(1), split, NUM_SPLITS,
         stride_q_tok, stride_q_head, stride_kc_block, stride_kc_off, stride_kc_head,
         stride_vc_block, stride_vc_off, stride_vc_head, stride_bt_seq,
@@ -136,7 +138,8 @@ def merge_splits_kernel(
 
 
 def split_kv_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
-                       query_start_loc, scale, k_scale, v_scale, *, num_splits: int,
+                       query_start_loc, scale, k_scale, v_scale, sliding_window: int = 0, *,
+                       num_splits: int,
                        block_m: int, block_q: int, tile_n: int, is_fp8: bool, dot_dtype,
                        num_warps: int, num_stages: int) -> torch.Tensor:
     """Launch both kernels into ``out`` (arguments already checked by ``unified_attention``)."""
@@ -151,7 +154,7 @@ def split_kv_attention(out, query, key_cache, value_cache, block_tables, seq_len
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
     split_kv_attention_kernel[grid](
         part_acc, part_ml, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-        k_scale, float(scale), num_seqs,
+        k_scale, float(scale), sliding_window, num_seqs,
         part_acc.stride(0), part_acc.stride(1),
         part_ml.stride(0), part_ml.stride(1), part_ml.stride(2),
         query.stride(0), query.stride(1),

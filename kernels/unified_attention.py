@@ -88,6 +88,7 @@ def unified_attention_kernel(
     k_scale_ptr,           # [] float32, read only when IS_FP8
     v_scale_ptr,           # [] float32, read only when IS_FP8
     softmax_scale,         # float
+    sliding_window,        # int: keys p - window + 1 .. p for a query at p (0: all keys)
     num_seqs,
     stride_o_tok, stride_o_head,
     stride_q_tok, stride_q_head,
@@ -107,7 +108,8 @@ def unified_attention_kernel(
 ):
     q_len, rows, head, row_ok, dim_ok, offs_d, m_i, l_i, acc = _attend_segment(
         query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr,
-        query_start_loc_ptr, k_scale_ptr, softmax_scale, num_seqs, tl.program_id(0),
+        query_start_loc_ptr, k_scale_ptr, softmax_scale, sliding_window, num_seqs,
+        tl.program_id(0),
         tl.program_id(1), 0, 1,
         stride_q_tok, stride_q_head, stride_kc_block, stride_kc_off, stride_kc_head,
         stride_vc_block, stride_vc_off, stride_vc_head, stride_bt_seq,
@@ -139,6 +141,7 @@ def unified_attention(
     tiling: AttentionTiling | None = None,
     max_seq_len: int | None = None,
     num_kv_splits: int | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of every query row over its sequence's paged K/V.
 
@@ -152,6 +155,9 @@ def unified_attention(
     parallel (split-KV, ``kvpilot.kernels.split_kv_attention``); None lets
     ``choose_num_kv_splits`` decide from ``max_seq_len`` (a host int, the longest
     sequence; None: no split) and the device's size.
+
+    ``sliding_window``: a query at position ``p`` attends to keys ``p - window + 1 .. p``
+    only (None: all earlier keys); blocks before a program's first visible key are not read.
     """
     _check_attention_args(query, key_cache, value_cache, block_tables, seq_lens,
                           query_start_loc, k_scale, v_scale, out, max_query_len)
@@ -175,21 +181,25 @@ def unified_attention(
         dot_dtype = tl.float32
     if not fp8:   # never read by the kernel; any pointer will do
         k_scale = v_scale = seq_lens
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    window = sliding_window or 0
     if num_kv_splits is None:
-        num_kv_splits = choose_num_kv_splits(num_seqs, num_kv_heads, max_query_len, max_seq_len,
+        keys = max_seq_len if max_seq_len is None or not window else min(max_seq_len, window)
+        num_kv_splits = choose_num_kv_splits(num_seqs, num_kv_heads, max_query_len, keys,
                                              _target_programs(query.device))
     if num_kv_splits < 1:
         raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
     if num_kv_splits > 1:
         return split_kv_attention(
             out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-            k_scale, v_scale, num_splits=num_kv_splits, block_m=tiling.block_m, block_q=block_q,
+            k_scale, v_scale, window, num_splits=num_kv_splits, block_m=tiling.block_m, block_q=block_q,
             tile_n=tiling.tile_n, is_fp8=fp8, dot_dtype=dot_dtype, num_warps=tiling.num_warps,
             num_stages=tiling.num_stages)
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     unified_attention_kernel[grid](
         out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-        k_scale, v_scale, float(scale), num_seqs,
+        k_scale, v_scale, float(scale), window, num_seqs,
         out.stride(0), out.stride(1),
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -288,8 +298,10 @@ def _check_attention_args(query, key_cache, value_cache, block_tables, seq_lens,
 
 
 def unified_attention_ref(query, key_cache, value_cache, block_tables, seq_lens,
-                          query_start_loc, scale, k_scale=None, v_scale=None) -> torch.Tensor:
-    """Reference: per sequence, gather K/V token by token, dense causal attention in fp32."""
+                          query_start_loc, scale, k_scale=None, v_scale=None,
+                          sliding_window=None) -> torch.Tensor:
+    """Reference: per sequence, gather K/V token by token, dense causal attention in fp32
+    (with ``sliding_window``: keys ``p - window + 1 .. p`` for a query at ``p``)."""
     out = torch.zeros_like(query)
     num_heads = query.shape[1]
     group = num_heads // key_cache.shape[2]
@@ -311,6 +323,8 @@ def unified_attention_ref(query, key_cache, value_cache, block_tables, seq_lens,
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
         q_pos = torch.arange(seq_len - (end - start), seq_len)
         causal = torch.arange(seq_len)[None, :] <= q_pos[:, None]          # [q_len, seq_len]
+        if sliding_window is not None:
+            causal &= torch.arange(seq_len)[None, :] > q_pos[:, None] - sliding_window
         probs = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
     return out

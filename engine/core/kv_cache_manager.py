@@ -4,6 +4,16 @@ Blocks are allocated only when a request's tokens spill into a new block. Full b
 are registered in the prefix cache as soon as the tokens they will hold are scheduled
 (their KV is written by the same step's forward pass, layer by layer, before any
 attention of that layer reads it, so a hit taken in the same step is still correct).
+
+Sliding window (``release_window``, set when every layer of the model slides): blocks
+wholly before the window of the first token still to compute are released as soon as
+that token is scheduled, so a long sequence holds at most the window plus one block
+(``kv_layout.blocks_held``). A released block keeps its hash (its KV stays valid for
+prefix hits until it is handed out again). Its entry stays in the request's table as a
+stale id: every query of the request is past its window, so attention never reads it
+(both backends start at the window's first block), and new tokens never write there.
+A model with full-attention layers gets no release window: those layers need every
+block of the one table (vLLM instead keeps a table per layer group).
 """
 
 from __future__ import annotations
@@ -12,6 +22,7 @@ from dataclasses import dataclass
 
 from kvpilot.engine.core.block_hash import BlockHash, extend_block_hashes
 from kvpilot.engine.core.block_pool import BlockPool, KVCacheBlock
+from kvpilot.engine.core.kv_layout import num_released_blocks
 from kvpilot.engine.core.kv_residency import KVResidencySampler
 from kvpilot.engine.core.request import Request
 
@@ -48,8 +59,13 @@ class KVCacheManager:
         hash_root: BlockHash,
         record_evictions: bool = False,
         residency: KVResidencySampler | None = None,
+        release_window: int | None = None,
     ) -> None:
+        if release_window is not None and record_evictions:
+            raise ValueError("KV offload saves whole block tables; it cannot run with blocks "
+                             "released outside a sliding window")
         self.block_size = block_size
+        self.release_window = release_window
         self.enable_caching = enable_caching
         self.hash_root = hash_root
         self.pool = BlockPool(num_blocks, enable_caching, record_evictions, residency)
@@ -58,6 +74,8 @@ class KVCacheManager:
         # rebuilds a request's id list (the runner copies only the ids appended).
         self.req_block_ids: dict[str, list[int]] = {}
         self._num_registered: dict[str, int] = {}
+        # Leading blocks of each request released outside the sliding window.
+        self._num_released: dict[str, int] = {}
         self.stats = PrefixCacheStats()
 
     @property
@@ -138,6 +156,8 @@ class KVCacheManager:
             if self.enable_caching and min(total, request.num_tokens) // self.block_size > \
                     self._num_registered.get(rid, 0):
                 self._register_full_blocks(request, blocks, total)
+            if self.release_window is not None:
+                self._release_outside_window(rid, blocks, request.num_computed_tokens)
             return True
         if self.num_blocks_needed(request, num_new_tokens, hit) > self.pool.num_free_blocks:
             return False
@@ -156,7 +176,22 @@ class KVCacheManager:
         ids.extend(b.block_id for b in blocks[len(ids):])
         if self.enable_caching:
             self._register_full_blocks(request, blocks, total)
+        if self.release_window is not None:
+            self._release_outside_window(rid, blocks, computed)
         return True
+
+    def _release_outside_window(self, rid: str, blocks: list[KVCacheBlock], num_computed: int) -> None:
+        """Give back the blocks no query from ``num_computed`` on can see (registered full
+        blocks stay cached in the free queue, oldest first to be evicted)."""
+        start = self._num_released.get(rid, 0)
+        end = num_released_blocks(num_computed, self.block_size, self.release_window)
+        if end > start:
+            self.pool.free_blocks(blocks[start:end])
+            self._num_released[rid] = end
+
+    def num_held_blocks(self, request_id: str) -> int:
+        """Blocks the request holds now (its table less the blocks released outside the window)."""
+        return len(self.req_blocks.get(request_id, ())) - self._num_released.get(request_id, 0)
 
     def _register_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int) -> None:
         rid = request.request_id
@@ -177,11 +212,12 @@ class KVCacheManager:
         blocks = self.req_blocks.pop(request.request_id, [])
         self.req_block_ids.pop(request.request_id, None)
         self._num_registered.pop(request.request_id, None)
+        released = self._num_released.pop(request.request_id, 0)
         # Blocks registered for tokens scheduled but never computed (a request preempted in
         # the very step that scheduled it) must not stay cached, nor be saved on eviction.
         for block in blocks[request.num_computed_tokens // self.block_size:]:
             self.pool.uncache(block)
-        self.pool.free_blocks(reversed(blocks))
+        self.pool.free_blocks(reversed(blocks[released:]))
         return [b.block_id for b in blocks]
 
     def block_ids(self, request_id: str) -> list[int]:

@@ -72,6 +72,34 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_
     return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
 
 
+def num_released_blocks(num_computed_tokens: int, block_size: int, release_window: int | None) -> int:
+    """Leading blocks of a sequence that no query from ``num_computed_tokens`` on can see.
+
+    A query at position ``p`` of a sliding-window layer sees keys ``p - window + 1 .. p``
+    (HF's mask: ``kv_idx > q_idx - window``), so once the first token still to compute
+    is at ``num_computed_tokens``, every block wholly before
+    ``num_computed_tokens - window + 1`` is dead. ``release_window`` None: none are.
+    """
+    if release_window is None:
+        return 0
+    return max(0, num_computed_tokens - release_window + 1) // block_size
+
+
+def blocks_held(num_tokens: int, block_size: int, release_window: int | None = None) -> int:
+    """The most KV blocks one sequence holds while it decodes up to ``num_tokens`` tokens.
+
+    Without a release window: every block, ``ceil(num_tokens / block_size)``. With one
+    (a model whose layers all slide): the blocks spanned by the last ``window`` tokens,
+    at most ``ceil((window - 1) / block_size) + 1`` (``window / block_size + 1`` when the
+    window is a multiple of the block size: window + one block of tokens). The engine's
+    block tables and the planner both count with this.
+    """
+    full = -(-num_tokens // block_size)
+    if release_window is None:
+        return full
+    return min(full, -(-(release_window - 1) // block_size) + 1)
+
+
 @dataclass(frozen=True, slots=True)
 class KVLayout:
     """Shape of one rank's paged KV cache: what a block costs and how many fit."""

@@ -14,6 +14,7 @@ from typing import Any
 # architecture name -> (q/k/v bias, per-head q/k RMSNorm)
 SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
     "LlamaForCausalLM": (False, False),
+    "MistralForCausalLM": (False, False),
     "Qwen2ForCausalLM": (True, False),
     "Qwen3ForCausalLM": (False, True),
 }
@@ -69,6 +70,19 @@ class ArchConfig:
     def num_queries_per_kv(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
 
+    def layer_sliding_window(self, layer_idx: int) -> int | None:
+        """The window of layer ``layer_idx`` (None: full attention)."""
+        return self.sliding_window if layer_idx in self.sliding_window_layers else None
+
+    @property
+    def kv_release_window(self) -> int | None:
+        """The window outside which a sequence's KV blocks can be released: set only when
+        every layer slides (one block table serves all layers, so a block is released only
+        when no layer needs it; a full-attention layer needs all of them)."""
+        if self.sliding_window and len(self.sliding_window_layers) == self.num_hidden_layers:
+            return self.sliding_window
+        return None
+
 
 def _rope_config(cfg: dict[str, Any]) -> RopeConfig:
     params = dict(cfg.get("rope_parameters") or {})       # 5.x
@@ -92,15 +106,19 @@ def _eos_ids(value: Any) -> tuple[int, ...]:
 
 def _sliding_window_layers(cfg: dict[str, Any], num_layers: int) -> tuple[int, ...]:
     """Layers with sliding-window attention: ``layer_types`` (transformers 5), else the
-    Qwen2 convention (``use_sliding_window``: layers from ``max_window_layers`` on)."""
+    Qwen2 convention (``use_sliding_window``: layers from ``max_window_layers`` on), else
+    every layer (Mistral: a ``sliding_window`` and no per-layer switch). The planner's
+    ``model_spec`` reads configs by the same rules."""
     if not cfg.get("sliding_window"):
         return ()
     types = cfg.get("layer_types")
     if types:
         return tuple(i for i, t in enumerate(types) if t == "sliding_attention")
-    if cfg.get("use_sliding_window"):
-        return tuple(range(int(cfg.get("max_window_layers", 0)), num_layers))
-    return ()
+    if "use_sliding_window" in cfg:
+        if not cfg["use_sliding_window"]:
+            return ()
+        return tuple(range(int(cfg.get("max_window_layers") or 0), num_layers))
+    return tuple(range(num_layers))
 
 
 def parse_arch_config(cfg: dict[str, Any], architecture: str | None = None) -> ArchConfig:

@@ -96,7 +96,7 @@ VLLM_FLAGS: tuple[VLLMFlag, ...] = (
     _r("--override-pooler-config", "kvpilot only generates text (no pooling / embedding tasks)"),
     _r("--enable-prompt-embeds", "prompts are text or token ids (no embedding inputs)"),
     _r("--logits-processors", "custom logits processor plugins are not supported"),
-    _r("--disable-sliding-window", "sliding-window attention is not implemented; lower --max-model-len to the window instead"),
+    _r("--disable-sliding-window", "sliding-window layers always attend over their window, as the checkpoint was trained"),
     # ---- KV cache
     _h("--block-size", "tokens per KV block"),
     _h("--gpu-memory-utilization", "CUDA: share of GPU memory for weights + activations + KV cache"),

@@ -156,7 +156,7 @@ def evaluate(req: PlanRequest, tp: int, kv_cache_dtype: str) -> Evaluation:
     num_blocks = layout.num_blocks(max(0, budget.kv_bytes))
     seq_blocks = blocks_for(model, slo.seq_tokens_p95, block_size)
     ctx_blocks = blocks_for(model, slo.max_context, block_size)
-    roof = Roofline(budget.weight_bytes, model.kv_tokens(slo.seq_tokens_p95) * layout.bytes_per_token,
+    roof = Roofline(budget.weight_bytes, model.kv_tokens_attended(slo.seq_tokens_p95) * layout.bytes_per_token,
                     gpu.memory_bandwidth_bytes_per_s, gpu.bf16_flops * tp,
                     flops_per_token(model, slo.p95_prompt_tokens))
 
@@ -212,7 +212,7 @@ def _throughput(req: PlanRequest, tp: int, layout: KVLayout, budget: Budget, msq
     prompt, output = slo.prompt_tokens_p50, slo.output_tokens_p50
     prompt_u = max(1, prompt - cached)
     f_tok = flops_per_token(model, prompt)
-    roof = Roofline(budget.weight_bytes, model.kv_tokens(prompt + output // 2) * layout.bytes_per_token,
+    roof = Roofline(budget.weight_bytes, model.kv_tokens_attended(prompt + output // 2) * layout.bytes_per_token,
                     req.gpu.memory_bandwidth_bytes_per_s, req.gpu.bf16_flops * tp, f_tok)
     ttft = roof.ttft_s(msq, mnbt, prompt_u) * factor
     decode = roof.step_s(msq, msq)

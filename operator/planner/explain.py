@@ -102,11 +102,13 @@ def _sequence_lines(req: PlanRequest, ev: Evaluation) -> list[str]:
     slo, m, lay = req.slo, req.model, ev.layout
     seq = slo.seq_tokens_p95
     window = ""
-    if m.num_sliding_layers:
-        window = (f"; on the {m.num_sliding_layers} sliding-window layers KV is capped at the "
-                  f"{m.sliding_window:,}-token window, so it holds ({m.num_full_layers} x {seq:,} + "
-                  f"{m.num_sliding_layers} x {min(seq, m.sliding_window):,}) / {m.num_layers} = "
-                  f"{m.kv_tokens(seq):,} token slots (assumes the engine frees out-of-window blocks)")
+    if m.kv_release_window is not None:
+        window = (f"; every layer uses a {m.sliding_window:,}-token sliding window and the engine "
+                  f"releases blocks outside it, so a sequence holds at most "
+                  f"ceil(({m.sliding_window:,} - 1) / {lay.block_size}) + 1 blocks")
+    elif m.num_sliding_layers:
+        window = (f"; its {m.num_sliding_layers} sliding-window layers share the block table of the "
+                  f"full-attention layers, so every block is kept")
     return [
         f"Sequence: p95 {slo.p95_prompt_tokens:,} prompt + {slo.p95_output_tokens:,} output = {seq:,} tokens"
         f"{window} -> {ev.seq_blocks:,} blocks ({_g(lay.memory_for_blocks(ev.seq_blocks))} per GPU); "

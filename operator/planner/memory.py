@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kvpilot.engine.core.kv_layout import blocks_held
 from kvpilot.operator.planner.model_spec import ModelSpec
 from kvpilot.operator.planner.reserve import Reserve
 
@@ -81,8 +82,9 @@ class Budget:
 
 
 def blocks_for(model: ModelSpec, num_tokens: int, block_size: int) -> int:
-    """KV blocks one sequence of ``num_tokens`` holds (sliding-window layers capped)."""
-    return -(-model.kv_tokens(num_tokens) // block_size)
+    """KV blocks one sequence of ``num_tokens`` holds: the engine's own count (capped at
+    the window and one block when every layer slides)."""
+    return blocks_held(num_tokens, block_size, model.kv_release_window)
 
 
 def kv_seq_limit(num_blocks: int, max_context_blocks: int, seq_blocks: int) -> int:

@@ -101,12 +101,24 @@ class ModelSpec:
     def num_full_layers(self) -> int:
         return self.num_layers - self.num_sliding_layers
 
-    def kv_tokens(self, num_tokens: int) -> int:
-        """Whole-model token slots the KV of one ``num_tokens`` sequence occupies.
+    @property
+    def kv_release_window(self) -> int | None:
+        """The window outside which the engine releases a sequence's KV blocks: only when
+        every layer slides (its one block table serves all layers, and a full-attention
+        layer needs every block); ``kv_layout.blocks_held`` counts what a sequence holds."""
+        if self.num_sliding_layers and self.num_sliding_layers == self.num_layers:
+            return self.sliding_window
+        return None
 
-        Full-attention layers keep all tokens; sliding-window layers keep at most the
-        window (assuming the engine frees blocks that fall out of the window).
-        """
+    def kv_tokens(self, num_tokens: int) -> int:
+        """Token slots the KV of one ``num_tokens`` sequence occupies: all of them, or at
+        most the window when every layer slides (the engine releases older blocks)."""
+        window = self.kv_release_window
+        return num_tokens if window is None else min(num_tokens, window)
+
+    def kv_tokens_attended(self, num_tokens: int) -> int:
+        """Whole-model token slots one decode step of a ``num_tokens`` sequence reads:
+        full-attention layers read all tokens, sliding-window layers at most the window."""
         if not self.num_sliding_layers:
             return num_tokens
         kept = self.num_full_layers * num_tokens + self.num_sliding_layers * min(num_tokens, self.sliding_window)

@@ -77,11 +77,10 @@ def _warnings(req: PlanRequest, ev: Evaluation) -> list[str]:
     if ov.weight_quantization:
         out.append(f"assumes a pre-quantised {ov.weight_quantization} checkpoint: kvpilot serve does not "
                    "quantise weights itself")
-    if m.num_sliding_layers and slo.max_context > m.sliding_window:
-        full = -(-slo.seq_tokens_p95 // ev.layout.block_size)
-        out.append(f"sliding-window KV saving assumes the engine frees blocks outside the "
-                   f"{m.sliding_window:,}-token window; without that a p95 sequence needs {full:,} blocks, "
-                   f"not {ev.seq_blocks:,}")
+    if m.num_sliding_layers and m.kv_release_window is None and slo.max_context > m.sliding_window:
+        out.append(f"{m.num_sliding_layers} of {m.num_layers} layers use a {m.sliding_window:,}-token "
+                   f"sliding window, but the full-attention layers share their KV blocks, so the "
+                   f"engine keeps every block of a sequence: no KV saving is counted")
     if ev.tp > 1:
         out.append("latency estimates leave out tensor-parallel all-reduce time")
         if ov.cpu_offload_gib or ov.disk_offload_gib:

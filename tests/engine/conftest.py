@@ -55,11 +55,12 @@ def _save_tokenizer(path: Path, vocab_size: int) -> None:
 
 
 def build_checkpoint(path: Path, kind: str, seed: int = 0, dtype=torch.float32, **overrides) -> Path:
-    """Save a random ``kind`` ('llama' | 'qwen2' | 'qwen3') model and tokenizer into ``path``."""
+    """Save a random ``kind`` ('llama' | 'mistral' | 'qwen2' | 'qwen3') model and tokenizer into ``path``."""
     import transformers
 
     cfg_cls, model_cls = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     }[kind]

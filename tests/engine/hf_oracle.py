@@ -26,7 +26,7 @@ def make_prompts(vocab: int, seed: int = 0) -> list[list[int]]:
     return prompts
 
 
-def hf_greedy(path, prompts: list[list[int]]) -> list[list[int]]:
+def hf_greedy(path, prompts: list[list[int]], max_new: int = MAX_NEW) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -34,7 +34,7 @@ def hf_greedy(path, prompts: list[list[int]]) -> list[list[int]]:
     with torch.no_grad():
         for p in prompts:
             ids = torch.tensor([p])
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW,
-                                 min_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0)
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
+                                 min_new_tokens=max_new, do_sample=False, pad_token_id=0)
             outs.append(gen[0, len(p):].tolist())
     return outs

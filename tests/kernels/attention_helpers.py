@@ -16,7 +16,7 @@ def attend(batch, fn, **kwargs):
             m.query_start_loc)
     if fn is unified_attention:
         return fn(*args, m.max_query_len, batch.scale, batch.k_scale, batch.v_scale, **kwargs)
-    return fn(*args, batch.scale, batch.k_scale, batch.v_scale)
+    return fn(*args, batch.scale, batch.k_scale, batch.v_scale, **kwargs)
 
 
 def stored(batch):

@@ -79,9 +79,11 @@ def test_yarn_rope_scaling_stretches_max_positions(tmp_path):
 def test_sliding_window_layers(tmp_path):
     gemma = preset_model("gemma-2-9b")
     assert (gemma.head_dim, gemma.sliding_window, gemma.num_sliding_layers) == (256, 4096, 21)
-    # a 6,144-token sequence keeps 6,144 tokens on the 21 global layers and 4,096 on the 21 local ones
-    assert gemma.kv_tokens(6144) == (21 * 6144 + 21 * 4096) // 42
-    assert gemma.kv_tokens(4000) == 4000
+    # a 6,144-token step reads 6,144 tokens on the 21 global layers and 4,096 on the 21 local
+    # ones, but the KV is all kept: the local layers share the global layers' block table
+    assert gemma.kv_tokens_attended(6144) == (21 * 6144 + 21 * 4096) // 42
+    assert gemma.kv_tokens_attended(4000) == 4000
+    assert gemma.kv_release_window is None and gemma.kv_tokens(6144) == 6144
     types = ["sliding_attention", "full_attention", "full_attention", "full_attention"]
     listed = model_from_path(_write(tmp_path, {**QWEN3_06B_4X, "num_hidden_layers": 4, "layer_types": types,
                                                "sliding_window": 512}, "a"))
@@ -95,6 +97,7 @@ def test_sliding_window_layers(tmp_path):
     v01 = {k: v for k, v in QWEN3_06B_4X.items() if k != "use_sliding_window"}
     mistral01 = model_from_path(_write(tmp_path, {**v01, "model_type": "mistral", "sliding_window": 4096}, "d"))
     assert mistral01.num_sliding_layers == 28
+    assert mistral01.kv_release_window == 4096 and mistral01.kv_tokens(6144) == 4096
 
 
 def test_bad_configs_give_clear_errors(tmp_path):

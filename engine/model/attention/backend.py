@@ -25,6 +25,7 @@ class AttentionBackend(Protocol):
         scale: float,
         k_scale: torch.Tensor,    # [] float32, 1.0 unless the KV cache is fp8
         v_scale: torch.Tensor,
+        sliding_window: int | None = None,   # attend to the last this many keys (None: all)
     ) -> torch.Tensor:            # [num_tokens, num_heads, head_dim]
         ...
 

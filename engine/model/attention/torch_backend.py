@@ -91,69 +91,107 @@ def paged_attention(
     scale: float,
     k_scale: torch.Tensor,
     v_scale: torch.Tensor,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of every query row over its sequence's paged K/V (padding rows: 0)."""
+    """Causal attention of every query row over its sequence's paged K/V (padding rows: 0).
+
+    ``sliding_window``: a query at position ``p`` sees keys ``p - window + 1 .. p`` only;
+    blocks wholly before a sequence's first visible key are never read (the KV cache
+    manager may have released them).
+    """
     out = torch.zeros_like(query)
-    compute_dtype = torch.float32 if query.dtype != torch.float64 else query.dtype
-    block_size = kv_cache.shape[2]
     starts = [0, *itertools.accumulate(metadata.query_lens_cpu)]   # host copy: no device sync
     decode_ids = [i for i, q in enumerate(metadata.query_lens_cpu) if q == 1]
     other_ids = [i for i, q in enumerate(metadata.query_lens_cpu) if q > 1]
-
     if decode_ids:
-        all_decode = len(decode_ids) == len(metadata.query_lens_cpu) == metadata.num_actual_tokens
-        idx = None if all_decode else torch.tensor(decode_ids, device=query.device)
-        seq_lens = (metadata.seq_lens if all_decode else metadata.seq_lens[idx]).long()
-        max_len = max(metadata.seq_lens_cpu[i] for i in decode_ids)
-        num_blocks = -(-max_len // block_size)
-        tables = metadata.block_tables[:, :num_blocks] if all_decode else \
-            metadata.block_tables[idx, :num_blocks]
-        k, v = gather_kv(kv_cache, tables, max_len)
-        # Slots past a shorter sequence's end are read and masked out. That is only safe
-        # because cache slots are always finite (zero-initialised, written with saturated
-        # values): 0 x NaN would still be NaN. Zeroing them here cost ~15% of a decode step.
-        mask = None
-        if min(metadata.seq_lens_cpu[i] for i in decode_ids) < max_len:
-            mask = (torch.arange(max_len, device=query.device)[None, :] < seq_lens[:, None])[:, None, None, :]
-        k = dequantize_kv(k, k_scale, compute_dtype)   # [n, L, kv_heads, dim]
-        v = dequantize_kv(v, v_scale, compute_dtype)
-        if all_decode:
-            q = query[:len(decode_ids)]
-        else:
-            rows = torch.tensor([starts[i] for i in decode_ids], device=query.device)
-            q = query[rows]
-        o = F.scaled_dot_product_attention(
-            q.to(compute_dtype).unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),
-            attn_mask=mask, scale=scale, enable_gqa=True,
-        ).squeeze(2).to(query.dtype)                                # [n, heads, dim]
-        if all_decode:
-            out[:len(decode_ids)] = o
-        else:
-            out[rows] = o
-
+        _decode(out, query, kv_cache, metadata, scale, k_scale, v_scale, sliding_window,
+                decode_ids, starts)
+    compute_dtype = torch.float32 if query.dtype != torch.float64 else query.dtype
+    block_size = kv_cache.shape[2]
     for i in other_ids:
         start, end = starts[i], starts[i + 1]
         q_len, seq_len = end - start, metadata.seq_lens_cpu[i]
         context = seq_len - q_len
+        first_block = _first_visible(context, sliding_window) // block_size
         num_blocks = -(-seq_len // block_size)
-        k, v = gather_kv(kv_cache, metadata.block_tables[i, :num_blocks], seq_len)
+        first_key = first_block * block_size
+        k, v = gather_kv(kv_cache, metadata.block_tables[i, first_block:num_blocks], seq_len - first_key)
         k = dequantize_kv(k, k_scale, compute_dtype).transpose(0, 1)   # [kv_heads, L, dim]
         v = dequantize_kv(v, v_scale, compute_dtype).transpose(0, 1)
         q = query[start:end].to(compute_dtype).transpose(0, 1)          # [heads, q_len, dim]
-        if context == 0:
+        if context == 0 and sliding_window is None:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            pos_q = torch.arange(context, seq_len, device=query.device)
-            mask = torch.arange(seq_len, device=query.device)[None, :] <= pos_q[:, None]
+            pos_q = torch.arange(context, seq_len, device=query.device)[:, None]
+            pos_k = torch.arange(first_key, seq_len, device=query.device)[None, :]
+            mask = pos_k <= pos_q
+            if sliding_window is not None:
+                mask &= pos_k > pos_q - sliding_window
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         out[start:end] = o.transpose(0, 1).to(query.dtype)
     return out
 
 
+def _first_visible(position: int, sliding_window: int | None) -> int:
+    """The first key a query at ``position`` sees."""
+    return 0 if sliding_window is None else max(0, position - sliding_window + 1)
+
+
+def _decode(out, query, kv_cache, metadata, scale, k_scale, v_scale, sliding_window,
+            decode_ids: list[int], starts: list[int]) -> None:
+    """Decode-only sequences (one query each) as one padded batch, into ``out``."""
+    compute_dtype = torch.float32 if query.dtype != torch.float64 else query.dtype
+    block_size = kv_cache.shape[2]
+    all_decode = len(decode_ids) == len(metadata.query_lens_cpu) == metadata.num_actual_tokens
+    idx = None if all_decode else torch.tensor(decode_ids, device=query.device)
+    seq_lens = (metadata.seq_lens if all_decode else metadata.seq_lens[idx]).long()
+    lens = [metadata.seq_lens_cpu[i] for i in decode_ids]
+    first_blocks = [_first_visible(n - 1, sliding_window) // block_size for n in lens]
+    num_blocks = max(-(-n // block_size) - b for n, b in zip(lens, first_blocks, strict=True))
+    tables = metadata.block_tables if all_decode else metadata.block_tables[idx]
+    if any(first_blocks):
+        # Each row's window of blocks (stale entries past a row's end are masked out).
+        offsets = torch.tensor(first_blocks, device=query.device)[:, None]
+        cols = (offsets + torch.arange(num_blocks, device=query.device)).clamp_(max=tables.shape[1] - 1)
+        tables = tables.gather(1, cols)
+    else:
+        tables = tables[:, :num_blocks]
+    # Without a window every row starts at key 0: gather up to the longest row only.
+    width = num_blocks * block_size if sliding_window is not None else max(lens)
+    k, v = gather_kv(kv_cache, tables, width)
+    # Slots past a shorter sequence's end are read and masked out. That is only safe
+    # because cache slots are always finite (zero-initialised, written with saturated
+    # values): 0 x NaN would still be NaN. Zeroing them here cost ~15% of a decode step.
+    mask = None
+    if sliding_window is not None or min(lens) < width:
+        first_key = torch.tensor([b * block_size for b in first_blocks], device=query.device)
+        pos_k = first_key[:, None] + torch.arange(width, device=query.device)[None, :]
+        visible = pos_k < seq_lens[:, None]
+        if sliding_window is not None:
+            visible &= pos_k >= seq_lens[:, None] - sliding_window
+        mask = visible[:, None, None, :]
+    k = dequantize_kv(k, k_scale, compute_dtype)   # [n, L, kv_heads, dim]
+    v = dequantize_kv(v, v_scale, compute_dtype)
+    if all_decode:
+        q = query[:len(decode_ids)]
+    else:
+        rows = torch.tensor([starts[i] for i in decode_ids], device=query.device)
+        q = query[rows]
+    o = F.scaled_dot_product_attention(
+        q.to(compute_dtype).unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),
+        attn_mask=mask, scale=scale, enable_gqa=True,
+    ).squeeze(2).to(query.dtype)                                # [n, heads, dim]
+    if all_decode:
+        out[:len(decode_ids)] = o
+    else:
+        out[rows] = o
+
+
 class TorchAttentionBackend:
     name = "torch"
 
-    def forward(self, query, key, value, kv_cache, metadata, scale, k_scale, v_scale):
+    def forward(self, query, key, value, kv_cache, metadata, scale, k_scale, v_scale,
+                sliding_window=None):
         store_kv(key, value, kv_cache, metadata.slot_mapping, k_scale, v_scale,
                  metadata.num_actual_tokens)
-        return paged_attention(query, kv_cache, metadata, scale, k_scale, v_scale)
+        return paged_attention(query, kv_cache, metadata, scale, k_scale, v_scale, sliding_window)

@@ -35,6 +35,7 @@ class TritonAttentionBackend:
         scale: float,
         k_scale: torch.Tensor,    # [] float32, 1.0 unless the KV cache is fp8
         v_scale: torch.Tensor,
+        sliding_window: int | None = None,   # attend to the last this many keys (None: all)
     ) -> torch.Tensor:            # [num_tokens, num_heads, head_dim]
         if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
             raise ValueError("kv_cache must be one layer's [2, num_blocks, block_size, "
@@ -44,5 +45,5 @@ class TritonAttentionBackend:
         return self._attend(
             query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
             metadata.query_start_loc, metadata.max_query_len, scale, k_scale, v_scale,
-            max_seq_len=metadata.max_seq_len,
+            max_seq_len=metadata.max_seq_len, sliding_window=sliding_window,
         )

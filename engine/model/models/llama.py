@@ -1,4 +1,7 @@
-"""Llama-family decoder: Llama, Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm).
+"""Llama-family decoder: Llama, Mistral, Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm).
+
+Sliding-window layers (Mistral: all of them; Qwen2: from ``max_window_layers`` on) pass
+their window to the attention backend, which attends to the last ``window`` keys only.
 
 All tokens of a step are one flat varlen batch ``[num_tokens, hidden]``; attention
 reads and writes the paged KV cache through the explicit ``AttentionMetadata``. The
@@ -59,6 +62,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary
         self.scale = self.head_dim ** -0.5
+        self.sliding_window = cfg.layer_sliding_window(layer_idx)
         # Per-tensor fp8 KV scales (1.0 unless calibrated or loaded from the checkpoint).
         self.register_buffer("k_scale", torch.tensor(1.0), persistent=False)
         self.register_buffer("v_scale", torch.tensor(1.0), persistent=False)
@@ -77,7 +81,8 @@ class Attention(nn.Module):
         q, k = self.rotary(positions, q, k)
         if self.calibrate_kv_scales:
             self._calibrate(k, v, kv_cache.dtype)
-        out = backend.forward(q, k, v, kv_cache, metadata, self.scale, self.k_scale, self.v_scale)
+        out = backend.forward(q, k, v, kv_cache, metadata, self.scale, self.k_scale, self.v_scale,
+                              sliding_window=self.sliding_window)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -134,7 +139,7 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """One class for the three supported architectures; ``cfg`` switches the variants."""
+    """One class for the supported architectures; ``cfg`` switches the variants."""
 
     def __init__(self, cfg: ArchConfig, max_model_len: int, tp: TPGroup | None = None) -> None:
         super().__init__()
