@@ -131,3 +131,19 @@ def test_observed_describes_the_pod_the_verdict_is_about():
     assert (fine.condition.status, fine.observed["pod"], fine.observed["comparedOn"]) == \
         ("False", "a", "profiledKvBytes")
     assert "64 KV blocks, the plan 64 (+0.0%; profiled KV memory -0.5%" in fine.condition.message
+
+
+def test_the_operator_serves_its_names_with_colons_to_a_prometheus_that_asks_for_openmetrics():
+    from wsgiref.util import setup_testing_defaults
+
+    from kvpilot.operator.metrics import plain_text_app
+
+    metrics = OperatorMetrics(CollectorRegistry())
+    metrics.record_sizing("ns", "chat", 64, 48)
+    environ = {"HTTP_ACCEPT": "application/openmetrics-text;version=1.0.0,application/openmetrics-text;"
+                              "version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"}  # Prometheus 2.x
+    setup_testing_defaults(environ)
+    headers = {}
+    body = b"".join(plain_text_app(metrics.registry)(environ, lambda status, h: headers.update(h)))
+    assert headers["Content-Type"].startswith("text/plain; version=0.0.4")
+    assert 'kvpilot:planned_kv_blocks{name="chat",namespace="ns"} 64.0' in body.decode()
