@@ -8,12 +8,15 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
+from anyio import CapacityLimiter
 from fastapi import Depends, FastAPI
 from prometheus_client import CollectorRegistry
 
 from kvpilot.engine.server import routes_chat, routes_completions, routes_misc
 from kvpilot.engine.server.async_engine import AsyncEngine
+from kvpilot.engine.server.body_limit import BodyLimit
 from kvpilot.engine.server.config import ServerConfig
+from kvpilot.engine.server.drain import DrainGate
 from kvpilot.engine.server.errors import install_error_handlers
 from kvpilot.engine.server.metrics import ServerMetrics
 from kvpilot.engine.server.middleware import install_middleware
@@ -31,11 +34,13 @@ def build_async_engine(build_engine: Callable, config: ServerConfig,
 
     Args:
         build_engine: no-argument callable returning an ``LLMEngine``.
-        config: server settings (waiting-queue bound, served model names).
+        config: server settings (waiting-queue bound, served model names, hang timeout,
+            tokenizer threads).
         registry: the Prometheus registry the metrics go to.
     """
 
     def on_ready(engine):
+        _ = engine.tokenizer.max_chars_per_token   # computed here, not in the first request
         model_name = config.reported_model_name(engine.model_config.served_model_name)
         metrics = ServerMetrics(registry, model_name, engine.cache_info,
                                 engine.model_config.max_model_len, lambda: async_engine.stats,
@@ -43,8 +48,10 @@ def build_async_engine(build_engine: Callable, config: ServerConfig,
         return metrics.record
 
     async_engine = AsyncEngine(build_engine, max_waiting_requests=config.max_waiting_requests,
-                               on_ready=on_ready)
-    return async_engine, ServerState(engine=async_engine, config=config, registry=registry)
+                               on_ready=on_ready, hang_timeout=config.engine_hang_timeout)
+    state = ServerState(engine=async_engine, config=config, registry=registry,
+                        tokenizer_limiter=CapacityLimiter(config.tokenizer_threads))
+    return async_engine, state
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -53,6 +60,8 @@ def build_app(state: ServerState) -> FastAPI:
     The lifespan starts the engine thread (which builds the engine in the
     background, so the port opens at once and /health answers 503 until the engine
     is ready), runs the periodic stats log line, and stops the engine at shutdown.
+    Request bodies over ``--max-request-body-bytes`` get 413 (``BodyLimit``);
+    ``DrainGate`` refuses new requests once ``state.drain`` began.
     """
 
     @asynccontextmanager
@@ -77,6 +86,9 @@ def build_app(state: ServerState) -> FastAPI:
                   description="OpenAI-compatible API of the kvpilot inference engine", **docs)
     app.state.server = state
     install_error_handlers(app)
+    app.add_middleware(DrainGate, drain=state.drain)   # inside CORS and request ids
+    if config.max_request_body_bytes is not None:
+        app.add_middleware(BodyLimit, max_bytes=config.max_request_body_bytes)
     install_middleware(app, config)
     guarded = [Depends(check_api_key)]
     app.include_router(routes_completions.router, dependencies=guarded)

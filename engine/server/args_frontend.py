@@ -13,8 +13,15 @@ from kvpilot.engine.server.arg_types import (
     json_object,
     json_string_list,
     non_negative_float,
+    parse_size,
     port,
     positive_int,
+)
+from kvpilot.engine.server.config import (
+    DEFAULT_ENGINE_HANG_TIMEOUT,
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    DEFAULT_SHUTDOWN_TIMEOUT,
+    DEFAULT_TOKENIZER_THREADS,
 )
 
 DEFAULT_HOST = "0.0.0.0"  # inside a pod the server must listen on the pod IP
@@ -47,6 +54,25 @@ def add_frontend_arguments(parser: argparse.ArgumentParser) -> None:
                         help="log level of uvicorn (access log at info)")
     server.add_argument("--disable-uvicorn-access-log", action="store_true",
                         help="no access log line per HTTP request")
+
+    reliability = parser.add_argument_group("limits, probes and shutdown")
+    reliability.add_argument("--max-request-body-bytes", type=parse_size,
+                             default=DEFAULT_MAX_REQUEST_BODY_BYTES, metavar="SIZE",
+                             help="larger request bodies get 413 before they are read in full "
+                                  "(e.g. 32Mi; 0 = no limit)")
+    reliability.add_argument("--tokenizer-threads", type=positive_int,
+                             default=DEFAULT_TOKENIZER_THREADS, metavar="N",
+                             help="threads that tokenize prompts, render chat templates and "
+                                  "detokenize off the event loop")
+    reliability.add_argument("--engine-hang-timeout", type=non_negative_float,
+                             default=DEFAULT_ENGINE_HANG_TIMEOUT, metavar="SECONDS",
+                             help="an engine step running longer than this with requests waiting "
+                                  "fails readiness (/health 503) and those requests (500) until it "
+                                  "returns (0 = never)")
+    reliability.add_argument("--shutdown-timeout", type=non_negative_float,
+                             default=DEFAULT_SHUTDOWN_TIMEOUT, metavar="SECONDS",
+                             help="on SIGTERM: /health 503 and new requests 503 at once, in-flight "
+                                  "requests finish for up to this long, then the process exits 0")
 
     cors = parser.add_argument_group("CORS (browser clients)")
     cors.add_argument("--allowed-origins", type=json_string_list, default=["*"], metavar="JSON",

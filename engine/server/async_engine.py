@@ -27,6 +27,12 @@ NOTE (threading invariants):
   is dead at once: the engine's ``on_dead`` callback (another thread) turns
   ``healthy`` False and wakes the engine thread, which fails every live and queued
   request, whether or not a step was running.
+- A step that runs longer than ``hang_timeout`` (a hung kernel or collective) cannot be
+  interrupted, so the watchdog thread answers for it: ``stalled`` turns True (readiness
+  fails, new requests get ``EngineStalled``) and every consumer waiting gets
+  ``StepTimeout``; it then aborts its request, which the engine thread applies if the
+  step ever returns. The watchdog reads only ``_iteration_started`` and the consumers
+  registered under the lock, never the engine or ``_live``.
 """
 
 from __future__ import annotations
@@ -78,6 +84,14 @@ class RequestFailed(RuntimeError):
     """The engine raised while serving the request."""
 
 
+class StepTimeout(RequestFailed):
+    """The engine step serving the request ran past ``hang_timeout``."""
+
+
+class EngineStalled(RuntimeError):
+    """A step has run past ``hang_timeout``; no request is accepted until it returns."""
+
+
 @dataclass(slots=True)
 class _Live:
     """Engine-thread record of a request whose consumer waits on ``queue``."""
@@ -116,6 +130,8 @@ class AsyncEngine:
             waiting queue plus not-yet-admitted submissions); None = unbounded.
         on_ready: called on the engine thread with the built engine, before any
             request is accepted; returns the per-iteration stats recorder (or None).
+        hang_timeout: seconds one engine iteration may run before the engine counts
+            as stalled (None = never).
     """
 
     def __init__(
@@ -124,6 +140,7 @@ class AsyncEngine:
         *,
         max_waiting_requests: int | None = None,
         on_ready: Callable[[LLMEngine], Callable[[IterationStats], None] | None] | None = None,
+        hang_timeout: float | None = None,
     ) -> None:
         self._build_engine = build_engine
         self._max_waiting = max_waiting_requests
@@ -143,6 +160,12 @@ class AsyncEngine:
         self._tracker = RequestStatsTracker()
         self._record: Callable[[IterationStats], None] | None = None
         self._max_num_seqs: int | None = None
+        self._hang_timeout = hang_timeout
+        # monotonic start of the engine thread's current iteration; None while it sleeps
+        self._iteration_started: float | None = None
+        self._consumers: dict[str, _Live] = {}   # request id -> its waiting consumer
+        self._watcher: threading.Thread | None = None
+        self._stop_watching = threading.Event()
 
     # ------------------------------------------------------------ life cycle
 
@@ -153,6 +176,10 @@ class AsyncEngine:
                 return
             self._thread = threading.Thread(target=self._run, name="kvpilot-engine", daemon=True)
             self._thread.start()
+            if self._hang_timeout is not None:
+                self._watcher = threading.Thread(target=self._watch, name="kvpilot-engine-watchdog",
+                                                 daemon=True)
+                self._watcher.start()
 
     async def wait_ready(self) -> None:
         """Returns once the engine serves; raises the build error if it failed."""
@@ -166,6 +193,9 @@ class AsyncEngine:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
+        self._stop_watching.set()
+        if self._watcher is not None:
+            self._watcher.join(timeout)
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -174,6 +204,21 @@ class AsyncEngine:
         """Built, thread alive, not declared dead."""
         thread = self._thread
         return self._ready.is_set() and not self._dead and thread is not None and thread.is_alive()
+
+    @property
+    def busy_seconds(self) -> float:
+        """How long the engine thread's current iteration has run (0 while it sleeps)."""
+        started = self._iteration_started
+        return 0.0 if started is None else time.monotonic() - started
+
+    @property
+    def stalled(self) -> bool:
+        """The current iteration has run past ``hang_timeout``."""
+        return self._hang_timeout is not None and self.busy_seconds > self._hang_timeout
+
+    def stalled_message(self) -> str:
+        return (f"the engine has made no progress for {self.busy_seconds:.1f} s with requests "
+                f"pending (--engine-hang-timeout {self._hang_timeout:g})")
 
     @property
     def error(self) -> BaseException | None:
@@ -255,13 +300,16 @@ class AsyncEngine:
                     else:
                         item.add(later)
                 if isinstance(item, BaseException):
-                    finished = True  # the engine thread already forgot the request
+                    # The engine thread already forgot a failed request, not a timed-out one.
+                    finished = not isinstance(item, StepTimeout)
                     raise item
                 finished = item.finished
                 yield item
                 if finished:
                     return
         finally:
+            with self._cond:
+                self._consumers.pop(request_id, None)
             if not finished:
                 self._submit_abort(request_id)
 
@@ -271,18 +319,41 @@ class AsyncEngine:
                 raise EngineDead(f"the engine is not serving: {self._error or 'shutting down'}")
             if not self._ready.is_set():
                 raise EngineNotReady("the engine is still loading")
+            if self.stalled:
+                raise EngineStalled(self.stalled_message())
             # Would this request have to wait beyond the bound?
             if self._max_waiting is not None and self._num_waiting_locked(1) > self._max_waiting:
                 raise QueueFull(f"{self._num_waiting_locked()} requests are waiting for a batch "
                                 f"slot (the limit is {self._max_waiting})")
             self._num_pending_adds += 1
             self._commands.append(cmd)
+            self._consumers[cmd.request_id] = cmd.live
             self._cond.notify()
 
     def _submit_abort(self, request_id: str) -> None:
         with self._cond:
             self._commands.append(_Abort(request_id))
             self._cond.notify()
+
+    # ------------------------------------------------------------ watchdog thread
+
+    def _watch(self) -> None:
+        """Fails the consumers of a stalled iteration, once per iteration."""
+        period = min(1.0, self._hang_timeout / 4)
+        failed_iteration = None
+        while not self._stop_watching.wait(period):
+            started = self._iteration_started
+            if started is None or started == failed_iteration or not self.stalled:
+                continue
+            failed_iteration = started
+            with self._cond:
+                waiting = list(self._consumers.values())
+                self._consumers.clear()
+            message = self.stalled_message()
+            logger.error("%s; failing %d request(s)", message, len(waiting))
+            error = StepTimeout(message)
+            for live in waiting:
+                live.deliver(error)
 
     # ------------------------------------------------------------ engine thread
 
@@ -312,6 +383,7 @@ class AsyncEngine:
             logger.exception("engine thread crashed")
             self._declare_dead(exc)
         finally:
+            self._iteration_started = None
             self._fail_all(EngineDead(f"the engine stopped: {self._error}" if self._error is not None
                                       else "the engine stopped"))
             self._close(engine)
@@ -338,6 +410,7 @@ class AsyncEngine:
                     return
                 commands = list(self._commands)
                 self._commands.clear()
+            self._iteration_started = time.monotonic()
             num_adds = self._apply(engine, commands)
             outputs: list[RequestOutput] = []
             if engine.has_unfinished_requests():
@@ -358,6 +431,7 @@ class AsyncEngine:
                         return
             self._deliver(outputs, engine.take_step_stats())
             self._publish_stats(engine, num_adds)
+            self._iteration_started = None
 
     def _apply(self, engine: LLMEngine, commands: list[_Add | _Abort]) -> int:
         """Applies queued commands; returns the number of adds among them."""

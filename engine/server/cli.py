@@ -20,12 +20,17 @@ from kvpilot.engine.server.args import (
 from kvpilot.engine.server.config import server_config_from_namespace
 
 logger = logging.getLogger("kvpilot.engine.server")
+# What uvicorn grants connections still open after the drain (or on SIGINT) before it
+# cancels them.
+UVICORN_GRACEFUL_SECONDS = 2
 
 DESCRIPTION = """\
 Serve a model through an OpenAI-compatible HTTP API: POST /v1/completions,
 /v1/chat/completions (both with stream=true), GET /v1/models, /health (503 until the
-engine is ready), /version, /metrics (Prometheus, vLLM metric names), POST /tokenize,
-/detokenize. Without --model the built-in demo model is served."""
+engine is ready), /livez (liveness), /version, /metrics (Prometheus, vLLM metric names),
+POST /tokenize, /detokenize. SIGTERM drains: new requests get 503 while in-flight ones
+finish (--shutdown-timeout), then the process exits 0. Without --model the built-in demo
+model is served."""
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -56,7 +61,8 @@ def uvicorn_config(ns: argparse.Namespace, app):
 
     return uvicorn.Config(
         app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
-        access_log=not ns.disable_uvicorn_access_log, timeout_graceful_shutdown=5,
+        access_log=not ns.disable_uvicorn_access_log,
+        timeout_graceful_shutdown=UVICORN_GRACEFUL_SECONDS,
         root_path=ns.root_path or "",
         ssl_keyfile=ns.ssl_keyfile, ssl_certfile=ns.ssl_certfile, ssl_ca_certs=ns.ssl_ca_certs,
         ssl_cert_reqs=ns.ssl_cert_reqs)
@@ -64,17 +70,18 @@ def uvicorn_config(ns: argparse.Namespace, app):
 
 async def _serve(ns: argparse.Namespace, engine_args, config) -> int:
     import prometheus_client
-    import uvicorn
 
     from kvpilot.engine.llm_engine import LLMEngine
     from kvpilot.engine.server.app import build_app, build_async_engine
+    from kvpilot.engine.server.graceful import DrainingServer
     from kvpilot.engine.server.metrics import make_registry
 
     # The *_created series vLLM also switches off; a process-wide setting, hence here.
     prometheus_client.disable_created_metrics()
     async_engine, state = build_async_engine(
         lambda: LLMEngine.from_engine_args(engine_args), config, make_registry())
-    server = uvicorn.Server(uvicorn_config(ns, build_app(state)))
+    server = DrainingServer(uvicorn_config(ns, build_app(state)), state.drain,
+                            config.shutdown_timeout)
     async_engine.start()  # the lifespan would too; starting here overlaps loading with binding
     serve_task = asyncio.ensure_future(server.serve())
     ready_task = asyncio.ensure_future(async_engine.wait_ready())

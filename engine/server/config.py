@@ -12,6 +12,10 @@ from typing import Any
 
 # A --chat-template value with one of these is Jinja source, not a file name (as vLLM decides).
 _JINJA_CHARS = "{}\n"
+DEFAULT_MAX_REQUEST_BODY_BYTES = 32 << 20
+DEFAULT_TOKENIZER_THREADS = 4
+DEFAULT_ENGINE_HANG_TIMEOUT = 60.0
+DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +87,12 @@ class ServerConfig:
         enable_request_id_headers: an ``X-Request-Id`` header on every response.
         cors: cross-origin settings.
         chat: chat template, tool calling and reasoning settings.
+        max_request_body_bytes: larger request bodies get 413 (None = no limit).
+        tokenizer_threads: threads that tokenize, render chat templates and detokenize
+            off the event loop (at most this many requests at a time).
+        engine_hang_timeout: seconds an engine step may run, with requests waiting on it,
+            before readiness fails and those requests get a 500 (None = never).
+        shutdown_timeout: seconds SIGTERM waits for in-flight requests before exiting.
     """
 
     served_model_names: tuple[str, ...] = ()
@@ -96,8 +106,20 @@ class ServerConfig:
     enable_request_id_headers: bool = False
     cors: CORSConfig = CORSConfig()
     chat: ChatConfig = ChatConfig()
+    max_request_body_bytes: int | None = DEFAULT_MAX_REQUEST_BODY_BYTES
+    tokenizer_threads: int = DEFAULT_TOKENIZER_THREADS
+    engine_hang_timeout: float | None = DEFAULT_ENGINE_HANG_TIMEOUT
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
 
     def __post_init__(self) -> None:
+        if self.max_request_body_bytes is not None and self.max_request_body_bytes < 1:
+            raise ValueError(f"max_request_body_bytes must be >= 1, got {self.max_request_body_bytes}")
+        if self.tokenizer_threads < 1:
+            raise ValueError(f"tokenizer_threads must be >= 1, got {self.tokenizer_threads}")
+        if self.engine_hang_timeout is not None and not self.engine_hang_timeout > 0:
+            raise ValueError(f"engine_hang_timeout must be > 0, got {self.engine_hang_timeout}")
+        if not self.shutdown_timeout >= 0:
+            raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
         if not self.log_stats_interval >= 0:
@@ -142,4 +164,8 @@ def server_config_from_namespace(ns: argparse.Namespace) -> ServerConfig:
         cors=CORSConfig(tuple(ns.allowed_origins), tuple(ns.allowed_methods),
                         tuple(ns.allowed_headers), ns.allow_credentials),
         chat=chat,
+        max_request_body_bytes=ns.max_request_body_bytes or None,
+        tokenizer_threads=ns.tokenizer_threads,
+        engine_hang_timeout=ns.engine_hang_timeout or None,
+        shutdown_timeout=ns.shutdown_timeout,
     )

@@ -22,6 +22,8 @@ NOT_FOUND = "not_found_error"
 RATE_LIMIT = "rate_limit_error"
 SERVER_ERROR = "server_error"
 UNAVAILABLE = "service_unavailable"
+# Seconds a 503 (loading, draining, a broken or stalled engine) asks clients to wait.
+UNAVAILABLE_RETRY_AFTER = "5"
 
 
 class APIError(Exception):
@@ -98,7 +100,8 @@ async def _on_http_error(_: Request, exc: StarletteHTTPException) -> JSONRespons
     status = exc.status_code
     kind = NOT_FOUND if status == HTTPStatus.NOT_FOUND else (
         INVALID_REQUEST if status < 500 else SERVER_ERROR)
-    return error_json_response(APIError(status, str(exc.detail), type=kind,
+    code = "request_too_large" if status == HTTPStatus.REQUEST_ENTITY_TOO_LARGE else None
+    return error_json_response(APIError(status, str(exc.detail), type=kind, code=code,
                                         headers=getattr(exc, "headers", None)))
 
 

@@ -21,6 +21,7 @@ from kvpilot.engine.sampling_params import SamplingParams, StructuredOutputsPara
 from kvpilot.engine.server.async_engine import (
     EngineDead,
     EngineNotReady,
+    EngineStalled,
     QueueFull,
     RequestFailed,
     RequestRejected,
@@ -29,6 +30,7 @@ from kvpilot.engine.server.errors import (
     RATE_LIMIT,
     SERVER_ERROR,
     UNAVAILABLE,
+    UNAVAILABLE_RETRY_AFTER,
     APIError,
     bad_request,
 )
@@ -52,9 +54,10 @@ def to_api_error(exc: BaseException, state: ServerState) -> APIError:
                         type=RATE_LIMIT, code="rate_limit_exceeded", headers={"Retry-After": seconds})
     if isinstance(exc, RequestRejected):
         return bad_request(str(exc))
-    if isinstance(exc, EngineNotReady | EngineDead):
+    if isinstance(exc, EngineNotReady | EngineDead | EngineStalled):
         return APIError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), type=UNAVAILABLE,
-                        headers={"Retry-After": "5"})
+                        code="engine_stalled" if isinstance(exc, EngineStalled) else None,
+                        headers={"Retry-After": UNAVAILABLE_RETRY_AFTER})
     if isinstance(exc, RequestFailed):
         return APIError(HTTPStatus.INTERNAL_SERVER_ERROR, str(exc), type=SERVER_ERROR)
     return APIError(HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(exc).__name__}: {exc}",

@@ -74,9 +74,12 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
                               f"{body.tool_choice if isinstance(body.tool_choice, str) else 'naming a function'}",
                               param=param)
         constraint, param = plan.constraint, "tools"
-    prompt = render_chat(engine.tokenizer, body.messages, body.add_generation_prompt,
-                         {**chat.default_template_kwargs, **(body.chat_template_kwargs or {})},
-                         chat_template=chat.chat_template, tools=plan.template_tools)
+    limit = state.length_limit
+    prompt = await state.run_blocking(
+        lambda: render_chat(engine.tokenizer, body.messages, body.add_generation_prompt,
+                            {**chat.default_template_kwargs, **(body.chat_template_kwargs or {})},
+                            chat_template=chat.chat_template, tools=plan.template_tools,
+                            limit=limit))
     if not prompt:
         raise bad_request("the rendered conversation is empty", param="messages")
     defaults = engine.model_config.default_sampling

@@ -59,7 +59,8 @@ async def create_completion(body: CompletionRequest, request: Request,
     max_model_len = engine.model_config.max_model_len
     defaults = engine.model_config.default_sampling
     requested = body.max_tokens if body.max_tokens is not None else defaults.get("max_tokens")
-    prompts = completion_prompt_ids(body.prompt, engine.tokenizer, engine.model_config.arch.vocab_size)
+    prompts = await state.run_blocking(completion_prompt_ids, body.prompt, engine.tokenizer,
+                                       engine.model_config.arch.vocab_size, state.length_limit)
     constraint, param = requested_constraint(body)
     if constraint is not None:
         await check_constraint(state, constraint, param)

@@ -1,4 +1,10 @@
-"""Everything but generation: models, health, version, metrics, tokenize, detokenize."""
+"""Everything but generation: models, probes, version, metrics, tokenize, detokenize.
+
+Probes: ``/livez`` (liveness) answers from the event loop alone, never waiting on the
+engine, so only a wedged process or a dead engine fails it; ``/health`` (readiness, as
+vLLM's) is 503 while the engine loads, while the server drains after SIGTERM, when the
+engine is dead, and while an engine step has run past ``--engine-hang-timeout``.
+"""
 
 from __future__ import annotations
 
@@ -36,14 +42,29 @@ def server_version() -> str:
 
 
 @router.get("/health", response_class=Response, responses={
-    200: {"description": "the engine is built and its loop is running"},
-    503: {"model": ErrorResponse, "description": "the engine is loading or broken"}})
+    200: {"description": "ready: the engine is built and making progress, the server not draining"},
+    503: {"model": ErrorResponse,
+          "description": "loading, draining, engine dead, or an engine step past the hang timeout"}})
 async def health(state: ServerState = Depends(server_state)) -> Response:
-    engine = state.engine
-    if engine.healthy:
+    problem = (("the server is shutting down", "shutting_down") if state.drain.draining
+               else state.engine_problem())
+    if problem is None:
         return Response(status_code=HTTPStatus.OK)
-    message = "the engine is loading" if engine.error is None else not_serving_message(engine.error)
-    return JSONResponse(error_body(message, UNAVAILABLE), status_code=HTTPStatus.SERVICE_UNAVAILABLE)
+    message, code = problem
+    return JSONResponse(error_body(message, UNAVAILABLE, code=code),
+                        status_code=HTTPStatus.SERVICE_UNAVAILABLE)
+
+
+@router.get("/livez", response_class=Response, responses={
+    200: {"description": "the process serves HTTP (also while loading, draining or stalled)"},
+    503: {"model": ErrorResponse, "description": "the engine is dead: restart the process"}})
+async def livez(state: ServerState = Depends(server_state)) -> Response:
+    engine = state.engine
+    if engine.error is not None and not engine.healthy:
+        return JSONResponse(error_body(not_serving_message(engine.error), UNAVAILABLE,
+                                       code="engine_dead"),
+                            status_code=HTTPStatus.SERVICE_UNAVAILABLE)
+    return Response(status_code=HTTPStatus.OK)
 
 
 @router.get("/version", response_model=VersionResponse)
@@ -76,10 +97,12 @@ async def tokenize(body: TokenizeRequest, state: ServerState = Depends(ready_sta
     engine = state.engine.engine
     if isinstance(body, TokenizeChatRequest):
         chat = state.config.chat
-        tokens = render_chat(engine.tokenizer, body.messages, body.add_generation_prompt,
-                             dict(chat.default_template_kwargs), chat_template=chat.chat_template)
+        tokens = await state.run_blocking(
+            lambda: render_chat(engine.tokenizer, body.messages, body.add_generation_prompt,
+                                dict(chat.default_template_kwargs), chat_template=chat.chat_template))
     else:
-        tokens = encode_text(engine.tokenizer, body.prompt, body.add_special_tokens)
+        tokens = await state.run_blocking(encode_text, engine.tokenizer, body.prompt,
+                                          body.add_special_tokens)
     return TokenizeResponse(count=len(tokens), max_model_len=engine.model_config.max_model_len,
                             tokens=tokens)
 
@@ -89,4 +112,4 @@ async def detokenize(body: DetokenizeRequest, state: ServerState = Depends(ready
     state.check_model(body.model)
     engine = state.engine.engine
     check_token_ids(body.tokens, engine.model_config.arch.vocab_size, "tokens")
-    return DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens))
+    return DetokenizeResponse(prompt=await state.run_blocking(engine.tokenizer.decode, body.tokens))

@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
+from typing import TypeVar
 
+import anyio.to_thread
+from anyio import CapacityLimiter
 from fastapi import Request
 from prometheus_client import CollectorRegistry
 
 from kvpilot.engine.server.async_engine import AsyncEngine
 from kvpilot.engine.server.config import ServerConfig
-from kvpilot.engine.server.errors import UNAVAILABLE, APIError
+from kvpilot.engine.server.drain import Drain
+from kvpilot.engine.server.errors import UNAVAILABLE, UNAVAILABLE_RETRY_AFTER, APIError
+from kvpilot.engine.server.prompts import LengthLimit
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,7 +29,32 @@ class ServerState:
     engine: AsyncEngine
     config: ServerConfig
     registry: CollectorRegistry
+    tokenizer_limiter: CapacityLimiter
+    drain: Drain = field(default_factory=Drain)
     created: int = field(default_factory=lambda: int(time.time()))
+
+    async def run_blocking(self, fn: Callable[..., T], *args) -> T:
+        """``fn(*args)`` on a worker thread, at most ``--tokenizer-threads`` at a time: for
+        tokenizing, templating and detokenizing, which would stall every stream on the
+        event loop (the tokenizers library releases the GIL while it encodes)."""
+        return await anyio.to_thread.run_sync(fn, *args, limiter=self.tokenizer_limiter)
+
+    @property
+    def length_limit(self) -> LengthLimit:
+        """What a prompt's character count alone proves about fitting the context."""
+        engine = self.engine.engine
+        return LengthLimit(engine.model_config.max_model_len, engine.tokenizer.max_chars_per_token)
+
+    def engine_problem(self) -> tuple[str, str] | None:
+        """Why the engine cannot take requests now, as ``(message, code)``; None when it can."""
+        engine = self.engine
+        if not engine.healthy:
+            if engine.error is not None:
+                return not_serving_message(engine.error), "engine_dead"
+            return "the engine is loading", "engine_loading"
+        if engine.stalled:
+            return engine.stalled_message(), "engine_stalled"
+        return None
 
     @property
     def model_name(self) -> str:
@@ -59,12 +92,11 @@ def server_state(request: Request) -> ServerState:
 def ready_state(request: Request) -> ServerState:
     """FastAPI dependency: the app's state once the engine serves; 503 before that."""
     state: ServerState = request.app.state.server
-    engine = state.engine
-    if not engine.healthy:
-        if engine.error is not None:
-            message, code = not_serving_message(engine.error), "engine_dead"
-        else:
-            message, code = "the engine is still loading; retry shortly", "engine_loading"
+    problem = state.engine_problem()
+    if problem is not None:
+        message, code = problem
+        if code == "engine_loading":
+            message = "the engine is still loading; retry shortly"
         raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, message, type=UNAVAILABLE, code=code,
-                       headers={"Retry-After": "5"})
+                       headers={"Retry-After": UNAVAILABLE_RETRY_AFTER})
     return state

@@ -20,6 +20,7 @@ models too); ``apply_chat_template`` renders as transformers does with ``tokeniz
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -33,6 +34,7 @@ from kvpilot.engine.text.chat_templates import (
     compile_chat_template,
     render_chat_template,
 )
+from kvpilot.engine.text.length_bound import max_chars_per_token
 
 # Named special-token attributes of HF tokenizers; set ones become template variables.
 SPECIAL_TOKEN_NAMES = (
@@ -220,7 +222,10 @@ class Tokenizer:
         """Token ids of ``text``; ``add_special_tokens`` applies the post-processor (BOS/EOS)."""
         if not isinstance(text, str):
             raise TypeError(f"encode expects a str, got {type(text).__name__}")
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # The batch call holds the GIL only to convert, ``encode`` holds it throughout: with it a
+        # long prompt tokenized on a server thread would stall the event loop for seconds.
+        # Same ids; the fast variant skips the character offsets nobody reads here.
+        return self._backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``; ids outside the vocabulary (e.g. the model's padded rows) yield nothing."""
@@ -241,6 +246,12 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         """Id of vocabulary string ``token``, or None."""
         return self._backend.token_to_id(token)
+
+    @functools.cached_property
+    def max_chars_per_token(self) -> int | None:
+        """The most input characters one token can cover (None: no bound is known); see
+        ``length_bound``. Computed on first use (it parses the whole vocabulary)."""
+        return max_chars_per_token(json.loads(self._backend.to_str()))
 
     # -- special tokens ------------------------------------------------------------
 

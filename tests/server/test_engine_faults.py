@@ -1,0 +1,224 @@
+"""A step that hangs or keeps raising fails requests and readiness, never hangs a client
+(issue 16, acceptance 5).
+
+The real app runs under uvicorn on a loopback port around a real engine whose model
+runner is wrapped by the test: armed, its ``execute`` blocks until released (a hung
+kernel) or raises (a broken device). Clients are real: the openai SDK and httpx streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from kvpilot.engine.server.app import build_app, build_async_engine
+from kvpilot.engine.server.async_engine import MAX_CONSECUTIVE_STEP_FAILURES
+from kvpilot.engine.server.config import ServerConfig
+from kvpilot.engine.server.launch import free_port
+from kvpilot.engine.server.metrics import make_registry
+
+pytestmark = pytest.mark.slow
+
+HANG_TIMEOUT_S = 1.0
+SLACK_S = 0.5          # polling period, watchdog period and a busy 2-core machine
+LONG = {"model": "kvpilot-demo", "prompt": "Once upon a time", "max_tokens": 400,
+        "ignore_eos": True, "temperature": 0}
+
+
+def sdk_args(max_tokens: int) -> dict:
+    """``LONG`` as openai SDK arguments (``ignore_eos`` is a kvpilot / vLLM extra)."""
+    return {"model": LONG["model"], "prompt": LONG["prompt"], "max_tokens": max_tokens,
+            "temperature": 0, "extra_body": {"ignore_eos": True}}
+
+
+class FaultyExecute:
+    """Wraps ``ModelRunner.execute``: ``mode`` None passes through, "hang" blocks until
+    ``release``, "raise" raises."""
+
+    def __init__(self, execute) -> None:
+        self.execute = execute
+        self.mode: str | None = None
+        self.release = threading.Event()
+        self.hung_at: float | None = None    # when the hanging call began
+
+    def __call__(self, *args, **kwargs):
+        if self.mode == "hang":
+            self.hung_at = time.monotonic()
+            self.release.wait(120)
+        elif self.mode == "raise":
+            raise RuntimeError("injected: device error")
+        return self.execute(*args, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    from kvpilot.engine import LLM
+
+    return LLM(kv_cache_memory_bytes=16 << 20, max_model_len=1024, max_num_seqs=4)
+
+
+@pytest.fixture
+def faulty(llm, monkeypatch):
+    """The engine's model runner, wrapped for fault injection (unwrapped afterwards)."""
+    wrapper = FaultyExecute(llm.llm_engine.runner.execute)
+    monkeypatch.setattr(llm.llm_engine.runner, "execute", wrapper)
+    yield wrapper
+    wrapper.mode = None
+    wrapper.release.set()
+
+
+@contextlib.asynccontextmanager
+async def clients(base_url: str):
+    """An openai SDK client and an httpx client for the server at ``base_url``."""
+    sdk = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=60)
+    async with sdk, httpx.AsyncClient(base_url=base_url, timeout=60) as http:
+        yield sdk, http
+
+
+@contextlib.contextmanager
+def serving(engine, config: ServerConfig) -> Iterator[str]:
+    """The app around ``engine`` under uvicorn on a thread; yields its base URL."""
+    _, state = build_async_engine(lambda: engine, config, make_registry())
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(build_app(state), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{base_url}/health", timeout=5).status_code == 200:
+                    break
+            assert time.monotonic() < deadline and thread.is_alive(), "server never became ready"
+            time.sleep(0.1)
+        yield base_url
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        state.engine.shutdown()
+
+
+async def _stream(http: httpx.AsyncClient, first: asyncio.Event) -> list[dict | str]:
+    """A completion stream's events (``[DONE]`` as the string); sets ``first`` on the first."""
+    events: list[dict | str] = []
+    async with http.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as response:
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if line.startswith("data: "):
+                events.append("[DONE]" if line == "data: [DONE]" else json.loads(line[6:]))
+                first.set()
+    return events
+
+
+async def _wait_status(http: httpx.AsyncClient, path: str, status: int, since: float) -> float:
+    """Polls ``path`` every 50 ms until it answers ``status``; seconds since ``since``."""
+    while (await http.get(path)).status_code != status:
+        assert time.monotonic() - since < 30, f"{path} never answered {status}"
+        await asyncio.sleep(0.05)
+    return time.monotonic() - since
+
+
+async def _in_flight(http: httpx.AsyncClient, sdk: openai.AsyncOpenAI):
+    """Two streams that have had their first chunk and a plain request under way."""
+    firsts = [asyncio.Event(), asyncio.Event()]
+    streams = [asyncio.ensure_future(_stream(http, f)) for f in firsts]
+    plain = asyncio.ensure_future(sdk.completions.create(**sdk_args(LONG["max_tokens"])))
+    for f in firsts:
+        await asyncio.wait_for(f.wait(), 30)
+    await asyncio.sleep(0.1)
+    assert not plain.done()
+    return streams, plain
+
+
+def _assert_failed_stream(events: list) -> None:
+    assert events[-1] == "[DONE]" and "choices" in events[0]
+    error = events[-2]["error"]
+    assert error["type"] == "server_error", events[-2]
+
+
+def test_hung_step_fails_readiness_and_requests_then_recovers(llm, faulty):
+    engine = llm.llm_engine
+    figures = {}
+
+    async def scenario(base_url: str) -> None:
+        async with clients(base_url) as (sdk, http):
+            before = (await sdk.completions.create(**sdk_args(8))).choices[0].text
+            streams, plain = await _in_flight(http, sdk)
+            faulty.mode = "hang"
+            armed = time.monotonic()
+            await _wait_status(http, "/health", 503, armed)
+            hung_at = faulty.hung_at
+            figures["readiness"] = time.monotonic() - hung_at
+            assert (await http.get("/health")).json()["error"]["code"] == "engine_stalled"
+            assert (await http.get("/livez")).status_code == 200      # not a restart case
+            with pytest.raises(openai.InternalServerError) as info:
+                await asyncio.wait_for(plain, 10)
+            assert "no progress" in info.value.body["message"]
+            figures["plain"] = time.monotonic() - hung_at
+            for stream in streams:
+                _assert_failed_stream(await asyncio.wait_for(stream, 10))
+            figures["streams"] = time.monotonic() - hung_at
+            refused = await http.post("/v1/completions", json=LONG)
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_stalled"
+            assert refused.headers["Retry-After"]
+
+            faulty.mode = None
+            faulty.release.set()
+            await _wait_status(http, "/health", 200, time.monotonic())
+            after = (await sdk.completions.create(**sdk_args(8))).choices[0].text
+            assert after == before
+
+    with serving(engine, ServerConfig(engine_hang_timeout=HANG_TIMEOUT_S)) as base_url:
+        asyncio.run(scenario(base_url))
+    assert not engine.has_unfinished_requests()
+    print(f"\n[A5 hang] threshold {HANG_TIMEOUT_S} s; after the step hung: /health 503 after "
+          f"{figures['readiness']:.2f} s, "
+          f"plain request 500 after {figures['plain']:.2f} s, both streams error+[DONE] after "
+          f"{figures['streams']:.2f} s; recovered when the step returned")
+    # The hung iteration began a little before the runner call (scheduling), hence the 0.2 s.
+    assert HANG_TIMEOUT_S - 0.2 <= figures["readiness"] <= HANG_TIMEOUT_S + SLACK_S
+    assert figures["streams"] <= HANG_TIMEOUT_S + SLACK_S
+
+
+def test_raising_steps_fail_requests_then_readiness_and_liveness(llm, faulty):
+    engine = llm.llm_engine
+    figures = {}
+
+    async def scenario(base_url: str) -> None:
+        async with clients(base_url) as (sdk, http):
+            streams, plain = await _in_flight(http, sdk)
+            faulty.mode = "raise"
+            armed = time.monotonic()
+            with pytest.raises(openai.InternalServerError) as info:
+                await asyncio.wait_for(plain, 10)
+            assert "injected: device error" in info.value.body["message"]
+            for stream in streams:
+                _assert_failed_stream(await asyncio.wait_for(stream, 10))
+            figures["requests"] = time.monotonic() - armed
+            # One failed step is taken as transient; consecutive ones mean a broken engine.
+            for _ in range(MAX_CONSECUTIVE_STEP_FAILURES - 1):
+                assert (await http.get("/health")).status_code == 200
+                failed = await http.post("/v1/completions", json=LONG)
+                assert failed.status_code == 500 and failed.json()["error"]["type"] == "server_error"
+            figures["readiness"] = await _wait_status(http, "/health", 503, armed)
+            assert (await http.get("/livez")).status_code == 503
+            assert (await http.post("/v1/completions", json=LONG)).status_code == 503
+
+    with serving(engine, ServerConfig(engine_hang_timeout=HANG_TIMEOUT_S)) as base_url:
+        asyncio.run(scenario(base_url))
+    faulty.mode = None
+    assert not engine.has_unfinished_requests()
+    print(f"\n[A5 raise] in-flight requests 500 / error+[DONE] after {figures['requests']:.2f} s; "
+          f"/health and /livez 503 after {MAX_CONSECUTIVE_STEP_FAILURES} failed steps "
+          f"({figures['readiness']:.2f} s)")
