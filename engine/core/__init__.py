@@ -2,6 +2,7 @@
 
 - ``constants``: names and limits shared with the CLI and the operator (one source each).
 - ``kv_layout``: the KV-cache memory formula (``KVLayout``), shared with the planner.
+- ``weight_quant``: a checkpoint's FP8 weight format from config.json, shared with the planner.
 - ``block_hash``: hash-chained block hashes for prefix caching.
 - ``block_pool``: blocks, ref counts, the LRU free queue and the hash -> block map.
 - ``kv_cache_manager``: per-request block tables and prefix-cache lookups.

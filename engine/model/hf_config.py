@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvpilot.engine.core.weight_quant import Fp8WeightConfig, parse_quantization_config
+
 # architecture name -> (q/k/v bias, per-head q/k RMSNorm)
 SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
     "LlamaForCausalLM": (False, False),
@@ -65,6 +67,7 @@ class ArchConfig:
     sliding_window_layers: tuple[int, ...] = ()  # layer indices that use it
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    quantization: Fp8WeightConfig | None = None   # FP8 weights (None: unquantized)
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -165,6 +168,7 @@ def parse_arch_config(cfg: dict[str, Any], architecture: str | None = None) -> A
         sliding_window_layers=sliding_layers,
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=_eos_ids(cfg.get("eos_token_id")),
+        quantization=parse_quantization_config(cfg),
     )
 
 

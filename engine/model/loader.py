@@ -5,6 +5,12 @@ projections. Under tensor parallelism each rank reads only its own slice of ever
 tensor (safetensors slices), straight into parameters allocated on its device. Missing
 or unexpected tensors are an error that names them; per-layer fp8 KV scales
 (``...k_scale`` / ``...v_scale``) are picked up when present.
+
+FP8-weight checkpoints (``ArchConfig.quantization``): the decoder's linear layers are
+built with FP8 storage before loading (``layers.fp8_linear``), their e4m3 weights are
+copied byte for byte (a weight that is not e4m3 there is an error) and their scales
+(``weight_scale``, or ``weight_scale_inv`` in the fine-grained format) go into
+``weight_scale``; static activation scales (``input_scale``) are not used.
 """
 
 from __future__ import annotations
@@ -19,7 +25,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from kvpilot.engine.core.weight_quant import Fp8WeightConfig
 from kvpilot.engine.model.hf_config import ArchConfig
+from kvpilot.engine.model.layers.fp8_linear import use_fp8_weight
 from kvpilot.engine.model.layers.rotary import RotaryEmbedding
 from kvpilot.engine.model.models.llama import LlamaForCausalLM
 from kvpilot.engine.model.parallel.group import TPGroup
@@ -36,6 +44,16 @@ _FUSED = {
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
 }
 _KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:attn\.)?([kv])_scale$")
+# checkpoint suffix -> engine parameter (FP8 scales: both formats multiply)
+_SUFFIXES = {".weight": ".weight", ".bias": ".bias", ".weight_scale": ".weight_scale",
+             ".weight_scale_inv": ".weight_scale"}
+# engine linear layer -> the checkpoint modules fused into it
+_LINEARS = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "self_attn.o_proj": ("self_attn.o_proj",),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.down_proj": ("mlp.down_proj",),
+}
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -69,12 +87,13 @@ def _target(name: str) -> tuple[str, int | None]:
     m = _LAYER.match(name)
     if m:
         layer, rest = m.groups()
-        for suffix in (".weight", ".bias"):
+        for suffix, param in _SUFFIXES.items():
             if rest.endswith(suffix):
                 base = rest[: -len(suffix)]
                 if base in _FUSED:
                     fused, shard = _FUSED[base]
-                    return f"layers.{layer}.{fused}{suffix}", shard
+                    return f"layers.{layer}.{fused}{param}", shard
+                return f"layers.{layer}.{base}{param}", None
         return f"layers.{layer}.{rest}", None
     if name.startswith("model."):
         return name[len("model."):], None
@@ -100,6 +119,8 @@ def load_model(model_dir: str | Path, cfg: ArchConfig, max_model_len: int,
     model_dir = Path(model_dir)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, max_model_len, tp).to(dtype)
+        if cfg.quantization is not None:
+            _use_fp8_weights(model, cfg.quantization)
     model = model.to_empty(device=device)
     modules = dict(model.named_modules())
     params = dict(model.named_parameters())
@@ -112,7 +133,7 @@ def load_model(model_dir: str | Path, cfg: ArchConfig, max_model_len: int,
             value = read_shard(src, 0, None).float().reshape(-1)[0]
             kv_scales[(int(scale.group(1)), scale.group(2))] = float(value)
             continue
-        if "rotary_emb.inv_freq" in name:
+        if "rotary_emb.inv_freq" in name or (cfg.quantization is not None and name.endswith(".input_scale")):
             continue
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
@@ -121,6 +142,9 @@ def load_model(model_dir: str | Path, cfg: ArchConfig, max_model_len: int,
             unexpected.append(name)
             continue
         module_name, _, param_name = target.rpartition(".")
+        if params[target].dtype == torch.float8_e4m3fn and src.get_dtype() != "F8_E4M3":
+            raise ValueError(f"weight {name} is {src.get_dtype()}, but config.json declares FP8 "
+                             f"weights ({cfg.quantization.name}) for this layer")
         try:
             _load_one(modules[module_name], param_name, src, shard)
         except ShapeMismatch as exc:
@@ -142,6 +166,18 @@ def load_model(model_dir: str | Path, cfg: ArchConfig, max_model_len: int,
         getattr(model.layers[layer].self_attn, f"{kind}_scale").fill_(value)
     model.loaded_kv_scales = bool(kv_scales)
     return model.eval()
+
+
+def _use_fp8_weights(model: LlamaForCausalLM, config: Fp8WeightConfig) -> None:
+    """FP8 storage for the linear layers the checkpoint quantized (not those it ignores)."""
+    for i, layer in enumerate(model.layers):
+        for engine_name, sources in _LINEARS.items():
+            quantized = {config.quantizes(f"model.layers.{i}.{src}") for src in sources}
+            if len(quantized) != 1:
+                raise ValueError(f"layer {i}: {', '.join(sources)} must be all FP8 or all unquantized "
+                                 f"(they are fused into one matmul)")
+            if quantized.pop():
+                use_fp8_weight(layer.get_submodule(engine_name), config)
 
 
 def _materialize_buffers(model: LlamaForCausalLM, cfg: ArchConfig, max_model_len: int) -> None:

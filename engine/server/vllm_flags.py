@@ -78,7 +78,7 @@ VLLM_FLAGS: tuple[VLLMFlag, ...] = (
     _h("--max-logprobs", "most logprobs / top_logprobs a request may ask for (`-1`: the vocabulary)"),
     _h("--enforce-eager", "CUDA: no CUDA graphs (decode batches otherwise replay graphs captured for 1, 2, 4, 8, 16, ... up to --max-num-seqs)"),
     _h("--device", "`auto`, `cpu`, `cuda`, `cuda:N`"),
-    _r("--quantization", "weight quantization is not implemented (the fp8 KV cache is --kv-cache-dtype)", "-q"),
+    _r("--quantization", "the checkpoint's own quantization_config is served (FP8: compressed-tensors or fp8); kvpilot does not quantize 16-bit weights itself (the fp8 KV cache is --kv-cache-dtype)", "-q"),
     _r("--revision", _HUB),
     _r("--code-revision", _HUB),
     _r("--tokenizer-revision", _HUB),

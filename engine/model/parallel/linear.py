@@ -13,12 +13,15 @@ at one rank).
 
 Each layer loads its parameters from checkpoint tensors with ``load_weight(name, src,
 shard_id)``: ``src`` is read only where this rank's shard lies (``sharding.read_shard``)
-and converted to the parameter's dtype afterwards, whatever that dtype is.
+and converted to the parameter's dtype afterwards, whatever that dtype is. The linear
+layers may hold FP8 weights with a ``weight_scale`` (``layers.fp8_linear``); a one-value
+checkpoint tensor (a per-tensor scale) fills its part's rows.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvpilot.engine.model.layers.fp8_linear import fp8_linear
 from kvpilot.engine.model.parallel.group import TPGroup
 from kvpilot.engine.model.parallel.sharding import (
     Shard,
@@ -71,6 +75,7 @@ class ColumnParallelLinear(nn.Module):
         self.offsets = tuple(itertools.accumulate((p.size for p in self.parts), initial=0))
         self.weight = nn.Parameter(torch.empty(self.offsets[-1], input_size))
         self.bias = nn.Parameter(torch.empty(self.offsets[-1])) if bias else None
+        self.fp8 = None    # an Fp8WeightConfig once ``use_fp8_weight`` made the weight FP8
 
     @property
     def output_sizes(self) -> list[int]:
@@ -90,9 +95,15 @@ class ColumnParallelLinear(nn.Module):
         # the part's place in the fused parameter, in the parameter's own rows (a tensor
         # attached to the weight may have one row per block of weight rows)
         start = self.offsets[index] * param.shape[0] // self.offsets[-1]
+        if math.prod(shape_of(src)) == 1:    # one value for the whole part: fill its rows
+            stop = self.offsets[index + 1] * param.shape[0] // self.offsets[-1]
+            _copy(param.data[start:stop], rows.reshape(()))
+            return
         _copy(param.data[start:start + rows.shape[0]], rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8 is not None:
+            return fp8_linear(x, self.weight, self.weight_scale, self.bias, self.fp8)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -106,6 +117,7 @@ class RowParallelLinear(nn.Module):
         self.shard = even_shard(input_size, tp.rank, tp.world_size, "input size")
         self.weight = nn.Parameter(torch.empty(output_size, self.shard.size))
         self.bias = nn.Parameter(torch.empty(output_size)) if bias else None
+        self.fp8 = None    # an Fp8WeightConfig once ``use_fp8_weight`` made the weight FP8
 
     def load_weight(self, name: str, src: Any, shard_id: int | None) -> None:
         param = getattr(self, name)
@@ -115,10 +127,15 @@ class RowParallelLinear(nn.Module):
             check_shape(src, tuple(param.shape))
         _copy(param.data, read_shard(src, 1, self.shard))
 
+    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.fp8 is not None:
+            return fp8_linear(x, self.weight, self.weight_scale, bias, self.fp8)
+        return F.linear(x, self.weight, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+            return self._linear(x, self.bias)
+        y = self.tp.all_reduce(self._linear(x, None))
         return y if self.bias is None else y + self.bias
 
 
