@@ -68,7 +68,9 @@ class OperatorSettings:
         liveness_endpoint: kopf's liveness URL to serve (None = off).
         hpa_kv_usage_metric / hpa_waiting_metric / hpa_preemption_metric: custom-metrics
             names used by HPAs.
-        termination_grace_seconds: how long a terminating engine pod may drain.
+        termination_grace_seconds: how long a terminating engine pod may drain: its
+            ``--shutdown-timeout`` (the pod's grace period adds the preStop sleep and a
+            margin for the exit).
         peering: kopf peering name, or None for a standalone operator (the default). With a
             name, the replicas elect one to reconcile (``kvpilot.operator.peering``).
         peering_lifetime: seconds a replica's peering keep-alive stays valid: after a crash

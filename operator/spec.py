@@ -13,6 +13,7 @@ CRD schema adds (types and bounds).
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ DEFAULT_PROMETHEUS = "http://prometheus-operated.monitoring.svc:9090"
 # vLLM queue-depth target; one preemption per 10 s per pod means the KV cache thrashes.
 DEFAULT_WAITING_REQUESTS_TARGET = 5
 DEFAULT_PREEMPTION_RATE_TARGET = 0.1
+SHUTDOWN_TIMEOUT_FLAG = "--shutdown-timeout"   # kvpilot serve's drain time after SIGTERM
 
 # field -> (type, bounds as in the CRD schema: Reader.get's keyword arguments)
 Fields = dict[str, tuple[type, dict[str, Any]]]
@@ -148,6 +150,18 @@ class EngineSpec:
 
     pinned: Mapping[str, Any] = field(default_factory=dict)
     extra_args: tuple[str, ...] = ()
+
+    @property
+    def shutdown_timeout(self) -> float | None:
+        """The drain time ``extra_args`` set (the last ``--shutdown-timeout``, as argparse
+        reads it), or None."""
+        value = None
+        for i, arg in enumerate(self.extra_args):
+            if arg == SHUTDOWN_TIMEOUT_FLAG and i + 1 < len(self.extra_args):
+                value = self.extra_args[i + 1]
+            elif arg.startswith(SHUTDOWN_TIMEOUT_FLAG + "="):
+                value = arg.partition("=")[2]
+        return None if value is None else float(value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -324,6 +338,12 @@ def _parse_engine(r: Reader | None) -> EngineSpec:
     extra = r.items("extraArgs", lambda a: isinstance(a, str), "strings")
     if any(a.startswith("--api-key") for a in extra):
         raise SpecError("pass the API key through spec.apiKeySecretRef, never on the command line")
+    try:
+        timeout = EngineSpec(extra_args=extra).shutdown_timeout
+    except ValueError:
+        timeout = -1.0
+    if timeout is not None and not 0 <= timeout < math.inf:
+        raise SpecError(f"engine.extraArgs: {SHUTDOWN_TIMEOUT_FLAG} needs a number of seconds >= 0")
     engine = _read(r, ENGINE_FIELDS)
     if (engine["maxNumBatchedTokens"] is not None and engine["maxNumSeqs"] is not None
             and engine["maxNumBatchedTokens"] < engine["maxNumSeqs"]):

@@ -29,3 +29,9 @@ DEFAULT_OFFLOAD_DISK_PATH = "/var/cache/kvpilot/kv"
 # GPUs per model replica (``--tensor-parallel-size``): tensor parallelism within one node
 # (one pod); the CRD's gpu.count has the same ceiling. Multi-node replicas are out of scope.
 MAX_TENSOR_PARALLEL_SIZE = 8
+
+# The server's probe routes, which the operator's Deployment probes: readiness (vLLM's
+# /health: loading, draining, a dead or stalled engine are 503) and liveness (never
+# waits on the engine).
+READINESS_PATH = "/health"
+LIVENESS_PATH = "/livez"

@@ -19,10 +19,11 @@ from http import HTTPStatus
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from kvpilot.engine.core.constants import LIVENESS_PATH, READINESS_PATH
 from kvpilot.engine.server.errors import UNAVAILABLE, UNAVAILABLE_RETRY_AFTER, error_body
 
 # Paths answered while draining: the probes and what monitoring reads.
-UNGATED_PATHS = frozenset({"/health", "/livez", "/metrics", "/version"})
+UNGATED_PATHS = frozenset({READINESS_PATH, LIVENESS_PATH, "/metrics", "/version"})
 _POLL_SECONDS = 0.05
 
 

@@ -15,6 +15,7 @@ from fastapi import APIRouter, Depends, Response
 from fastapi.responses import JSONResponse
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 
+from kvpilot.engine.core.constants import LIVENESS_PATH, READINESS_PATH
 from kvpilot.engine.server.errors import UNAVAILABLE, error_body
 from kvpilot.engine.server.prompts import check_token_ids, encode_text, render_chat
 from kvpilot.engine.server.protocol import (
@@ -41,7 +42,7 @@ def server_version() -> str:
         return "unknown"
 
 
-@router.get("/health", response_class=Response, responses={
+@router.get(READINESS_PATH, response_class=Response, responses={
     200: {"description": "ready: the engine is built and making progress, the server not draining"},
     503: {"model": ErrorResponse,
           "description": "loading, draining, engine dead, or an engine step past the hang timeout"}})
@@ -55,7 +56,7 @@ async def health(state: ServerState = Depends(server_state)) -> Response:
                         status_code=HTTPStatus.SERVICE_UNAVAILABLE)
 
 
-@router.get("/livez", response_class=Response, responses={
+@router.get(LIVENESS_PATH, response_class=Response, responses={
     200: {"description": "the process serves HTTP (also while loading, draining or stalled)"},
     503: {"model": ErrorResponse, "description": "the engine is dead: restart the process"}})
 async def livez(state: ServerState = Depends(server_state)) -> Response:

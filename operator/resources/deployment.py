@@ -2,18 +2,24 @@
 
 Pod layout: an optional model-download init container; the engine container with the GPU
 limit (``gpu.count`` GPUs: one replica is one pod, its tensor-parallel worker processes
-inside), probes on ``/health``, a memory-backed ``/dev/shm`` sized for the CPU KV tier and
+inside), startup and readiness probes on ``/health`` and liveness on ``/livez`` (which never
+waits on the engine: a pod busy with a huge prompt or a hung step is taken out of the
+Service by readiness, not restarted; a dead engine fails both), a memory-backed
+``/dev/shm`` sized for the CPU KV tier and
 the workers' NCCL buffers, the
 disk KV tier (the PVC child when the service has one replica, else a per-pod ephemeral
 claim, since a ReadWriteOnce claim cannot follow several pods), a writable ``/tmp`` and a
 read-only root filesystem; Prometheus scrape annotations; non-root; and a graceful stop
-(``preStop`` sleep so endpoints drop the pod first, then SIGTERM lets the server drain).
+(``preStop`` sleep so endpoints drop the pod first, then SIGTERM lets the server drain for
+``--shutdown-timeout`` seconds; the grace period covers both and the exit).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+from kvpilot.engine.core.constants import LIVENESS_PATH, READINESS_PATH
 from kvpilot.operator import constants as c
 from kvpilot.operator.resources import placement
 from kvpilot.operator.resources.common import Owner, format_gib, gib_quantity
@@ -28,10 +34,13 @@ from kvpilot.operator.resources.storage import (
     model_cache_volume,
 )
 from kvpilot.operator.settings import OperatorSettings
-from kvpilot.operator.spec import InferenceServiceSpec
+from kvpilot.operator.spec import SHUTDOWN_TIMEOUT_FLAG, InferenceServiceSpec
 
 GPU_RESOURCE = placement.GPU_RESOURCE
 PRESTOP_SLEEP_SECONDS = 10
+# Beyond the drain: uvicorn's last seconds for open connections, stopping the engine
+# thread (up to 10 s) and the process exit.
+SHUTDOWN_MARGIN_SECONDS = 15
 POD_SECURITY_CONTEXT = {
     "runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000,
     "seccompProfile": {"type": "RuntimeDefault"},
@@ -82,11 +91,22 @@ def disk_claim_child(policy: ReplicaPolicy, sizing: EngineSizing) -> bool:
     return sizing.disk_offload_gib > 0 and policy.max_replicas <= 1
 
 
-def engine_args(spec: InferenceServiceSpec, sizing: EngineSizing, model_path: str) -> list[str]:
-    """The ``kvpilot serve`` flags of the engine container (the API key is never here)."""
+def engine_args(spec: InferenceServiceSpec, sizing: EngineSizing, model_path: str,
+                shutdown_timeout: int) -> list[str]:
+    """The ``kvpilot serve`` flags of the engine container (the API key is never here);
+    ``engine.extraArgs`` come last, so that they win (a ``--shutdown-timeout`` included)."""
     return ["--model", model_path, "--served-model-name", spec.model.served_name,
-            "--host", "0.0.0.0", "--port", str(spec.port), *sizing.serve_args,
-            *spec.engine.extra_args]
+            "--host", "0.0.0.0", "--port", str(spec.port), SHUTDOWN_TIMEOUT_FLAG,
+            str(shutdown_timeout), *sizing.serve_args, *spec.engine.extra_args]
+
+
+def termination_grace_seconds(spec: InferenceServiceSpec, settings: OperatorSettings) -> int:
+    """The pod's grace period: the preStop sleep, the engine's drain (``extraArgs``'
+    ``--shutdown-timeout``, else the operator's) and a margin for the exit."""
+    drain = spec.engine.shutdown_timeout
+    if drain is None:
+        drain = settings.termination_grace_seconds
+    return PRESTOP_SLEEP_SECONDS + math.ceil(drain) + SHUTDOWN_MARGIN_SECONDS
 
 
 def _lmcache_env(spec: InferenceServiceSpec, sizing: EngineSizing) -> list[dict]:
@@ -128,8 +148,8 @@ def _resources(spec: InferenceServiceSpec, sizing: EngineSizing) -> dict:
     return {"limits": limits, "requests": requests}
 
 
-def _probe(period: int, failures: int, timeout: int) -> dict:
-    return {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": period,
+def _probe(path: str, period: int, failures: int, timeout: int) -> dict:
+    return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period,
             "failureThreshold": failures, "timeoutSeconds": timeout}
 
 
@@ -169,16 +189,16 @@ def build_deployment(owner: Owner, spec: InferenceServiceSpec, sizing: EngineSiz
         "name": c.ENGINE_CONTAINER,
         "image": image,
         "command": ["kvpilot", "serve"],
-        "args": engine_args(spec, sizing, delivery.model_path),
+        "args": engine_args(spec, sizing, delivery.model_path, settings.termination_grace_seconds),
         "ports": [{"name": "http", "containerPort": spec.port, "protocol": "TCP"}],
         "env": _env(spec, sizing),
         "resources": _resources(spec, sizing),
         "volumeMounts": mounts,
-        # Loading weights can take minutes: the startup probe allows 30 of them before
-        # liveness takes over; readiness gates traffic.
-        "startupProbe": _probe(period=10, failures=180, timeout=5),
-        "readinessProbe": _probe(period=5, failures=3, timeout=3),
-        "livenessProbe": _probe(period=10, failures=6, timeout=5),
+        # Loading weights can take minutes: the startup probe (readiness' path, 200 once
+        # loaded) allows 30 of them before liveness takes over; readiness gates traffic.
+        "startupProbe": _probe(READINESS_PATH, period=10, failures=180, timeout=5),
+        "readinessProbe": _probe(READINESS_PATH, period=5, failures=3, timeout=3),
+        "livenessProbe": _probe(LIVENESS_PATH, period=10, failures=6, timeout=5),
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_SECONDS}}},
         "securityContext": CONTAINER_SECURITY_CONTEXT,
     }
@@ -187,7 +207,7 @@ def build_deployment(owner: Owner, spec: InferenceServiceSpec, sizing: EngineSiz
 
     pod_spec: dict = {
         "securityContext": POD_SECURITY_CONTEXT,
-        "terminationGracePeriodSeconds": settings.termination_grace_seconds + PRESTOP_SLEEP_SECONDS,
+        "terminationGracePeriodSeconds": termination_grace_seconds(spec, settings),
         "enableServiceLinks": False,
         "containers": [container],
         "volumes": volumes,

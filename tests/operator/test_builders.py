@@ -16,6 +16,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from kvpilot.engine.server import routes_misc
 from kvpilot.engine.server.args import engine_args_from_namespace, make_serve_parser
 from kvpilot.operator import constants as c
 from kvpilot.operator.model_fetch import parse_hf_uri
@@ -277,19 +278,42 @@ def test_pod_gets_gpus_probes_metrics_and_a_graceful_non_root_runtime():
     assert engine["resources"]["limits"]["nvidia.com/gpu"] == "1" == str(plan.tensor_parallel_size)
     assert engine["resources"]["requests"]["cpu"] == 4
     assert "--tensor-parallel-size" not in engine["args"]
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert engine[probe]["httpGet"] == {"path": "/health", "port": "http"}
+    # startup and readiness on the engine's readiness route, liveness on its liveness route
+    served = {route.path for route in routes_misc.router.routes}
+    assert engine["startupProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert engine["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert engine["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "http"}
+    assert {"/health", "/livez"} <= served
+    startup = engine["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 30 * 60   # loading time
     annotations = children["Deployment"].body["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/path"] == "/metrics"
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert engine["securityContext"]["allowPrivilegeEscalation"] is False
-    assert engine["lifecycle"]["preStop"]["sleep"]["seconds"] > 0
-    assert pod["terminationGracePeriodSeconds"] > engine["lifecycle"]["preStop"]["sleep"]["seconds"]
+    # the drain: the server's own parser reads --shutdown-timeout; the grace period covers
+    # the preStop sleep, that drain and a margin
+    pre_stop = engine["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert pre_stop > 0
+    drain = make_serve_parser().parse_args(engine["args"]).shutdown_timeout
+    assert drain == SETTINGS.termination_grace_seconds
+    assert pod["terminationGracePeriodSeconds"] >= pre_stop + drain + 10
     assert pod["nodeSelector"] == {"gpu": "h100"} and pod["serviceAccountName"] == "engine"
     assert {"name": "LOG", "value": "debug"} in engine["env"]
     service = children["Service"].body["spec"]
     assert [p["name"] for p in service["ports"]] == ["http", "metrics"]
     assert service["selector"] == children["Deployment"].body["spec"]["selector"]["matchLabels"]
+
+
+def test_extra_args_shutdown_timeout_sets_the_grace_period():
+    spec = {**BASE, "engine": {"extraArgs": ["--shutdown-timeout", "300"]}}
+    children, _ = _build(_cr("slow-drain", spec))
+    engine, pod = _engine(children), _pod(children)
+    assert make_serve_parser().parse_args(engine["args"]).shutdown_timeout == 300
+    pre_stop = engine["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert pre_stop + 300 + 10 <= pod["terminationGracePeriodSeconds"] <= pre_stop + 300 + 30
+    spec["engine"]["extraArgs"] = ["--shutdown-timeout=forever"]
+    with pytest.raises(SpecError, match="--shutdown-timeout needs a number of seconds"):
+        parse_spec(spec, "bad-drain")
 
 
 def test_hpa_scales_the_deployment_on_kv_usage_and_queue_length():
