@@ -130,7 +130,7 @@ async def _token_pool(http, rng: random.Random) -> list[int]:
     return pool
 
 
-async def _one(http, model: str, prompt: list[int], max_tokens: int) -> RequestResult:
+async def stream_completion(http, model: str, prompt: list[int], max_tokens: int) -> RequestResult:
     """One streamed completion; times measured from just before the request is sent."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
@@ -174,7 +174,7 @@ async def run_random(http, model: str, pool: list[int], args, rng: random.Random
 
         async def worker(prompt: list[int]) -> None:
             async with limit:
-                results.append(await _one(http, model, prompt, args.output_len))
+                results.append(await stream_completion(http, model, prompt, args.output_len))
                 bar.update()
 
         start = time.perf_counter()
@@ -191,15 +191,15 @@ async def run_shared_prefix(http, model: str, pool: list[int], args,
         return [rng.choice(pool) for _ in range(n)]
 
     shared = tokens(args.prefix_len)
-    await _one(http, model, shared + tokens(args.suffix_len), 1)  # warm the cache (not measured)
+    await stream_completion(http, model, shared + tokens(args.suffix_len), 1)  # warm the cache (not measured)
     cached: list[RequestResult] = []
     uncached: list[RequestResult] = []
     start = time.perf_counter()
     with tqdm(total=2 * args.prefix_requests, desc="shared-prefix TTFT", unit="req") as bar:
         for _ in range(args.prefix_requests):  # interleaved: noise hits both kinds alike
-            uncached.append(await _one(http, model, tokens(args.prefix_len + args.suffix_len), 1))
+            uncached.append(await stream_completion(http, model, tokens(args.prefix_len + args.suffix_len), 1))
             bar.update()
-            cached.append(await _one(http, model, shared + tokens(args.suffix_len), 1))
+            cached.append(await stream_completion(http, model, shared + tokens(args.suffix_len), 1))
             bar.update()
     duration = time.perf_counter() - start
     return summarize("uncached prefix", uncached, duration), summarize("cached prefix", cached, duration)

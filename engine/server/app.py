@@ -16,6 +16,7 @@ from kvpilot.engine.server import routes_chat, routes_completions, routes_misc
 from kvpilot.engine.server.async_engine import AsyncEngine
 from kvpilot.engine.server.body_limit import BodyLimit
 from kvpilot.engine.server.config import ServerConfig
+from kvpilot.engine.server.core_client import CoreClient
 from kvpilot.engine.server.drain import DrainGate
 from kvpilot.engine.server.errors import install_error_handlers
 from kvpilot.engine.server.metrics import ServerMetrics
@@ -24,13 +25,32 @@ from kvpilot.engine.server.routes_common import check_api_key
 from kvpilot.engine.server.routes_misc import server_version
 from kvpilot.engine.server.state import ServerState
 from kvpilot.engine.server.stats_logger import run_stats_logger
+from kvpilot.engine.stats import EngineStats
 
 logger = logging.getLogger(__name__)
 
 
+def _metrics_recorder(config: ServerConfig, registry: CollectorRegistry,
+                      stats: Callable[[], EngineStats | None]):
+    """The ``on_ready`` callback creating the metrics in ``registry`` once the engine (or
+    its view) is known; returns their per-iteration recorder. ``stats`` gives the
+    latest snapshot at scrape time."""
+
+    def on_ready(engine):
+        _ = engine.tokenizer.max_chars_per_token   # computed here, not in the first request
+        model_name = config.reported_model_name(engine.model_config.served_model_name)
+        metrics = ServerMetrics(registry, model_name, engine.cache_info,
+                                engine.model_config.max_model_len, stats,
+                                kv_cache_metrics=engine.args.kv_cache_metrics)
+        return metrics.record
+
+    return on_ready
+
+
 def build_async_engine(build_engine: Callable, config: ServerConfig,
                        registry: CollectorRegistry) -> tuple[AsyncEngine, ServerState]:
-    """An AsyncEngine whose metrics are created, in ``registry``, once the engine is built.
+    """An engine on a thread of this process (``--engine-in-process``) whose metrics are
+    created, in ``registry``, once the engine is built.
 
     Args:
         build_engine: no-argument callable returning an ``LLMEngine``.
@@ -38,26 +58,31 @@ def build_async_engine(build_engine: Callable, config: ServerConfig,
             tokenizer threads).
         registry: the Prometheus registry the metrics go to.
     """
-
-    def on_ready(engine):
-        _ = engine.tokenizer.max_chars_per_token   # computed here, not in the first request
-        model_name = config.reported_model_name(engine.model_config.served_model_name)
-        metrics = ServerMetrics(registry, model_name, engine.cache_info,
-                                engine.model_config.max_model_len, lambda: async_engine.stats,
-                                kv_cache_metrics=engine.args.kv_cache_metrics)
-        return metrics.record
-
     async_engine = AsyncEngine(build_engine, max_waiting_requests=config.max_waiting_requests,
-                               on_ready=on_ready, hang_timeout=config.engine_hang_timeout)
-    state = ServerState(engine=async_engine, config=config, registry=registry,
-                        tokenizer_limiter=CapacityLimiter(config.tokenizer_threads))
-    return async_engine, state
+                               on_ready=_metrics_recorder(config, registry, lambda: async_engine.stats),
+                               hang_timeout=config.engine_hang_timeout)
+    return async_engine, _state(async_engine, config, registry)
+
+
+def build_core_client(engine_args, config: ServerConfig,
+                      registry: CollectorRegistry) -> tuple[CoreClient, ServerState]:
+    """The engine core in its own process (the default of ``kvpilot serve``), built from
+    ``engine_args`` there; its metrics are created in ``registry`` here once it serves."""
+    client = CoreClient(engine_args, max_waiting_requests=config.max_waiting_requests,
+                        on_ready=_metrics_recorder(config, registry, lambda: client.stats),
+                        hang_timeout=config.engine_hang_timeout)
+    return client, _state(client, config, registry)
+
+
+def _state(engine, config: ServerConfig, registry: CollectorRegistry) -> ServerState:
+    return ServerState(engine=engine, config=config, registry=registry,
+                       tokenizer_limiter=CapacityLimiter(config.tokenizer_threads))
 
 
 def build_app(state: ServerState) -> FastAPI:
     """The HTTP app serving ``state.engine``.
 
-    The lifespan starts the engine thread (which builds the engine in the
+    The lifespan starts the engine (thread or core process; it builds the engine in the
     background, so the port opens at once and /health answers 503 until the engine
     is ready), runs the periodic stats log line, and stops the engine at shutdown.
     Request bodies over ``--max-request-body-bytes`` get 413 (``BodyLimit``);

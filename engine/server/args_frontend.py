@@ -54,6 +54,11 @@ def add_frontend_arguments(parser: argparse.ArgumentParser) -> None:
                         help="log level of uvicorn (access log at info)")
     server.add_argument("--disable-uvicorn-access-log", action="store_true",
                         help="no access log line per HTTP request")
+    server.add_argument("--engine-in-process", action="store_true",
+                        help="run the engine on a thread of the HTTP server's process (for "
+                             "debugging) instead of in its own engine core process, where "
+                             "HTTP, JSON and streaming never take the interpreter from the "
+                             "step loop")
 
     reliability = parser.add_argument_group("limits, probes and shutdown")
     reliability.add_argument("--max-request-body-bytes", type=parse_size,

@@ -38,25 +38,32 @@ NOTE (threading invariants):
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import dataclasses
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvpilot.engine.exceptions import EngineDeadError
-from kvpilot.engine.sampling_params import RequestOutputKind
+from kvpilot.engine.server.engine_client import (
+    Add,
+    EngineClient,
+    EngineDead,
+    EngineNotReady,
+    EngineStalled,
+    Live,
+    RequestFailed,
+    RequestRejected,
+    StepTimeout,
+)
 from kvpilot.engine.server.latency_tracker import ABORT, ERROR, IterationStats, RequestStatsTracker
 
 if TYPE_CHECKING:
     from kvpilot.engine.llm_engine import LLMEngine
     from kvpilot.engine.outputs import RequestOutput
-    from kvpilot.engine.sampling_params import SamplingParams
-    from kvpilot.engine.stats import EngineStats, StepStats
+    from kvpilot.engine.stats import StepStats
 
 logger = logging.getLogger(__name__)
 
@@ -64,64 +71,12 @@ logger = logging.getLogger(__name__)
 MAX_CONSECUTIVE_STEP_FAILURES = 3
 
 
-class EngineNotReady(RuntimeError):
-    """The engine is still being built."""
-
-
-class EngineDead(RuntimeError):
-    """The engine failed to build, broke down or is shutting down."""
-
-
-class QueueFull(RuntimeError):
-    """The waiting queue is at ``max_waiting_requests``."""
-
-
-class RequestRejected(ValueError):
-    """The engine refused the request (``add_request`` raised ValueError)."""
-
-
-class RequestFailed(RuntimeError):
-    """The engine raised while serving the request."""
-
-
-class StepTimeout(RequestFailed):
-    """The engine step serving the request ran past ``hang_timeout``."""
-
-
-class EngineStalled(RuntimeError):
-    """A step has run past ``hang_timeout``; no request is accepted until it returns."""
-
-
-@dataclass(slots=True)
-class _Live:
-    """Engine-thread record of a request whose consumer waits on ``queue``."""
-
-    queue: asyncio.Queue
-    loop: asyncio.AbstractEventLoop
-
-    def deliver(self, item: Any) -> None:
-        # A closed loop raises RuntimeError: nobody is listening any more.
-        with contextlib.suppress(RuntimeError):
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-
-
-@dataclass(slots=True)
-class _Add:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    cache_salt: str | None
-    arrival_time: float
-    live: _Live
-    priority: int = 0
-
-
 @dataclass(slots=True)
 class _Abort:
     request_id: str
 
 
-class AsyncEngine:
+class AsyncEngine(EngineClient):
     """Runs an engine on a background thread and streams outputs to asyncio consumers.
 
     Args:
@@ -142,28 +97,24 @@ class AsyncEngine:
         on_ready: Callable[[LLMEngine], Callable[[IterationStats], None] | None] | None = None,
         hang_timeout: float | None = None,
     ) -> None:
+        super().__init__(max_waiting_requests)
         self._build_engine = build_engine
-        self._max_waiting = max_waiting_requests
         self._on_ready = on_ready
-        self._cond = threading.Condition()
-        self._commands: deque[_Add | _Abort] = deque()
-        self._num_pending_adds = 0   # submitted, not yet reflected in the stats snapshot
+        self._commands: deque[Add | _Abort] = deque()
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._engine: LLMEngine | None = None
-        self._stats: EngineStats | None = None
         self._error: BaseException | None = None
         self._dead = False
         self._ready = threading.Event()
         self._done = threading.Event()  # set when the engine is ready or has failed
-        self._live: dict[str, _Live] = {}
+        self._live: dict[str, Live] = {}
         self._tracker = RequestStatsTracker()
         self._record: Callable[[IterationStats], None] | None = None
-        self._max_num_seqs: int | None = None
         self._hang_timeout = hang_timeout
         # monotonic start of the engine thread's current iteration; None while it sleeps
         self._iteration_started: float | None = None
-        self._consumers: dict[str, _Live] = {}   # request id -> its waiting consumer
+        self._consumers: dict[str, Live] = {}   # request id -> its waiting consumer
         self._watcher: threading.Thread | None = None
         self._stop_watching = threading.Event()
 
@@ -232,88 +183,13 @@ class AsyncEngine:
             raise EngineNotReady("the engine is still loading")
         return self._engine
 
-    @property
-    def stats(self) -> EngineStats | None:
-        """The latest stats snapshot (None before the engine is built).
-
-        ``num_waiting_reqs`` includes submissions the engine has not taken in yet
-        beyond the free batch slots (see ``_num_waiting_locked``).
-        """
-        with self._cond:
-            stats = self._stats
-            if stats is None or not self._num_pending_adds:
-                return stats
-            waiting = self._num_waiting_locked()
-        return dataclasses.replace(stats, num_waiting_reqs=waiting)
-
-    def _num_waiting_locked(self, extra: int = 0) -> int:
-        # Submissions the engine thread has not drained yet (a burst arrives faster than
-        # a step takes) fill the free batch slots first; only the rest will wait. Free
-        # slots count only while nothing waits in the engine (else blocks are short).
-        stats = self._stats
-        pending = self._num_pending_adds + extra
-        if stats is None:
-            return pending
-        free = 0
-        if stats.num_waiting_reqs == 0 and self._max_num_seqs is not None:
-            free = max(0, self._max_num_seqs - stats.num_running_reqs)
-        return stats.num_waiting_reqs + max(0, pending - free)
-
     # ------------------------------------------------------------ event-loop side
 
-    async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        *,
-        cache_salt: str | None = None,
-        arrival_time: float | None = None,
-        priority: int = 0,
-    ) -> AsyncIterator[RequestOutput]:
-        """Submits a request and yields its outputs as deltas until it finishes.
+    def _forget(self, request_id: str) -> None:
+        with self._cond:
+            self._consumers.pop(request_id, None)
 
-        Each output holds what the request gained since the previous one (text, token
-        ids, logprobs per choice; ``RequestOutputKind.DELTA``), whatever ``params``
-        asked for. Deltas that pile up while the consumer is busy are folded into one,
-        so a slow consumer gets fewer, larger outputs. Closing or cancelling the
-        iterator before the request finishes aborts it in the engine, freeing its blocks.
-
-        Raises (on the first iteration): EngineNotReady, EngineDead, QueueFull,
-        RequestRejected; later RequestFailed if the engine breaks mid-request.
-        """
-        loop = asyncio.get_running_loop()
-        live = _Live(asyncio.Queue(), loop)
-        if params.output_kind is not RequestOutputKind.DELTA:
-            params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
-        self._submit_add(_Add(request_id, prompt_token_ids, params, cache_salt,
-                              time.time() if arrival_time is None else arrival_time, live,
-                              priority))
-        finished = False
-        try:
-            while True:
-                item = await live.queue.get()
-                while not isinstance(item, BaseException) and not live.queue.empty():
-                    later = live.queue.get_nowait()
-                    if isinstance(later, BaseException):
-                        item = later
-                    else:
-                        item.add(later)
-                if isinstance(item, BaseException):
-                    # The engine thread already forgot a failed request, not a timed-out one.
-                    finished = not isinstance(item, StepTimeout)
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            with self._cond:
-                self._consumers.pop(request_id, None)
-            if not finished:
-                self._submit_abort(request_id)
-
-    def _submit_add(self, cmd: _Add) -> None:
+    def _submit_add(self, cmd: Add) -> None:
         with self._cond:
             if self._dead or self._stopping:
                 raise EngineDead(f"the engine is not serving: {self._error or 'shutting down'}")
@@ -321,10 +197,7 @@ class AsyncEngine:
                 raise EngineNotReady("the engine is still loading")
             if self.stalled:
                 raise EngineStalled(self.stalled_message())
-            # Would this request have to wait beyond the bound?
-            if self._max_waiting is not None and self._num_waiting_locked(1) > self._max_waiting:
-                raise QueueFull(f"{self._num_waiting_locked()} requests are waiting for a batch "
-                                f"slot (the limit is {self._max_waiting})")
+            self._check_queue_locked()
             self._num_pending_adds += 1
             self._commands.append(cmd)
             self._consumers[cmd.request_id] = cmd.live
@@ -433,7 +306,7 @@ class AsyncEngine:
             self._publish_stats(engine, num_adds)
             self._iteration_started = None
 
-    def _apply(self, engine: LLMEngine, commands: list[_Add | _Abort]) -> int:
+    def _apply(self, engine: LLMEngine, commands: list[Add | _Abort]) -> int:
         """Applies queued commands; returns the number of adds among them."""
         num_adds = 0
         aborts = []
@@ -464,9 +337,7 @@ class AsyncEngine:
     def _deliver(self, outputs: list[RequestOutput], step: StepStats) -> None:
         now = time.time()
         # Digest before delivering: a delivered output belongs to its consumer.
-        iteration = dataclasses.replace(self._tracker.on_outputs(outputs, now),
-                                        iteration_tokens=step.iteration_tokens,
-                                        kv_block_residency=step.kv_block_residency)
+        iteration = self._tracker.on_step(outputs, now, step)
         for out in outputs:
             live = self._live.get(out.request_id)
             if live is None:
@@ -519,7 +390,7 @@ class AsyncEngine:
             self._commands.clear()
             self._dead = True
         for cmd in commands:
-            if isinstance(cmd, _Add):
+            if isinstance(cmd, Add):
                 cmd.live.deliver(error)
         for live in self._live.values():
             live.deliver(error)

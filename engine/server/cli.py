@@ -71,15 +71,19 @@ def uvicorn_config(ns: argparse.Namespace, app):
 async def _serve(ns: argparse.Namespace, engine_args, config) -> int:
     import prometheus_client
 
-    from kvpilot.engine.llm_engine import LLMEngine
-    from kvpilot.engine.server.app import build_app, build_async_engine
+    from kvpilot.engine.server.app import build_app, build_async_engine, build_core_client
     from kvpilot.engine.server.graceful import DrainingServer
     from kvpilot.engine.server.metrics import make_registry
 
     # The *_created series vLLM also switches off; a process-wide setting, hence here.
     prometheus_client.disable_created_metrics()
-    async_engine, state = build_async_engine(
-        lambda: LLMEngine.from_engine_args(engine_args), config, make_registry())
+    if ns.engine_in_process:
+        from kvpilot.engine.llm_engine import LLMEngine
+
+        async_engine, state = build_async_engine(
+            lambda: LLMEngine.from_engine_args(engine_args), config, make_registry())
+    else:
+        async_engine, state = build_core_client(engine_args, config, make_registry())
     server = DrainingServer(uvicorn_config(ns, build_app(state)), state.drain,
                             config.shutdown_timeout)
     async_engine.start()  # the lifespan would too; starting here overlaps loading with binding

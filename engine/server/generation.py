@@ -18,7 +18,7 @@ from typing import Any
 
 from kvpilot.engine.outputs import RequestOutput
 from kvpilot.engine.sampling_params import SamplingParams, StructuredOutputsParams
-from kvpilot.engine.server.async_engine import (
+from kvpilot.engine.server.engine_client import (
     EngineDead,
     EngineNotReady,
     EngineStalled,

@@ -13,10 +13,12 @@ inference (first scheduling to last token = prefill + decode).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from kvpilot.engine.core.kv_residency import BlockResidency
 from kvpilot.engine.outputs import RequestOutput
+from kvpilot.engine.stats import StepStats
 
 ABORT = "abort"
 ERROR = "error"
@@ -74,7 +76,8 @@ class _RequestState:
 
 @dataclass(slots=True)
 class RequestStatsTracker:
-    """Tracks live requests; single-threaded (the engine thread owns it)."""
+    """Tracks live requests; single-threaded (the engine thread, or the API process's
+    event loop with the engine core in its own process, owns it)."""
 
     _requests: dict[str, _RequestState] = field(default_factory=dict)
     _removed: list[FinishedRequestStats] = field(default_factory=list)
@@ -82,12 +85,21 @@ class RequestStatsTracker:
     def add(self, request_id: str, n: int, arrival_time: float, max_tokens: int | None = None) -> None:
         self._requests[request_id] = _RequestState(n=n, arrival_time=arrival_time, max_tokens=max_tokens)
 
+    def discard(self, request_id: str) -> None:
+        """Forget a request the engine refused: it never ran, so it is not reported."""
+        self._requests.pop(request_id, None)
+
     def remove(self, request_id: str, reason: str) -> None:
         """Forget a request that ends without a finished output (``abort`` or ``error``);
         its unfinished choices are reported with ``reason`` in the next iteration."""
         state = self._requests.pop(request_id, None)
         if state is not None:
             self._removed.append(FinishedRequestStats(finish_reasons=(reason,) * state.n))
+
+    def on_step(self, outputs: list[RequestOutput], now: float, step: StepStats) -> IterationStats:
+        """``on_outputs`` with the engine's own figures of the steps (``step``) added."""
+        return dataclasses.replace(self.on_outputs(outputs, now), iteration_tokens=step.iteration_tokens,
+                                   kv_block_residency=step.kv_block_residency)
 
     def on_outputs(self, outputs: list[RequestOutput], now: float) -> IterationStats:
         """Digest one step's (delta) outputs; ``now`` is the wall-clock time (``time.time()``) after it."""

@@ -13,9 +13,9 @@ from anyio import CapacityLimiter
 from fastapi import Request
 from prometheus_client import CollectorRegistry
 
-from kvpilot.engine.server.async_engine import AsyncEngine
 from kvpilot.engine.server.config import ServerConfig
 from kvpilot.engine.server.drain import Drain
+from kvpilot.engine.server.engine_client import EngineClient
 from kvpilot.engine.server.errors import UNAVAILABLE, UNAVAILABLE_RETRY_AFTER, APIError
 from kvpilot.engine.server.prompts import LengthLimit
 
@@ -26,7 +26,7 @@ T = TypeVar("T")
 class ServerState:
     """Per-app state, reached from a route as ``request.app.state.server``."""
 
-    engine: AsyncEngine
+    engine: EngineClient   # AsyncEngine (in-process thread) or CoreClient (core process)
     config: ServerConfig
     registry: CollectorRegistry
     tokenizer_limiter: CapacityLimiter

@@ -9,8 +9,11 @@ is shared with the observability tests).
 
 from __future__ import annotations
 
+import json
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -132,3 +135,51 @@ class MetricsReader:
 @pytest.fixture(scope="session")
 def metrics(http) -> MetricsReader:
     return MetricsReader(http)
+
+
+@dataclass(frozen=True)
+class Death:
+    """What clients saw when a part of the engine was killed mid-generation."""
+
+    stream_error: str            # the error event ending the streamed completion
+    stream_failed_s: float       # seconds from the kill to that event
+    health: httpx.Response       # the first /health that was not 200 (or the last tried)
+    health_failed_s: float
+    plain: httpx.Response        # the non-streamed completion that was waiting
+    refused: httpx.Response      # a completion sent afterwards
+
+
+def _kill_mid_generation(http: httpx.Client, model: str, kill: Callable[[], None],
+                        limit_s: float) -> Death:
+    """Streams a long completion and waits on a plain one, calls ``kill`` once generation
+    is under way, and reports how each request and /health ended (waiting at most
+    ``limit_s`` for each)."""
+    body = {"model": model, "prompt": "Once upon a time", "max_tokens": 900, "ignore_eos": True,
+            "temperature": 0}
+    plain: dict = {}
+    waiter = threading.Thread(target=lambda: plain.update(response=http.post("/v1/completions",
+                                                                               json=body)))
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as stream:
+        events = (json.loads(line[6:]) for line in stream.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]")
+        for _ in range(3):                       # generation is under way
+            assert "choices" in next(events)
+        waiter.start()
+        time.sleep(0.5)
+        kill()
+        killed = time.monotonic()
+        error = next(e for e in events if "error" in e)["error"]
+        stream_failed = time.monotonic() - killed
+    while (health := http.get("/health")).status_code == 200 and time.monotonic() < killed + limit_s:
+        time.sleep(0.05)
+    health_failed = time.monotonic() - killed
+    waiter.join(limit_s)
+    assert not waiter.is_alive(), "the plain request still waits"
+    refused = http.post("/v1/completions", json=body)
+    return Death(error["message"], stream_failed, health, health_failed, plain["response"], refused)
+
+
+@pytest.fixture
+def kill_mid_generation() -> Callable[..., Death]:
+    """``kill_mid_generation(http, model, kill, limit_s) -> Death`` (see ``_kill_mid_generation``)."""
+    return _kill_mid_generation

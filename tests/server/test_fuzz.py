@@ -26,9 +26,10 @@ def _bound_generation(body) -> None:
         value = body.get(key)
         if type(value) is int and value > MAX_GENERATED_TOKENS:
             body[key] = MAX_GENERATED_TOKENS
-    if "messages" in body and "max_tokens" not in body and "max_completion_tokens" not in body:
-        body["max_completion_tokens"] = MAX_GENERATED_TOKENS  # chat's default is "to the context"
-    if "prompt" in body and "max_tokens" not in body:
+    # absent and null both mean "up to the context length" (minutes on a busy CPU)
+    if "messages" in body and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+        body["max_completion_tokens"] = MAX_GENERATED_TOKENS
+    if "prompt" in body and body.get("max_tokens") is None:
         body["max_tokens"] = MAX_GENERATED_TOKENS
     if type(body.get("n")) is int and body["n"] > 2:
         body["n"] = 2

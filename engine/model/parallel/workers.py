@@ -23,7 +23,6 @@ import datetime
 import logging
 import os
 import pickle
-import signal
 import subprocess
 import sys
 import threading
@@ -34,7 +33,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from kvpilot.engine.exceptions import EngineDeadError
+from kvpilot.engine.exceptions import EngineDeadError, describe_exit
 from kvpilot.engine.model.parallel.group import DEFAULT_TIMEOUT, create_tp_group
 from kvpilot.engine.model.parallel.step_channel import Command, StepSender
 from kvpilot.engine.model.parallel.worker import WorkerSpec, error_key, ready_key
@@ -44,17 +43,6 @@ logger = logging.getLogger(__name__)
 STORE_HOST = "127.0.0.1"
 # How long a failing collective waits for the monitor to name the worker that died.
 FAILURE_ATTRIBUTION_S = 2.0
-
-
-def _describe_exit(code: int | None) -> str:
-    if code is None:
-        return "is not responding"
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with status {code}"
 
 
 def _wait(process: subprocess.Popen, timeout: float) -> None:
@@ -153,7 +141,7 @@ class WorkerGroup:
                 process = self.processes[rank - 1]
                 if process.poll() is not None:
                     raise RuntimeError(f"tensor-parallel worker rank {rank} "
-                                       f"{_describe_exit(process.returncode)} while starting"
+                                       f"{describe_exit(process.returncode)} while starting"
                                        f"{self._recorded_error(rank)}")
             if pending and time.monotonic() > deadline:
                 raise RuntimeError(f"tensor-parallel worker rank(s) {sorted(pending)} did not start "
@@ -186,7 +174,7 @@ class WorkerGroup:
             return
         process = self.processes[rank - 1]
         self._fail(EngineDeadError(f"tensor-parallel worker rank {rank} (pid {process.pid}) "
-                                   f"{_describe_exit(process.returncode)}{self._recorded_error(rank)}"))
+                                   f"{describe_exit(process.returncode)}{self._recorded_error(rank)}"))
 
     def _fail(self, error: EngineDeadError) -> None:
         with self._lock:

@@ -1,0 +1,190 @@
+"""What the routes see of an engine, wherever it runs: ``generate`` as an async stream of
+deltas, health, the latest stats snapshot and the waiting-queue bound.
+
+Two clients implement it: ``AsyncEngine`` (the engine on a thread of the server's own
+process, ``--engine-in-process``) and ``CoreClient`` (the engine core in its own
+process, the default of ``kvpilot serve``). Each supplies how a request reaches the
+engine (``_submit_add`` / ``_submit_abort``); outputs reach the request's
+``asyncio.Queue`` as ``RequestOutput`` deltas or as an exception to raise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvpilot.engine.sampling_params import RequestOutputKind
+
+if TYPE_CHECKING:
+    from kvpilot.engine.outputs import RequestOutput
+    from kvpilot.engine.sampling_params import SamplingParams
+    from kvpilot.engine.stats import EngineStats
+
+
+class EngineNotReady(RuntimeError):
+    """The engine is still being built."""
+
+
+class EngineDead(RuntimeError):
+    """The engine failed to build, broke down or is shutting down."""
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is at ``max_waiting_requests``."""
+
+
+class RequestRejected(ValueError):
+    """The engine refused the request (``add_request`` raised ValueError)."""
+
+
+class RequestFailed(RuntimeError):
+    """The engine raised while serving the request."""
+
+
+class StepTimeout(RequestFailed):
+    """The engine step serving the request ran past ``hang_timeout``."""
+
+
+class EngineStalled(RuntimeError):
+    """A step has run past ``hang_timeout``; no request is accepted until it returns."""
+
+
+@dataclass(slots=True)
+class Live:
+    """A request whose consumer waits on ``queue`` (of deltas, or an exception to raise)."""
+
+    queue: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+    prompt_token_ids: list[int]
+
+    def deliver(self, item: Any) -> None:
+        """Hand ``item`` over from any thread; a closed loop means nobody listens any more."""
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+@dataclass(slots=True)
+class Add:
+    """One request on its way to the engine."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None
+    arrival_time: float
+    live: Live
+    priority: int = 0
+
+
+def num_waiting(stats: EngineStats | None, pending: int, max_num_seqs: int | None) -> int:
+    """Requests that will wait for a batch slot: the engine's waiting queue plus the
+    submissions it has not taken in yet beyond its free batch slots. A burst arrives
+    faster than a step takes; free slots count only while nothing waits in the engine
+    (else blocks are short)."""
+    if stats is None:
+        return pending
+    free = 0
+    if stats.num_waiting_reqs == 0 and max_num_seqs is not None:
+        free = max(0, max_num_seqs - stats.num_running_reqs)
+    return stats.num_waiting_reqs + max(0, pending - free)
+
+
+class EngineClient:
+    """The shared half of an engine client: ``generate``, ``stats`` and the 429 check.
+
+    Subclasses set ``_stats`` (under ``_cond``) as snapshots arrive, count submitted adds
+    in ``_num_pending_adds`` until a snapshot reflects them, and implement
+    ``_submit_add`` / ``_submit_abort``.
+    """
+
+    def __init__(self, max_waiting_requests: int | None) -> None:
+        self._max_waiting = max_waiting_requests
+        self._cond = threading.Condition()
+        self._stats: EngineStats | None = None
+        self._num_pending_adds = 0
+        self._max_num_seqs: int | None = None
+
+    @property
+    def stats(self) -> EngineStats | None:
+        """The latest stats snapshot (None before the engine is built); ``num_waiting_reqs``
+        includes submissions the engine has not taken in yet beyond the free batch slots."""
+        with self._cond:
+            stats = self._stats
+            if stats is None or not self._num_pending_adds:
+                return stats
+            waiting = self._num_waiting_locked()
+        return dataclasses.replace(stats, num_waiting_reqs=waiting)
+
+    def _num_waiting_locked(self, extra: int = 0) -> int:
+        return num_waiting(self._stats, self._num_pending_adds + extra, self._max_num_seqs)
+
+    def _check_queue_locked(self) -> None:
+        """QueueFull if one more request would have to wait beyond the bound."""
+        if self._max_waiting is not None and self._num_waiting_locked(1) > self._max_waiting:
+            raise QueueFull(f"{self._num_waiting_locked()} requests are waiting for a batch "
+                            f"slot (the limit is {self._max_waiting})")
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Submits a request and yields its outputs as deltas until it finishes.
+
+        Each output holds what the request gained since the previous one (text, token
+        ids, logprobs per choice; ``RequestOutputKind.DELTA``), whatever ``params``
+        asked for. Deltas that pile up while the consumer is busy are folded into one,
+        so a slow consumer gets fewer, larger outputs. Closing or cancelling the
+        iterator before the request finishes aborts it in the engine, freeing its blocks.
+
+        Raises (on the first iteration): EngineNotReady, EngineDead, EngineStalled,
+        QueueFull, RequestRejected; later RequestFailed if the engine breaks mid-request
+        (StepTimeout if a step runs past the hang timeout).
+        """
+        live = Live(asyncio.Queue(), asyncio.get_running_loop(), prompt_token_ids)
+        if params.output_kind is not RequestOutputKind.DELTA:
+            params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
+        self._submit_add(Add(request_id, prompt_token_ids, params, cache_salt,
+                             time.time() if arrival_time is None else arrival_time, live, priority))
+        finished = False
+        try:
+            while True:
+                item = await live.queue.get()
+                while not isinstance(item, BaseException) and not live.queue.empty():
+                    later = live.queue.get_nowait()
+                    if isinstance(later, BaseException):
+                        item = later
+                    else:
+                        item.add(later)
+                if isinstance(item, BaseException):
+                    # The engine side already forgot a failed request, not a timed-out one.
+                    finished = not isinstance(item, StepTimeout)
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._forget(request_id)
+            if not finished:
+                self._submit_abort(request_id)
+
+    def _forget(self, request_id: str) -> None:
+        """The consumer of ``request_id`` stopped listening (whatever the reason)."""
+
+    def _submit_add(self, add: Add) -> None:
+        raise NotImplementedError
+
+    def _submit_abort(self, request_id: str) -> None:
+        raise NotImplementedError

@@ -1,0 +1,95 @@
+"""The engine core in its own process (the default of ``kvpilot serve``).
+
+The rest of ``tests/server`` runs against the session's server, whose engine core is
+such a process; here: what crosses the channel equals what the engine produced, a
+killed core fails requests and /health at once, and the core never outlives the
+server, whether it stops cleanly or is killed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+import httpx
+import pytest
+
+from kvpilot.engine import SamplingParams
+from kvpilot.engine.server.core_wire import decode_output, encode_outputs, pack, unpack
+from kvpilot.engine.server.launch import launch_server
+
+DETECTION_LIMIT_S = 5.0
+SMALL = ["--device", "cpu", "--kv-cache-memory-bytes", "8Mi", "--max-model-len", "1024",
+         "--max-num-seqs", "4", "--served-model-name", "core", "--uvicorn-log-level", "warning"]
+
+
+def _core_pid(server) -> int:
+    match = re.search(r"engine core process started \(pid (\d+)\)", server.log_path.read_text())
+    assert match, server.log_tail()
+    return int(match.group(1))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie (exited, not yet reaped by its parent) counts as gone
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait_gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while _alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_step_outputs_cross_the_channel_unchanged(offline_llm):
+    engine = offline_llm.llm_engine
+    params = SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=5, logprobs=2, stop=["zz"],
+                            ignore_eos=True)
+    engine.add_request("wire", [11, 12, 13, 14], params)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert outputs and outputs[-1].finished
+    rows = unpack(pack(encode_outputs(outputs)))
+    decoded = [decode_output(row, [11, 12, 13, 14]) for row in rows]
+    assert decoded == outputs
+
+
+@pytest.mark.slow
+def test_a_killed_core_fails_requests_and_health_at_once(tmp_path, kill_mid_generation):
+    with launch_server(SMALL, log_path=tmp_path / "serve.log", timeout=300) as server, \
+            httpx.Client(base_url=server.base_url, timeout=60) as http:
+        pid = _core_pid(server)
+        death = kill_mid_generation(http, "core", lambda: os.kill(pid, signal.SIGKILL), DETECTION_LIMIT_S)
+        assert f"the engine core process (pid {pid}) was killed by SIGKILL" in death.stream_error
+        assert death.health.status_code == 503 and "SIGKILL" in death.health.json()["error"]["message"]
+        assert death.plain.status_code == 500
+        assert "engine core process" in death.plain.json()["error"]["message"]
+        assert death.refused.status_code == 503 and "SIGKILL" in death.refused.json()["error"]["message"]
+        assert death.stream_failed_s < DETECTION_LIMIT_S and death.health_failed_s < DETECTION_LIMIT_S
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stop", ["SIGTERM", "SIGKILL"])
+def test_the_core_never_outlives_the_server(tmp_path, stop):
+    server = launch_server(SMALL, log_path=tmp_path / "serve.log", timeout=300)
+    try:
+        pid = _core_pid(server)
+        assert _alive(pid)
+        server.process.send_signal(getattr(signal, stop))
+        server.process.wait(30)
+        assert _wait_gone(pid, 15), f"the core (pid {pid}) outlived the server:\n{server.log_tail()}"
+    finally:
+        server.stop()
