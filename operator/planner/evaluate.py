@@ -121,8 +121,11 @@ class Evaluation:
 
 def _weights(req: PlanRequest) -> tuple[int, str]:
     model, quant = req.model, req.overrides.weight_quantization
-    if quant is None:
-        return model.total_weight_bytes, model.weight_source
+    if quant is None or quant == model.weight_quantization:
+        source = model.weight_source
+        if model.weight_bytes is None and model.weight_quantization is not None:
+            source += f"; the checkpoint's {model.weight_quantization} weights, embeddings and LM head in {model.dtype}"
+        return model.total_weight_bytes, source
     return (quantized_weight_bytes(model.num_params, model.embedding_params, model.dtype_bytes, quant),
             f"{quant} weight quantization, embeddings and LM head in {model.dtype}")
 

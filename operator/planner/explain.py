@@ -37,7 +37,7 @@ def _model_lines(req: PlanRequest, ev: Evaluation) -> list[str]:
     lines = [f"Model {m.name}: {m.num_layers} layers{sliding}, {m.num_attention_heads} query / "
              f"{m.num_kv_heads} KV heads, head_dim {m.head_dim}, hidden {m.hidden_size:,}, {m.dtype}; "
              f"{m.num_params / 1e9:,.2f} B parameters; up to {m.max_position_embeddings:,} positions."]
-    quant = req.overrides.weight_quantization
+    quant = req.overrides.weight_quantization or (m.weight_quantization if m.weight_bytes is None else None)
     if quant:
         emb = m.embedding_params
         lines.append(f"Weights: {m.num_params - emb:,} parameters in {quant} + {emb:,} embedding / LM-head "

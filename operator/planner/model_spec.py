@@ -21,7 +21,14 @@ from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any
 
 from kvpilot.engine.core.kv_layout import tensor_parallel_split_error
-from kvpilot.operator.planner.weights import DTYPE_BYTES, estimate_num_params, ties_embeddings
+from kvpilot.operator.planner.weights import (
+    DTYPE_BYTES,
+    WEIGHT_QUANT_BYTES,
+    checkpoint_quantization,
+    estimate_num_params,
+    quantized_weight_bytes,
+    ties_embeddings,
+)
 
 # rope scaling types whose factor stretches the usable context beyond the trained length
 _STRETCHING_ROPE = ("yarn", "dynamic", "linear")
@@ -45,6 +52,8 @@ class ModelSpec:
         num_sliding_layers: how many layers use that window.
         rope_theta: rotary base (informational).
         tied_embeddings: the LM head shares the input embedding matrix.
+        weight_quantization: the checkpoint's own weight quantization (``fp8``, from
+            config.json's ``quantization_config``; None = unquantized).
     """
 
     name: str
@@ -64,6 +73,7 @@ class ModelSpec:
     num_sliding_layers: int = 0
     rope_theta: float | None = None
     tied_embeddings: bool = False
+    weight_quantization: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_attention_heads", "num_kv_heads", "head_dim", "hidden_size",
@@ -82,6 +92,9 @@ class ModelSpec:
             raise ValueError(f"num_sliding_layers must be in [0, {self.num_layers}]")
         if self.num_sliding_layers and (self.sliding_window is None or self.sliding_window < 1):
             raise ValueError("sliding-window layers need a positive sliding_window")
+        if self.weight_quantization is not None and self.weight_quantization not in WEIGHT_QUANT_BYTES:
+            raise ValueError(f"model weight_quantization must be one of {', '.join(WEIGHT_QUANT_BYTES)}, "
+                             f"got {self.weight_quantization!r}")
 
     @property
     def dtype_bytes(self) -> int:
@@ -89,8 +102,14 @@ class ModelSpec:
 
     @property
     def total_weight_bytes(self) -> int:
-        """Weight bytes to load: measured if known, else parameters x dtype bytes."""
-        return self.weight_bytes if self.weight_bytes is not None else self.num_params * self.dtype_bytes
+        """Weight bytes to load: measured if known, else parameters x dtype bytes (the
+        linear layers' parameters at the checkpoint's quantized width when it has one)."""
+        if self.weight_bytes is not None:
+            return self.weight_bytes
+        if self.weight_quantization is not None:
+            return quantized_weight_bytes(self.num_params, self.embedding_params, self.dtype_bytes,
+                                          self.weight_quantization)
+        return self.num_params * self.dtype_bytes
 
     @property
     def embedding_params(self) -> int:
@@ -237,4 +256,4 @@ def model_from_config(cfg: dict[str, Any], name: str, *, num_params: int | None 
                      vocab_size=vocab, max_position_embeddings=_max_positions(cfg, rope), dtype=dtype,
                      num_params=num_params, weight_bytes=weight_bytes, weight_source=source,
                      sliding_window=window, num_sliding_layers=num_sliding, rope_theta=theta,
-                     tied_embeddings=ties_embeddings(cfg))
+                     tied_embeddings=ties_embeddings(cfg), weight_quantization=checkpoint_quantization(cfg))

@@ -102,7 +102,8 @@ class Overrides:
         enable_prefix_caching: default on.
         cpu_offload_gib / disk_offload_gib: KV offload tier sizes per replica.
         offload_backend: ``native`` or ``lmcache`` (default: native, which has CPU and disk tiers).
-        weight_quantization: serve a pre-quantised checkpoint: ``fp8``, ``int8`` or ``int4``.
+        weight_quantization: serve a pre-quantised checkpoint: ``fp8`` (the only weight
+            quantization the engine serves).
         kv_safety_margin: fraction of the calibrated KV estimate kept back (default
             ``reserve.DEFAULT_KV_SAFETY_MARGIN``), in [0, 0.5).
         cuda_graphs: reserve a CUDA-graph pool (default: whether kvpilot serve captures graphs).

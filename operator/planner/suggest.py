@@ -17,7 +17,13 @@ from kvpilot.operator.planner.gpu import GPU_CATALOG
 from kvpilot.operator.planner.latency import largest_int
 from kvpilot.operator.planner.plan_request import PlanRequest, merge
 from kvpilot.operator.planner.result import Plan, Suggestion
+from kvpilot.operator.planner.weights import WEIGHT_QUANT_BYTES
 
+# Every kind of suggestion this module makes (each is servable: tests/engine/
+# test_suggestion_contract.py starts the engine with the flags of each).
+SUGGESTION_KINDS = ("fewer_sequences", "replicas", "drop_override", "gpu_memory_utilization", "fp8_kv",
+                    "max_context", "itl_target", "ttft_target", "tensor_parallel", "gpu",
+                    "weight_quantization", "combined")
 Solve = Callable[[PlanRequest], Plan]
 Candidate = tuple[str, dict[str, Any], str]
 MAX_SUGGESTIONS = 8
@@ -92,8 +98,8 @@ def _hardware(req: PlanRequest, plan: Plan) -> Iterator[Candidate]:
         if gpu.memory_bytes > req.gpu.memory_bytes or gpu.memory_bandwidth_bytes_per_s > \
                 req.gpu.memory_bandwidth_bytes_per_s:
             yield "gpu", {"gpu": gpu.name}, f"use {gpu.description}"
-    if req.overrides.weight_quantization is None:
-        for quant in ("fp8", "int4"):
+    if req.overrides.weight_quantization is None and req.model.weight_quantization is None:
+        for quant in WEIGHT_QUANT_BYTES:             # only what the engine serves
             yield "weight_quantization", {"overrides": {"weight_quantization": quant}}, \
                 f"serve a {quant}-quantised checkpoint"
 

@@ -31,12 +31,21 @@ _SAFETENSORS_BITS: dict[str, int] = {
     "U64": 64, "I64": 64, "F64": 64, "C64": 64,
 }
 
-# bytes per parameter of a weight-quantised checkpoint; int4 adds one bf16 scale and zero
-# point per group of 128 weights (4 bytes / 128 = 1/32 byte per parameter). The embedding
-# and the LM head stay in the model dtype (FP8 / INT8 / AWQ / GPTQ checkpoints quantise the
-# linear layers only: Llama-3.3-70B-Instruct-FP8-dynamic loads 67.72 GiB, the split below
-# gives 67.67 GiB, quantising everything 65.71 GiB).
-WEIGHT_QUANT_BYTES: dict[str, float] = {"fp8": 1.0, "int8": 1.0, "int4": 0.5 + 1 / 32}
+# bytes per parameter of a weight-quantised checkpoint the engine serves (only FP8: the
+# engine refuses other methods, so the planner neither plans nor suggests them). The
+# embedding and the LM head stay in the model dtype (FP8 checkpoints quantise the linear
+# layers only: Llama-3.3-70B-Instruct-FP8-dynamic loads 67.72 GiB, the split below gives
+# 67.67 GiB, quantising everything 65.71 GiB).
+WEIGHT_QUANT_BYTES: dict[str, float] = {"fp8": 1.0}
+
+
+def checkpoint_quantization(cfg: dict[str, Any]) -> str | None:
+    """``fp8`` when config.json declares FP8 weights the engine serves, None when it is
+    unquantized; ValueError (naming the method) for a quantization the engine refuses."""
+    from kvpilot.engine.core.weight_quant import parse_quantization_config
+
+    return "fp8" if parse_quantization_config(cfg) is not None else None
+
 
 _GATED_NORMS = {"gemma2": 4, "gemma3": 4, "gemma3_text": 4}
 _TIED_BY_DEFAULT = ("gemma", "gemma2", "gemma3", "gemma3_text")

@@ -184,3 +184,23 @@ def test_catalogue_matches_transformers_architectures(tmp_path):
                       "intermediate_size", "vocab_size", "max_position_embeddings", "dtype", "num_params",
                       "sliding_window", "num_sliding_layers", "rope_theta"):
             assert getattr(spec, field) == getattr(preset, field), (name, field)
+
+
+def test_weight_bytes_follow_the_checkpoints_quantization():
+    """A config.json declaring FP8 weights is planned at one byte per linear weight (the
+    embeddings in the model dtype); a method the engine refuses is refused here too."""
+    from kvpilot.operator.planner.weights import quantized_weight_bytes
+
+    plain = model_from_config(QWEN3_06B_4X, "q")
+    fp8 = model_from_config({**QWEN3_06B_4X, "quantization_config": {
+        "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}}, "q-fp8")
+    assert (plain.weight_quantization, fp8.weight_quantization) == (None, "fp8")
+    assert fp8.total_weight_bytes == quantized_weight_bytes(
+        fp8.num_params, fp8.embedding_params, 2, "fp8") < 0.7 * plain.total_weight_bytes
+    plan = make_plan(PlanRequest.from_dict({"model": fp8.to_dict(), "gpu": "l4", "slo": {
+        "max_context": 4096, "p95_prompt_tokens": 1024, "p95_output_tokens": 256}}))
+    weights = next(line for line in plan.derivation if line.startswith("2. Weights"))
+    assert " in fp8 " in weights and f"= {fp8.total_weight_bytes:,} B" in weights
+    assert not any(s.kind == "weight_quantization" for s in plan.suggestions)
+    with pytest.raises(ValueError, match="unsupported quantization method 'gptq'"):
+        model_from_config({**QWEN3_06B_4X, "quantization_config": {"quant_method": "gptq", "bits": 4}}, "q")

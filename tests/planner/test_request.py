@@ -79,7 +79,7 @@ def test_apply_merges_sections_and_replaces_model_or_gpu():
      "gpu_memory_utilization must be in (0, 1]"),
     ({"model": "qwen3-8b", "gpu": "l4", "slo": SLO, "overrides": {"block_size": 12}}, "block_size must be one of"),
     ({"model": "qwen3-8b", "gpu": "l4", "slo": SLO, "overrides": {"weight_quantization": "nf3"}},
-     "weight_quantization must be one of fp8, int8, int4"),
+     "weight_quantization must be one of fp8"),
     ({"model": "qwen3-8b", "gpu": {"name": "l4", "vram": 3}, "slo": SLO}, "unknown gpu field(s): vram"),
     ({"model": {"num_layers": 2}, "gpu": "l4", "slo": SLO}, "missing"),
     ({"model": 7, "gpu": "l4", "slo": SLO}, "model must be a name or a mapping"),
