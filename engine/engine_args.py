@@ -74,6 +74,9 @@ class EngineArgs:
     kv_cache_metrics: bool = False
     kv_cache_metrics_sample: float = 0.01
     enable_mfu_metrics: bool = False
+    # Check each step's logits for NaNs and count the requests hit (vllm:corrupted_requests;
+    # vLLM's VLLM_COMPUTE_NANS_IN_LOGITS): a device sync per step.
+    compute_nans_in_logits: bool = False
     structured_outputs_config: StructuredOutputsConfig = StructuredOutputsConfig()
 
     def resolve_device(self) -> str:

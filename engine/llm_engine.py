@@ -100,6 +100,8 @@ class LLMEngine:
             release_window=self._release_window())
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager, offload=self.kv_offload)
         self.runner.kv_transfer = self.kv_offload
+        self.runner.count_nan_logits = args.compute_nans_in_logits
+        self._num_corrupted = 0
         structured = args.structured_outputs_config
         self.structured_output = StructuredOutputManager(
             self.tokenizer, model_config.arch.vocab_size,
@@ -307,6 +309,11 @@ class LLMEngine:
             self._estimated[2] += cost.write_bytes
         structured = self.structured_output
         result = self._execute(sched, structured.grammar_bitmask(sched))
+        for rid in result.nan_req_ids:
+            request = self.scheduler.requests.get(rid)
+            if request is not None and not request.nan_in_logits:
+                request.nan_in_logits = True
+                self._num_corrupted += 1
         advanced = self.scheduler.update_from_output(sched, result.sampled())
         if len(structured):
             for request in advanced:
@@ -367,6 +374,7 @@ class LLMEngine:
             prompt_tokens_local_cache_hit=sources.local_cache_hit,
             prompt_tokens_external_kv_transfer=sources.external_kv_transfer,
             prompt_tokens_recomputed=sources.recomputed,
+            num_corrupted_reqs=self._num_corrupted if self.args.compute_nans_in_logits else None,
             **(dict(zip(("estimated_flops", "estimated_read_bytes", "estimated_write_bytes"),
                         self._estimated, strict=True)) if self._cost_model is not None else {}),
             **(self.kv_offload.stats().engine_stat_fields() if self.kv_offload is not None else {}),

@@ -39,6 +39,8 @@ class EngineStats:
     prompt_tokens_local_cache_hit: int = 0
     prompt_tokens_external_kv_transfer: int = 0
     prompt_tokens_recomputed: int = 0   # of local_compute: cached tokens computed again
+    # Requests whose logits held a NaN (cumulative; None unless NaNs are checked).
+    num_corrupted_reqs: int | None = None
     # Model-shape estimates per GPU (cumulative; None unless --enable-mfu-metrics).
     estimated_flops: int | None = None
     estimated_read_bytes: int | None = None

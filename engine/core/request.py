@@ -47,6 +47,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    nan_in_logits: bool = False           # a step's logits for it held a NaN
     # Hashes of this request's full blocks, in order; extended as tokens arrive.
     block_hashes: list[bytes] = field(default_factory=list)
     first_scheduled_time: float | None = None

@@ -46,6 +46,7 @@ class ModelRunnerOutput:
     req_ids: list[str]
     sampled_token_ids: list[int]                 # aligned with req_ids
     logprobs: dict[str, SampleResult]            # for the requests that asked for logprobs
+    nan_req_ids: tuple[str, ...] = ()            # requests whose logits held a NaN (when counted)
 
     def sampled(self) -> dict[str, int]:
         return dict(zip(self.req_ids, self.sampled_token_ids, strict=True))
@@ -145,6 +146,8 @@ class ModelRunner:
         # Executor half of the KV offload backend (kvpilot.engine.offload), None when off:
         # it runs each step's ``SchedulerOutput.kv_transfers`` before the forward pass.
         self.kv_transfer = None
+        # Count the requests whose logits hold a NaN (vllm:corrupted_requests); the engine sets it.
+        self.count_nan_logits = False
         # Calibrate fp8 scales on the first batch unless the checkpoint brought its own.
         self._calibrate_pending = cache_config.calculate_kv_scales and not self.model.loaded_kv_scales
 
@@ -264,11 +267,15 @@ class ModelRunner:
                 raise RanksOutOfStep(f"{type(exc).__name__}: {exc}") from exc
         if logits is None:
             return ModelRunnerOutput([], [], {})
+        req_ids = step.sample_req_ids
+        nan_req_ids = ()
+        if self.count_nan_logits:   # a device sync per step: only when asked for
+            rows = torch.isnan(logits).any(dim=-1).nonzero().flatten().tolist()
+            nan_req_ids = tuple(req_ids[i] for i in rows)
         sampled = sample(logits, self.input_batch.sampling_metadata(step.sample_rows), token_bitmask)
         self.input_batch.append_sampled(step.sample_rows, sampled.token_ids)
-        req_ids = step.sample_req_ids
         logprobs = {req_ids[i]: r for i, r in sampled.logprobs.items()}
-        return ModelRunnerOutput(req_ids, sampled.token_ids, logprobs)
+        return ModelRunnerOutput(req_ids, sampled.token_ids, logprobs, nan_req_ids)
 
     @torch.inference_mode()
     def forward_step(self, step: StepInputs, calibrate: bool = False) -> torch.Tensor | None:

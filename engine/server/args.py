@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 
 from kvpilot.engine.config import (
     REASONING_PARSERS,
@@ -282,6 +283,9 @@ def engine_args_from_namespace(ns: argparse.Namespace):
         "kv_cache_metrics": ns.kv_cache_metrics,
         "kv_cache_metrics_sample": ns.kv_cache_metrics_sample,
         "enable_mfu_metrics": ns.enable_mfu_metrics,
+        # vLLM's switch for the NaN check (an environment variable there too)
+        "compute_nans_in_logits": os.environ.get("VLLM_COMPUTE_NANS_IN_LOGITS", "0").lower()
+        not in ("", "0", "false"),
     }
     for name in ("kv_offloading_size", "kv_offloading_backend", "kv_offloading_disk_path",
                  "kv_offloading_disk_size"):

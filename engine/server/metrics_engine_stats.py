@@ -97,6 +97,9 @@ ENGINE_STAT_METRICS: tuple[StatMetric, ...] = (
                "Prompt tokens the device prefix cache held but that were computed again, counted "
                "at first admission: a step computes at least a prompt's last token, so a fully "
                "cached prompt recomputes its last block."),
+    StatMetric("vllm:corrupted_requests", "counter", "num_corrupted_reqs",
+               "Requests whose logits held a NaN in some step (checked only with "
+               "VLLM_COMPUTE_NANS_IN_LOGITS=1: a device sync per step)."),
     StatMetric("vllm:estimated_flops_per_gpu", "counter", "estimated_flops",
                "Floating-point operations the engine's steps needed per GPU, estimated from the "
                "model's shape (--enable-mfu-metrics); rate() / peak FLOP/s = MFU."),

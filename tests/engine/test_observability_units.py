@@ -110,3 +110,22 @@ def test_cost_model_counts_the_weights_hf_transformers_builds():
     assert decode.read_bytes == hf_matrices * 2 + 10 * cost.kv_bytes_per_token
     assert decode.write_bytes == cost.kv_bytes_per_token
     assert dataclasses.replace(cost, tensor_parallel_size=2).step([(1, 10)]).flops == decode.flops // 2
+
+
+def test_requests_with_nan_logits_are_counted_once_each_when_checked():
+    import torch
+
+    from kvpilot.engine.llm import LLM
+
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    prompts = [[5, 6, 7], [8, 9, 10, 11]]
+    healthy = LLM(num_gpu_blocks=16, max_model_len=64, compute_nans_in_logits=True)
+    healthy.generate(prompts, params)
+    assert healthy.get_stats().num_corrupted_reqs == 0
+    broken = LLM(num_gpu_blocks=16, max_model_len=64, compute_nans_in_logits=True)
+    model = broken.llm_engine.runner.model
+    with torch.no_grad():   # one NaN in the final norm: every position's logits turn NaN
+        dict(model.named_parameters())[[n for n, _ in model.named_parameters() if "norm" in n][-1]][0] = \
+            float("nan")
+    broken.generate(prompts, params)
+    assert broken.get_stats().num_corrupted_reqs == len(prompts)   # 3 steps each, counted once

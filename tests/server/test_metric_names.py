@@ -106,3 +106,30 @@ def test_every_applicable_vllm_name_is_exported():
     print(f"kvpilot exports {len(exported)} of vLLM's {len(VLLM_METRICS)} metric names "
           f"({len(exported)} of the {len(applicable)} that apply to a text-only engine "
           "without LoRA, speculative decoding or sleep mode)")
+
+
+def test_a_finished_request_splits_into_vllms_phases():
+    """The tracker fed the engine's real output objects: queue, prefill, decode and
+    inference time, time per output token and the request's parameters."""
+    from kvpilot.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    from kvpilot.engine.server.latency_tracker import RequestStatsTracker
+
+    tracker = RequestStatsTracker()
+    tracker.add("r", n=2, arrival_time=100.0, max_tokens=8)
+
+    def output(tokens: tuple[list[int], list[int]], finished: bool, now: float) -> RequestOutput:
+        metrics = RequestMetrics(arrival_time=100.0, first_scheduled_time=100.5, first_token_time=101.0,
+                                 last_token_time=now, finished_time=now if finished else None,
+                                 num_preemptions=2)
+        choices = [CompletionOutput(i, "", t, None, None, "length" if finished else None)
+                   for i, t in enumerate(tokens)]
+        return RequestOutput("r", None, list(range(40)), choices, finished, 24, metrics)
+
+    tracker.on_outputs([output(([1], [2]), False, 101.0)], 101.0)
+    tracker.on_outputs([output(([3, 4, 5], [6]), False, 102.5)], 102.5)
+    (done,) = tracker.on_outputs([output(([6], []), True, 104.0)], 104.0).finished
+    assert (done.queue_time, done.prefill_time, done.decode_time, done.inference_time) == (0.5, 0.5, 3.0, 3.5)
+    assert done.e2e_latency == 4.0 == done.queue_time + done.inference_time
+    assert done.max_num_generation_tokens == 5 and done.num_generation_tokens == 7
+    assert done.time_per_output_token == 3.0 / 4       # decode time over the longest sequence's tokens - 1
+    assert (done.n, done.max_tokens, done.num_preemptions, done.prefill_kv_computed_tokens) == (2, 8, 2, 16)

@@ -150,3 +150,13 @@ def test_token_buckets_follow_1_2_5_up_to_the_limit():
     assert token_buckets(1) == (1,)
     with pytest.raises(ValueError):
         token_buckets(0)
+
+
+@pytest.mark.parametrize(("value", "checked"), [(None, False), ("0", False), ("1", True), ("true", True)])
+def test_vllms_nan_check_variable_reaches_the_engine(monkeypatch, value, checked):
+    if value is None:
+        monkeypatch.delenv("VLLM_COMPUTE_NANS_IN_LOGITS", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_COMPUTE_NANS_IN_LOGITS", value)
+    args = engine_args_from_namespace(make_serve_parser().parse_args([]))
+    assert args.compute_nans_in_logits is checked

@@ -76,7 +76,7 @@ VLLM_METRICS: dict[str, tuple[str, tuple[str, ...], tuple | str | None]] = {
 }
 
 # vLLM's names that do not apply to kvpilot's engine (text-only, no LoRA, no speculative
-# decoding, no sleep mode), and the one applicable name kvpilot does not export, with why.
+# decoding, no sleep mode), and applicable names kvpilot does not export, with why (none).
 NOT_APPLICABLE = {
     "vllm:engine_sleep_state": "sleep mode",
     "vllm:lora_requests_info": "LoRA",
@@ -87,8 +87,4 @@ NOT_APPLICABLE = {
     "vllm:spec_decode_num_accepted_tokens_total": "speculative decoding",
     "vllm:spec_decode_num_accepted_tokens_per_pos_total": "speculative decoding",
 }
-NOT_EXPORTED = {
-    # vLLM counts it only under VLLM_COMPUTE_NANS_IN_LOGITS: a NaN check of every step's
-    # logits, a device sync per step that kvpilot does not pay.
-    "vllm:corrupted_requests_total": "needs a NaN check of each step's logits",
-}
+NOT_EXPORTED: dict[str, str] = {}
