@@ -14,7 +14,7 @@ import pytest
 from kvpilot.engine.cli.main import main
 from kvpilot.engine.engine_args import EngineArgs
 from kvpilot.engine.server.args import engine_args_from_namespace, make_serve_parser, parse_size
-from kvpilot.engine.server.config import server_config_from_namespace
+from kvpilot.engine.server.config import ServerConfig, server_config_from_namespace
 from kvpilot.engine.server.metrics import token_buckets
 from kvpilot.engine.server.stats_logger import StatsLogger
 from kvpilot.engine.stats import EngineStats
@@ -73,6 +73,24 @@ def test_api_key_from_environment(monkeypatch):
     ns = make_serve_parser().parse_args([])
     assert server_config_from_namespace(ns).api_key == "from-env"
     assert "from-env" not in repr(server_config_from_namespace(ns))
+
+
+def test_reliability_flags_reach_the_server_config_and_the_readme():
+    ns = make_serve_parser().parse_args(["--max-request-body-bytes", "1Mi", "--tokenizer-threads", "2",
+                                         "--engine-hang-timeout", "0", "--shutdown-timeout", "7.5"])
+    config = server_config_from_namespace(ns)
+    assert config.max_request_body_bytes == 1 << 20 and config.tokenizer_threads == 2
+    assert config.engine_hang_timeout is None and config.shutdown_timeout == 7.5   # 0 = never
+    defaults = server_config_from_namespace(make_serve_parser().parse_args([]))
+    for name in ("max_request_body_bytes", "tokenizer_threads", "engine_hang_timeout",
+                 "shutdown_timeout"):
+        assert getattr(defaults, name) == getattr(ServerConfig(), name)
+    assert server_config_from_namespace(
+        make_serve_parser().parse_args(["--max-request-body-bytes", "0"])).max_request_body_bytes is None
+    readme = README.read_text()
+    for flag in ("--max-request-body-bytes", "--tokenizer-threads", "--engine-hang-timeout",
+                 "--shutdown-timeout"):
+        assert re.search(rf"^\| `{flag}", readme, re.MULTILINE), flag
 
 
 @pytest.mark.parametrize(("text", "value"), [
