@@ -122,7 +122,9 @@ class LLMEngine:
             num_layers=arch.num_hidden_layers, hidden_size=arch.hidden_size,
             intermediate_size=arch.intermediate_size, num_heads=arch.num_attention_heads,
             num_kv_heads=arch.num_key_value_heads, head_dim=arch.head_dim,
-            vocab_size=arch.vocab_size, weight_bytes=MODEL_DTYPE_BYTES[self.model_config.dtype],
+            vocab_size=arch.vocab_size,
+            # FP8 checkpoints read their (dominant) linear weights at one byte each
+            weight_bytes=1 if arch.quantization is not None else MODEL_DTYPE_BYTES[self.model_config.dtype],
             kv_bytes_per_token=layout.bytes_per_token * tp, tensor_parallel_size=tp)
 
     # ---- start-up steps -----------------------------------------------------

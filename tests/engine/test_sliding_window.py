@@ -78,6 +78,18 @@ def test_chunked_prefill_and_preemption(case):
 
 
 @pytest.mark.slow
+def test_tensor_parallel_windows(case):
+    """Two ranks: each attends over the window with its own heads; the driver releases."""
+    _, path, prompts, expected = case
+    llm = LLM(str(path), num_gpu_blocks=64, max_model_len=256, max_num_batched_tokens=24,
+              tensor_parallel_size=2)
+    try:
+        assert generate(llm, prompts[3:6]) == expected[3:6]
+    finally:
+        llm.llm_engine.close()
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
                     reason="needs CUDA or the Triton interpreter")
 def test_triton_backend(case):
