@@ -79,7 +79,7 @@ class StepStats:
     """What the engine's steps did since the last ``LLMEngine.take_step_stats()``.
 
     ``iteration_tokens``: tokens computed by each model step, in order.
-    ``kv_block_residency``: sampled KV blocks evicted (``--kv-cache-metrics``).
+    ``kv_block_residency``: evictions and reuses of sampled KV blocks (``--kv-cache-metrics``).
     """
 
     iteration_tokens: tuple[int, ...] = ()

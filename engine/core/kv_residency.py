@@ -8,8 +8,8 @@ its previous life (the pool's lazy eviction). What is measured, in seconds of
 - lifetime: from allocation to eviction;
 - idle before eviction: from the last time a request released it (or took it as a
   prefix hit) to eviction;
-- reuse gaps: between consecutive uses (allocation or prefix hit) of the block; the
-  latest ``MAX_REUSE_GAPS`` are kept per block.
+- reuse gap: from the block's previous use (allocation or prefix hit) to a prefix hit,
+  reported at the hit (a hot prefix block that is never evicted still shows its reuse).
 
 Each hook is a dict lookup for an unsampled block, and nothing at all when the sampler
 is off (the pool holds None), so the cost stays negligible.
@@ -20,18 +20,17 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-
-MAX_REUSE_GAPS = 8
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True, slots=True)
 class BlockResidency:
-    """One sampled block's life, reported when it was evicted."""
+    """One observation of a sampled block: its eviction (``lifetime_seconds`` and
+    ``idle_seconds`` set) or a reuse (``reuse_gap_seconds`` set)."""
 
-    lifetime_seconds: float
-    idle_seconds: float
-    reuse_gaps_seconds: tuple[float, ...] = ()
+    lifetime_seconds: float | None = None
+    idle_seconds: float | None = None
+    reuse_gap_seconds: float | None = None
 
 
 @dataclass(slots=True)
@@ -39,7 +38,6 @@ class _Tracked:
     allocated: float
     last_use: float
     last_release: float | None = None
-    gaps: list[float] = field(default_factory=list)
 
 
 class KVResidencySampler:
@@ -67,8 +65,8 @@ class KVResidencySampler:
         old = self._tracked.pop(block_id, None)
         if old is not None:
             idle_from = old.last_release if old.last_release is not None else old.last_use
-            self._events.append(BlockResidency(now - old.allocated, max(0.0, now - idle_from),
-                                               tuple(old.gaps)))
+            self._events.append(BlockResidency(lifetime_seconds=now - old.allocated,
+                                               idle_seconds=max(0.0, now - idle_from)))
         if self.sample_rate >= 1.0 or self._rng.random() < self.sample_rate:
             self._tracked[block_id] = _Tracked(allocated=now, last_use=now)
 
@@ -78,8 +76,7 @@ class KVResidencySampler:
         if tracked is None:
             return
         now = self._clock()
-        tracked.gaps.append(now - tracked.last_use)
-        del tracked.gaps[:-MAX_REUSE_GAPS]
+        self._events.append(BlockResidency(reuse_gap_seconds=now - tracked.last_use))
         tracked.last_use = now
         tracked.last_release = None
 
@@ -90,6 +87,6 @@ class KVResidencySampler:
             tracked.last_release = self._clock()
 
     def drain(self) -> list[BlockResidency]:
-        """Lives ended since the last call, oldest first."""
+        """Evictions and reuses since the last call, oldest first."""
         events, self._events = self._events, []
         return events

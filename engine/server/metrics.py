@@ -197,8 +197,8 @@ class ServerMetrics:
                  "Seconds a sampled KV block sat unused (no request holding it) before its "
                  "eviction (--kv-cache-metrics-sample)."),
                 ("vllm:kv_block_reuse_gap_seconds",
-                 "Seconds between consecutive uses (allocation, prefix hit) of a sampled KV "
-                 "block; its latest 8 gaps (--kv-cache-metrics-sample)."),
+                 "Seconds from a sampled KV block's previous use (allocation, prefix hit) to a "
+                 "prefix hit on it (--kv-cache-metrics-sample)."),
             ))
 
     def record(self, iteration: IterationStats) -> None:
@@ -218,8 +218,9 @@ class ServerMetrics:
                     metric.observe(value)
         if self._residency is not None:
             lifetime, idle, reuse = self._residency
-            for block in iteration.kv_block_residency:
-                lifetime.observe(block.lifetime_seconds)
-                idle.observe(block.idle_seconds)
-                for gap in block.reuse_gaps_seconds:
-                    reuse.observe(gap)
+            for event in iteration.kv_block_residency:
+                if event.reuse_gap_seconds is not None:
+                    reuse.observe(event.reuse_gap_seconds)
+                else:
+                    lifetime.observe(event.lifetime_seconds)
+                    idle.observe(event.idle_seconds)

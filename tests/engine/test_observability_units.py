@@ -10,7 +10,7 @@ import pytest
 
 from kvpilot.engine.core.block_hash import root_hash
 from kvpilot.engine.core.kv_cache_manager import KVCacheManager
-from kvpilot.engine.core.kv_residency import MAX_REUSE_GAPS, KVResidencySampler
+from kvpilot.engine.core.kv_residency import KVResidencySampler
 from kvpilot.engine.core.request import Request
 from kvpilot.engine.perf_estimate import ModelCostModel
 from kvpilot.engine.sampling_params import SamplingParams
@@ -28,6 +28,10 @@ def _request(rid: str, tokens: list[int]) -> Request:
     return Request(rid, tokens, SamplingParams(max_tokens=4))
 
 
+def _lives(events):
+    return sorted((e.lifetime_seconds, e.idle_seconds) for e in events if e.reuse_gap_seconds is None)
+
+
 def test_residency_follows_a_block_from_allocation_through_hits_to_eviction():
     clock = Clock()
     sampler = KVResidencySampler(1.0, clock=clock)
@@ -43,35 +47,31 @@ def test_residency_follows_a_block_from_allocation_through_hits_to_eviction():
     again = _request("b", prompt)
     hit = kv.find_prefix_hit(again)
     assert len(hit.blocks) == 1
-    # the hit revives block 0 (gap 10 s); the partial block 1 is handed out again: its life
-    # (100 -> 110, idle since its release at 103) ends
+    # the hit revives block 0: a 10 s reuse gap; the partial block 1 is handed out again:
+    # its life (100 -> 110, idle since its release at 103) ends
     assert kv.allocate_slots(again, 1, hit)
     events = sampler.drain()
-    assert [(e.lifetime_seconds, e.idle_seconds, e.reuse_gaps_seconds) for e in events] == [(10.0, 7.0, ())]
+    assert [e.reuse_gap_seconds for e in events if e.reuse_gap_seconds is not None] == [10.0]
+    assert _lives(events) == [(10.0, 7.0)]
     again.num_computed_tokens = 5
     clock.now = 111.0
     kv.free(again)
     clock.now = 120.0
     other = _request("c", [9, 9, 9, 9, 9, 9, 9, 9])   # needs both blocks: evicts block 0 too
     assert kv.allocate_slots(other, 8, kv.find_prefix_hit(other))
-    lives = sorted((e.lifetime_seconds, e.idle_seconds, e.reuse_gaps_seconds) for e in sampler.drain())
-    assert lives == [(10.0, 9.0, ()), (20.0, 9.0, (10.0,))]
+    assert _lives(sampler.drain()) == [(10.0, 9.0), (20.0, 9.0)]
     assert sampler.drain() == []
 
 
-def test_residency_sampling_rate_and_gap_cap():
+def test_residency_sampling_rate():
     clock = Clock()
     sampler = KVResidencySampler(0.25, seed=3, clock=clock)
     for block_id in range(4000):
         sampler.on_allocate(block_id)
-    assert 800 < len(sampler._tracked) < 1200
-    tracked = next(iter(sampler._tracked))
-    for _ in range(MAX_REUSE_GAPS + 5):
-        clock.now += 1
-        sampler.on_hit(tracked)
-    sampler.on_allocate(tracked)
-    (event,) = [e for e in sampler.drain() if e.reuse_gaps_seconds]
-    assert event.reuse_gaps_seconds == (1.0,) * MAX_REUSE_GAPS
+    for block_id in range(4000):
+        sampler.on_hit(block_id)      # reported only for the followed blocks
+    gaps = [e for e in sampler.drain() if e.reuse_gap_seconds is not None]
+    assert 800 < len(gaps) < 1200     # about a quarter
     with pytest.raises(ValueError, match="sample rate"):
         KVResidencySampler(0.0)
 

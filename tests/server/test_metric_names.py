@@ -62,7 +62,8 @@ def registry_metrics() -> dict[str, Exposed]:
                                     max_tokens=3, max_num_generation_tokens=3, num_preemptions=1,
                                     prefill_kv_computed_tokens=5)
     metrics.record(IterationStats((0.1,), (0.01,), (finished,), iteration_tokens=(8,),
-                                  kv_block_residency=(BlockResidency(2.0, 1.0, (0.5,)),)))
+                                  kv_block_residency=(BlockResidency(2.0, 1.0),
+                                                      BlockResidency(reuse_gap_seconds=0.5))))
     exposed = {}
     for family in registry.collect():
         if not family.name.startswith(("vllm:", "kvpilot:")):
