@@ -126,6 +126,9 @@ class CoreClient(EngineClient):
         self._hang_timeout = hang_timeout
         # monotonic time of the last step report while requests are in flight; None when idle
         self._last_progress: float | None = None
+        # The watchdog failed the requests of a stall and the core has not reported a step
+        # since: it stays stalled (readiness 503, adds refused) even with no request left.
+        self._stall_reported = False
         self._watchdog: asyncio.Task | None = None
         self._engine_args = engine_args
         self._on_ready = on_ready
@@ -238,7 +241,9 @@ class CoreClient(EngineClient):
     def busy_seconds(self) -> float:
         """How long requests have been in flight without a step report (0 when idle)."""
         last = self._last_progress
-        return 0.0 if last is None or not self._live else time.monotonic() - last
+        if last is None or not (self._live or self._stall_reported):
+            return 0.0
+        return time.monotonic() - last
 
     @property
     def stalled(self) -> bool:
@@ -258,6 +263,7 @@ class CoreClient(EngineClient):
             if not self.stalled or self._last_progress == failed_at:
                 continue
             failed_at = self._last_progress
+            self._stall_reported = True
             message = self.stalled_message()
             logger.error("%s; failing %d request(s)", message, len(self._live))
             for consumer in self._live.values():
@@ -398,6 +404,7 @@ class CoreClient(EngineClient):
             self._stats = stats
             self._num_pending_adds -= num_adds
         self._last_progress = time.monotonic()
+        self._stall_reported = False
         if self._record is not None and not iteration.empty:
             try:
                 self._record(iteration)
