@@ -6,9 +6,10 @@ are registered in the prefix cache as soon as the tokens they will hold are sche
 attention of that layer reads it, so a hit taken in the same step is still correct).
 
 Sliding window (``release_window``, set when every layer of the model slides): blocks
-wholly before the window of the first token still to compute are released as soon as
-that token is scheduled, so a long sequence holds at most the window plus one block
-(``kv_layout.blocks_held``). A released block keeps its hash (its KV stays valid for
+wholly before the window of the first token still to compute are released when that
+token is scheduled, before any new block is allocated (a prefix hit's blocks before the
+window are not even taken), so a long sequence holds at most the window plus one block
+(``kv_layout.blocks_held``) and a hit longer than the pool can still be admitted. A released block keeps its hash (its KV stays valid for
 prefix hits until it is handed out again). Its entry stays in the request's table as a
 stale id: every query of the request is past its window, so attention never reads it
 (both backends start at the window's first block), and new tokens never write there.
@@ -133,7 +134,9 @@ class KVCacheManager:
         hit_blocks = hit.blocks if hit else []
         computed = request.num_computed_tokens + (hit.num_tokens if hit else 0)
         required = -(-(computed + num_new_tokens) // self.block_size)
-        revived = sum(1 for b in hit_blocks if b.ref_cnt == 0)
+        # hit blocks before the window are never taken (see allocate_slots)
+        skip = num_released_blocks(computed, self.block_size, self.release_window)
+        revived = sum(1 for b in hit_blocks[skip:] if b.ref_cnt == 0)
         return max(0, required - held - len(hit_blocks)) + revived
 
     def allocate_slots(self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:
@@ -145,6 +148,8 @@ class KVCacheManager:
         blocks = self.req_blocks.get(rid)
         if hit is None and blocks is not None:
             # A running request (the common decode case): no lookups, no hit accounting.
+            if self.release_window is not None:   # first, so the pool has them back
+                self._release_outside_window(rid, blocks, request.num_computed_tokens)
             total = request.num_computed_tokens + num_new_tokens
             missing = -(-total // self.block_size) - len(blocks)
             if missing > 0:
@@ -156,8 +161,6 @@ class KVCacheManager:
             if self.enable_caching and min(total, request.num_tokens) // self.block_size > \
                     self._num_registered.get(rid, 0):
                 self._register_full_blocks(request, blocks, total)
-            if self.release_window is not None:
-                self._release_outside_window(rid, blocks, request.num_computed_tokens)
             return True
         if self.num_blocks_needed(request, num_new_tokens, hit) > self.pool.num_free_blocks:
             return False
@@ -166,8 +169,13 @@ class KVCacheManager:
         computed = request.num_computed_tokens
         if hit is not None:
             if hit.blocks:
-                self.pool.touch(hit.blocks)
+                # Hit blocks wholly before the window are entered in the table without a
+                # reference, as if taken and released at once (stale entries, never read).
+                skip = num_released_blocks(computed + hit.num_tokens, self.block_size, self.release_window)
+                self.pool.touch(hit.blocks[skip:])
                 blocks.extend(hit.blocks)
+                if skip:
+                    self._num_released[rid] = skip
             computed += hit.num_tokens   # offload-hit blocks are allocated below, as new ones
         total = computed + num_new_tokens
         required = -(-total // self.block_size)
@@ -176,8 +184,6 @@ class KVCacheManager:
         ids.extend(b.block_id for b in blocks[len(ids):])
         if self.enable_caching:
             self._register_full_blocks(request, blocks, total)
-        if self.release_window is not None:
-            self._release_outside_window(rid, blocks, computed)
         return True
 
     def _release_outside_window(self, rid: str, blocks: list[KVCacheBlock], num_computed: int) -> None:
@@ -207,7 +213,8 @@ class KVCacheManager:
     def free(self, request: Request) -> list[int]:
         """Release a request's blocks, tail first (so its tail is evicted first).
 
-        Returns the released block ids in table order.
+        Returns the request's table (block ids in table order; with a release window its
+        leading entries are the stale ids of blocks released earlier).
         """
         blocks = self.req_blocks.pop(request.request_id, [])
         self.req_block_ids.pop(request.request_id, None)

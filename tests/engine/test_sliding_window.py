@@ -189,3 +189,33 @@ def test_offload_is_refused_when_blocks_are_released(tiny_checkpoint):
     path = str(tiny_checkpoint("mistral", **KINDS["mistral"]))
     with pytest.raises(ValueError, match="sliding-window models"):
         LLM(path, num_gpu_blocks=64, max_model_len=256, kv_offloading_size=0.01)
+
+
+def test_a_windowed_prefix_hit_longer_than_the_pool_is_admitted():
+    """Blocks before the window are given back before new ones are taken, and a hit's
+    blocks before the window are not taken at all: a 6-block pool admits a request whose
+    cached prefix alone is 5 blocks and whose table needs 7."""
+    from kvpilot.engine.core.block_hash import root_hash
+    from kvpilot.engine.core.kv_cache_manager import KVCacheManager
+    from kvpilot.engine.core.request import Request
+
+    kv = KVCacheManager(6, 4, enable_caching=True, hash_root=root_hash("t"), release_window=8)
+    prompt = list(range(100, 121))                          # 21 tokens: 5 full blocks + 1
+    first = Request("a", prompt, SamplingParams(max_tokens=1))
+    kv.update_block_hashes(first)
+    while first.num_computed_tokens < len(prompt):          # chunks of 4, as the scheduler would
+        step = min(4, len(prompt) - first.num_computed_tokens)
+        assert kv.allocate_slots(first, step)
+        assert kv.num_held_blocks("a") <= blocks_held(len(prompt), 4, 8 - 1 + 4)
+        first.num_computed_tokens += step
+    kv.free(first)
+    second = Request("b", prompt + [7, 8, 9, 10], SamplingParams(max_tokens=1))
+    hit = kv.find_prefix_hit(second)
+    assert len(hit.blocks) == 5
+    assert kv.num_blocks_needed(second, 5, hit) <= kv.num_free_blocks == 6
+    assert kv.allocate_slots(second, 5, hit)
+    second.num_computed_tokens = hit.num_tokens
+    assert kv.num_held_blocks("b") == 4                    # blocks 3..6 of its 7
+    assert kv.num_free_blocks == 2
+    kv.free(second)
+    assert kv.num_free_blocks == 6
