@@ -14,9 +14,11 @@ twice or more, with the same engine settings:
   concurrent streaming ``/v1/completions`` clients, one request each, the same prompts.
 
 It prints output tokens/s of each (the whole run: first request sent to last token
-received, prefill included) and each server mode's share of the offline figure. The
-engine runs on ``--threads`` torch threads everywhere (the server's through
-``OMP_NUM_THREADS``).
+received, prefill included) and each server mode's share of the offline figure, and the
+CPU seconds each process spent on the workload (offline engine; server process, engine
+core process and the benchmark's own clients), which show what limits a server run
+when the machine has fewer free cores than the three processes need. The engine runs
+on ``--threads`` torch threads everywhere (the server's through ``OMP_NUM_THREADS``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -56,6 +59,15 @@ class FrontendResult:
     share_of_offline: float | None = None
     ttft_p50_ms: float | None = None
     itl_p50_ms: float | None = None
+    cpu_s: dict[str, float] | None = None    # process -> CPU seconds spent on the workload
+
+
+def cpu_seconds(pid: int | None = None) -> float:
+    """User + system CPU seconds of process ``pid`` (this one when None; Linux /proc)."""
+    if pid is None:
+        return time.process_time()
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def prompts(num: int, length: int) -> list[list[int]]:
@@ -99,9 +111,24 @@ def measure_serve(model_dir: str, mode: str, args: argparse.Namespace) -> Fronte
 
     env = {"OMP_NUM_THREADS": str(args.threads)}
     with launch_server([*serve_flags(model_dir, args), *MODES[mode]], env=env) as server:
+        found = re.search(r"engine core process started \(pid (\d+)\)", server.log_path.read_text())
+        pids: dict[str, int | None] = {"server": server.process.pid}
+        if found:
+            pids["core"] = int(found.group(1))
+        pids["clients"] = None   # this process
+        before = {name: cpu_seconds(pid) for name, pid in pids.items()}
         result = asyncio.run(_load(server.base_url, args))
+        result.cpu_s = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
     result.name = f"serve ({mode})"
     return result
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f} ms"
+
+
+def _cpu_line(cpu: dict[str, float]) -> str:
+    return ", ".join(f"{name} {seconds:.2f}" for name, seconds in cpu.items())
 
 
 def run(args: argparse.Namespace) -> int:
@@ -122,16 +149,20 @@ def run(args: argparse.Namespace) -> int:
               f"{MICRO_CONFIG['hidden_size']}, vocab {MICRO_CONFIG['vocab_size']}, float32; "
               f"{args.num_clients} requests at once, {args.prompt_len} prompt + {args.output_len} "
               f"output tokens each (ignore_eos); torch threads={args.threads}", flush=True)
+        start = cpu_seconds()
         offline = measure(model_dir, args.num_clients, args.prompt_len, args.output_len, "final")
-        results.append(FrontendResult("offline (LLM.generate)", offline.output_tokens_per_s))
-        print(f"  {results[0].name:<24}{offline.output_tokens_per_s:>10.0f} output tok/s", flush=True)
+        results.append(FrontendResult("offline (LLM.generate)", offline.output_tokens_per_s,
+                                      cpu_s={"engine": cpu_seconds() - start}))
+        print(f"  {results[0].name:<24}{offline.output_tokens_per_s:>10.0f} output tok/s  "
+              f"(CPU s: {_cpu_line(results[0].cpu_s)}, engine build included)", flush=True)
         for mode in modes:
             result = measure_serve(model_dir, mode, args)
             result.share_of_offline = result.output_tokens_per_s / offline.output_tokens_per_s
             results.append(result)
             print(f"  {result.name:<24}{result.output_tokens_per_s:>10.0f} output tok/s  "
-                  f"{result.share_of_offline:>6.1%} of offline  (TTFT p50 {result.ttft_p50_ms:.0f} ms, "
-                  f"ITL p50 {result.itl_p50_ms:.1f} ms)", flush=True)
+                  f"{result.share_of_offline:>6.1%} of offline  (TTFT p50 {_ms(result.ttft_p50_ms)}, "
+                  f"ITL p50 {_ms(result.itl_p50_ms)}; CPU s: {_cpu_line(result.cpu_s)})",
+                  flush=True)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps([asdict(r) for r in results], indent=2))
     return 0
