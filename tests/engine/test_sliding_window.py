@@ -51,8 +51,13 @@ def generate(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
 
+def _report(capsys, text: str) -> None:
+    with capsys.disabled():
+        print(f"\nA1 {text}")
+
+
 @pytest.mark.slow
-def test_plain_and_prefix_hits(case):
+def test_plain_and_prefix_hits(case, capsys):
     name, path, prompts, expected = case
     llm = LLM(str(path), num_gpu_blocks=256, max_model_len=256)
     engine = llm.llm_engine
@@ -60,12 +65,16 @@ def test_plain_and_prefix_hits(case):
     assert generate(llm, prompts) == expected
     first = llm.get_stats().prefix_cache_hits
     assert generate(llm, prompts) == expected
-    assert llm.get_stats().prefix_cache_hits - first >= sum((len(p) - 1) // 16 * 16 for p in prompts)
+    hits = llm.get_stats().prefix_cache_hits - first
+    assert hits >= sum((len(p) - 1) // 16 * 16 for p in prompts)
     assert llm.get_stats().kv_cache_usage == 0.0
+    _report(capsys, f"{name}: {len(prompts)} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} "
+                    f"tokens (window {WINDOW}) x {MAX_NEW} greedy tokens == HF float32; second pass "
+                    f"{hits} prefix-hit tokens, same tokens")
 
 
 @pytest.mark.slow
-def test_chunked_prefill_and_preemption(case):
+def test_chunked_prefill_and_preemption(case, capsys):
     name, path, prompts, expected = case
     chunked = LLM(str(path), num_gpu_blocks=256, max_model_len=256, max_num_batched_tokens=24)
     assert generate(chunked, prompts) == expected
@@ -75,6 +84,8 @@ def test_chunked_prefill_and_preemption(case):
     assert generate(tiny, prompts) == expected
     assert tiny.get_stats().num_preemptions > 0
     assert tiny.get_stats().kv_cache_usage == 0.0
+    _report(capsys, f"{name}: == HF with chunked prefill (24-token budget) and with a {blocks}-block "
+                    f"pool ({tiny.get_stats().num_preemptions} preemptions)")
 
 
 @pytest.mark.slow
@@ -92,7 +103,7 @@ def test_tensor_parallel_windows(case):
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
                     reason="needs CUDA or the Triton interpreter")
-def test_triton_backend(case):
+def test_triton_backend(case, capsys):
     name, path, prompts, _ = case
     rng = random.Random(3)
     shared = [rng.randrange(3, 512) for _ in range(40)]
@@ -103,6 +114,9 @@ def test_triton_backend(case):
               max_num_batched_tokens=24)
     assert generate(llm, short, params) == expected
     assert llm.get_stats().prefix_cache_hits > 0
+    _report(capsys, f"{name}: Triton backend == HF for {len(short)} prompts of "
+                    f"{', '.join(str(len(p)) for p in short)} tokens, chunked (24), "
+                    f"{llm.get_stats().prefix_cache_hits} prefix-hit tokens")
 
 
 def test_mistral_holds_at_most_window_plus_one_block(tiny_checkpoint, capsys):
