@@ -1,9 +1,13 @@
 """A step that hangs or keeps raising fails requests and readiness, never hangs a client
 (issue 16, acceptance 5).
 
-The real app runs under uvicorn on a loopback port around a real engine whose model
-runner is wrapped by the test: armed, its ``execute`` blocks until released (a hung
-kernel) or raises (a broken device). Clients are real: the openai SDK and httpx streams.
+Engine on a thread (``--engine-in-process``): the real app runs under uvicorn on a
+loopback port around a real engine whose model runner is wrapped by the test: armed, its
+``execute`` blocks until released (a hung kernel) or raises (a broken device). Engine
+core in its own process (the default): a real ``kvpilot serve`` whose core process is
+stopped with SIGSTOP (a hang), or whose model runner a ``sitecustomize`` on the child's
+``PYTHONPATH`` makes raise once a flag file exists. Clients are real: the openai SDK and
+httpx streams.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import uvicorn
 from kvpilot.engine.server.app import build_app, build_async_engine
 from kvpilot.engine.server.async_engine import MAX_CONSECUTIVE_STEP_FAILURES
 from kvpilot.engine.server.config import ServerConfig
+from kvpilot.engine.server.core_process import MAX_CONSECUTIVE_STEP_FAILURES as CORE_MAX_FAILURES
 from kvpilot.engine.server.launch import free_port, launch_server
 from kvpilot.engine.server.metrics import make_registry
 
@@ -233,34 +238,89 @@ def test_stopped_core_process_fails_readiness_and_requests_then_recovers(tmp_pat
     _report_hang("stopped core process", figures)
 
 
+# Loaded by every Python process of the server through PYTHONPATH (the API process and the
+# engine core, which runs the model): the runner raises once the flag file exists.
+RAISING_RUNNER = """
+import os
+from pathlib import Path
+
+FLAG = Path(os.environ["KVPILOT_TEST_RAISE_FLAG"])  # set only for the server under test
+
+
+def _patch():
+    from kvpilot.engine.model import runner
+
+    execute = runner.ModelRunner.execute
+
+    def raising_execute(self, *args, **kwargs):
+        if FLAG.exists():
+            raise RuntimeError("injected: device error")
+        return execute(self, *args, **kwargs)
+
+    runner.ModelRunner.execute = raising_execute
+
+
+_patch()
+"""
+
+
+async def _raise_scenario(base_url: str, arm, max_failures: int) -> dict[str, float]:
+    """Requests in flight, then ``arm()`` (steps raise from then on): the requests fail;
+    after the engine's limit of consecutive failed steps readiness and liveness are 503.
+    Returns the seconds from arming to the failures and to readiness 503."""
+    figures = {}
+    async with clients(base_url) as (sdk, http):
+        streams, plain = await _in_flight(http, sdk)
+        armed = arm()
+        with pytest.raises(openai.InternalServerError) as info:
+            await asyncio.wait_for(plain, 30)
+        assert "injected: device error" in info.value.body["message"]
+        for stream in streams:
+            _assert_failed_stream(await asyncio.wait_for(stream, 30))
+        figures["requests"] = time.monotonic() - armed
+        # One failed step is taken as transient; consecutive ones mean a broken engine.
+        for _ in range(max_failures - 1):
+            assert (await http.get("/health")).status_code == 200
+            failed = await http.post("/v1/completions", json=LONG)
+            assert failed.status_code == 500 and failed.json()["error"]["type"] == "server_error"
+        figures["readiness"] = await _wait_status(http, "/health", 503, armed)
+        assert (await http.get("/livez")).status_code == 503
+        assert (await http.post("/v1/completions", json=LONG)).status_code == 503
+    return figures
+
+
+def _report_raise(label: str, figures: dict[str, float], max_failures: int) -> None:
+    print(f"\n[A5 raise, {label}] in-flight requests 500 / error+[DONE] after "
+          f"{figures['requests']:.2f} s; /health and /livez 503 after {max_failures} failed "
+          f"steps ({figures['readiness']:.2f} s)")
+
+
+def test_raising_steps_in_the_core_process_fail_requests_then_readiness_and_liveness(tmp_path):
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(RAISING_RUNNER)
+    flag = tmp_path / "raise"
+    env = {"PYTHONPATH": str(hook), "KVPILOT_TEST_RAISE_FLAG": str(flag)}
+    flags = ["--max-model-len", "1024", "--kv-cache-memory-bytes", "16Mi", "--max-num-seqs", "4",
+             "--uvicorn-log-level", "warning"]
+    with launch_server(flags, log_path=tmp_path / "serve.log", env=env, timeout=300) as server:
+        def arm() -> float:
+            flag.touch()
+            return time.monotonic()
+
+        figures = asyncio.run(_raise_scenario(server.base_url, arm, CORE_MAX_FAILURES))
+    _report_raise("core process", figures, CORE_MAX_FAILURES)
+
+
 def test_raising_steps_fail_requests_then_readiness_and_liveness(llm, faulty):
     engine = llm.llm_engine
-    figures = {}
 
-    async def scenario(base_url: str) -> None:
-        async with clients(base_url) as (sdk, http):
-            streams, plain = await _in_flight(http, sdk)
-            faulty.mode = "raise"
-            armed = time.monotonic()
-            with pytest.raises(openai.InternalServerError) as info:
-                await asyncio.wait_for(plain, 10)
-            assert "injected: device error" in info.value.body["message"]
-            for stream in streams:
-                _assert_failed_stream(await asyncio.wait_for(stream, 10))
-            figures["requests"] = time.monotonic() - armed
-            # One failed step is taken as transient; consecutive ones mean a broken engine.
-            for _ in range(MAX_CONSECUTIVE_STEP_FAILURES - 1):
-                assert (await http.get("/health")).status_code == 200
-                failed = await http.post("/v1/completions", json=LONG)
-                assert failed.status_code == 500 and failed.json()["error"]["type"] == "server_error"
-            figures["readiness"] = await _wait_status(http, "/health", 503, armed)
-            assert (await http.get("/livez")).status_code == 503
-            assert (await http.post("/v1/completions", json=LONG)).status_code == 503
+    def arm() -> float:
+        faulty.mode = "raise"
+        return time.monotonic()
 
     with serving(engine, ServerConfig(engine_hang_timeout=HANG_TIMEOUT_S)) as base_url:
-        asyncio.run(scenario(base_url))
+        figures = asyncio.run(_raise_scenario(base_url, arm, MAX_CONSECUTIVE_STEP_FAILURES))
     faulty.mode = None
     assert not engine.has_unfinished_requests()
-    print(f"\n[A5 raise] in-flight requests 500 / error+[DONE] after {figures['requests']:.2f} s; "
-          f"/health and /livez 503 after {MAX_CONSECUTIVE_STEP_FAILURES} failed steps "
-          f"({figures['readiness']:.2f} s)")
+    _report_raise("engine thread", figures, MAX_CONSECUTIVE_STEP_FAILURES)
