@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING
 
 from kvpilot.engine.exceptions import EngineDeadError
 from kvpilot.engine.server.engine_client import (
+    MAX_CONSECUTIVE_STEP_FAILURES,
     Add,
     EngineClient,
     EngineDead,
@@ -66,9 +67,6 @@ if TYPE_CHECKING:
     from kvpilot.engine.stats import StepStats
 
 logger = logging.getLogger(__name__)
-
-# Consecutive failed steps after which the engine is declared dead.
-MAX_CONSECUTIVE_STEP_FAILURES = 3
 
 
 @dataclass(slots=True)

@@ -47,6 +47,7 @@ from kvpilot.engine.server.core_wire import (
     pack,
     unpack,
 )
+from kvpilot.engine.server.engine_client import MAX_CONSECUTIVE_STEP_FAILURES
 
 if TYPE_CHECKING:
     from kvpilot.engine.engine_args import EngineArgs
@@ -54,8 +55,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Consecutive failed steps after which the engine is declared dead (as the thread's).
-MAX_CONSECUTIVE_STEP_FAILURES = 3
 # How long a closing socket may try to deliver what it holds (the API may be gone).
 LINGER_MS = 2000
 SPEC_HEADER = struct.Struct("<Q")

@@ -26,6 +26,10 @@ if TYPE_CHECKING:
     from kvpilot.engine.sampling_params import SamplingParams
     from kvpilot.engine.stats import EngineStats
 
+# Consecutive failed engine steps after which the engine is declared dead (a single
+# failed step is taken as transient), wherever the engine runs.
+MAX_CONSECUTIVE_STEP_FAILURES = 3
+
 
 class EngineNotReady(RuntimeError):
     """The engine is still being built."""

@@ -26,9 +26,8 @@ import pytest
 import uvicorn
 
 from kvpilot.engine.server.app import build_app, build_async_engine
-from kvpilot.engine.server.async_engine import MAX_CONSECUTIVE_STEP_FAILURES
 from kvpilot.engine.server.config import ServerConfig
-from kvpilot.engine.server.core_process import MAX_CONSECUTIVE_STEP_FAILURES as CORE_MAX_FAILURES
+from kvpilot.engine.server.engine_client import MAX_CONSECUTIVE_STEP_FAILURES
 from kvpilot.engine.server.launch import free_port, launch_server
 from kvpilot.engine.server.metrics import make_registry
 
@@ -308,8 +307,8 @@ def test_raising_steps_in_the_core_process_fail_requests_then_readiness_and_live
             flag.touch()
             return time.monotonic()
 
-        figures = asyncio.run(_raise_scenario(server.base_url, arm, CORE_MAX_FAILURES))
-    _report_raise("core process", figures, CORE_MAX_FAILURES)
+        figures = asyncio.run(_raise_scenario(server.base_url, arm, MAX_CONSECUTIVE_STEP_FAILURES))
+    _report_raise("core process", figures, MAX_CONSECUTIVE_STEP_FAILURES)
 
 
 def test_raising_steps_fail_requests_then_readiness_and_liveness(llm, faulty):
