@@ -10,6 +10,7 @@ engine (``_submit_add`` / ``_submit_abort``); outputs reach the request's
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import dataclasses
@@ -99,7 +100,7 @@ def num_waiting(stats: EngineStats | None, pending: int, max_num_seqs: int | Non
     return stats.num_waiting_reqs + max(0, pending - free)
 
 
-class EngineClient:
+class EngineClient(abc.ABC):
     """The shared half of an engine client: ``generate``, ``stats`` and the 429 check.
 
     Subclasses set ``_stats`` (under ``_cond``) as snapshots arrive, count submitted adds
@@ -184,11 +185,13 @@ class EngineClient:
             if not finished:
                 self._submit_abort(request_id)
 
-    def _forget(self, request_id: str) -> None:
+    def _forget(self, request_id: str) -> None:  # noqa: B027 (an optional hook, not abstract)
         """The consumer of ``request_id`` stopped listening (whatever the reason)."""
 
+    @abc.abstractmethod
     def _submit_add(self, add: Add) -> None:
-        raise NotImplementedError
+        """Hand a new request to the engine (from the event loop)."""
 
+    @abc.abstractmethod
     def _submit_abort(self, request_id: str) -> None:
-        raise NotImplementedError
+        """Ask the engine to drop ``request_id`` (from the event loop)."""
