@@ -158,13 +158,19 @@ class StructuredOutputsConfig:
 
 @dataclass(frozen=True, slots=True)
 class KVCacheInfo:
-    """What the engine allocated at start-up (computed, hence not config)."""
+    """What the engine allocated at start-up (computed, hence not config).
+
+    A hybrid model (full-attention and sliding-window layers in separate pools, see
+    ``core.hybrid_kv_cache_manager``): ``num_gpu_blocks`` and ``token_capacity`` count the
+    full-attention pool, i.e. tokens of context held on every layer; ``bytes_per_block``
+    is one such block; ``kv_cache_memory_bytes`` adds the sliding-window pool.
+    """
 
     num_gpu_blocks: int
     block_size: int
     kv_cache_dtype: str          # resolved name: "bfloat16", "fp8_e4m3", ...
     bytes_per_block: int
-    kv_cache_memory_bytes: int   # num_gpu_blocks * bytes_per_block
+    kv_cache_memory_bytes: int   # num_gpu_blocks * bytes_per_block (+ a hybrid model's sliding pool)
     enable_prefix_caching: bool
     gpu_memory_utilization: float
     # what start-up profiling left for the KV cache at gpu_memory_utilization (None: not profiled)

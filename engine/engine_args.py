@@ -19,7 +19,7 @@ from kvpilot.engine.config import (
 from kvpilot.engine.core.constants import MODEL_DTYPES
 from kvpilot.engine.generation_defaults import load_generation_defaults
 from kvpilot.engine.model.device_memory import FAKE_DEVICE_MEMORY_ENV
-from kvpilot.engine.model.hf_config import ArchConfig, load_arch_config
+from kvpilot.engine.model.hf_config import ArchConfig, kv_cache_groups, load_arch_config
 
 logger = logging.getLogger(__name__)
 
@@ -178,12 +178,14 @@ class EngineArgs:
         if self.model is not None:
             arch = load_arch_config(self.model, self.architecture)
             max_len = self.max_model_len or arch.max_position_embeddings
-            if arch.kv_release_window is not None and max_len > arch.kv_release_window:
+            window = arch.kv_release_window
+            if window is None and kv_cache_groups(arch, max_len) is not None:
+                window = arch.sliding_window     # a hybrid model: its sliding layers release
+            if window is not None and max_len > window:
                 raise ValueError(
                     f"KV offloading is not implemented for sliding-window models whose blocks are "
                     f"released outside the window ({arch.architecture}, window "
-                    f"{arch.kv_release_window}); turn offloading off or set max_model_len <= "
-                    f"{arch.kv_release_window}")
+                    f"{window}); turn offloading off or set max_model_len <= {window}")
         if self.tensor_parallel_size > 1:
             raise ValueError("KV offloading is not implemented with tensor parallelism (each rank "
                              "holds its own heads' blocks): use tensor_parallel_size 1 or turn "

@@ -16,8 +16,9 @@ import torch
 from kvpilot.engine.config import KVCacheInfo, SchedulerConfig
 from kvpilot.engine.core.block_hash import root_hash
 from kvpilot.engine.core.constants import MODEL_DTYPE_BYTES
+from kvpilot.engine.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from kvpilot.engine.core.kv_cache_manager import KVCacheManager
-from kvpilot.engine.core.kv_layout import KVLayout, blocks_held
+from kvpilot.engine.core.kv_layout import HybridKVLayout, KVLayout, blocks_held, sliding_pool_blocks
 from kvpilot.engine.core.kv_residency import KVResidencySampler
 from kvpilot.engine.core.request import Request, RequestStatus
 from kvpilot.engine.core.scheduler import Scheduler
@@ -94,10 +95,18 @@ class LLMEngine:
         self.kv_offload = self._create_offload(offload_config, layout, hash_root)
         self._residency = (KVResidencySampler(args.kv_cache_metrics_sample, seed=args.seed)
                            if args.kv_cache_metrics else None)
-        self.kv_cache_manager = KVCacheManager(
-            num_blocks, layout.block_size, cache_config.enable_prefix_caching, hash_root,
-            record_evictions=self.kv_offload is not None, residency=self._residency,
-            release_window=self._release_window())
+        if isinstance(layout, HybridKVLayout):
+            if self.kv_offload is not None:   # EngineArgs refuses it first; never silently wrong
+                raise ValueError("KV offload is not implemented for hybrid sliding-window models")
+            self.kv_cache_manager = HybridKVCacheManager(
+                num_blocks, layout.num_sliding_blocks(num_blocks), layout.block_size,
+                cache_config.enable_prefix_caching, hash_root, layout.sliding_window,
+                residency=self._residency)
+        else:
+            self.kv_cache_manager = KVCacheManager(
+                num_blocks, layout.block_size, cache_config.enable_prefix_caching, hash_root,
+                record_evictions=self.kv_offload is not None, residency=self._residency,
+                release_window=self._release_window())
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager, offload=self.kv_offload)
         self.runner.kv_transfer = self.kv_offload
         self.runner.count_nan_logits = args.compute_nans_in_logits
@@ -139,14 +148,28 @@ class LLMEngine:
                            scheduler_config=self.scheduler_config, parallel_config=parallel,
                            attention_backend=self.args.attention_backend)
 
-    def _kv_layout(self) -> KVLayout:
+    def _kv_layout(self) -> KVLayout | HybridKVLayout:
         """One rank's cache shape per the shared KV formula: its KV heads (all of them at one
-        rank), per-layer dtypes where they differ."""
+        rank), per-layer dtypes where they differ; a hybrid model's two pools
+        (``HybridKVLayout``: the sliding pool sized by ``sliding_pool_blocks``)."""
         arch, cache = self.model_config.arch, self.cache_config
+        dtype_bytes = cache.kv_dtype_bytes(self.model_config.dtype)
         layer_bytes = tuple(d.itemsize for d in self.runner.layer_kv_dtypes)
-        return KVLayout(arch.num_hidden_layers, self.runner.num_kv_heads, arch.head_dim,
-                        cache.kv_dtype_bytes(self.model_config.dtype), cache.block_size,
-                        layer_dtype_bytes=layer_bytes if len(set(layer_bytes)) > 1 else ())
+        groups = self.runner.layer_kv_groups
+        if groups is None:
+            return KVLayout(arch.num_hidden_layers, self.runner.num_kv_heads, arch.head_dim,
+                            dtype_bytes, cache.block_size,
+                            layer_dtype_bytes=layer_bytes if len(set(layer_bytes)) > 1 else ())
+        pools = []
+        for group in (0, 1):
+            group_bytes = [b for b, g in zip(layer_bytes, groups, strict=True) if g == group]
+            pools.append(KVLayout(len(group_bytes), self.runner.num_kv_heads, arch.head_dim,
+                                  group_bytes[0], cache.block_size,
+                                  layer_dtype_bytes=tuple(group_bytes) if len(set(group_bytes)) > 1 else ()))
+        sched = self.scheduler_config
+        return HybridKVLayout(pools[0], pools[1], arch.sliding_window, sliding_pool_blocks(
+            sched.max_num_seqs, sched.max_num_batched_tokens, self.model_config.max_model_len,
+            cache.block_size, arch.sliding_window))
 
     def _release_window(self) -> int | None:
         """The sliding window outside which blocks are released (all layers slide and a
@@ -180,7 +203,14 @@ class LLMEngine:
 
     def _allocate_kv_cache(self, layout: KVLayout, sizing: KVCacheSizing) -> KVCacheInfo:
         cache, num_blocks = self.cache_config, sizing.num_blocks
-        self.runner.allocate_kv_cache(num_blocks)
+        if isinstance(layout, HybridKVLayout):
+            self.runner.allocate_kv_cache(num_blocks, layout.num_sliding_blocks(num_blocks))
+            logger.info("hybrid KV cache: %d full-attention layers in %d blocks, %d sliding-window "
+                        "layers (window %d) in %d blocks", layout.full.num_layers, num_blocks,
+                        layout.sliding.num_layers, layout.sliding_window,
+                        layout.num_sliding_blocks(num_blocks))
+        else:
+            self.runner.allocate_kv_cache(num_blocks)
         self.runner.capture_cuda_graphs()
         info = KVCacheInfo(
             num_gpu_blocks=num_blocks, block_size=layout.block_size,

@@ -108,7 +108,7 @@ def run_engine(model_dir: str, wl: Workload, args, tensor_parallel_size: int = 1
                 token_ids[out.request_id] = out.outputs[0].token_ids
             steps += 1
             for r in engine.scheduler.running:
-                slots = len(engine.kv_cache_manager.req_blocks.get(r.request_id, ())) * block
+                slots = len(engine.kv_cache_manager.block_ids(r.request_id)) * block
                 allocated += slots
                 used += min(r.num_computed_tokens, slots)
                 reserved += args.max_model_len

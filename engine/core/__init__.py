@@ -1,11 +1,13 @@
 """The engine's torch-free core: what each step decides.
 
 - ``constants``: names and limits shared with the CLI and the operator (one source each).
-- ``kv_layout``: the KV-cache memory formula (``KVLayout``), shared with the planner.
+- ``kv_layout``: the KV-cache memory formula (``KVLayout``; ``HybridKVLayout`` for mixed
+  full / sliding-window layers), shared with the planner.
 - ``weight_quant``: a checkpoint's FP8 weight format from config.json, shared with the planner.
 - ``block_hash``: hash-chained block hashes for prefix caching.
 - ``block_pool``: blocks, ref counts, the LRU free queue and the hash -> block map.
 - ``kv_cache_manager``: per-request block tables and prefix-cache lookups.
+- ``hybrid_kv_cache_manager``: a table per group of layers (full attention / sliding window).
 - ``request`` / ``request_queue``: a request's state; FCFS and priority queues.
 - ``scheduler``: continuous batching, chunked prefill, preemption -> ``SchedulerOutput``.
 - ``kv_transfer``: the offload saves and loads a step carries to the runner.

@@ -13,8 +13,13 @@ window are not even taken), so a long sequence holds at most the window plus one
 prefix hits until it is handed out again). Its entry stays in the request's table as a
 stale id: every query of the request is past its window, so attention never reads it
 (both backends start at the window's first block), and new tokens never write there.
-A model with full-attention layers gets no release window: those layers need every
-block of the one table (vLLM instead keeps a table per layer group).
+The scheduler also releases after each step (``release_outside_window``), so a sequence
+that waits a step never keeps its last chunk's dead blocks. A prefix hit on a windowed
+table needs only the blocks of the last window before the hit point to be cached (the
+hash chain makes each block's hash name its whole prefix); the table's entries before
+them are a placeholder block (id 0), never referenced, read or written.
+A model with full-attention layers as well keeps one manager per kind of layer
+(``hybrid_kv_cache_manager``).
 """
 
 from __future__ import annotations
@@ -78,6 +83,9 @@ class KVCacheManager:
         # Leading blocks of each request released outside the sliding window.
         self._num_released: dict[str, int] = {}
         self.stats = PrefixCacheStats()
+        # Stands in a windowed table for hit blocks before the window that are not cached
+        # any more (never in the pool's queue, never referenced: see the module docstring).
+        self._placeholder = KVCacheBlock(0)
 
     @property
     def usage(self) -> float:
@@ -102,27 +110,49 @@ class KVCacheManager:
                     bs, self.hash_root, request.cache_salt, first_token=start * bs,
                 )
 
-    def find_prefix_hit(self, request: Request) -> PrefixHit:
-        """Longest chain of cached device blocks for a request being admitted.
+    def find_prefix_hit(self, request: Request, max_blocks: int | None = None) -> PrefixHit:
+        """Longest cached prefix of a request being admitted (at most ``max_blocks`` blocks).
 
         At most ``num_tokens - 1`` tokens can hit: the last token is always computed so
-        that the step produces logits to sample from.
+        that the step produces logits to sample from. Without a release window every block
+        of the prefix must be cached; with one, only those the next query's window sees.
         """
         if not self.enable_caching:
             return PrefixHit([], 0)
         self.update_block_hashes(request)
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        blocks = []
-        for block_hash in request.block_hashes[:max_blocks]:
-            block = self.pool.get_cached_block(block_hash)
-            if block is None:
-                break
-            blocks.append(block)
+        limit = (request.num_tokens - 1) // self.block_size
+        if max_blocks is not None:
+            limit = min(limit, max_blocks)
+        hashes = request.block_hashes
+        if self.release_window is None:
+            blocks = []
+            for block_hash in hashes[:limit]:
+                block = self.pool.get_cached_block(block_hash)
+                if block is None:
+                    break
+                blocks.append(block)
+        else:
+            blocks = self._windowed_hit(hashes, limit)
         recomputed = 0
-        if len(blocks) == max_blocks < len(request.block_hashes) and \
-                self.pool.get_cached_block(request.block_hashes[max_blocks]) is not None:
+        if len(blocks) == limit < len(hashes) and self.pool.get_cached_block(hashes[limit]) is not None:
             recomputed = self.block_size
         return PrefixHit(blocks, len(blocks) * self.block_size, num_recomputed_tokens=recomputed)
+
+    def _windowed_hit(self, hashes: list[BlockHash], limit: int) -> list[KVCacheBlock]:
+        """The longest hit of ``k <= limit`` blocks whose last window is cached: blocks
+        ``num_released_blocks(k) .. k - 1`` present, the ones before as placeholders."""
+        bs, window, get = self.block_size, self.release_window, self.pool.get_cached_block
+        found: list[KVCacheBlock | None] = []
+        run_start = best = 0     # run_start: first block of the run of cached blocks so far
+        for i in range(limit):
+            block = get(hashes[i])
+            found.append(block)
+            if block is None:
+                run_start = i + 1
+            elif num_released_blocks((i + 1) * bs, bs, window) >= run_start:
+                best = i + 1
+        skip = num_released_blocks(best * bs, bs, window)
+        return [self._placeholder] * skip + found[skip:best]
 
     def record_admission(self, request: Request, hit: PrefixHit) -> None:
         self.stats.queries += request.num_tokens
@@ -138,6 +168,13 @@ class KVCacheManager:
         skip = num_released_blocks(computed, self.block_size, self.release_window)
         revived = sum(1 for b in hit_blocks[skip:] if b.ref_cnt == 0)
         return max(0, required - held - len(hit_blocks)) + revived
+
+    def can_allocate(self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:
+        """Whether ``allocate_slots`` would succeed (a running request's blocks outside the
+        window are released first: they are dead whatever happens)."""
+        if hit is None and self.release_window is not None and request.request_id in self.req_blocks:
+            self.release_outside_window(request)
+        return self.num_blocks_needed(request, num_new_tokens, hit) <= self.pool.num_free_blocks
 
     def allocate_slots(self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:
         """Reserve blocks for ``num_new_tokens`` more tokens; False if they do not fit.
@@ -174,6 +211,7 @@ class KVCacheManager:
                 skip = num_released_blocks(computed + hit.num_tokens, self.block_size, self.release_window)
                 self.pool.touch(hit.blocks[skip:])
                 blocks.extend(hit.blocks)
+                self._num_registered[rid] = len(hit.blocks)   # cached already (or placeholders)
                 if skip:
                     self._num_released[rid] = skip
             computed += hit.num_tokens   # offload-hit blocks are allocated below, as new ones
@@ -185,6 +223,13 @@ class KVCacheManager:
         if self.enable_caching:
             self._register_full_blocks(request, blocks, total)
         return True
+
+    def release_outside_window(self, request: Request) -> None:
+        """Give back the request's blocks that no query from its ``num_computed_tokens`` on
+        can see (no-op without a release window or blocks)."""
+        blocks = self.req_blocks.get(request.request_id)
+        if blocks is not None and self.release_window is not None:
+            self._release_outside_window(request.request_id, blocks, request.num_computed_tokens)
 
     def _release_outside_window(self, rid: str, blocks: list[KVCacheBlock], num_computed: int) -> None:
         """Give back the blocks no query from ``num_computed`` on can see (registered full
@@ -231,6 +276,10 @@ class KVCacheManager:
         """The request's block table as ids: the live list (read it, never modify it; it
         grows as blocks are allocated and is dropped when the request's blocks are freed)."""
         return self.req_block_ids.get(request_id, [])
+
+    def group_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """The tables of the other KV cache groups: none (one table serves every layer)."""
+        return ()
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()

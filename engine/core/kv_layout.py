@@ -143,3 +143,103 @@ class KVLayout:
 
     def memory_for_blocks(self, num_blocks: int) -> int:
         return num_blocks * self.bytes_per_block
+
+
+def sliding_pool_blocks(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                        block_size: int, window: int) -> int:
+    """Blocks the sliding-window layers' own pool needs so that it never limits admission
+    (hybrid models: full-attention and sliding-window layers keep separate block tables).
+
+    Between steps a sequence holds the blocks of its last ``window - 1`` tokens, at most
+    ``ceil((window - 2) / block_size) + 1`` (the scheduler releases the rest after each
+    step); a step adds the blocks of its new tokens, at most ``ceil(n / block_size)`` for
+    ``n`` tokens, and the ``n`` of one step sum to ``max_num_batched_tokens``. Over
+    ``max_num_seqs`` sequences:
+    ``max_num_seqs x (ceil((window - 2) / block_size) + 2) + ceil(max_num_batched_tokens / block_size)``,
+    and never more than every sequence at ``max_model_len``. The engine and the planner
+    both size the pool with this.
+    """
+    for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
+                        ("max_model_len", max_model_len), ("block_size", block_size), ("window", window)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    per_seq = -(-(window - 2) // block_size) + 2
+    working_set = max_num_seqs * per_seq + -(-max_num_batched_tokens // block_size)
+    return min(working_set, max_num_seqs * -(-max_model_len // block_size))
+
+
+@dataclass(frozen=True, slots=True)
+class HybridKVLayout:
+    """One rank's KV cache for a model with full-attention and sliding-window layers, each
+    kind in its own pool of blocks with its own block tables (vLLM's hybrid KV cache
+    manager, as two pools).
+
+    The sliding pool has a fixed size (``sliding_pool_blocks``, capped at the full pool's,
+    since a sequence never holds more blocks there than in the full pool); every other
+    byte goes to the full pool. ``num_blocks`` and the engine's ``num_gpu_blocks`` count
+    the *full* pool: the KV capacity in tokens is ``num_blocks x block_size`` tokens of
+    context on every layer, whatever the sliding layers need. ``bytes_per_block`` is what
+    one more block of that capacity costs (a full-pool block); ``memory_for_blocks`` is
+    the memory of both pools.
+    """
+
+    full: KVLayout                 # the full-attention layers
+    sliding: KVLayout              # the sliding-window layers
+    sliding_window: int
+    max_sliding_blocks: int        # the sliding pool's size (sliding_pool_blocks)
+
+    def __post_init__(self) -> None:
+        if self.full.block_size != self.sliding.block_size:
+            raise ValueError("both pools must use one block size")
+        if self.sliding_window < 1 or self.max_sliding_blocks < 1:
+            raise ValueError("sliding_window and max_sliding_blocks must be >= 1")
+
+    @property
+    def block_size(self) -> int:
+        return self.full.block_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.full.num_layers + self.sliding.num_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.full.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.full.head_dim
+
+    @property
+    def dtype_bytes(self) -> int:
+        return self.full.dtype_bytes
+
+    @property
+    def bytes_per_token(self) -> int:
+        """KV bytes one token writes (every layer of both pools)."""
+        return self.full.bytes_per_token + self.sliding.bytes_per_token
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.full.bytes_per_block
+
+    def num_sliding_blocks(self, num_blocks: int) -> int:
+        """The sliding pool's blocks when the full pool has ``num_blocks``."""
+        return min(self.max_sliding_blocks, num_blocks)
+
+    def num_blocks(self, kv_cache_memory_bytes: int) -> int:
+        """Full-pool blocks that fit in ``kv_cache_memory_bytes`` next to the sliding pool."""
+        if kv_cache_memory_bytes < 0:
+            raise ValueError(f"kv_cache_memory_bytes must be >= 0, got {kv_cache_memory_bytes}")
+        full, sliding = self.full.bytes_per_block, self.sliding.bytes_per_block
+        reserve = self.max_sliding_blocks * sliding
+        if kv_cache_memory_bytes >= reserve + self.max_sliding_blocks * full:
+            return (kv_cache_memory_bytes - reserve) // full
+        return kv_cache_memory_bytes // (full + sliding)   # both pools the same size
+
+    def token_capacity(self, num_blocks: int) -> int:
+        return num_blocks * self.block_size
+
+    def memory_for_blocks(self, num_blocks: int) -> int:
+        return (num_blocks * self.full.bytes_per_block
+                + self.num_sliding_blocks(num_blocks) * self.sliding.bytes_per_block)

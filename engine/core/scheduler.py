@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvpilot.engine.config import SchedulerConfig
+from kvpilot.engine.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from kvpilot.engine.core.kv_cache_manager import KVCacheManager, PrefixHit
 from kvpilot.engine.core.kv_transfer import Admission, FinishedBlocks, KVTransfers, OffloadLookup
 from kvpilot.engine.core.request import Request, RequestStatus
@@ -34,6 +35,9 @@ class ScheduledRequest:
     # The request's block table: the KV cache manager's live list (never rebuilt per
     # step; read it during the step, never modify it).
     block_ids: list[int]
+    # The tables of the other KV cache groups (a hybrid model's sliding-window layers),
+    # live lists as well; empty when one table serves every layer.
+    group_block_ids: tuple[list[int], ...] = ()
 
     @property
     def samples(self) -> bool:
@@ -71,12 +75,13 @@ class PromptTokenSources:
 class Scheduler:
     """Args:
         config: limits and policy.
-        kv_cache_manager: block tables and the prefix cache.
+        kv_cache_manager: block tables and the prefix cache (a hybrid model's: one table
+            per group of layers).
         offload: the KV offload lookup (None when offload is off); the saves and loads it
             implies travel in ``SchedulerOutput.kv_transfers``.
     """
 
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager | HybridKVCacheManager,
                  offload: OffloadLookup | None = None) -> None:
         self.config = config
         self.kv = kv_cache_manager
@@ -175,7 +180,7 @@ class Scheduler:
             return False
         hit = self.kv.find_prefix_hit(request)
         num_new = min(request.num_tokens - hit.num_tokens, self.config.max_num_batched_tokens)
-        return self.kv.num_blocks_needed(request, num_new, hit) <= self.kv.num_free_blocks
+        return self.kv.can_allocate(request, num_new, hit)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         allocate, scheduled = self.kv.allocate_slots, out.scheduled
@@ -238,8 +243,9 @@ class Scheduler:
             sources.recomputed += hit.num_recomputed_tokens
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        rid = request.request_id
         return ScheduledRequest(request, request.num_computed_tokens, num_new,
-                                self.kv.block_ids(request.request_id))
+                                self.kv.block_ids(rid), self.kv.group_block_ids(rid))
 
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":
@@ -289,6 +295,9 @@ class Scheduler:
         now = time.time()
         advanced = []
         update_hashes = self.kv.update_block_hashes if self.kv.enable_caching else None
+        # Sliding window: blocks the next query cannot see go back now, not when the request
+        # is next scheduled (a request left out of a step would keep its last chunk's).
+        release = self.kv.release_outside_window if self.kv.release_window is not None else None
         block_size = self.kv.block_size
         for s in out.scheduled:
             request = s.request
@@ -296,6 +305,8 @@ class Scheduler:
                 prompt_end = min(s.num_computed_tokens + s.num_new_tokens, request.num_prompt_tokens)
                 self.num_computed_prompt_tokens += prompt_end - s.num_computed_tokens
             request.num_computed_tokens += s.num_new_tokens
+            if release is not None:
+                release(request)
             token = sampled.get(request.request_id)
             if token is None:
                 continue

@@ -13,6 +13,9 @@ Prefill and mixed steps, and batches above the largest size, run eagerly;
 ``enforce_eager`` turns graphs off. Capture needs the Triton attention backend (the torch
 path reads host-side lengths that a graph cannot refresh).
 
+A hybrid model's layers read their KV cache group's slot mapping and block table: each
+group's static metadata is a view of that group's buffers, refilled by every step too.
+
 Without CUDA the same object runs the padded forward eagerly (``replay`` calls the
 model): that is how the padding and static-buffer logic is tested on CPU.
 """
@@ -51,16 +54,18 @@ class DecodeGraphs:
         backend: the attention backend.
         sizes: batch sizes to capture.
         max_seq_len: host bound baked into each graph's metadata (picks split-KV).
+        layer_kv_groups: each layer's KV cache group (a hybrid model), None: one group.
     """
 
     def __init__(self, model, inputs: StepInputBuilder, kv_caches, backend, sizes: list[int],
-                 max_seq_len: int) -> None:
+                 max_seq_len: int, layer_kv_groups: tuple[int, ...] | None = None) -> None:
         self.model = model
         self.inputs = inputs
         self.kv_caches = kv_caches
         self.backend = backend
         self.sizes = sorted(sizes)
         self.max_seq_len = max_seq_len
+        self.layer_kv_groups = layer_kv_groups
         self.device = inputs.device
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
@@ -70,19 +75,24 @@ class DecodeGraphs:
         i = bisect.bisect_left(self.sizes, num_seqs)
         return self.sizes[i] if i < len(self.sizes) else None
 
-    def _static_metadata(self, size: int) -> AttentionMetadata:
+    def _static_metadata(self, size: int) -> AttentionMetadata | list[AttentionMetadata]:
+        """Views of the builder's buffers: one metadata, or each layer's group's."""
         b = self.inputs
-        return AttentionMetadata(
+        groups = [AttentionMetadata(
             num_actual_tokens=size,
             query_start_loc=b.query_start_loc.device[:size + 1],
             seq_lens=b.seq_lens.device[:size],
-            block_tables=b.block_tables.device[:size],
-            slot_mapping=b.slot_mapping.device[:size],
+            block_tables=tables.device[:size],
+            slot_mapping=slots.device[:size],
             max_query_len=1,
             query_lens_cpu=(1,) * size,
             seq_lens_cpu=(self.max_seq_len,) * size,
             max_seq_len=self.max_seq_len,
-        )
+        ) for slots, tables in zip((b.slot_mapping, *b.group_slot_mappings),
+                                   (b.block_tables, *b.group_block_tables), strict=True)]
+        if self.layer_kv_groups is None:
+            return groups[0]
+        return [groups[g] for g in self.layer_kv_groups]
 
     def _forward(self, size: int) -> torch.Tensor:
         b = self.inputs
@@ -96,9 +106,11 @@ class DecodeGraphs:
             return
         b = self.inputs
         # Inert contents while capturing: nothing stored, every row attends one key.
-        b.slot_mapping.device.fill_(-1)
+        for slots in (b.slot_mapping, *b.group_slot_mappings):
+            slots.device.fill_(-1)
+        for tables in (b.block_tables, *b.group_block_tables):
+            tables.device.zero_()
         b.seq_lens.device.fill_(1)
-        b.block_tables.device.zero_()
         b.input_ids.device.zero_()
         b.positions.device.zero_()
         torch.arange(b.query_start_loc.device.shape[0], out=b.query_start_loc.device)
@@ -119,7 +131,9 @@ class DecodeGraphs:
         """Hidden states of a decode step whose inputs were built with ``pad_to=size``."""
         graph = self._graphs.get(size)
         if graph is None:   # not captured (CPU): the same padded forward, eagerly
-            return self.model(step.input_ids, step.positions, self.kv_caches, step.metadata,
-                              self.backend)
+            groups = step.kv_group_metadata
+            metadata = (groups[0] if self.layer_kv_groups is None
+                        else [groups[g] for g in self.layer_kv_groups])
+            return self.model(step.input_ids, step.positions, self.kv_caches, metadata, self.backend)
         graph.replay()
         return self._outputs[size]

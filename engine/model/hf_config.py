@@ -79,12 +79,27 @@ class ArchConfig:
 
     @property
     def kv_release_window(self) -> int | None:
-        """The window outside which a sequence's KV blocks can be released: set only when
-        every layer slides (one block table serves all layers, so a block is released only
-        when no layer needs it; a full-attention layer needs all of them)."""
+        """The window outside which a sequence's KV blocks can be released from its one
+        block table: set only when every layer slides (mixed layers get a table per kind
+        of layer instead, see ``kv_cache_groups``)."""
         if self.sliding_window and len(self.sliding_window_layers) == self.num_hidden_layers:
             return self.sliding_window
         return None
+
+
+def kv_cache_groups(arch: ArchConfig, max_model_len: int, tensor_parallel_size: int = 1) -> tuple[int, ...] | None:
+    """Each layer's KV cache group when the engine keeps separate block tables for the
+    full-attention layers (group 0) and the sliding-window layers (group 1), else None.
+
+    Only when both kinds are present and a sequence can outgrow the window (otherwise
+    nothing would be released), and with one rank (the tensor-parallel step channel sends
+    one table). The planner applies the same rule (``ModelSpec.hybrid_kv``).
+    """
+    sliding = set(arch.sliding_window_layers)
+    if (not sliding or len(sliding) == arch.num_hidden_layers or tensor_parallel_size != 1
+            or arch.sliding_window is None or max_model_len <= arch.sliding_window):
+        return None
+    return tuple(int(i in sliding) for i in range(arch.num_hidden_layers))
 
 
 def _rope_config(cfg: dict[str, Any]) -> RopeConfig:

@@ -14,7 +14,9 @@ NOTE (invariants):
   request.
 - ``block_table[row, :num_blocks[row]]`` equals the KV cache manager's table for the
   request (tables only grow while a request holds its blocks; a preempted request
-  loses its row and gets a fresh one when it is scheduled again).
+  loses its row and gets a fresh one when it is scheduled again). With several KV cache
+  groups (a hybrid model) ``block_tables[g]`` / ``group_num_blocks[g]`` hold group
+  ``g``'s table the same way; group 0's are ``block_table`` / ``num_blocks``.
 - The token array is allocated with ``np.empty``: pages of rows never written are never
   touched, so a long ``max_model_len`` costs address space, not memory.
 """
@@ -32,7 +34,7 @@ class InputBatch:
     """Rows for up to ``max_num_seqs`` requests of at most ``max_model_len`` tokens."""
 
     def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int,
-                 vocab_size: int, device: torch.device) -> None:
+                 vocab_size: int, device: torch.device, num_kv_groups: int = 1) -> None:
         self.max_num_seqs = max_num_seqs
         self.block_size = block_size
         self.vocab_size = vocab_size
@@ -42,8 +44,11 @@ class InputBatch:
         self.token_ids = np.empty((n, max_model_len), dtype=np.int32)
         self.num_tokens = np.zeros(n, dtype=np.int64)
         self.num_prompt_tokens = np.zeros(n, dtype=np.int64)
-        self.block_table = np.zeros((n, self.max_blocks_per_seq), dtype=np.int32)
-        self.num_blocks = [0] * n
+        self.block_tables = [np.zeros((n, self.max_blocks_per_seq), dtype=np.int32)
+                             for _ in range(num_kv_groups)]
+        self.group_num_blocks = [[0] * n for _ in range(num_kv_groups)]
+        self.block_table = self.block_tables[0]
+        self.num_blocks = self.group_num_blocks[0]
         self.req_ids: list[str | None] = [None] * n
         self.requests: list[Request | None] = [None] * n
         self.rows: dict[str, int] = {}
@@ -67,8 +72,9 @@ class InputBatch:
     def __len__(self) -> int:
         return len(self.rows)
 
-    def add(self, request: Request, block_ids: list[int]) -> int:
-        """Give ``request`` a row (prompt, outputs, block table, sampling parameters)."""
+    def add(self, request: Request, block_ids: list[int],
+            group_block_ids: tuple[list[int], ...] = ()) -> int:
+        """Give ``request`` a row (prompt, outputs, block tables, sampling parameters)."""
         if not self._free_rows:
             raise RuntimeError(f"the persistent batch is full ({self.max_num_seqs} rows)")
         row = self._free_rows.pop()
@@ -82,8 +88,9 @@ class InputBatch:
             self.token_ids[row, num_prompt:num_tokens] = request.output_token_ids
         self.num_tokens[row] = num_tokens
         self.num_prompt_tokens[row] = num_prompt
-        self.block_table[row, :len(block_ids)] = block_ids
-        self.num_blocks[row] = len(block_ids)
+        for group, ids in enumerate((block_ids, *group_block_ids)):
+            self.block_tables[group][row, :len(ids)] = ids
+            self.group_num_blocks[group][row] = len(ids)
         self._set_sampling(row, request)
         return row
 
@@ -94,8 +101,9 @@ class InputBatch:
             return
         self.req_ids[row] = None
         self.requests[row] = None
-        self.block_table[row, :self.num_blocks[row]] = 0   # no stale ids past a new table's end
-        self.num_blocks[row] = 0
+        for table, num_blocks in zip(self.block_tables, self.group_num_blocks, strict=True):
+            table[row, :num_blocks[row]] = 0   # no stale ids past a new table's end
+            num_blocks[row] = 0
         self._counts -= self._features[row]
         self._features[row] = 0
         self._free_rows.append(row)
@@ -105,12 +113,14 @@ class InputBatch:
         self.remove(request_id)
         self.generators.pop(request_id, None)
 
-    def update_blocks(self, row: int, block_ids: list[int]) -> None:
-        """Copy the blocks appended to a request's table since the last step."""
-        known = self.num_blocks[row]
+    def update_blocks(self, row: int, block_ids: list[int], group: int = 0) -> None:
+        """Copy the blocks appended to a request's table (of KV cache group ``group``) since
+        the last step."""
+        num_blocks = self.group_num_blocks[group]
+        known = num_blocks[row]
         if len(block_ids) > known:
-            self.block_table[row, known:len(block_ids)] = block_ids[known:]
-            self.num_blocks[row] = len(block_ids)
+            self.block_tables[group][row, known:len(block_ids)] = block_ids[known:]
+            num_blocks[row] = len(block_ids)
 
     def append_sampled(self, rows: np.ndarray, token_ids: list[int]) -> None:
         """Append each row's sampled token (vectorised)."""

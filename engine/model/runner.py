@@ -5,6 +5,11 @@ num_kv_heads, head_dim]`` and the persistent batch (``InputBatch``: per-request 
 tokens, block tables, sampling parameters and seeded generators), which a step updates
 with what changed rather than rebuilding from the scheduler's request objects.
 
+A hybrid model (full-attention and sliding-window layers, ``hf_config.kv_cache_groups``)
+keeps each kind of layer in its own cache tensors, with their own block count, block
+tables and slot mappings (KV cache group 0: full attention, 1: sliding window); each
+layer reads its group's metadata.
+
 Under tensor parallelism every rank has a runner over its own shard and its own KV
 heads' cache (same block count, same block tables). The driver's (rank 0) runner alone
 holds the persistent batch and samples; before each thing it does that needs the
@@ -26,6 +31,7 @@ from kvpilot.engine.core.kv_transfer import KVTransfers
 from kvpilot.engine.core.scheduler import SchedulerOutput
 from kvpilot.engine.model.attention import AttentionMetadata, select_attention_backend
 from kvpilot.engine.model.cuda_graphs import DecodeGraphs, capture_sizes
+from kvpilot.engine.model.hf_config import kv_cache_groups
 from kvpilot.engine.model.input_batch import InputBatch
 from kvpilot.engine.model.loader import load_model
 from kvpilot.engine.model.parallel.group import RanksOutOfStep, TPGroup
@@ -134,11 +140,14 @@ class ModelRunner:
         self.block_size = cache_config.block_size
         # KV blocks each rank allocated (checked equal across ranks at allocation)
         self.num_blocks_per_rank: list[int] = []
+        # Each layer's KV cache group (a hybrid model), None: one group for all layers.
+        self.layer_kv_groups = kv_cache_groups(model_config.arch, model_config.max_model_len, tp.world_size)
+        num_groups = 1 if self.layer_kv_groups is None else 1 + max(self.layer_kv_groups)
         # The persistent batch and the step builder live on the driver only: workers get
         # each step's inputs ready-made (``parallel.step_channel``).
         self.input_batch = InputBatch(scheduler_config.max_num_seqs, model_config.max_model_len,
-                                      self.block_size, model_config.arch.vocab_size, device) \
-            if tp.is_driver else None
+                                      self.block_size, model_config.arch.vocab_size, device,
+                                      num_kv_groups=num_groups) if tp.is_driver else None
         self.inputs = StepInputBuilder(self.input_batch, scheduler_config.max_num_batched_tokens,
                                        device) if tp.is_driver else None
         # Decode-step CUDA graphs (capture_cuda_graphs); None: every step runs eagerly.
@@ -151,35 +160,42 @@ class ModelRunner:
         # Calibrate fp8 scales on the first batch unless the checkpoint brought its own.
         self._calibrate_pending = cache_config.calculate_kv_scales and not self.model.loaded_kv_scales
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        """Allocate the cache (on every rank: ``num_blocks`` each, checked)."""
+    def allocate_kv_cache(self, num_blocks: int, num_sliding_blocks: int | None = None) -> None:
+        """Allocate the cache (on every rank: ``num_blocks`` each, checked); a hybrid model's
+        sliding-window layers get ``num_sliding_blocks`` (one rank only)."""
         if self.channel is not None:
             self.channel.send(Command.ALLOCATE, num_blocks)
-        self._allocate(num_blocks)
+        self._allocate(num_blocks, num_sliding_blocks)
         counts = self.tp.all_gather_cpu(torch.tensor([num_blocks])).flatten().tolist()
         if len(set(counts)) != 1:
             raise RuntimeError(f"tensor-parallel ranks allocated different KV block counts: {counts}")
         self.num_blocks_per_rank = counts
 
-    def _allocate(self, num_blocks: int) -> None:
+    def _allocate(self, num_blocks: int, num_sliding_blocks: int | None = None) -> None:
         """One ``[layers, 2, blocks, block_size, kv_heads, head_dim]`` tensor per KV dtype
-        (this rank's KV heads).
+        and KV cache group (this rank's KV heads); a hybrid model's sliding group has
+        ``num_sliding_blocks`` blocks (None: ``num_blocks``).
 
         Zeroed, not empty: masked-out padding slots are still multiplied by 0 weights.
         ``kv_caches[layer]`` is that layer's view whichever tensor holds it.
         """
         arch = self.model_config.arch
-        shape = (2, num_blocks, self.block_size, self.num_kv_heads, arch.head_dim)
         dtypes = self.layer_kv_dtypes
-        if len(set(dtypes)) == 1:
+        groups = self.layer_kv_groups or (0,) * len(dtypes)
+        blocks = (num_blocks, num_blocks if num_sliding_blocks is None else num_sliding_blocks)
+        if len(set(dtypes)) == 1 and len(set(groups)) == 1:
+            shape = (2, num_blocks, self.block_size, self.num_kv_heads, arch.head_dim)
             self.kv_caches = torch.zeros((len(dtypes), *shape), dtype=dtypes[0], device=self.device)
             return
-        groups = {d: torch.zeros((dtypes.count(d), *shape), dtype=d, device=self.device) for d in set(dtypes)}
-        seen = dict.fromkeys(groups, 0)
+        keys = list(zip(groups, dtypes, strict=True))
+        tensors = {key: torch.zeros((keys.count(key), 2, blocks[key[0]], self.block_size,
+                                     self.num_kv_heads, arch.head_dim), dtype=key[1], device=self.device)
+                   for key in dict.fromkeys(keys)}
+        seen = dict.fromkeys(tensors, 0)
         views = []
-        for d in dtypes:
-            views.append(groups[d][seen[d]])
-            seen[d] += 1
+        for key in keys:
+            views.append(tensors[key][seen[key]])
+            seen[key] += 1
         self.kv_caches = views
 
     def capture_cuda_graphs(self) -> None:
@@ -193,7 +209,7 @@ class ModelRunner:
         sizes = [s for s in capture_sizes(self.input_batch.max_num_seqs)
                  if s <= self.inputs.input_ids.cpu.shape[0]]
         self.graphs = DecodeGraphs(self.model, self.inputs, self.kv_caches, self.backend, sizes,
-                                   self.model_config.max_model_len)
+                                   self.model_config.max_model_len, self.layer_kv_groups)
         self.graphs.capture()
 
     def execute_kv_transfers(self, transfers: KVTransfers) -> None:
@@ -277,6 +293,14 @@ class ModelRunner:
         logprobs = {req_ids[i]: r for i, r in sampled.logprobs.items()}
         return ModelRunnerOutput(req_ids, sampled.token_ids, logprobs, nan_req_ids)
 
+    def layer_metadata(self, step: StepInputs) -> AttentionMetadata | list[AttentionMetadata]:
+        """The step's metadata for the model: one for all layers, or (a hybrid model) each
+        layer's group's."""
+        if self.layer_kv_groups is None:
+            return step.metadata
+        groups = step.kv_group_metadata
+        return [groups[g] for g in self.layer_kv_groups]
+
     @torch.inference_mode()
     def forward_step(self, step: StepInputs, calibrate: bool = False) -> torch.Tensor | None:
         """The forward pass of one step and the logits of its sampling rows (every rank
@@ -287,8 +311,8 @@ class ModelRunner:
         if step.padded_size is not None:
             hidden = self.graphs.run(step, step.padded_size)
         else:
-            hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.metadata,
-                                self.backend)
+            hidden = self.model(step.input_ids, step.positions, self.kv_caches,
+                                self.layer_metadata(step), self.backend)
         if step.logits_indices.shape[0] == 0:
             return None
         return self.model.compute_logits(hidden[step.logits_indices])

@@ -8,12 +8,15 @@ the attention metadata is views of the device buffers. Because the buffers never
 a CUDA graph captured over them replays with whatever the next step wrote
 (``pad_for``: a decode batch padded to a captured size, padding rows inert: slot -1 so
 nothing is stored, query length 0 so no attention runs).
+
+A hybrid model (several KV cache groups, see ``core.hybrid_kv_cache_manager``) has a slot
+mapping and a block table per group; each group's metadata shares every other buffer.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -50,6 +53,14 @@ class StepInputs:
     sample_rows: np.ndarray           # persistent-batch rows of those, in the same order
     sample_req_ids: list[str]
     padded_size: int | None = None    # a decode batch padded to this captured size
+    # The other KV cache groups' metadata (group 1, ...): their slot mappings and block
+    # tables, the rest shared with ``metadata``; empty with one group.
+    group_metadata: tuple[AttentionMetadata, ...] = ()
+
+    @property
+    def kv_group_metadata(self) -> tuple[AttentionMetadata, ...]:
+        """Every KV cache group's metadata, by group index."""
+        return (self.metadata, *self.group_metadata)
 
 
 class StepInputBuilder:
@@ -66,6 +77,12 @@ class StepInputBuilder:
         self.query_start_loc = StagedBuffer((seqs + 1,), torch.int32, device)
         self.block_tables = StagedBuffer((seqs, batch.max_blocks_per_seq), torch.int32, device)
         self.logits_indices = StagedBuffer((seqs,), torch.long, device)
+        num_groups = len(batch.block_tables)
+        # Groups 1.. of a hybrid model (group 0's are slot_mapping and block_tables).
+        self.group_slot_mappings = [StagedBuffer((max_num_tokens,), torch.long, device)
+                                    for _ in range(1, num_groups)]
+        self.group_block_tables = [StagedBuffer((seqs, batch.max_blocks_per_seq), torch.int32, device)
+                                   for _ in range(1, num_groups)]
 
     def build(self, scheduled: list[ScheduledRequest],
               pad_for: Callable[[int], int | None] | None = None) -> StepInputs:
@@ -75,15 +92,19 @@ class StepInputBuilder:
         (a captured CUDA graph's) or None; prefill and mixed batches are never padded.
         """
         batch = self.batch
-        rows_of, num_blocks = batch.rows, batch.num_blocks
+        rows_of, num_blocks, group_num_blocks = batch.rows, batch.num_blocks, batch.group_num_blocks
         rows, computed, num_new = [], [], []
         width = 0
         for s in scheduled:
             row = rows_of.get(s.request.request_id)
             if row is None:
-                row = batch.add(s.request, s.block_ids)
-            elif len(s.block_ids) != num_blocks[row]:
-                batch.update_blocks(row, s.block_ids)
+                row = batch.add(s.request, s.block_ids, s.group_block_ids)
+            else:
+                if len(s.block_ids) != num_blocks[row]:
+                    batch.update_blocks(row, s.block_ids)
+                for group, ids in enumerate(s.group_block_ids, 1):   # same length as group 0's
+                    if len(ids) != group_num_blocks[group][row]:
+                        batch.update_blocks(row, ids, group)
             rows.append(row)
             computed.append(s.num_computed_tokens)
             num_new.append(s.num_new_tokens)
@@ -110,23 +131,28 @@ class StepInputBuilder:
 
         self.input_ids.np[:total] = batch.token_ids[token_rows, positions]
         self.positions.np[:total] = positions
-        slots = self.slot_mapping.np
-        slots[:total] = batch.block_table[token_rows, positions // bs]
-        slots[:total] *= bs
-        slots[:total] += positions % bs
+        table_width = width if pad_to is None else batch.max_blocks_per_seq
+        block_index, offset = positions // bs, positions % bs
+        for table, slot_buf, table_buf in zip(
+                batch.block_tables, (self.slot_mapping, *self.group_slot_mappings),
+                (self.block_tables, *self.group_block_tables), strict=True):
+            slots = slot_buf.np
+            slots[:total] = table[token_rows, block_index]
+            slots[:total] *= bs
+            slots[:total] += offset
+            table_buf.np[:n, :table_width] = table[rows_np, :table_width]
+            if pad_to is not None and pad_to > n:
+                slots[n:pad_to] = -1
+                table_buf.np[n:pad_to] = 0
         self.seq_lens.np[:n] = seq_lens
         starts = self.query_start_loc.np
         starts[0] = 0
         starts[1:n + 1] = ends
-        table_width = width if pad_to is None else batch.max_blocks_per_seq
-        self.block_tables.np[:n, :table_width] = batch.block_table[rows_np, :table_width]
         if pad_to is not None and pad_to > n:
             self.input_ids.np[n:pad_to] = 0
             self.positions.np[n:pad_to] = 0
-            slots[n:pad_to] = -1
             self.seq_lens.np[n:pad_to] = 0
             starts[n + 1:pad_to + 1] = total
-            self.block_tables.np[n:pad_to] = 0
 
         samples = seq_lens == batch.num_tokens[rows_np]
         sample_positions = np.flatnonzero(samples)
@@ -144,6 +170,10 @@ class StepInputBuilder:
             seq_lens_cpu=tuple(seq_lens.tolist()) + (0,) * (num_seqs - n),
             max_seq_len=int(seq_lens.max()),
         )
+        group_metadata = tuple(
+            replace(metadata, block_tables=tables.to_device(num_seqs, table_width),
+                    slot_mapping=slots.to_device(num_tokens))
+            for slots, tables in zip(self.group_slot_mappings, self.group_block_tables, strict=True))
         sample_rows = rows_np[sample_positions]
         req_ids = batch.req_ids
         return StepInputs(
@@ -154,4 +184,5 @@ class StepInputBuilder:
             sample_rows=sample_rows,
             sample_req_ids=[req_ids[r] for r in sample_rows.tolist()],
             padded_size=pad_to,
+            group_metadata=group_metadata,
         )

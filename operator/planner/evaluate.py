@@ -24,7 +24,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from kvpilot.engine.core.kv_layout import KVLayout, kv_heads_per_rank
+from kvpilot.engine.core.kv_layout import (
+    HybridKVLayout,
+    KVLayout,
+    kv_heads_per_rank,
+    sliding_pool_blocks,
+)
 from kvpilot.operator.planner import kv_dtype
 from kvpilot.operator.planner.checks import Check, run_checks
 from kvpilot.operator.planner.latency import (
@@ -72,7 +77,7 @@ class Evaluation:
     weight_bytes_total: int
     weight_source: str
     budget: Budget
-    layout: KVLayout
+    layout: KVLayout | HybridKVLayout
     num_blocks: int
     seq_blocks: int
     max_context_blocks: int
@@ -142,6 +147,22 @@ def _target(req: PlanRequest) -> tuple[int, str]:
     return req.gpu.default_max_num_seqs, f"vLLM's default max_num_seqs on {req.gpu.name}"
 
 
+def kv_layout_for(req: PlanRequest, tp: int, kv_cache_dtype: str, block_size: int, max_num_seqs: int,
+                  max_num_batched_tokens: int) -> KVLayout | HybridKVLayout:
+    """One GPU's KV layout as the engine builds it: a hybrid model's two pools (the sliding
+    pool sized for ``max_num_seqs`` and ``max_num_batched_tokens``), else one."""
+    model = req.model
+    heads, dtype_bytes = kv_heads_per_rank(model.num_kv_heads, tp), kv_dtype.dtype_bytes(model, kv_cache_dtype)
+    if not model.hybrid_kv(req.slo.max_context, tp):
+        return KVLayout(model.num_layers, heads, model.head_dim, dtype_bytes, block_size)
+    return HybridKVLayout(
+        KVLayout(model.num_full_layers, heads, model.head_dim, dtype_bytes, block_size),
+        KVLayout(model.num_sliding_layers, heads, model.head_dim, dtype_bytes, block_size),
+        model.sliding_window,
+        sliding_pool_blocks(max(1, max_num_seqs), max_num_batched_tokens, req.slo.max_context, block_size,
+                            model.sliding_window))
+
+
 def evaluate(req: PlanRequest, tp: int, kv_cache_dtype: str) -> Evaluation:
     """Size one replica of ``tp`` GPUs with ``kv_cache_dtype`` KV; see module docstring."""
     model, gpu, slo, ov = req.model, req.gpu, req.slo, req.overrides
@@ -154,8 +175,10 @@ def evaluate(req: PlanRequest, tp: int, kv_cache_dtype: str) -> Evaluation:
     budget = Budget(gpu.memory_bytes, ov.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION,
                     math.ceil(weight_total / tp), reserve(model, tp, mnbt_cap, target, graphs), margin,
                     ov.kv_cache_memory_bytes)
-    layout = KVLayout(model.num_layers, kv_heads_per_rank(model.num_kv_heads, tp), model.head_dim,
-                      kv_dtype.dtype_bytes(model, kv_cache_dtype), block_size)
+    # A hybrid model's sliding pool is sized first for the most sequences and the largest
+    # step this plan can pick; once they are chosen it is sized for them (below).
+    layout = kv_layout_for(req, tp, kv_cache_dtype, block_size, target,
+                           ov.max_num_batched_tokens or max(mnbt_cap, target + block_size))
     num_blocks = layout.num_blocks(max(0, budget.kv_bytes))
     seq_blocks = blocks_for(model, slo.seq_tokens_p95, block_size)
     ctx_blocks = blocks_for(model, slo.max_context, block_size)
@@ -188,6 +211,11 @@ def evaluate(req: PlanRequest, tp: int, kv_cache_dtype: str) -> Evaluation:
         limits["ttft"] = largest_int(1, target, lambda b: roof.ttft_s(b, mnbt, prompt_u) * factor <= limit_s) or 0
     cap = min(limits.values())
     msq = ov.max_num_seqs if ov.max_num_seqs is not None else cap
+    if isinstance(layout, HybridKVLayout):
+        # The engine sizes the sliding pool for the final max_num_seqs and step: no larger
+        # than above, so the full pool only grows and every limit still holds.
+        layout = kv_layout_for(req, tp, kv_cache_dtype, block_size, msq, mnbt)
+        num_blocks = layout.num_blocks(max(0, budget.kv_bytes))
 
     prefixes = None
     if caching and slo.shared_prefix_tokens:

@@ -6,6 +6,7 @@ milliseconds. Each line is one step of ``evaluate`` in the order it happens.
 
 from __future__ import annotations
 
+from kvpilot.engine.core.kv_layout import HybridKVLayout
 from kvpilot.operator.planner import kv_dtype
 from kvpilot.operator.planner.evaluate import Evaluation
 from kvpilot.operator.planner.latency import FLOPS_EFFICIENCY, HBM_EFFICIENCY, REPLICA_UTILIZATION
@@ -91,11 +92,24 @@ def _memory_lines(req: PlanRequest, ev: Evaluation, dtype_notes: list[str]) -> l
         f"KV bytes/token per GPU = 2 (K,V) x {lay.num_layers} layers x {lay.num_kv_heads} KV heads x "
         f"{lay.head_dim} head_dim x {lay.dtype_bytes} B = {lay.bytes_per_token:,} B "
         f"({lay.bytes_per_token / 1024:,.1f} KiB){heads}.",
-        f"Blocks: {max(0, b.kv_bytes):,} B / ({lay.block_size} tokens x {lay.bytes_per_token:,} B = "
-        f"{lay.bytes_per_block:,} B per block) = {ev.num_blocks:,} blocks = kv_token_capacity "
-        f"{ev.num_blocks * lay.block_size:,} tokens; kv_cache_memory_bytes = {ev.num_blocks:,} x "
-        f"{lay.bytes_per_block:,} = {lay.memory_for_blocks(ev.num_blocks):,} B.",
+        _blocks_line(lay, max(0, b.kv_bytes), ev.num_blocks),
     ]
+
+
+def _blocks_line(lay, kv_bytes: int, num_blocks: int) -> str:
+    if isinstance(lay, HybridKVLayout):
+        sliding = lay.num_sliding_blocks(num_blocks)
+        return (f"Blocks (hybrid: two pools): the sliding-window layers' pool takes {sliding:,} blocks x "
+                f"{lay.sliding.bytes_per_block:,} B ({lay.sliding.num_layers} layers); the rest, "
+                f"{kv_bytes - sliding * lay.sliding.bytes_per_block:,} B / ({lay.block_size} tokens x "
+                f"{lay.full.bytes_per_token:,} B = {lay.full.bytes_per_block:,} B per block of the "
+                f"{lay.full.num_layers} full-attention layers) = {num_blocks:,} blocks = kv_token_capacity "
+                f"{num_blocks * lay.block_size:,} tokens; kv_cache_memory_bytes = "
+                f"{lay.memory_for_blocks(num_blocks):,} B.")
+    return (f"Blocks: {kv_bytes:,} B / ({lay.block_size} tokens x {lay.bytes_per_token:,} B = "
+            f"{lay.bytes_per_block:,} B per block) = {num_blocks:,} blocks = kv_token_capacity "
+            f"{num_blocks * lay.block_size:,} tokens; kv_cache_memory_bytes = {num_blocks:,} x "
+            f"{lay.bytes_per_block:,} = {lay.memory_for_blocks(num_blocks):,} B.")
 
 
 def _sequence_lines(req: PlanRequest, ev: Evaluation) -> list[str]:
@@ -106,6 +120,15 @@ def _sequence_lines(req: PlanRequest, ev: Evaluation) -> list[str]:
         window = (f"; every layer uses a {m.sliding_window:,}-token sliding window and the engine "
                   f"releases blocks outside it, so a sequence holds at most "
                   f"ceil(({m.sliding_window:,} - 1) / {lay.block_size}) + 1 blocks")
+    elif isinstance(lay, HybridKVLayout):
+        window = (f"; its {m.num_full_layers} full-attention layers keep every block, and its "
+                  f"{m.num_sliding_layers} sliding-window layers ({m.sliding_window:,} tokens) have a "
+                  f"pool of their own: {lay.max_sliding_blocks:,} blocks (max_num_seqs x "
+                  f"(ceil(({m.sliding_window:,} - 2) / {lay.block_size}) + 2) + ceil(max_num_batched_tokens / "
+                  f"{lay.block_size}), at most max_num_seqs x max_context blocks) of "
+                  f"{lay.sliding.bytes_per_block:,} B = {_g(lay.max_sliding_blocks * lay.sliding.bytes_per_block)} "
+                  f"per GPU, so the blocks counted here are the full-attention layers' "
+                  f"({lay.full.bytes_per_block:,} B each)")
     elif m.num_sliding_layers:
         window = (f"; its {m.num_sliding_layers} sliding-window layers share the block table of the "
                   f"full-attention layers, so every block is kept")

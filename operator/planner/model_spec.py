@@ -122,12 +122,21 @@ class ModelSpec:
 
     @property
     def kv_release_window(self) -> int | None:
-        """The window outside which the engine releases a sequence's KV blocks: only when
-        every layer slides (its one block table serves all layers, and a full-attention
-        layer needs every block); ``kv_layout.blocks_held`` counts what a sequence holds."""
+        """The window outside which the engine releases a sequence's KV blocks from its one
+        block table: only when every layer slides (mixed layers: ``hybrid_kv``, where the
+        full-attention pool holds every block); ``kv_layout.blocks_held`` counts what a
+        sequence holds."""
         if self.num_sliding_layers and self.num_sliding_layers == self.num_layers:
             return self.sliding_window
         return None
+
+    def hybrid_kv(self, max_context: int, tensor_parallel_size: int) -> bool:
+        """Whether the engine keeps the sliding-window layers' KV in a pool of their own
+        (``hf_config.kv_cache_groups``, the engine's rule): both kinds of layer, a context
+        that can outgrow the window, one GPU. The full-attention layers then hold every
+        block; the sliding pool is sized by ``kv_layout.sliding_pool_blocks``."""
+        return (0 < self.num_sliding_layers < self.num_layers and tensor_parallel_size == 1
+                and self.sliding_window is not None and max_context > self.sliding_window)
 
     def kv_tokens(self, num_tokens: int) -> int:
         """Token slots the KV of one ``num_tokens`` sequence occupies: all of them, or at

@@ -17,6 +17,7 @@ import math
 from dataclasses import replace
 
 from kvpilot.engine.core.constants import MAX_TENSOR_PARALLEL_SIZE
+from kvpilot.engine.core.kv_layout import HybridKVLayout
 from kvpilot.operator.planner import kv_dtype
 from kvpilot.operator.planner.evaluate import Evaluation, evaluate
 from kvpilot.operator.planner.explain import derivation
@@ -77,10 +78,11 @@ def _warnings(req: PlanRequest, ev: Evaluation) -> list[str]:
     if ov.weight_quantization:
         out.append(f"assumes a pre-quantised {ov.weight_quantization} checkpoint: kvpilot serve does not "
                    "quantise weights itself")
-    if m.num_sliding_layers and m.kv_release_window is None and slo.max_context > m.sliding_window:
+    if (m.num_sliding_layers and m.kv_release_window is None and slo.max_context > m.sliding_window
+            and not m.hybrid_kv(slo.max_context, ev.tp)):
         out.append(f"{m.num_sliding_layers} of {m.num_layers} layers use a {m.sliding_window:,}-token "
-                   f"sliding window, but the full-attention layers share their KV blocks, so the "
-                   f"engine keeps every block of a sequence: no KV saving is counted")
+                   f"sliding window, but under tensor parallelism the engine keeps one block table "
+                   f"for all layers, so it keeps every block of a sequence: no KV saving is counted")
     if ev.tp > 1:
         out.append("latency estimates leave out tensor-parallel all-reduce time")
         if ov.cpu_offload_gib or ov.disk_offload_gib:
@@ -127,6 +129,9 @@ def _to_plan(req: PlanRequest, ev: Evaluation, dtype_notes: list[str], shape_not
         offload_disk_path=DEFAULT_DISK_PATH if disk > 0 else None, pod_memory_gib=pod, shm_gib=shm,
         num_layers=ev.layout.num_layers, num_kv_heads_per_gpu=ev.layout.num_kv_heads,
         head_dim=ev.layout.head_dim,
+        **(dict(num_sliding_pool_layers=ev.layout.sliding.num_layers, sliding_window=ev.layout.sliding_window,
+                sliding_pool_blocks=ev.layout.max_sliding_blocks)
+           if isinstance(ev.layout, HybridKVLayout) else {}),
         memory={"gpu_memory_bytes": b.gpu_memory_bytes, "budget_bytes": b.budget_bytes,
                 "weight_bytes_total": ev.weight_bytes_total, "weight_bytes_per_gpu": b.weight_bytes,
                 "reserve_bytes": b.reserve.total_bytes, **b.reserve.to_bytes(),

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpilot.engine.core.constants import DEFAULT_OFFLOAD_DISK_PATH
-from kvpilot.engine.core.kv_layout import KVLayout
+from kvpilot.engine.core.kv_layout import HybridKVLayout, KVLayout
 from kvpilot.operator.planner.checks import Check
 
 DEFAULT_DISK_PATH = DEFAULT_OFFLOAD_DISK_PATH
@@ -94,13 +94,24 @@ class Plan:
     derivation: tuple[str, ...]
     warnings: tuple[str, ...]
     suggestions: tuple[Suggestion, ...] = field(default_factory=tuple)
+    # A hybrid model (sliding-window layers in their own KV pool, ``HybridKVLayout``): how
+    # many layers that pool serves, their window and the pool's blocks; 0 / None otherwise.
+    # ``num_gpu_blocks`` / ``kv_token_capacity`` then count the full-attention pool.
+    num_sliding_pool_layers: int = 0
+    sliding_window: int | None = None
+    sliding_pool_blocks: int = 0
 
     @property
-    def kv_layout(self) -> KVLayout:
+    def kv_layout(self) -> KVLayout | HybridKVLayout:
         """The engine's KV layout for this plan: ``kv_layout.num_blocks(kv_cache_memory_bytes)``
         is ``num_gpu_blocks`` (the round trip the engine must reproduce)."""
-        return KVLayout(self.num_layers, self.num_kv_heads_per_gpu, self.head_dim, self.kv_dtype_bytes,
-                        self.block_size)
+        if not self.num_sliding_pool_layers:
+            return KVLayout(self.num_layers, self.num_kv_heads_per_gpu, self.head_dim, self.kv_dtype_bytes,
+                            self.block_size)
+        pool = (self.num_kv_heads_per_gpu, self.head_dim, self.kv_dtype_bytes, self.block_size)
+        return HybridKVLayout(KVLayout(self.num_layers - self.num_sliding_pool_layers, *pool),
+                              KVLayout(self.num_sliding_pool_layers, *pool), self.sliding_window,
+                              self.sliding_pool_blocks)
 
     @property
     def wants_offload(self) -> bool:

@@ -139,7 +139,20 @@ def test_sliding_window_layers_can_keep_the_model_dtype(tiny_checkpoint):
     assert len(out.outputs[0].token_ids) == 4
     uniform = LLM(path, kv_cache_memory_bytes=budget, max_model_len=512, kv_cache_dtype="fp8")
     assert uniform.llm_engine.runner.layer_kv_dtypes == [torch.float8_e4m3fn] * 2
-    # longer than the window: served (attention windowed on layer 1; the full layer 0
-    # shares the block table, so no blocks are released)
-    longer = LLM(path, kv_cache_memory_bytes=budget, max_model_len=1024)
-    assert longer.llm_engine.kv_cache_manager.release_window is None
+    # longer than the window: a hybrid KV cache (layer 0 in an fp8 pool, the windowed
+    # layer 1 in a float32 pool of its own, each with its own block tables and scales)
+    from kvpilot.engine.core.hybrid_kv_cache_manager import HybridKVCacheManager
+
+    longer = LLM(path, kv_cache_memory_bytes=budget, max_model_len=1024, kv_cache_dtype="fp8",
+                 kv_cache_dtype_skip_sliding_window=True, max_num_seqs=8, max_num_batched_tokens=256)
+    kv = longer.llm_engine.kv_cache_manager
+    assert isinstance(kv, HybridKVCacheManager) and kv.release_window == 512
+    assert [c.dtype for c in longer.llm_engine.runner.kv_caches] == [torch.float8_e4m3fn, torch.float32]
+    full_block, sliding_block = 2 * 2 * 16 * 1 * 16, 2 * 2 * 16 * 4 * 16
+    # 8 sequences x (ceil(510 / 16) + 2) + ceil(256 / 16) blocks of the windowed pool
+    assert kv.sliding.pool.num_blocks == 8 * 34 + 16
+    assert kv.full.pool.num_blocks == (budget - (8 * 34 + 16) * sliding_block) // full_block
+    assert longer.llm_engine.cache_info.kv_cache_memory_bytes <= budget
+    out = longer.generate([[5, 6, 7, 8, 9] * 110], SamplingParams(temperature=0, max_tokens=4))[0]
+    assert len(out.outputs[0].token_ids) == 4
+    assert kv.usage == 0.0

@@ -2,8 +2,9 @@
 
 Two tiny checkpoints with a 32-token window, prompts up to 150 tokens: Mistral (every
 layer slides, so blocks outside the window are released) and Qwen2 with mixed layers
-(``use_sliding_window``, ``max_window_layers=1``: layer 0 full, layer 1 windowed; one
-block table serves both, so nothing is released). Each runs plain with prefix hits,
+(``use_sliding_window``, ``max_window_layers=1``: layer 0 full, layer 1 windowed; a
+hybrid KV cache, each kind of layer with its own pool and block tables, the windowed
+one releasing what falls outside the window). Each runs plain with prefix hits,
 with chunked prefill under a small budget, and with a pool small enough to preempt, on
 the torch backend; a shorter run goes through the Triton kernels (the interpreter on CPU).
 """
@@ -16,8 +17,10 @@ import random
 import pytest
 import torch
 from hf_oracle import MAX_NEW, hf_greedy
+from one_request import steps_of_one_request
 
 from kvpilot.engine import LLM, SamplingParams
+from kvpilot.engine.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from kvpilot.engine.core.kv_layout import blocks_held
 
 WINDOW = 32
@@ -61,7 +64,8 @@ def test_plain_and_prefix_hits(case, capsys):
     name, path, prompts, expected = case
     llm = LLM(str(path), num_gpu_blocks=256, max_model_len=256)
     engine = llm.llm_engine
-    assert engine.kv_cache_manager.release_window == (WINDOW if name == "mistral" else None)
+    assert engine.kv_cache_manager.release_window == WINDOW
+    assert isinstance(engine.kv_cache_manager, HybridKVCacheManager) == (name == "qwen2-mixed")
     assert generate(llm, prompts) == expected
     first = llm.get_stats().prefix_cache_hits
     assert generate(llm, prompts) == expected
@@ -129,23 +133,16 @@ def test_mistral_holds_at_most_window_plus_one_block(tiny_checkpoint, capsys):
     path = tiny_checkpoint("mistral", **KINDS["mistral"])
     chunk, block_size = 32, 16
     llm = LLM(str(path), num_gpu_blocks=64, max_model_len=512, max_num_batched_tokens=chunk)
-    engine = llm.llm_engine
-    kv = engine.kv_cache_manager
-    prompt = [random.Random(5).randrange(3, 512) for _ in range(300)]
-    engine.add_request("long", prompt, SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))
-    request = engine.scheduler.requests["long"]
+    kv = llm.llm_engine.kv_cache_manager
     prefill_peak = decode_peak = 0
-    while engine.has_unfinished_requests():
-        engine.step()
-        if request.is_finished:
-            break
+    for request in steps_of_one_request(llm, 300, 100):
         held = kv.num_held_blocks("long")
         assert held == kv.pool.num_blocks - kv.pool.num_free_blocks     # the only request
         if request.num_output_tokens <= 1:
             prefill_peak = max(prefill_peak, held)
         else:
             decode_peak = max(decode_peak, held)
-    total = len(prompt) + 100
+    total = 300 + 100
     full_blocks = -(-total // block_size)
     assert decode_peak * block_size <= WINDOW + block_size
     assert decode_peak == blocks_held(total, block_size, WINDOW) == WINDOW // block_size + 1

@@ -17,6 +17,8 @@ layers are plain linear / embedding layers.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -154,12 +156,18 @@ class LlamaForCausalLM(nn.Module):
                         else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
-                metadata: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
-        """Final hidden states ``[num_tokens, hidden]``; ``kv_caches[layer]`` is one layer's cache."""
+                metadata: AttentionMetadata | Sequence[AttentionMetadata],
+                backend: AttentionBackend) -> torch.Tensor:
+        """Final hidden states ``[num_tokens, hidden]``; ``kv_caches[layer]`` is one layer's cache.
+
+        ``metadata``: one for every layer, or one per layer (a hybrid model's layers read
+        their KV cache group's block table and slot mapping)."""
         hidden = self.embed_tokens(input_ids)
         residual = None
+        per_layer = not isinstance(metadata, AttentionMetadata)
         for i, layer in enumerate(self.layers):
-            hidden, residual = layer(positions, hidden, residual, kv_caches[i], metadata, backend)
+            hidden, residual = layer(positions, hidden, residual, kv_caches[i],
+                                     metadata[i] if per_layer else metadata, backend)
         return self.norm(hidden, residual)[0]
 
     def use_triton_kernels(self) -> None:
