@@ -163,6 +163,29 @@ def kv_layout_for(req: PlanRequest, tp: int, kv_cache_dtype: str, block_size: in
                             model.sliding_window))
 
 
+def _kv_capacity(req: PlanRequest, tp: int, kv_cache_dtype: str, block_size: int, kv_bytes: int, target: int,
+                 max_num_batched_tokens: int, ctx_blocks: int,
+                 seq_blocks: int) -> tuple[int, KVLayout | HybridKVLayout, int]:
+    """(sequences that fit without preemption, layout, blocks). A hybrid model's windowed
+    pool grows with ``max_num_seqs`` (and ``max_num_batched_tokens``, taken at the most the
+    plan can pick), so its limit is the largest ``m <= target`` that still fits when the
+    pool is sized for ``m`` sequences (the full pool only shrinks as ``m`` grows)."""
+
+    def sized(num_seqs: int) -> tuple[int, KVLayout | HybridKVLayout, int]:
+        layout = kv_layout_for(req, tp, kv_cache_dtype, block_size, num_seqs, max_num_batched_tokens)
+        num_blocks = layout.num_blocks(max(0, kv_bytes))
+        return kv_seq_limit(num_blocks, ctx_blocks, seq_blocks), layout, num_blocks
+
+    at_target = sized(target)
+    if not isinstance(at_target[1], HybridKVLayout) or at_target[0] >= target:
+        return at_target
+    best = largest_int(1, target, lambda m: m <= sized(m)[0])
+    if best is None:
+        return at_target
+    _, layout, num_blocks = sized(best)
+    return best, layout, num_blocks
+
+
 def evaluate(req: PlanRequest, tp: int, kv_cache_dtype: str) -> Evaluation:
     """Size one replica of ``tp`` GPUs with ``kv_cache_dtype`` KV; see module docstring."""
     model, gpu, slo, ov = req.model, req.gpu, req.slo, req.overrides
@@ -175,18 +198,16 @@ def evaluate(req: PlanRequest, tp: int, kv_cache_dtype: str) -> Evaluation:
     budget = Budget(gpu.memory_bytes, ov.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION,
                     math.ceil(weight_total / tp), reserve(model, tp, mnbt_cap, target, graphs), margin,
                     ov.kv_cache_memory_bytes)
-    # A hybrid model's sliding pool is sized first for the most sequences and the largest
-    # step this plan can pick; once they are chosen it is sized for them (below).
-    layout = kv_layout_for(req, tp, kv_cache_dtype, block_size, target,
-                           ov.max_num_batched_tokens or max(mnbt_cap, target + block_size))
-    num_blocks = layout.num_blocks(max(0, budget.kv_bytes))
     seq_blocks = blocks_for(model, slo.seq_tokens_p95, block_size)
     ctx_blocks = blocks_for(model, slo.max_context, block_size)
+    kv_limit, layout, num_blocks = _kv_capacity(
+        req, tp, kv_cache_dtype, block_size, budget.kv_bytes, target,
+        ov.max_num_batched_tokens or max(mnbt_cap, target + block_size), ctx_blocks, seq_blocks)
     roof = Roofline(budget.weight_bytes, model.kv_tokens_attended(slo.seq_tokens_p95) * layout.bytes_per_token,
                     gpu.memory_bandwidth_bytes_per_s, gpu.bf16_flops * tp,
                     flops_per_token(model, slo.p95_prompt_tokens))
 
-    limits = {"target": target, "kv_capacity": kv_seq_limit(num_blocks, ctx_blocks, seq_blocks)}
+    limits = {"target": target, "kv_capacity": kv_limit}
     itl_s = slo.itl_p95_ms / 1000 if slo.itl_p95_ms else None
     if itl_s is not None:
         limits["itl"] = max(0, min(roof.batch_limit(itl_s), roof.token_limit(itl_s) - block_size))

@@ -121,14 +121,15 @@ def _sequence_lines(req: PlanRequest, ev: Evaluation) -> list[str]:
                   f"releases blocks outside it, so a sequence holds at most "
                   f"ceil(({m.sliding_window:,} - 1) / {lay.block_size}) + 1 blocks")
     elif isinstance(lay, HybridKVLayout):
+        sliding = lay.num_sliding_blocks(ev.num_blocks)
         window = (f"; its {m.num_full_layers} full-attention layers keep every block, and its "
                   f"{m.num_sliding_layers} sliding-window layers ({m.sliding_window:,} tokens) have a "
-                  f"pool of their own: {lay.max_sliding_blocks:,} blocks (max_num_seqs x "
+                  f"pool of their own: min({lay.max_sliding_blocks:,} (max_num_seqs x "
                   f"(ceil(({m.sliding_window:,} - 2) / {lay.block_size}) + 2) + ceil(max_num_batched_tokens / "
-                  f"{lay.block_size}), at most max_num_seqs x max_context blocks) of "
-                  f"{lay.sliding.bytes_per_block:,} B = {_g(lay.max_sliding_blocks * lay.sliding.bytes_per_block)} "
-                  f"per GPU, so the blocks counted here are the full-attention layers' "
-                  f"({lay.full.bytes_per_block:,} B each)")
+                  f"{lay.block_size}), at most max_num_seqs x max_context blocks), the full pool's "
+                  f"{ev.num_blocks:,}) = {sliding:,} blocks of {lay.sliding.bytes_per_block:,} B = "
+                  f"{_g(sliding * lay.sliding.bytes_per_block)} per GPU, so the blocks counted here are the "
+                  f"full-attention layers' ({lay.full.bytes_per_block:,} B each)")
     elif m.num_sliding_layers:
         window = (f"; its {m.num_sliding_layers} sliding-window layers share the block table of the "
                   f"full-attention layers, so every block is kept")
@@ -136,6 +137,11 @@ def _sequence_lines(req: PlanRequest, ev: Evaluation) -> list[str]:
         f"Sequence: p95 {slo.p95_prompt_tokens:,} prompt + {slo.p95_output_tokens:,} output = {seq:,} tokens"
         f"{window} -> {ev.seq_blocks:,} blocks ({_g(lay.memory_for_blocks(ev.seq_blocks))} per GPU); "
         f"a max_context sequence ({slo.max_context:,} tokens) -> {ev.max_context_blocks:,} blocks.",
+        f"KV limit (room for one max_context sequence, the rest at p95 length; the windowed pool "
+        f"sized for that many sequences): {ev.limits['kv_capacity']:,} sequences; with the pool sized for "
+        f"max_num_seqs {ev.max_num_seqs:,}: ({ev.num_blocks:,} - {ev.max_context_blocks:,}) // "
+        f"{ev.seq_blocks:,} + 1 = {(ev.num_blocks - ev.max_context_blocks) // ev.seq_blocks + 1:,}."
+        if ev.limits["kv_capacity"] and isinstance(lay, HybridKVLayout) else
         f"KV limit (room for one max_context sequence, the rest at p95 length): "
         f"({ev.num_blocks:,} - {ev.max_context_blocks:,}) // {ev.seq_blocks:,} + 1 = "
         f"{ev.limits['kv_capacity']:,} sequences." if ev.limits["kv_capacity"] else

@@ -153,9 +153,12 @@ def test_planner_capacity_matches_the_engine(tiny_checkpoint, capsys):
     assert info.token_capacity == plan.kv_token_capacity
     assert info.kv_cache_memory_bytes == plan.kv_cache_memory_bytes
     assert kv.sliding.pool.num_blocks == plan.sliding_pool_blocks
-    # one pool for both layers (a block table for all) would hold fewer tokens
+    # one pool for both layers (a block table for all) would hold fewer tokens, and fewer
+    # sequences: one of 128 tokens (8 blocks) and the rest at 100 tokens (7 blocks)
     one_table = plan.kv_cache_memory_bytes // (BLOCK * plan.kv_bytes_per_token) * BLOCK
     assert plan.kv_token_capacity > one_table
+    one_table_seqs = (one_table // BLOCK - 8) // 7 + 1
+    assert plan.max_num_seqs > one_table_seqs
     rng = random.Random(9)
     params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
     for i in range(plan.max_num_seqs):
@@ -170,8 +173,8 @@ def test_planner_capacity_matches_the_engine(tiny_checkpoint, capsys):
                     f"{plan.num_gpu_blocks} full-pool blocks = {plan.kv_token_capacity} tokens + "
                     f"{plan.sliding_pool_blocks} windowed-pool blocks; engine {info.num_gpu_blocks} blocks = "
                     f"{info.token_capacity} tokens + {kv.sliding.pool.num_blocks}; one shared table would "
-                    f"hold {one_table} tokens; plan max_num_seqs {plan.max_num_seqs} ran at once, "
-                    f"0 preemptions")
+                    f"hold {one_table} tokens ({one_table_seqs} sequences); plan max_num_seqs {plan.max_num_seqs} "
+                    f"ran at once, 0 preemptions")
 
 
 def test_offload_is_refused_for_a_hybrid_model(tiny_checkpoint):
