@@ -19,7 +19,7 @@ import pytest
 import torch
 from attention_helpers import assert_attention_close, attend, stored
 
-from kvpilot.engine.model.attention.torch_backend import paged_attention
+from kvpilot.engine.model.attention.torch_backend import decode_groups, paged_attention
 from kvpilot.kernels.paged_batch import MIXED_SPECS, make_paged_batch
 from kvpilot.kernels.unified_attention import (
     AttentionTiling,
@@ -83,6 +83,35 @@ def test_reference_matches_engine_torch_path():
     engine = paged_attention(batch.query, batch.kv_cache, batch.metadata, batch.scale,
                              batch.k_scale, batch.v_scale)
     torch.testing.assert_close(ref, engine, atol=1e-5, rtol=1e-5)
+
+
+# Decode rows up to 140x apart in length: the engine's torch path attends them in
+# several padded groups (its ``decode_groups``), here alone and beside a chunked prefill
+# and a context-only row.
+UNEVEN_DECODE = ((700, 1), (5, 1), (300, 1), (16, 1), (31, 1), (64, 1), (699, 1), (150, 1))
+
+
+@pytest.mark.parametrize("specs", [UNEVEN_DECODE, UNEVEN_DECODE + ((20, 13), (33, 0))],
+                         ids=["decode-only", "with-prefill"])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (4, 2), (6, 2), (4, 1)])
+def test_engine_torch_path_on_decode_rows_of_uneven_lengths(specs, num_heads, num_kv_heads):
+    assert len(decode_groups([c + q for c, q in specs if q == 1])) >= 3
+    batch = stored(make_paged_batch(specs, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                     head_dim=64, fill="zero", num_padding_tokens=0))
+    engine = paged_attention(batch.query, batch.kv_cache, batch.metadata, batch.scale,
+                             batch.k_scale, batch.v_scale)
+    torch.testing.assert_close(engine, attend(batch, unified_attention_ref), atol=1e-5, rtol=1e-5)
+
+
+def test_decode_groups_bound_the_padding():
+    lens = [700, 5, 300, 16, 31, 64, 699, 150, 5, 351]
+    groups = decode_groups(lens)
+    assert sorted(i for g in groups for i in g) == list(range(len(lens)))
+    for group in groups:
+        longest = max(lens[i] for i in group)
+        assert all(lens[i] > longest / 2 for i in group)
+    assert decode_groups([128] * 256) == [list(range(256))]
+    assert decode_groups([]) == []
 
 
 def test_all_decode_and_all_prefill_batches():
