@@ -87,16 +87,15 @@ class ArchConfig:
         return None
 
 
-def kv_cache_groups(arch: ArchConfig, max_model_len: int, tensor_parallel_size: int = 1) -> tuple[int, ...] | None:
+def kv_cache_groups(arch: ArchConfig, max_model_len: int) -> tuple[int, ...] | None:
     """Each layer's KV cache group when the engine keeps separate block tables for the
     full-attention layers (group 0) and the sliding-window layers (group 1), else None.
 
     Only when both kinds are present and a sequence can outgrow the window (otherwise
-    nothing would be released), and with one rank (the tensor-parallel step channel sends
-    one table). The planner applies the same rule (``ModelSpec.hybrid_kv``).
+    nothing would be released). The planner applies the same rule (``ModelSpec.hybrid_kv``).
     """
     sliding = set(arch.sliding_window_layers)
-    if (not sliding or len(sliding) == arch.num_hidden_layers or tensor_parallel_size != 1
+    if (not sliding or len(sliding) == arch.num_hidden_layers
             or arch.sliding_window is None or max_model_len <= arch.sliding_window):
         return None
     return tuple(int(i in sliding) for i in range(arch.num_hidden_layers))

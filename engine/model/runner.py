@@ -141,7 +141,7 @@ class ModelRunner:
         # KV blocks each rank allocated (checked equal across ranks at allocation)
         self.num_blocks_per_rank: list[int] = []
         # Each layer's KV cache group (a hybrid model), None: one group for all layers.
-        self.layer_kv_groups = kv_cache_groups(model_config.arch, model_config.max_model_len, tp.world_size)
+        self.layer_kv_groups = kv_cache_groups(model_config.arch, model_config.max_model_len)
         num_groups = 1 if self.layer_kv_groups is None else 1 + max(self.layer_kv_groups)
         # The persistent batch and the step builder live on the driver only: workers get
         # each step's inputs ready-made (``parallel.step_channel``).
@@ -162,9 +162,9 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int, num_sliding_blocks: int | None = None) -> None:
         """Allocate the cache (on every rank: ``num_blocks`` each, checked); a hybrid model's
-        sliding-window layers get ``num_sliding_blocks`` (one rank only)."""
+        sliding-window layers get ``num_sliding_blocks``."""
         if self.channel is not None:
-            self.channel.send(Command.ALLOCATE, num_blocks)
+            self.channel.send(Command.ALLOCATE, num_blocks, num_sliding_blocks or 0)
         self._allocate(num_blocks, num_sliding_blocks)
         counts = self.tp.all_gather_cpu(torch.tensor([num_blocks])).flatten().tolist()
         if len(set(counts)) != 1:

@@ -153,7 +153,7 @@ def kv_layout_for(req: PlanRequest, tp: int, kv_cache_dtype: str, block_size: in
     pool sized for ``max_num_seqs`` and ``max_num_batched_tokens``), else one."""
     model = req.model
     heads, dtype_bytes = kv_heads_per_rank(model.num_kv_heads, tp), kv_dtype.dtype_bytes(model, kv_cache_dtype)
-    if not model.hybrid_kv(req.slo.max_context, tp):
+    if not model.hybrid_kv(req.slo.max_context):
         return KVLayout(model.num_layers, heads, model.head_dim, dtype_bytes, block_size)
     return HybridKVLayout(
         KVLayout(model.num_full_layers, heads, model.head_dim, dtype_bytes, block_size),

@@ -130,13 +130,13 @@ class ModelSpec:
             return self.sliding_window
         return None
 
-    def hybrid_kv(self, max_context: int, tensor_parallel_size: int) -> bool:
+    def hybrid_kv(self, max_context: int) -> bool:
         """Whether the engine keeps the sliding-window layers' KV in a pool of their own
-        (``hf_config.kv_cache_groups``, the engine's rule): both kinds of layer, a context
-        that can outgrow the window, one GPU. The full-attention layers then hold every
+        (``hf_config.kv_cache_groups``, the engine's rule): both kinds of layer and a
+        context that can outgrow the window. The full-attention layers then hold every
         block; the sliding pool is sized by ``kv_layout.sliding_pool_blocks``."""
-        return (0 < self.num_sliding_layers < self.num_layers and tensor_parallel_size == 1
-                and self.sliding_window is not None and max_context > self.sliding_window)
+        return (0 < self.num_sliding_layers < self.num_layers and self.sliding_window is not None
+                and max_context > self.sliding_window)
 
     def kv_tokens(self, num_tokens: int) -> int:
         """Token slots the KV of one ``num_tokens`` sequence occupies: all of them, or at

@@ -78,11 +78,6 @@ def _warnings(req: PlanRequest, ev: Evaluation) -> list[str]:
     if ov.weight_quantization:
         out.append(f"assumes a pre-quantised {ov.weight_quantization} checkpoint: kvpilot serve does not "
                    "quantise weights itself")
-    if (m.num_sliding_layers and m.kv_release_window is None and slo.max_context > m.sliding_window
-            and not m.hybrid_kv(slo.max_context, ev.tp)):
-        out.append(f"{m.num_sliding_layers} of {m.num_layers} layers use a {m.sliding_window:,}-token "
-                   f"sliding window, but under tensor parallelism the engine keeps one block table "
-                   f"for all layers, so it keeps every block of a sequence: no KV saving is counted")
     if ev.tp > 1:
         out.append("latency estimates leave out tensor-parallel all-reduce time")
         if ov.cpu_offload_gib or ov.disk_offload_gib:

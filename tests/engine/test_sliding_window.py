@@ -94,11 +94,16 @@ def test_chunked_prefill_and_preemption(case, capsys):
 
 @pytest.mark.slow
 def test_tensor_parallel_windows(case):
-    """Two ranks: each attends over the window with its own heads; the driver releases."""
-    _, path, prompts, expected = case
+    """Two ranks: each attends over the window with its own heads; the driver releases.
+    The mixed model's windowed pool (10 blocks for 2 sequences) is smaller than its full
+    pool, so the workers must get each group's tables to match HF."""
+    name, path, prompts, expected = case
     llm = LLM(str(path), num_gpu_blocks=64, max_model_len=256, max_num_batched_tokens=24,
-              tensor_parallel_size=2)
+              max_num_seqs=2, tensor_parallel_size=2)
     try:
+        kv = llm.llm_engine.kv_cache_manager
+        if name == "qwen2-mixed":
+            assert isinstance(kv, HybridKVCacheManager) and kv.sliding.pool.num_blocks == 10
         assert generate(llm, prompts[3:6]) == expected[3:6]
     finally:
         llm.llm_engine.close()

@@ -78,8 +78,10 @@ class Worker:
         self.runner = ModelRunner(spec.model_config, spec.cache_config, spec.scheduler_config, device,
                                   spec.attention_backend, tp)
         max_blocks = -(-spec.model_config.max_model_len // spec.cache_config.block_size)
+        groups = self.runner.layer_kv_groups
         self.receiver = StepReceiver(tp, spec.scheduler_config.max_num_batched_tokens,
-                                     spec.scheduler_config.max_num_seqs, max_blocks, device)
+                                     spec.scheduler_config.max_num_seqs, max_blocks, device,
+                                     num_kv_groups=1 if groups is None else 1 + max(groups))
 
     def serve(self) -> None:
         """Run commands until SHUTDOWN."""
@@ -92,7 +94,7 @@ class Worker:
             elif command is Command.PROFILE:
                 self._profile()
             elif command is Command.ALLOCATE:
-                runner.allocate_kv_cache(args[0])
+                runner.allocate_kv_cache(args[0], args[1] or None)
             elif command is Command.SHUTDOWN:
                 return
 
