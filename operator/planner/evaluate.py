@@ -242,12 +242,13 @@ def evaluate(req: PlanRequest, tp: int, kv_cache_dtype: str) -> Evaluation:
     if caching and slo.shared_prefix_tokens:
         blocks_each = slo.shared_prefix_tokens // block_size
         free = num_blocks - ctx_blocks - max(0, msq - 1) * seq_blocks
+        offloads = offload_allowed(tp, model.releases_kv_blocks(slo.max_context))
         prefixes = place_prefixes(
             blocks_each=blocks_each, bytes_each=blocks_each * block_size * layout.bytes_per_token * tp,
             distinct=slo.distinct_prefixes, free_blocks=free if msq >= 1 else 0,
             replica_gpu_memory_bytes=gpu.memory_bytes * tp,
-            cpu_offload_gib=ov.cpu_offload_gib if offload_allowed(tp) else 0,
-            disk_offload_gib=ov.disk_offload_gib if offload_allowed(tp) else 0)
+            cpu_offload_gib=ov.cpu_offload_gib if offloads else 0,
+            disk_offload_gib=ov.disk_offload_gib if offloads else 0)
 
     throughput = _throughput(req, tp, layout, budget, msq, mnbt, cached, factor) if msq >= 1 else None
     replicas, need, replicas_source = _replicas(req, msq, throughput)

@@ -203,7 +203,8 @@ def _host_lines(req: PlanRequest, ev: Evaluation) -> list[str]:
                    f"{p.on_cpu:,} go to the CPU tier ({p.cpu_offload_gib:g} GiB), {p.on_disk:,} to disk "
                    f"({p.disk_offload_gib:g} GiB)" + (f", {p.uncached:,} are not cached" if p.uncached else "")
                    + ".")
-    cpu, _ = offload_tiers_gib(p, req.overrides.cpu_offload_gib, req.overrides.disk_offload_gib, ev.tp)
+    cpu, _ = offload_tiers_gib(p, req.overrides.cpu_offload_gib, req.overrides.disk_offload_gib, ev.tp,
+                               req.model.releases_kv_blocks(req.slo.max_context))
     pod, shm = host_memory_gib(ev.tp, cpu)
     nccl = (f" + {SHM_PER_EXTRA_RANK_GIB} GiB x {ev.tp - 1} further rank(s) for NCCL" if ev.tp > 1 else "")
     out.append(f"Host: /dev/shm {shm:g} GiB ({cpu:g} GiB CPU KV tier + {SHM_BASE_GIB} GiB IPC{nccl}); pod memory "

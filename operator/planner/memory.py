@@ -140,16 +140,19 @@ def place_prefixes(*, blocks_each: int, bytes_each: int, distinct: int, free_blo
     return PrefixTiers(blocks_each, bytes_each, distinct, on_gpu, on_cpu, on_disk, cpu, disk)
 
 
-def offload_allowed(tensor_parallel_size: int) -> bool:
-    """Whether a replica of this many GPUs can have KV offload tiers (one GPU only)."""
-    return tensor_parallel_size == 1
+def offload_allowed(tensor_parallel_size: int, releases_blocks: bool = False) -> bool:
+    """Whether a replica of this many GPUs can have KV offload tiers: one GPU only, and not
+    for a model whose blocks the engine releases outside a sliding window
+    (``ModelSpec.releases_kv_blocks``; the engine refuses offload for it)."""
+    return tensor_parallel_size == 1 and not releases_blocks
 
 
 def offload_tiers_gib(prefixes: PrefixTiers | None, cpu_offload_gib: float | None,
-                      disk_offload_gib: float | None, tensor_parallel_size: int = 1) -> tuple[float, float]:
+                      disk_offload_gib: float | None, tensor_parallel_size: int = 1,
+                      releases_blocks: bool = False) -> tuple[float, float]:
     """(CPU, disk) KV tier sizes per replica in GiB: where the shared prefixes were placed,
-    else the pinned sizes (0 when not pinned, and always 0 under tensor parallelism)."""
-    if not offload_allowed(tensor_parallel_size):
+    else the pinned sizes (0 when not pinned, and always 0 where ``offload_allowed`` says no)."""
+    if not offload_allowed(tensor_parallel_size, releases_blocks):
         return 0, 0
     if prefixes is not None:
         return prefixes.cpu_offload_gib, prefixes.disk_offload_gib

@@ -138,6 +138,12 @@ class ModelSpec:
         return (0 < self.num_sliding_layers < self.num_layers and self.sliding_window is not None
                 and max_context > self.sliding_window)
 
+    def releases_kv_blocks(self, max_context: int) -> bool:
+        """Whether the engine releases a sequence's blocks outside a sliding window at this
+        context (every layer slides, or a hybrid KV cache): it then refuses KV offload."""
+        window = self.kv_release_window
+        return (window is not None and max_context > window) or self.hybrid_kv(max_context)
+
     def kv_tokens(self, num_tokens: int) -> int:
         """Token slots the KV of one ``num_tokens`` sequence occupies: all of them, or at
         most the window when every layer slides (the engine releases older blocks)."""

@@ -78,6 +78,9 @@ def _warnings(req: PlanRequest, ev: Evaluation) -> list[str]:
     if ov.weight_quantization:
         out.append(f"assumes a pre-quantised {ov.weight_quantization} checkpoint: kvpilot serve does not "
                    "quantise weights itself")
+    if (ov.cpu_offload_gib or ov.disk_offload_gib) and m.releases_kv_blocks(slo.max_context):
+        out.append("the engine does not offload KV for a sliding-window model whose blocks it "
+                   "releases outside the window: the pinned offload tiers are left out")
     if ev.tp > 1:
         out.append("latency estimates leave out tensor-parallel all-reduce time")
         if ov.cpu_offload_gib or ov.disk_offload_gib:
@@ -101,7 +104,8 @@ def _finite(value: float | None) -> float | None:
 
 def _to_plan(req: PlanRequest, ev: Evaluation, dtype_notes: list[str], shape_notes: list[str]) -> Plan:
     ov, p, b = req.overrides, ev.prefixes, ev.budget
-    cpu, disk = offload_tiers_gib(p, ov.cpu_offload_gib, ov.disk_offload_gib, ev.tp)
+    cpu, disk = offload_tiers_gib(p, ov.cpu_offload_gib, ov.disk_offload_gib, ev.tp,
+                                  req.model.releases_kv_blocks(req.slo.max_context))
     offload = cpu > 0 or disk > 0
     backend = (ov.offload_backend or "native") if offload else None
     pod, shm = host_memory_gib(ev.tp, cpu)

@@ -192,6 +192,25 @@ def test_prefix_tiers_and_host_memory(plan_for):
     assert "--kv-offloading-disk-path" in capped.serve_args()
 
 
+def test_no_offload_tiers_for_a_model_that_releases_windowed_blocks(plan_for):
+    """Gemma 2 (every other layer slides over 4,096 tokens) at an 8k context has a hybrid
+    KV cache, and the engine refuses KV offload for it (tests/engine/test_hybrid_kv_cache.py):
+    prefixes that miss the GPU are left uncached, pinned tiers are left out with a warning."""
+    kwargs = dict(model="gemma-2-9b", max_context=8192, concurrency=32, shared_prefix_tokens=2048,
+                  distinct_prefixes=400)
+    plan = plan_for(**kwargs, overrides={"tensor_parallel_size": 1})
+    assert plan.num_sliding_pool_layers == 21 and plan.sliding_window == 4096
+    assert (plan.cpu_offload_gib, plan.disk_offload_gib, plan.offload_backend) == (0, 0, None)
+    assert "--kv-offloading-size" not in plan.serve_args()
+    assert any("shared prefixes fit in no tier" in w for w in plan.warnings)
+    pinned = plan_for(**kwargs, overrides={"tensor_parallel_size": 1, "cpu_offload_gib": 16})
+    assert pinned.cpu_offload_gib == 0 and "--kv-offloading-size" not in pinned.serve_args()
+    assert any("does not offload KV for a sliding-window model" in w for w in pinned.warnings)
+    short = plan_for(**{**kwargs, "max_context": 4096, "p95_prompt_tokens": 3000, "p95_output_tokens": 500},
+                     overrides={"tensor_parallel_size": 1})
+    assert short.num_sliding_pool_layers == 0 and short.cpu_offload_gib > 0   # nothing released
+
+
 def test_shared_prefix_shortens_ttft(plan_for):
     kwargs = dict(model="qwen3-8b", max_context=16384, p95_prompt_tokens=8192, p95_output_tokens=512,
                   concurrency=16, ttft_p95_ms=5000)
