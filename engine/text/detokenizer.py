@@ -27,7 +27,8 @@ Cost per token is one decode of the window, which for valid UTF-8 spans the last
 emitted token(s) plus at most a character's worth of pending tokens. With a byte-level
 decoder (GPT-2, Llama 3, Qwen), whose text is the UTF-8 decoding of the tokens' bytes
 concatenated, a token that arrives with nothing pending and decodes on its own to
-complete characters is its own delta: one decode of one token, no window. A model can emit
+complete characters is its own delta: that token's text, which the tokenizer decodes once
+per vocabulary id and remembers (``Tokenizer.decode_piece``), no window. A model can emit
 byte tokens that never form a character; the pending window would then grow without
 bound, so past ``MAX_PENDING_TOKENS`` the text up to a boundary that no later byte can
 change is emitted (see ``_emit_settled``).
@@ -62,6 +63,7 @@ class IncrementalDetokenizer:
     ) -> None:
         # The raw tokenizers object skips a Python layer per call (this runs per token).
         self._decode_fn = tokenizer.backend.decode
+        self._decode_piece = tokenizer.decode_piece
         self._byte_level = isinstance(getattr(tokenizer.backend, "decoder", None), decoders.ByteLevel)
         self._skip_special_tokens = skip_special_tokens
         # Ids that decode drops anyway (skipped special tokens, ids past the vocabulary,
@@ -104,7 +106,7 @@ class IncrementalDetokenizer:
         if self._byte_level and self._read_offset == len(self._ids):
             # Nothing pending, so the emitted text ends on a character boundary: if this
             # token's bytes are whole characters, the window's decode would just append them.
-            piece = self._decode_fn([token_id], skip_special_tokens=self._skip_special_tokens)
+            piece = self._decode_piece(token_id, self._skip_special_tokens)
             if not piece.endswith(REPLACEMENT_CHAR):
                 self._ids.append(token_id)
                 return self._emit(piece, len(self._ids))

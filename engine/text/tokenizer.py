@@ -166,6 +166,9 @@ class Tokenizer:
         self._generation_eos_token_ids = tuple(generation_eos_token_ids)
         self.model_max_length = model_max_length
         self._compiled: dict[str, jinja2.Template] = {}
+        # One token's own text per id, for each skip_special_tokens setting (see
+        # ``decode_piece``). NOTE: like the set below, filled from the backend as it is.
+        self._pieces: tuple[dict[int, str], dict[int, str]] = ({}, {})
         # NOTE: computed once; tokens added to ``backend`` later are not reflected.
         self._decode_skipped_ids = frozenset(
             token_id
@@ -230,6 +233,15 @@ class Tokenizer:
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``; ids outside the vocabulary (e.g. the model's padded rows) yield nothing."""
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def decode_piece(self, token_id: int, skip_special_tokens: bool = True) -> str:
+        """``decode([token_id])``, remembered: incremental detokenisation asks for one
+        token's text for nearly every generated token (at most one entry per vocabulary id)."""
+        pieces = self._pieces[skip_special_tokens]
+        piece = pieces.get(token_id)
+        if piece is None:
+            piece = pieces[token_id] = self._backend.decode([token_id], skip_special_tokens=skip_special_tokens)
+        return piece
 
     def convert_ids_to_tokens(self, ids: Iterable[int]) -> list[str]:
         """Vocabulary strings of ``ids`` (byte-level BPE shows bytes as GPT-2 characters)."""
