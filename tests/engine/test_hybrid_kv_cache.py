@@ -224,3 +224,34 @@ def test_a_hit_needs_only_the_windowed_blocks_of_the_last_window():
     for block in sliding_hit.blocks[skip:]:
         kv.sliding.pool.uncache(block)
     assert kv.find_prefix_hit(Request("d", prompt + [7], params)).num_tokens < 40
+
+
+def test_padded_decode_path_reads_each_groups_buffers(tiny_checkpoint):
+    """CUDA-graph inputs of a hybrid model: decode batches padded to a captured size give
+    HF's tokens, and the static metadata a captured graph replays gives each layer its own
+    group's slot mapping and block table (the same values the step built). On CPU the
+    padded forward runs eagerly; the capture itself needs CUDA."""
+    from kvpilot.engine.model.cuda_graphs import DecodeGraphs, capture_sizes
+
+    path = tiny_checkpoint("qwen2", **MIXED)
+    prompts = _prompts(7, (40, 70, 90), 0, ())
+    expected = hf_greedy(path, prompts, max_new=6)
+    llm = LLM(str(path), num_gpu_blocks=24, max_model_len=128, max_num_seqs=2, max_num_batched_tokens=32)
+    runner = llm.llm_engine.runner
+    assert llm.llm_engine.kv_cache_manager.sliding.pool.num_blocks == 10
+    graphs = DecodeGraphs(runner.model, runner.inputs, runner.kv_caches, runner.backend, capture_sizes(2),
+                          128, runner.layer_kv_groups)
+    runner.graphs = graphs
+    real_run, differing = graphs.run, []
+
+    def run(step, size):
+        static, groups = graphs._static_metadata(size), step.kv_group_metadata
+        for meta, group in zip(static, runner.layer_kv_groups, strict=True):
+            assert torch.equal(meta.block_tables, groups[group].block_tables)
+            assert torch.equal(meta.slot_mapping, groups[group].slot_mapping)
+        differing.append(not torch.equal(static[0].block_tables, static[1].block_tables))
+        return real_run(step, size)
+
+    graphs.run = run
+    assert _generate(llm, prompts, 6) == expected
+    assert differing and any(differing)
