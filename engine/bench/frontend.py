@@ -86,13 +86,10 @@ def serve_flags(model_dir: str, args: argparse.Namespace) -> list[str]:
 
 
 async def _load(base_url: str, args: argparse.Namespace) -> FrontendResult:
-    import httpx
+    from kvpilot.engine.bench.serve import client_session, first_model, stream_completion, summarize
 
-    from kvpilot.engine.bench.serve import stream_completion, summarize
-
-    limits = httpx.Limits(max_connections=args.num_clients + 4)
-    async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as http:
-        model = (await http.get("/v1/models")).json()["data"][0]["id"]
+    async with client_session(base_url, args.num_clients + 4) as http:
+        model = await first_model(http)
         await asyncio.gather(*(stream_completion(http, model, p, 4) for p in prompts(8, args.prompt_len)))  # warm-up
         start = time.perf_counter()
         results = await asyncio.gather(*(stream_completion(http, model, p, args.output_len)

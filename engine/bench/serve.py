@@ -2,9 +2,10 @@
 
 Client side only: streamed ``/v1/completions`` requests over HTTP, so time to first
 token (TTFT) and the gaps between streamed chunks (inter-token latency, ITL) are
-measured as a client sees them. The requests are sent with httpx rather than the
-``openai`` SDK because the SDK's own request preparation took ~15 ms for a
-1,500-token id list here, which would swamp a cached prefix's TTFT.
+measured as a client sees them. The requests are sent with aiohttp rather than the
+``openai`` SDK, whose own request preparation took ~15 ms for a 1,500-token id list
+here (it would swamp a cached prefix's TTFT), or httpx, whose pure-Python HTTP/1.1
+parser spent more CPU on 256 streams than the server it was measuring.
 
 Workloads:
 
@@ -118,13 +119,30 @@ def summarize(name: str, results: list[RequestResult], duration: float) -> Summa
         mean_cached_tokens=statistics.fmean(r.cached_tokens for r in results))
 
 
+def client_session(base_url: str, max_connections: int, headers: dict[str, str] | None = None):
+    """The benchmarks' HTTP client: an aiohttp session on ``base_url`` (no timeout short of
+    10 minutes, ``max_connections`` open at once)."""
+    import aiohttp
+
+    return aiohttp.ClientSession(base_url=base_url, headers=headers,
+                                 timeout=aiohttp.ClientTimeout(total=600),
+                                 connector=aiohttp.TCPConnector(limit=max_connections))
+
+
+async def first_model(http) -> str:
+    """The name of the server's first model."""
+    async with http.get("/v1/models") as resp:
+        resp.raise_for_status()
+        return (await resp.json())["data"][0]["id"]
+
+
 async def _token_pool(http, rng: random.Random) -> list[int]:
     """Distinct token ids the server's tokenizer produces for random words."""
     words = [" " + "".join(rng.choices(string.ascii_lowercase, k=rng.randint(2, 9)))
              for _ in range(3000)]
-    resp = await http.post("/tokenize", json={"prompt": "".join(words), "add_special_tokens": False})
-    resp.raise_for_status()
-    pool = sorted(set(resp.json()["tokens"]))
+    async with http.post("/tokenize", json={"prompt": "".join(words), "add_special_tokens": False}) as resp:
+        resp.raise_for_status()
+        pool = sorted(set((await resp.json())["tokens"]))
     if len(pool) < 50:
         raise RuntimeError(f"/tokenize gave only {len(pool)} distinct tokens")
     return pool
@@ -138,14 +156,14 @@ async def stream_completion(http, model: str, prompt: list[int], max_tokens: int
     gaps: list[float] = []
     usage = None
     start = last = time.perf_counter()
-    async with http.stream("POST", "/v1/completions", json=body) as resp:
-        if resp.status_code != 200:
-            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:500]}")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+    async with http.post("/v1/completions", json=body) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:500]}")
+        async for line in resp.content:   # one SSE line at a time
+            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                 continue
             now = time.perf_counter()
-            chunk = json.loads(line.removeprefix("data: "))
+            chunk = json.loads(line[6:])
             if "error" in chunk:
                 raise RuntimeError(f"error in stream: {chunk['error']}")
             if chunk.get("usage"):
@@ -233,18 +251,10 @@ def print_shared_prefix(uncached: Summary, cached: Summary, args) -> float:
 
 
 async def _bench(args, base_url: str) -> dict:
-    import httpx
-
     rng = random.Random(args.seed)
-    limits = httpx.Limits(max_connections=max(args.concurrency, 1) + 4)
-    async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits,
-                                 headers={"Authorization": f"Bearer {args.api_key}"}) as http:
-        if args.model:
-            model = args.model
-        else:
-            models = await http.get("/v1/models")
-            models.raise_for_status()
-            model = models.json()["data"][0]["id"]
+    async with client_session(base_url, max(args.concurrency, 1) + 4,
+                              {"Authorization": f"Bearer {args.api_key}"}) as http:
+        model = args.model or await first_model(http)
         pool = await _token_pool(http, rng)
         results: dict = {"base_url": base_url, "model": model}
         if args.workload in ("random", "all"):
