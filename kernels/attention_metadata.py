@@ -18,7 +18,7 @@ num_kv_heads, head_dim]``. Token ``t`` of sequence ``i`` lives in block
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,3 +37,8 @@ class AttentionMetadata:
     # Host bound on seq_lens (None: unknown): lets the Triton backend pick split-KV for
     # long-context decode. A captured CUDA graph carries the bound it was captured with.
     max_seq_len: int | None = None
+    # Scratch of the torch path for this step's sequences: what every layer would derive
+    # alike from the fields above (its decode plan), built by the first layer and read by
+    # the others. Not an argument, so ``dataclasses.replace`` (a KV cache group's metadata
+    # with other block tables) starts with an empty one.
+    torch_scratch: dict = field(default_factory=dict, init=False, repr=False, compare=False)

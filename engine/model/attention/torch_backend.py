@@ -9,6 +9,7 @@ causal mask offset by their cached context. Accumulation is float32 when the inp
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -71,6 +72,7 @@ def gather_kv(
     kv_cache: torch.Tensor,      # [2, num_blocks, block_size, num_kv_heads, head_dim]
     block_table: torch.Tensor,   # [num_blocks_used] int32 for one sequence, or [n, blocks]
     num_tokens: int,
+
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of the first ``num_tokens`` tokens of one or more sequences, in cache dtype.
 
@@ -100,9 +102,14 @@ def paged_attention(
     manager may have released them).
     """
     out = torch.zeros_like(query)
-    starts = [0, *itertools.accumulate(metadata.query_lens_cpu)]   # host copy: no device sync
-    decode_ids = [i for i, q in enumerate(metadata.query_lens_cpu) if q == 1]
-    other_ids = [i for i, q in enumerate(metadata.query_lens_cpu) if q > 1]
+    rows = metadata.torch_scratch.get("rows")
+    if rows is None:   # host copies: no device sync
+        query_lens = metadata.query_lens_cpu
+        rows = metadata.torch_scratch["rows"] = (
+            [0, *itertools.accumulate(query_lens)],
+            [i for i, q in enumerate(query_lens) if q == 1],
+            [i for i, q in enumerate(query_lens) if q > 1])
+    starts, decode_ids, other_ids = rows
     if decode_ids:
         _decode(out, query, kv_cache, metadata, scale, k_scale, v_scale, sliding_window,
                 decode_ids, starts)
@@ -159,70 +166,97 @@ def decode_groups(lens: list[int], max_waste: float = 0.5) -> list[list[int]]:
     return groups
 
 
+@dataclass(frozen=True, slots=True)
+class DecodeRows:
+    """One padded batch of decode sequences: what a layer needs besides its own cache.
+
+    The same for every layer of a step (same sequences, tables and lengths), so it is
+    built once per step (``_decode_plan``) and kept in the metadata's ``torch_scratch``.
+    """
+
+    num_rows: int
+    rows: torch.Tensor | None       # their query rows (None: rows 0..num_rows-1 in order)
+    tables: torch.Tensor            # [num_rows, blocks] the blocks to read, in key order
+    width: int                      # keys read per row
+    mask: torch.Tensor | None       # [num_rows, 1, 1, width] visible keys (None: all)
+
+
 def _decode(out, query, kv_cache, metadata, scale, k_scale, v_scale, sliding_window,
             decode_ids: list[int], starts: list[int]) -> None:
     """Decode-only sequences (one query each) as padded batches of similar lengths, into ``out``."""
+    key = ("decode", sliding_window)
+    plan = metadata.torch_scratch.get(key)
+    if plan is None:
+        plan = metadata.torch_scratch[key] = _decode_plan(
+            metadata, sliding_window, decode_ids, starts, kv_cache.shape[2], query.device)
+    compute_dtype = torch.float32 if query.dtype != torch.float64 else query.dtype
+    for part in plan:
+        k, v = gather_kv(kv_cache, part.tables, part.width)
+        # Slots past a shorter sequence's end are read and masked out. That is only safe
+        # because cache slots are always finite (zero-initialised, written with saturated
+        # values): 0 x NaN would still be NaN. Zeroing them here cost ~15% of a decode step.
+        k = dequantize_kv(k, k_scale, compute_dtype)   # [n, L, kv_heads, dim]
+        v = dequantize_kv(v, v_scale, compute_dtype)
+        q = query[:part.num_rows] if part.rows is None else query[part.rows]
+        n, num_heads, head_dim = q.shape
+        num_kv_heads = k.shape[2]
+        # The query heads that share a KV head become that head's rows of queries: no K/V
+        # expansion for GQA/MQA, and a [group, L] score tile per KV head.
+        q = q.to(compute_dtype).reshape(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        o = F.scaled_dot_product_attention(
+            q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=part.mask, scale=scale,
+        ).reshape(n, num_heads, head_dim).to(query.dtype)
+        if part.rows is None:
+            out[:n] = o
+        else:
+            out[part.rows] = o
+
+
+def _decode_plan(metadata, sliding_window, decode_ids: list[int], starts: list[int],
+                 block_size: int, device: torch.device) -> list[DecodeRows]:
+    """The step's decode sequences as padded batches (one per ``decode_groups`` group)."""
     all_decode = len(decode_ids) == len(metadata.query_lens_cpu) == metadata.num_actual_tokens
     lens = [metadata.seq_lens_cpu[i] for i in decode_ids]
     # Windowed rows read at most the window (plus a block) each: one group.
     groups = [list(range(len(lens)))] if sliding_window is not None else decode_groups(lens)
     if len(groups) == 1 and all_decode:
-        _decode_rows(out, query, kv_cache, metadata, scale, k_scale, v_scale, sliding_window,
-                     lens, None, None)
-        return
+        return [_decode_rows(metadata, sliding_window, lens, None, None, block_size, device)]
+    plan = []
     for group in groups:
         ids = [decode_ids[j] for j in group]
-        _decode_rows(out, query, kv_cache, metadata, scale, k_scale, v_scale, sliding_window,
-                     [lens[j] for j in group], torch.tensor(ids, device=query.device),
-                     torch.tensor([starts[i] for i in ids], device=query.device))
+        plan.append(_decode_rows(metadata, sliding_window, [lens[j] for j in group],
+                                 torch.tensor(ids, device=device),
+                                 torch.tensor([starts[i] for i in ids], device=device),
+                                 block_size, device))
+    return plan
 
 
-def _decode_rows(out, query, kv_cache, metadata, scale, k_scale, v_scale, sliding_window,
-                 lens: list[int], idx: torch.Tensor | None, rows: torch.Tensor | None) -> None:
-    """One padded batch of decode sequences: ``idx`` their positions in the metadata and
-    ``rows`` their query rows (both None: every sequence, rows in order)."""
-    compute_dtype = torch.float32 if query.dtype != torch.float64 else query.dtype
-    block_size = kv_cache.shape[2]
+def _decode_rows(metadata, sliding_window, lens: list[int], idx: torch.Tensor | None,
+                 rows: torch.Tensor | None, block_size: int, device: torch.device) -> DecodeRows:
+    """One padded batch: ``idx`` the sequences' positions in the metadata and ``rows`` their
+    query rows (both None: every sequence, rows in order)."""
     seq_lens = (metadata.seq_lens if idx is None else metadata.seq_lens[idx]).long()
     first_blocks = [_first_visible(n - 1, sliding_window) // block_size for n in lens]
     num_blocks = max(-(-n // block_size) - b for n, b in zip(lens, first_blocks, strict=True))
     tables = metadata.block_tables if idx is None else metadata.block_tables[idx]
     if any(first_blocks):
         # Each row's window of blocks (stale entries past a row's end are masked out).
-        offsets = torch.tensor(first_blocks, device=query.device)[:, None]
-        cols = (offsets + torch.arange(num_blocks, device=query.device)).clamp_(max=tables.shape[1] - 1)
+        offsets = torch.tensor(first_blocks, device=device)[:, None]
+        cols = (offsets + torch.arange(num_blocks, device=device)).clamp_(max=tables.shape[1] - 1)
         tables = tables.gather(1, cols)
     else:
         tables = tables[:, :num_blocks]
     # Without a window every row starts at key 0: gather up to the longest row only.
     width = num_blocks * block_size if sliding_window is not None else max(lens)
-    k, v = gather_kv(kv_cache, tables, width)
-    # Slots past a shorter sequence's end are read and masked out. That is only safe
-    # because cache slots are always finite (zero-initialised, written with saturated
-    # values): 0 x NaN would still be NaN. Zeroing them here cost ~15% of a decode step.
     mask = None
     if sliding_window is not None or min(lens) < width:
-        first_key = torch.tensor([b * block_size for b in first_blocks], device=query.device)
-        pos_k = first_key[:, None] + torch.arange(width, device=query.device)[None, :]
+        first_key = torch.tensor([b * block_size for b in first_blocks], device=device)
+        pos_k = first_key[:, None] + torch.arange(width, device=device)[None, :]
         visible = pos_k < seq_lens[:, None]
         if sliding_window is not None:
             visible &= pos_k >= seq_lens[:, None] - sliding_window
         mask = visible[:, None, None, :]
-    k = dequantize_kv(k, k_scale, compute_dtype)   # [n, L, kv_heads, dim]
-    v = dequantize_kv(v, v_scale, compute_dtype)
-    q = query[:len(lens)] if rows is None else query[rows]
-    n, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[2]
-    # The query heads that share a KV head become that head's rows of queries: no K/V
-    # expansion for GQA/MQA, and a [group, L] score tile per KV head.
-    q = q.to(compute_dtype).reshape(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    o = F.scaled_dot_product_attention(
-        q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale,
-    ).reshape(n, num_heads, head_dim).to(query.dtype)
-    if rows is None:
-        out[:n] = o
-    else:
-        out[rows] = o
+    return DecodeRows(len(lens), rows, tables, width, mask)
 
 
 class TorchAttentionBackend:
