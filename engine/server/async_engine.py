@@ -95,21 +95,19 @@ class AsyncEngine(EngineClient):
         on_ready: Callable[[LLMEngine], Callable[[IterationStats], None] | None] | None = None,
         hang_timeout: float | None = None,
     ) -> None:
-        super().__init__(max_waiting_requests)
+        super().__init__(max_waiting_requests, hang_timeout)
         self._build_engine = build_engine
         self._on_ready = on_ready
         self._commands: deque[Add | _Abort] = deque()
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._engine: LLMEngine | None = None
-        self._error: BaseException | None = None
         self._dead = False
         self._ready = threading.Event()
         self._done = threading.Event()  # set when the engine is ready or has failed
         self._live: dict[str, Live] = {}
         self._tracker = RequestStatsTracker()
         self._record: Callable[[IterationStats], None] | None = None
-        self._hang_timeout = hang_timeout
         # monotonic start of the engine thread's current iteration; None while it sleeps
         self._iteration_started: float | None = None
         self._consumers: dict[str, Live] = {}   # request id -> its waiting consumer
@@ -159,20 +157,6 @@ class AsyncEngine(EngineClient):
         """How long the engine thread's current iteration has run (0 while it sleeps)."""
         started = self._iteration_started
         return 0.0 if started is None else time.monotonic() - started
-
-    @property
-    def stalled(self) -> bool:
-        """The current iteration has run past ``hang_timeout``."""
-        return self._hang_timeout is not None and self.busy_seconds > self._hang_timeout
-
-    def stalled_message(self) -> str:
-        return (f"the engine has made no progress for {self.busy_seconds:.1f} s with requests "
-                f"pending (--engine-hang-timeout {self._hang_timeout:g})")
-
-    @property
-    def error(self) -> BaseException | None:
-        """Why the engine failed to build or died, if it did."""
-        return self._error
 
     @property
     def engine(self) -> LLMEngine:

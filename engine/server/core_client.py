@@ -122,8 +122,7 @@ class CoreClient(EngineClient):
     def __init__(self, engine_args: EngineArgs, *, max_waiting_requests: int | None = None,
                  on_ready: Callable[[EngineView], Callable[[IterationStats], None] | None] | None = None,
                  hang_timeout: float | None = None) -> None:
-        super().__init__(max_waiting_requests)
-        self._hang_timeout = hang_timeout
+        super().__init__(max_waiting_requests, hang_timeout)
         # monotonic time of the last step report while requests are in flight; None when idle
         self._last_progress: float | None = None
         # The watchdog failed the requests of a stall and the core has not reported a step
@@ -133,7 +132,6 @@ class CoreClient(EngineClient):
         self._engine_args = engine_args
         self._on_ready = on_ready
         self._view: EngineView | None = None
-        self._error: BaseException | None = None
         self._dead = False
         self._stopping = False
         self._ready = False
@@ -245,15 +243,6 @@ class CoreClient(EngineClient):
             return 0.0
         return time.monotonic() - last
 
-    @property
-    def stalled(self) -> bool:
-        """No step report for more than ``hang_timeout`` with requests in flight."""
-        return self._hang_timeout is not None and self.busy_seconds > self._hang_timeout
-
-    def stalled_message(self) -> str:
-        return (f"the engine has made no progress for {self.busy_seconds:.1f} s with requests "
-                f"pending (--engine-hang-timeout {self._hang_timeout:g})")
-
     async def _watch_progress(self) -> None:
         """Fails the consumers waiting on a stalled core, once per stall; they abort."""
         period = min(1.0, self._hang_timeout / 4)
@@ -268,11 +257,6 @@ class CoreClient(EngineClient):
             logger.error("%s; failing %d request(s)", message, len(self._live))
             for consumer in self._live.values():
                 consumer.queue.put_nowait(StepTimeout(message))
-
-    @property
-    def error(self) -> BaseException | None:
-        """Why the engine failed to build or died, if it did."""
-        return self._error
 
     @property
     def engine(self) -> EngineView:

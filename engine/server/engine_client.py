@@ -101,19 +101,41 @@ def num_waiting(stats: EngineStats | None, pending: int, max_num_seqs: int | Non
 
 
 class EngineClient(abc.ABC):
-    """The shared half of an engine client: ``generate``, ``stats`` and the 429 check.
+    """The shared half of an engine client: ``generate``, ``stats``, the 429 check, the
+    stall rule and the failure reason.
 
     Subclasses set ``_stats`` (under ``_cond``) as snapshots arrive, count submitted adds
-    in ``_num_pending_adds`` until a snapshot reflects them, and implement
-    ``_submit_add`` / ``_submit_abort``.
+    in ``_num_pending_adds`` until a snapshot reflects them, set ``_error`` when the engine
+    fails, and implement ``busy_seconds``, ``_submit_add`` and ``_submit_abort``.
     """
 
-    def __init__(self, max_waiting_requests: int | None) -> None:
+    def __init__(self, max_waiting_requests: int | None, hang_timeout: float | None = None) -> None:
         self._max_waiting = max_waiting_requests
+        self._hang_timeout = hang_timeout
         self._cond = threading.Condition()
         self._stats: EngineStats | None = None
         self._num_pending_adds = 0
         self._max_num_seqs: int | None = None
+        self._error: BaseException | None = None
+
+    @property
+    @abc.abstractmethod
+    def busy_seconds(self) -> float:
+        """How long the engine has gone without progress while it has work (0 when idle)."""
+
+    @property
+    def stalled(self) -> bool:
+        """No progress for more than ``hang_timeout`` with work pending."""
+        return self._hang_timeout is not None and self.busy_seconds > self._hang_timeout
+
+    def stalled_message(self) -> str:
+        return (f"the engine has made no progress for {self.busy_seconds:.1f} s with requests "
+                f"pending (--engine-hang-timeout {self._hang_timeout:g})")
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why the engine failed to build or died, if it did."""
+        return self._error
 
     @property
     def stats(self) -> EngineStats | None:
