@@ -100,7 +100,12 @@ def test_a_dead_worker_fails_the_next_step_loudly(tiny_checkpoint):
                                   num_gpu_blocks=64, max_model_len=512))
     try:
         seen = []
-        engine.on_dead(seen.append)
+
+        def slow_listener(error):     # the step must not raise before the listeners are told
+            time.sleep(0.5)
+            seen.append(error)
+
+        engine.on_dead(slow_listener)
         engine.add_request("r", list(range(3, 40)), SamplingParams(temperature=0, max_tokens=200))
         for _ in range(3):
             engine.step()

@@ -106,7 +106,11 @@ class WorkerGroup:
         self.processes = [_start_worker(rank, spec) for rank in range(1, world_size)]
         # workers never outlive this object (nor this process), even if close() is never called
         self._finalizer = weakref.finalize(self, _stop_processes, self.processes, 0.0)
+        # set once every failure listener has been told (so whoever sees it, e.g. a step
+        # raising it, can count on the listeners having run); _failing is claimed first
         self.failure: EngineDeadError | None = None
+        self._failing: EngineDeadError | None = None
+        self._failed = threading.Event()
         self._callbacks: list[Callable[[EngineDeadError], None]] = []
         self._lock = threading.Lock()
         self._closing = False
@@ -177,22 +181,29 @@ class WorkerGroup:
                                    f"{describe_exit(process.returncode)}{self._recorded_error(rank)}"))
 
     def _fail(self, error: EngineDeadError) -> None:
+        """Fail the group with ``error`` (the first caller wins): stop the survivors, tell
+        every listener, then publish ``failure``."""
         with self._lock:
-            if self.failure is not None:
+            if self._failing is not None:
                 return
-            self.failure = error
-            callbacks = list(self._callbacks)
+            self._failing = error
         logger.error("the engine is dead: %s", error)
         if self.device.type == "cuda":
             self.group.abort()    # NCCL would otherwise wait for the dead rank until its timeout
         for p in self.processes:
             if p.poll() is None:
                 p.kill()          # the survivors are out of step with the driver now
-        for callback in callbacks:
+        while True:               # listeners registered meanwhile are told too, each once
+            with self._lock:
+                if not self._callbacks:
+                    self.failure = error
+                    break
+                callback = self._callbacks.pop(0)
             try:
                 callback(error)
             except Exception:  # noqa: BLE001 - one listener must not stop the others
                 logger.exception("a worker-failure callback raised")
+        self._failed.set()
 
     def check(self) -> None:
         """Raise the ``EngineDeadError`` if a worker has died."""
@@ -222,7 +233,8 @@ class WorkerGroup:
         self._fail(EngineDeadError(
             f"a tensor-parallel step failed ({type(exc).__name__}: {exc}); the ranks are out "
             f"of step, so the engine cannot continue"))   # no-op if the monitor named a worker
-        return self.failure
+        self._failed.wait(FAILURE_ATTRIBUTION_S)          # the monitor may still be telling listeners
+        return self._failing
 
     # ---- shutdown --------------------------------------------------------------
     def close(self, graceful: bool = True) -> None:
