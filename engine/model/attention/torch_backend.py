@@ -76,14 +76,17 @@ def gather_kv(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of the first ``num_tokens`` tokens of one or more sequences, in cache dtype.
 
-    One ``index_select`` of whole blocks for K and V together (a block of one layer is
-    contiguous): about twice as fast on CPU as advanced indexing over the cache.
+    Whole blocks (a block of one layer's K or V is contiguous) are read with one
+    ``index_select`` along the first dimension for K and one for V: on CPU that is about
+    four times as fast as one ``index_select`` of K and V together along the blocks
+    dimension, and twice as fast as advanced indexing.
     """
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-    flat = kv_cache.reshape(2, num_blocks, block_size * num_kv_heads * head_dim)
-    blocks = flat.index_select(1, block_table.reshape(-1).long())
-    kv = blocks.view(2, *block_table.shape[:-1], -1, num_kv_heads, head_dim)
-    return kv[0][..., :num_tokens, :, :], kv[1][..., :num_tokens, :, :]
+    index = block_table.reshape(-1)
+    shape = (*block_table.shape[:-1], -1, num_kv_heads, head_dim)
+    k = kv_cache[0].view(num_blocks, -1).index_select(0, index).view(shape)
+    v = kv_cache[1].view(num_blocks, -1).index_select(0, index).view(shape)
+    return k[..., :num_tokens, :, :], v[..., :num_tokens, :, :]
 
 
 def paged_attention(
