@@ -18,6 +18,8 @@ kernels, not the other way round; ``tests/test_layering.py`` checks it).
 - ``kvpilot.kernels.attention_metadata``: ``AttentionMetadata``, the varlen batch the
   kernels and the engine's torch path read.
 - ``kvpilot.kernels.paged_batch``: random varlen paged batches for tests and benchmarks.
+- ``kvpilot.kernels.paged_decode_cpu``: decode attention on CPU, a C++ kernel (not Triton)
+  built on first use with torch's cpp_extension; the engine's ``cpu`` attention backend.
 
 Compiled-kernel checks and timings on CUDA live with the engine's benchmarks
 (``python -m kvpilot.engine.bench.kernels_gpu``), since they also compare with the

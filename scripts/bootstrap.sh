@@ -42,4 +42,9 @@ if [ "$want" = test ]; then
 else
   "${pip[@]}" -c "$constraints" -e .
 fi
+# The CPU decode-attention kernel, compiled once into torch's extension cache (about 30 s)
+# so that the first engine start does not wait for it; where it cannot be built the engine
+# warns and runs the pure-torch path.
+"$venv/bin/python" -I -c "from kvpilot.kernels import paged_decode_cpu; paged_decode_cpu.load()" \
+  || echo "WARNING: the CPU decode kernel was not built; the engine will use the pure-torch path" >&2
 touch "$stamp"

@@ -47,6 +47,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--output-kind", choices=("final", "delta", "cumulative"), default="final",
                    help="outputs the engine builds: final (as LLM.generate, default), delta "
                         "(as the server streams), cumulative (every step, everything)")
+    p.add_argument("--attention-backends", default="auto",
+                   help="comma-separated --attention-backend values, each measured at every batch "
+                        "size, alternating (e.g. cpu,torch: the C++ decode kernel against the "
+                        "pure-torch path side by side; default: %(default)s)")
     p.add_argument("--repeats", type=int, default=1,
                    help="runs per batch size; the fastest is reported (noisy machines)")
     p.add_argument("--json-out", default=None, help="also write the results to this JSON file")
@@ -56,6 +60,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 @dataclass(slots=True)
 class OverheadResult:
     batch_size: int
+    attention_backend: str      # the engine's, as selected (auto resolved)
     decode_steps: int
     ms_per_step: float          # mean wall time of a decode step
     forward_ms_per_step: float  # of which inside the model's forward + logits
@@ -116,7 +121,8 @@ class _StepProbe:
 
 def measure(model_dir: str, batch_size: int, prompt_len: int = 64, output_len: int = 128,
             output_kind: str = "final", device: str = "auto", enforce_eager: bool = False,
-            dtype: str = "float32", num_gpu_blocks: int | None = None) -> OverheadResult:
+            dtype: str = "float32", num_gpu_blocks: int | None = None,
+            attention_backend: str = "auto") -> OverheadResult:
     """One engine, ``batch_size`` requests at once; mean decode step and forward times.
 
     The forward share is measured on CPU only (on CUDA kernels run asynchronously and
@@ -130,7 +136,8 @@ def measure(model_dir: str, batch_size: int, prompt_len: int = 64, output_len: i
     blocks = num_gpu_blocks or batch_size * -(-max_len // 16) + 16
     engine = LLMEngine(EngineArgs(model=model_dir, max_model_len=max_len + 16, max_num_seqs=batch_size,
                                   num_gpu_blocks=blocks, enable_prefix_caching=True, dtype=dtype,
-                                  device=device, enforce_eager=enforce_eager))
+                                  device=device, enforce_eager=enforce_eager,
+                                  attention_backend=attention_backend))
     on_cpu = engine.runner.device.type == "cpu"
     kind = {"final": RequestOutputKind.FINAL_ONLY, "delta": RequestOutputKind.DELTA,
             "cumulative": RequestOutputKind.CUMULATIVE}[output_kind]
@@ -156,8 +163,8 @@ def measure(model_dir: str, batch_size: int, prompt_len: int = 64, output_len: i
     total = time.perf_counter() - start
     engine.close()
     step, fwd = statistics.fmean(step_ms), statistics.fmean(forward_ms)
-    return OverheadResult(batch_size, len(step_ms), step, fwd, 1 - fwd / step if on_cpu else None,
-                          batch_size * output_len / total)
+    return OverheadResult(batch_size, engine.runner.backend.name, len(step_ms), step, fwd,
+                          1 - fwd / step if on_cpu else None, batch_size * output_len / total)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -172,14 +179,20 @@ def run(args: argparse.Namespace) -> int:
               f"{MICRO_CONFIG['hidden_size']}, vocab {MICRO_CONFIG['vocab_size']}, float32; "
               f"{args.prompt_len} prompt + {args.output_len} output tokens per request; "
               f"{args.output_kind} outputs; threads={torch.get_num_threads()}")
-        print(f"{'batch':>6}{'ms/step':>10}{'forward ms':>12}{'outside':>9}{'tok/s':>10}")
+        backends = args.attention_backends.split(",")
+        print(f"{'batch':>6}{'attention':>11}{'ms/step':>10}{'forward ms':>12}{'outside':>9}{'tok/s':>10}")
         for size in sizes:
-            best = min((measure(model_dir, size, args.prompt_len, args.output_len,
-                                args.output_kind) for _ in range(args.repeats)),
-                       key=lambda r: r.ms_per_step)
-            results.append(best)
-            print(f"{size:>6}{best.ms_per_step:>10.2f}{best.forward_ms_per_step:>12.2f}"
-                  f"{best.outside_share:>8.0%}{best.output_tokens_per_s:>10.0f}", flush=True)
+            runs: dict[str, list[OverheadResult]] = {b: [] for b in backends}
+            for _ in range(args.repeats):   # backends alternate: a noisy moment hits each alike
+                for backend in backends:
+                    runs[backend].append(measure(model_dir, size, args.prompt_len, args.output_len,
+                                                 args.output_kind, attention_backend=backend))
+            for backend in backends:
+                best = min(runs[backend], key=lambda r: r.ms_per_step)
+                results.append(best)
+                print(f"{size:>6}{best.attention_backend:>11}{best.ms_per_step:>10.2f}"
+                      f"{best.forward_ms_per_step:>12.2f}{best.outside_share:>8.0%}"
+                      f"{best.output_tokens_per_s:>10.0f}", flush=True)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps([asdict(r) for r in results], indent=2))
     return 0

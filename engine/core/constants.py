@@ -16,8 +16,9 @@ MODEL_DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
 FP8_KV_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
 KV_CACHE_DTYPES = ("auto", *FP8_KV_DTYPES)
 
-# Attention implementations (``--attention-backend``): auto = triton on CUDA, torch elsewhere.
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+# Attention implementations (``--attention-backend``): auto = triton on CUDA, elsewhere cpu
+# (decode rows on the compiled CPU kernel) where that kernel builds, else torch.
+ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 
 # KV offload backends (``--kv-offloading-backend``).
 OFFLOAD_BACKENDS = ("native", "lmcache")

@@ -173,7 +173,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     device.add_argument("--device", default="auto", metavar="DEVICE",
                         help="auto (CUDA when present, else CPU), cpu, cuda or cuda:N")
     device.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
-                        help="attention implementation; auto = triton on CUDA, torch elsewhere")
+                        help="attention implementation; auto = triton on CUDA, elsewhere cpu (decode rows "
+                        "on a C++ kernel built on first use) where it builds, else torch (pure torch)")
     device.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1, metavar="N",
                         help=f"GPUs per model replica (1 to {MAX_TENSOR_PARALLEL_SIZE}, one node): "
                              "Megatron-style tensor parallelism, one process per GPU; N must split "

@@ -1,4 +1,4 @@
-"""Attention backend interface and selection (``auto | triton | torch``)."""
+"""Attention backend interface and selection (``auto | triton | cpu | torch``)."""
 
 from __future__ import annotations
 
@@ -31,15 +31,30 @@ class AttentionBackend(Protocol):
 
 
 def select_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """``auto`` picks Triton on CUDA and the torch path elsewhere."""
+    """``triton``: the Triton kernels; ``torch``: the pure-torch path (the reference);
+    ``cpu``: the torch path with decode rows on the compiled CPU kernel
+    (``kvpilot.kernels.paged_decode_cpu``, built on first use). ``auto`` picks Triton
+    on CUDA, elsewhere ``cpu`` where that kernel builds, else ``torch``."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention_backend {name!r}; expected one of {ATTENTION_BACKENDS}")
+    explicit = name != "auto"
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
+        name = "triton" if device.type == "cuda" else "cpu"
     if name == "triton":
         from kvpilot.engine.model.attention.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend()
     from kvpilot.engine.model.attention.torch_backend import TorchAttentionBackend
 
+    if name == "cpu" and device.type == "cpu":
+        from kvpilot.kernels import paged_decode_cpu
+
+        if paged_decode_cpu.load() is not None:
+            return TorchAttentionBackend(paged_decode_cpu, name="cpu")
+        if not explicit:
+            return TorchAttentionBackend()
+        raise ValueError("attention_backend 'cpu' needs the CPU paged-decode kernel, which could "
+                         "not be built here (see the warning above); use 'torch'")
+    if name == "cpu":
+        raise ValueError(f"attention_backend 'cpu' runs on CPU only; the device is {device}")
     return TorchAttentionBackend()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -97,12 +98,14 @@ def paged_attention(
     k_scale: torch.Tensor,
     v_scale: torch.Tensor,
     sliding_window: int | None = None,
+    decode_kernel: DecodeKernel | None = None,
 ) -> torch.Tensor:
     """Causal attention of every query row over its sequence's paged K/V (padding rows: 0).
 
     ``sliding_window``: a query at position ``p`` sees keys ``p - window + 1 .. p`` only;
     blocks wholly before a sequence's first visible key are never read (the KV cache
-    manager may have released them).
+    manager may have released them). ``decode_kernel``: attends the decode rows instead
+    of the padded torch batches where it ``supports`` the query and cache.
     """
     out = torch.zeros_like(query)
     rows = metadata.torch_scratch.get("rows")
@@ -113,7 +116,10 @@ def paged_attention(
             [i for i, q in enumerate(query_lens) if q == 1],
             [i for i, q in enumerate(query_lens) if q > 1])
     starts, decode_ids, other_ids = rows
-    if decode_ids:
+    if decode_ids and decode_kernel is not None and decode_kernel.supports(query, kv_cache):
+        _decode_with_kernel(out, query, kv_cache, metadata, scale, sliding_window, decode_ids, starts,
+                            decode_kernel)
+    elif decode_ids:
         _decode(out, query, kv_cache, metadata, scale, k_scale, v_scale, sliding_window,
                 decode_ids, starts)
     compute_dtype = torch.float32 if query.dtype != torch.float64 else query.dtype
@@ -142,6 +148,39 @@ def paged_attention(
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         out[start:end] = o[0].transpose(0, 1).to(query.dtype)
     return out
+
+
+class DecodeKernel(Protocol):
+    """A kernel for decode rows (one query per sequence) over the paged cache, such as
+    ``kvpilot.kernels.paged_decode_cpu``."""
+
+    def supports(self, query: torch.Tensor, kv_cache: torch.Tensor) -> bool: ...
+
+    def paged_decode(self, query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                     seq_lens: torch.Tensor, scale: float,
+                     sliding_window: int | None = None) -> torch.Tensor: ...
+
+
+def _decode_with_kernel(out, query, kv_cache, metadata, scale, sliding_window,
+                        decode_ids: list[int], starts: list[int], kernel: DecodeKernel) -> None:
+    """Decode-only sequences through ``kernel``, into ``out``; which rows those are is
+    worked out by the step's first layer and kept in its metadata."""
+    rows = metadata.torch_scratch.get("kernel-rows")
+    if rows is None:
+        if len(decode_ids) == len(metadata.query_lens_cpu) == metadata.num_actual_tokens:
+            rows = None, None   # every sequence is a decode row, in row order
+        else:
+            rows = (torch.tensor(decode_ids, device=query.device),
+                    torch.tensor([starts[i] for i in decode_ids], device=query.device))
+        metadata.torch_scratch["kernel-rows"] = rows
+    idx, query_rows = rows
+    n = len(decode_ids)
+    if idx is None:
+        out[:n] = kernel.paged_decode(query[:n], kv_cache, metadata.block_tables[:n],
+                                      metadata.seq_lens[:n], scale, sliding_window)
+    else:
+        out[query_rows] = kernel.paged_decode(query[query_rows], kv_cache, metadata.block_tables[idx],
+                                              metadata.seq_lens[idx], scale, sliding_window)
 
 
 def _first_visible(position: int, sliding_window: int | None) -> int:
@@ -263,10 +302,15 @@ def _decode_rows(metadata, sliding_window, lens: list[int], idx: torch.Tensor | 
 
 
 class TorchAttentionBackend:
-    name = "torch"
+    """The pure-torch path; with ``decode_kernel``, its decode rows go to that kernel."""
+
+    def __init__(self, decode_kernel: DecodeKernel | None = None, name: str = "torch") -> None:
+        self.name = name
+        self.decode_kernel = decode_kernel
 
     def forward(self, query, key, value, kv_cache, metadata, scale, k_scale, v_scale,
                 sliding_window=None):
         store_kv(key, value, kv_cache, metadata.slot_mapping, k_scale, v_scale,
                  metadata.num_actual_tokens)
-        return paged_attention(query, kv_cache, metadata, scale, k_scale, v_scale, sliding_window)
+        return paged_attention(query, kv_cache, metadata, scale, k_scale, v_scale, sliding_window,
+                               self.decode_kernel)

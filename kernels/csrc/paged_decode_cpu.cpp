@@ -1,0 +1,130 @@
+// Paged decode attention on CPU: one query token per sequence, keys and values read in
+// place from the paged KV cache (no gathered copy), two passes per (sequence, KV head):
+// scores, then the softmax-weighted sum of values. The query heads that share a KV head
+// are computed together, so each key and value row is loaded once for all of them.
+// Accumulation is in at::opmath_type (float for 16-bit inputs, double for double).
+
+#include <torch/extension.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// exp(x - shift) of n contiguous scores, in place; returns their sum. A plain loop that
+// the compiler vectorizes (with -ffast-math, through glibc's vector exp).
+template <typename acc_t>
+acc_t exp_shifted(acc_t* x, int64_t n, acc_t shift) {
+  acc_t total = 0;
+#pragma omp simd reduction(+ : total)
+  for (int64_t i = 0; i < n; ++i) {
+    x[i] = std::exp(x[i] - shift);
+    total += x[i];
+  }
+  return total;
+}
+
+template <typename scalar_t, typename acc_t>
+acc_t dot(const acc_t* q, const scalar_t* k, int64_t n) {
+  acc_t total = 0;
+#pragma omp simd reduction(+ : total)
+  for (int64_t d = 0; d < n; ++d) total += q[d] * static_cast<acc_t>(k[d]);
+  return total;
+}
+
+template <typename scalar_t>
+void decode_rows(const torch::Tensor& query, const torch::Tensor& key_cache,
+                 const torch::Tensor& value_cache, const torch::Tensor& block_tables,
+                 const torch::Tensor& seq_lens, torch::Tensor& out, int64_t sliding_window,
+                 double scale) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t num_blocks = key_cache.size(0), block_size = key_cache.size(1);
+  const int64_t num_kv_heads = key_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
+  const int64_t token_stride = num_kv_heads * head_dim, block_stride = block_size * token_stride;
+  const scalar_t* q = query.data_ptr<scalar_t>();
+  const scalar_t* k_cache = key_cache.data_ptr<scalar_t>();
+  const scalar_t* v_cache = value_cache.data_ptr<scalar_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  scalar_t* o = out.data_ptr<scalar_t>();
+  const acc_t sm_scale = static_cast<acc_t>(scale);
+
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    // per chunk of work items: the scaled queries of one KV head's group, their output
+    // accumulators and scores (one row of ``count`` per query head)
+    std::vector<acc_t> q_rows(group * head_dim), acc(group * head_dim), scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;
+      const int64_t len = lens[seq];
+      TORCH_CHECK(len > 0 && len <= max_blocks * block_size, "sequence ", seq, " has ", len,
+                  " tokens; its block table holds ", max_blocks * block_size);
+      const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
+      const int64_t count = len - first;
+      const int32_t* table = tables + seq * max_blocks;
+      for (int64_t b = first / block_size; b <= (len - 1) / block_size; ++b) {
+        TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "sequence ", seq, " block ", b,
+                    " is ", table[b], ", outside the cache's ", num_blocks, " blocks");
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        const scalar_t* src = q + (seq * num_heads + kv_head * group + g) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) q_rows[g * head_dim + d] = static_cast<acc_t>(src[d]) * sm_scale;
+      }
+      scores.resize(group * count);
+      for (int64_t t = 0; t < count; ++t) {
+        const int64_t pos = first + t;
+        const scalar_t* k = k_cache + table[pos / block_size] * block_stride
+                            + (pos % block_size) * token_stride + kv_head * head_dim;
+        for (int64_t g = 0; g < group; ++g) scores[g * count + t] = dot(q_rows.data() + g * head_dim, k, head_dim);
+      }
+      std::fill(acc.begin(), acc.end(), acc_t(0));
+      for (int64_t g = 0; g < group; ++g) {
+        acc_t* s = scores.data() + g * count;
+        const acc_t best = *std::max_element(s, s + count);
+        const acc_t inv_total = acc_t(1) / exp_shifted(s, count, best);
+        for (int64_t t = 0; t < count; ++t) s[t] *= inv_total;
+      }
+      for (int64_t t = 0; t < count; ++t) {
+        const int64_t pos = first + t;
+        const scalar_t* v = v_cache + table[pos / block_size] * block_stride
+                            + (pos % block_size) * token_stride + kv_head * head_dim;
+        for (int64_t g = 0; g < group; ++g) {
+          const acc_t p = scores[g * count + t];
+          acc_t* a = acc.data() + g * head_dim;
+#pragma omp simd
+          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * static_cast<acc_t>(v[d]);
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        scalar_t* dst = o + (seq * num_heads + kv_head * group + g) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[g * head_dim + d]);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// query [num_seqs, num_heads, head_dim]; key_cache, value_cache [num_blocks, block_size,
+// num_kv_heads, head_dim] (contiguous, the query's dtype); block_tables [num_seqs,
+// max_blocks] int32; seq_lens [num_seqs] int32 (the query is the last token).
+// sliding_window <= 0: none. The caller checks shapes (kvpilot.kernels.paged_decode_cpu).
+torch::Tensor paged_decode(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
+                           torch::Tensor block_tables, torch::Tensor seq_lens,
+                           int64_t sliding_window, double scale) {
+  auto out = torch::empty_like(query);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "paged_decode", [&] {
+    decode_rows<scalar_t>(query, key_cache, value_cache, block_tables, seq_lens, out,
+                          sliding_window, scale);
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "paged decode attention on CPU");
+}

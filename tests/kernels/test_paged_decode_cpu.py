@@ -1,0 +1,164 @@
+"""The compiled CPU decode kernel against the dense reference and the pure-torch path.
+
+Decode rows (one query per sequence) of lengths 1 to 700, none a block multiple, over
+shuffled block tables with NaN in every unused cache slot (the kernel must never read
+one); head sizes 16/64/80/96/128, MHA, GQA 2/3/4 and MQA; fp32/fp16/bf16 against
+``unified_attention_ref`` (fp32 on the same cache) within the shared tolerances, and
+fp64 against the torch path; sliding windows shorter and longer than a sequence; the
+engine's torch backend routing only its decode rows to the kernel, beside a chunked
+prefill. Bad arguments are refused before any memory is read.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from attention_helpers import TOL, assert_attention_close, attend, stored
+
+from kvpilot.engine.model.attention import select_attention_backend
+from kvpilot.engine.model.attention.torch_backend import paged_attention
+from kvpilot.kernels import paged_decode_cpu
+from kvpilot.kernels.paged_batch import make_paged_batch
+from kvpilot.kernels.unified_attention import unified_attention_ref
+
+pytestmark = pytest.mark.skipif(paged_decode_cpu.load() is None,
+                                reason="the CPU decode kernel cannot be built here (no C++ compiler)")
+
+DECODE = ((700, 1), (4, 1), (300, 1), (15, 1), (31, 1), (64, 1), (0, 1), (150, 1), (33, 1))
+
+
+def _kernel(batch, sliding_window=None):
+    m = batch.metadata
+    n = len(m.query_lens_cpu)
+    return paged_decode_cpu.paged_decode(batch.query[:n], batch.kv_cache, m.block_tables, m.seq_lens,
+                                         batch.scale, sliding_window)
+
+
+def _windowed_ref(batch, window):
+    """Dense attention of each sequence's last token over its last ``window`` keys."""
+    m = batch.metadata
+    kv = batch.kv_cache.float()
+    block_size = kv.shape[2]
+    out = []
+    for i, seq_len in enumerate(m.seq_lens_cpu):
+        first = max(0, seq_len - window)
+        pos = torch.arange(first, seq_len)
+        slots = m.block_tables[i, pos // block_size].long() * block_size + pos % block_size
+        k = kv[0].flatten(0, 1)[slots].transpose(0, 1)            # [kv_heads, L, dim]
+        v = kv[1].flatten(0, 1)[slots].transpose(0, 1)
+        q = batch.query[i].float()[:, None, :]                     # [heads, 1, dim]
+        group = q.shape[0] // k.shape[0]
+        k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+        weights = torch.softmax((q @ k.transpose(1, 2)) * batch.scale, dim=-1)
+        out.append((weights @ v)[:, 0, :])
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize(("dtype", "num_heads", "num_kv_heads", "head_dim", "block_size"), [
+    (torch.float32, 4, 4, 64, 16),     # MHA
+    (torch.float32, 4, 2, 16, 16),     # the micro model's heads
+    (torch.float16, 4, 2, 128, 32),    # GQA 2
+    (torch.bfloat16, 8, 2, 80, 16),    # GQA 4, head 80
+    (torch.float32, 6, 2, 96, 32),     # GQA 3
+    (torch.bfloat16, 4, 1, 96, 16),    # MQA
+])
+def test_decode_rows_match_the_dense_reference(dtype, num_heads, num_kv_heads, head_dim, block_size):
+    batch = stored(make_paged_batch(DECODE, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                     head_dim=head_dim, block_size=block_size, dtype=dtype,
+                                     num_padding_tokens=0))
+    assert_attention_close(_kernel(batch), attend(batch, unified_attention_ref), dtype)
+
+
+def test_float64_matches_the_torch_path():
+    batch = stored(make_paged_batch(DECODE, num_heads=6, num_kv_heads=2, head_dim=64,
+                                     dtype=torch.float64, fill="zero", num_padding_tokens=0))
+    torch_path = paged_attention(batch.query, batch.kv_cache, batch.metadata, batch.scale,
+                                 batch.k_scale, batch.v_scale)
+    torch.testing.assert_close(_kernel(batch), torch_path, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("window", [1, 7, 48, 1000])
+def test_sliding_window_reads_only_the_last_keys(window):
+    batch = stored(make_paged_batch(DECODE, num_heads=4, num_kv_heads=2, head_dim=64,
+                                     fill="zero", num_padding_tokens=0))
+    # blocks wholly before each window may have been released: poison them (neither
+    # path may read them; the torch path also reads zeroed slots past a row's end)
+    m, block_size = batch.metadata, batch.kv_cache.shape[2]
+    for i, seq_len in enumerate(m.seq_lens_cpu):
+        for b in range(max(0, seq_len - window) // block_size):
+            batch.kv_cache[:, m.block_tables[i, b]] = float("nan")
+    out = _kernel(batch, window)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, _windowed_ref(batch, window), atol=TOL[torch.float32],
+                               rtol=TOL[torch.float32])
+    torch_path = paged_attention(batch.query, batch.kv_cache, batch.metadata, batch.scale,
+                                 batch.k_scale, batch.v_scale, sliding_window=window)
+    torch.testing.assert_close(out, torch_path, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 40])
+def test_the_cpu_backend_sends_only_decode_rows_to_the_kernel(window):
+    """Decode rows beside a chunked prefill on a cached prefix and a fresh prefill, with
+    padding rows: the same output as the pure-torch path, padding rows zero."""
+    specs = ((37, 1), (20, 13), (300, 1), (0, 9), (5, 1))
+    batch = stored(make_paged_batch(specs, num_heads=4, num_kv_heads=2, head_dim=64, fill="zero"))
+    args = (batch.query, batch.kv_cache, batch.metadata, batch.scale, batch.k_scale, batch.v_scale)
+    calls = []
+
+    class Recorded:   # the real kernel, noting which rows it was given
+        supports = staticmethod(paged_decode_cpu.supports)
+
+        @staticmethod
+        def paged_decode(query, *rest):
+            calls.append(query.shape[0])
+            return paged_decode_cpu.paged_decode(query, *rest)
+
+    with_kernel = paged_attention(*args, window, Recorded)
+    assert calls == [3]   # the three decode rows, in one call
+    torch.testing.assert_close(with_kernel, paged_attention(*args, window), atol=1e-5, rtol=1e-5)
+    n = batch.metadata.num_actual_tokens
+    assert bool((with_kernel[n:] == 0).all())
+
+
+def test_the_backend_is_chosen_by_name():
+    cpu = torch.device("cpu")
+    assert select_attention_backend("auto", cpu).name == "cpu"
+    assert select_attention_backend("cpu", cpu).decode_kernel is paged_decode_cpu
+    assert select_attention_backend("torch", cpu).decode_kernel is None
+    with pytest.raises(ValueError, match="runs on CPU only"):
+        select_attention_backend("cpu", torch.device("cuda"))
+
+
+def _good():
+    batch = stored(make_paged_batch(((30, 1), (3, 1)), num_heads=4, num_kv_heads=2, head_dim=16,
+                                     num_padding_tokens=0))
+    m = batch.metadata
+    return dict(query=batch.query, kv_cache=batch.kv_cache, block_tables=m.block_tables.clone(),
+                seq_lens=m.seq_lens.clone(), scale=batch.scale)
+
+
+def _table_entry(value):
+    def mutate(a):
+        a["block_tables"][0, 1] = value
+    return mutate
+
+
+@pytest.mark.parametrize(("mutate", "error", "match"), [
+    (lambda a: a.update(query=a["query"][:, :3]), ValueError, "cannot attend over"),
+    (lambda a: a.update(query=a["query"][0]), ValueError, "query must be"),
+    (lambda a: a.update(kv_cache=a["kv_cache"].to(torch.float8_e4m3fn)), ValueError, "one dtype"),
+    (lambda a: a.update(query=a["query"].half()), ValueError, "one dtype"),
+    (lambda a: a.update(block_tables=a["block_tables"].long()), ValueError, "int32"),
+    (lambda a: a.update(seq_lens=a["seq_lens"][:1]), ValueError, "seq_lens"),
+    (lambda a: a.update(kv_cache=a["kv_cache"].transpose(1, 2)), ValueError, "must be"),
+    (lambda a: a.update(sliding_window=0), ValueError, "sliding_window"),
+    (_table_entry(10_000), RuntimeError, "outside the cache"),
+    (_table_entry(-1), RuntimeError, "outside the cache"),
+    (lambda a: a["seq_lens"].fill_(10_000), RuntimeError, "block table holds"),
+    (lambda a: a["seq_lens"].fill_(0), RuntimeError, "has 0 tokens"),
+])
+def test_rejects_bad_arguments(mutate, error, match):
+    args = _good()
+    mutate(args)
+    with pytest.raises(error, match=match):
+        paged_decode_cpu.paged_decode(**args)
