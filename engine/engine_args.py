@@ -52,7 +52,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     prefix_caching_hash_seed: str | None = None
     enable_chunked_prefill: bool = True
-    attention_backend: str = "auto"
+    attention_backend: str = "auto"          # auto | cpu | torch | triton (model/attention/backend.py)
     device: str = "auto"
     enforce_eager: bool = False               # CUDA: no CUDA graphs for decode steps
     # Ranks (processes, GPUs) one replica of the model is split over: Megatron-style
