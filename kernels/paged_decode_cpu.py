@@ -48,7 +48,7 @@ def load() -> ModuleType | None:
 
         isa = torch.backends.cpu.get_cpu_capability()
         flags = ISA_FLAGS.get(isa, [])
-        logger.info("loading the CPU paged-decode kernel (compiled once per machine, about 30 s)")
+        logger.info("loading the CPU paged-decode kernel (built on its first use on a machine, about 30 s; cached after)")
         return build(f"kvpilot_paged_decode_cpu_{isa.lower() if flags else 'baseline'}", [str(SOURCE)],
                      extra_cflags=[*CFLAGS, *flags], extra_ldflags=["-lm"], verbose=False)
     except Exception as exc:  # noqa: BLE001 - no compiler, no headers: the torch path serves
