@@ -16,6 +16,7 @@ BENCHMARKS: dict[str, str] = {
     "serve": "kvpilot.engine.bench.serve",
     "offload": "kvpilot.engine.bench.offload",
     "overhead": "kvpilot.engine.bench.overhead",
+    "cpu-attention": "kvpilot.engine.bench.cpu_attention",
     "frontend": "kvpilot.engine.bench.frontend",
     "structured": "kvpilot.engine.bench.structured",
 }

@@ -1,0 +1,53 @@
+"""The two CPU attention benchmarks at toy sizes: ``bench cpu-attention`` (the C++ decode
+kernel against the pure-torch path on one paged cache) and ``bench overhead
+--attention-backends cpu,torch`` (both engine paths side by side). Timings here mean
+nothing; the tests check that both paths ran and agreed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvpilot.kernels import paged_decode_cpu
+
+pytestmark = pytest.mark.skipif(paged_decode_cpu.load() is None,
+                                reason="the CPU decode kernel cannot be built here (no C++ compiler)")
+
+
+def _bench(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvpilot.engine.cli.main", "bench", *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_cpu_attention_bench_compares_both_paths(tmp_path):
+    out = tmp_path / "cpu-attention.json"
+    proc = _bench("cpu-attention", "--shapes", "3x4/2x16x40,2x8/1x64x100", "--repeats", "1",
+                  "--json-out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert [r["shape"] for r in results] == ["3x4/2x16x40", "2x8/1x64x100"]
+    for r in results:
+        assert r["torch_ms"] > 0 and r["kernel_ms"] > 0
+        assert r["speedup"] == pytest.approx(r["torch_ms"] / r["kernel_ms"])
+        assert r["max_abs_diff"] < 1e-5     # the same attention, float32
+    assert "speedup" in proc.stdout
+
+
+def test_cpu_attention_bench_refuses_a_bad_shape():
+    proc = _bench("cpu-attention", "--shapes", "3x4x16x40")
+    assert proc.returncode == 2
+    assert "is not SEQSxHEADS/KV_HEADSxHEAD_SIZExCONTEXT" in proc.stderr
+
+
+@pytest.mark.slow
+def test_overhead_bench_runs_each_attention_backend(tmp_path):
+    out = tmp_path / "overhead.json"
+    proc = _bench("overhead", "--batch-sizes", "2", "--prompt-len", "8", "--output-len", "4",
+                  "--attention-backends", "cpu,torch", "--json-out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert [r["attention_backend"] for r in results] == ["cpu", "torch"]
+    assert all(r["batch_size"] == 2 and r["ms_per_step"] > 0 and r["decode_steps"] > 0 for r in results)
