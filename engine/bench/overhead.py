@@ -167,6 +167,13 @@ def measure(model_dir: str, batch_size: int, prompt_len: int = 64, output_len: i
                           1 - fwd / step if on_cpu else None, batch_size * output_len / total)
 
 
+def format_row(r: OverheadResult) -> str:
+    """One line of the table (the outside share is "-" where it is not measured: CUDA)."""
+    outside = "-" if r.outside_share is None else f"{r.outside_share:.0%}"
+    return (f"{r.batch_size:>6}{r.attention_backend:>11}{r.ms_per_step:>10.2f}"
+            f"{r.forward_ms_per_step:>12.2f}{outside:>9}{r.output_tokens_per_s:>10.0f}")
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -190,9 +197,7 @@ def run(args: argparse.Namespace) -> int:
             for backend in backends:
                 best = min(runs[backend], key=lambda r: r.ms_per_step)
                 results.append(best)
-                print(f"{size:>6}{best.attention_backend:>11}{best.ms_per_step:>10.2f}"
-                      f"{best.forward_ms_per_step:>12.2f}{best.outside_share:>8.0%}"
-                      f"{best.output_tokens_per_s:>10.0f}", flush=True)
+                print(format_row(best), flush=True)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps([asdict(r) for r in results], indent=2))
     return 0
