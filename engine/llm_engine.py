@@ -153,19 +153,19 @@ class LLMEngine:
         rank), per-layer dtypes where they differ; a hybrid model's two pools
         (``HybridKVLayout``: the sliding pool sized by ``sliding_pool_blocks``)."""
         arch, cache = self.model_config.arch, self.cache_config
-        dtype_bytes = cache.kv_dtype_bytes(self.model_config.dtype)
         layer_bytes = tuple(d.itemsize for d in self.runner.layer_kv_dtypes)
+
+        def pool(num_layers: int, dtype_bytes: int, per_layer: tuple[int, ...]) -> KVLayout:
+            return KVLayout(num_layers, self.runner.num_kv_heads, arch.head_dim, dtype_bytes,
+                            cache.block_size, layer_dtype_bytes=per_layer if len(set(per_layer)) > 1 else ())
+
         groups = self.runner.layer_kv_groups
         if groups is None:
-            return KVLayout(arch.num_hidden_layers, self.runner.num_kv_heads, arch.head_dim,
-                            dtype_bytes, cache.block_size,
-                            layer_dtype_bytes=layer_bytes if len(set(layer_bytes)) > 1 else ())
+            return pool(arch.num_hidden_layers, cache.kv_dtype_bytes(self.model_config.dtype), layer_bytes)
         pools = []
         for group in (0, 1):
-            group_bytes = [b for b, g in zip(layer_bytes, groups, strict=True) if g == group]
-            pools.append(KVLayout(len(group_bytes), self.runner.num_kv_heads, arch.head_dim,
-                                  group_bytes[0], cache.block_size,
-                                  layer_dtype_bytes=tuple(group_bytes) if len(set(group_bytes)) > 1 else ()))
+            group_bytes = tuple(b for b, g in zip(layer_bytes, groups, strict=True) if g == group)
+            pools.append(pool(len(group_bytes), group_bytes[0], group_bytes))
         sched = self.scheduler_config
         return HybridKVLayout(pools[0], pools[1], arch.sliding_window, sliding_pool_blocks(
             sched.max_num_seqs, sched.max_num_batched_tokens, self.model_config.max_model_len,

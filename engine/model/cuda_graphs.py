@@ -27,7 +27,7 @@ import logging
 
 import torch
 
-from kvpilot.engine.model.step_inputs import StepInputBuilder, StepInputs
+from kvpilot.engine.model.step_inputs import StepInputBuilder, StepInputs, per_layer
 from kvpilot.kernels.attention_metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -90,9 +90,7 @@ class DecodeGraphs:
             max_seq_len=self.max_seq_len,
         ) for slots, tables in zip((b.slot_mapping, *b.group_slot_mappings),
                                    (b.block_tables, *b.group_block_tables), strict=True)]
-        if self.layer_kv_groups is None:
-            return groups[0]
-        return [groups[g] for g in self.layer_kv_groups]
+        return per_layer(groups, self.layer_kv_groups)
 
     def _forward(self, size: int) -> torch.Tensor:
         b = self.inputs
@@ -131,9 +129,7 @@ class DecodeGraphs:
         """Hidden states of a decode step whose inputs were built with ``pad_to=size``."""
         graph = self._graphs.get(size)
         if graph is None:   # not captured (CPU): the same padded forward, eagerly
-            groups = step.kv_group_metadata
-            metadata = (groups[0] if self.layer_kv_groups is None
-                        else [groups[g] for g in self.layer_kv_groups])
-            return self.model(step.input_ids, step.positions, self.kv_caches, metadata, self.backend)
+            return self.model(step.input_ids, step.positions, self.kv_caches,
+                              per_layer(step.kv_group_metadata, self.layer_kv_groups), self.backend)
         graph.replay()
         return self._outputs[size]

@@ -37,7 +37,7 @@ from kvpilot.engine.model.loader import load_model
 from kvpilot.engine.model.parallel.group import RanksOutOfStep, TPGroup
 from kvpilot.engine.model.parallel.step_channel import Command, StepSender
 from kvpilot.engine.model.sampler import SampleResult, SamplingMetadata, sample
-from kvpilot.engine.model.step_inputs import StepInputBuilder, StepInputs
+from kvpilot.engine.model.step_inputs import StepInputBuilder, StepInputs, per_layer
 
 TORCH_DTYPES = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -142,12 +142,12 @@ class ModelRunner:
         self.num_blocks_per_rank: list[int] = []
         # Each layer's KV cache group (a hybrid model), None: one group for all layers.
         self.layer_kv_groups = kv_cache_groups(model_config.arch, model_config.max_model_len)
-        num_groups = 1 if self.layer_kv_groups is None else 1 + max(self.layer_kv_groups)
+        self.num_kv_groups = 1 if self.layer_kv_groups is None else 1 + max(self.layer_kv_groups)
         # The persistent batch and the step builder live on the driver only: workers get
         # each step's inputs ready-made (``parallel.step_channel``).
         self.input_batch = InputBatch(scheduler_config.max_num_seqs, model_config.max_model_len,
                                       self.block_size, model_config.arch.vocab_size, device,
-                                      num_kv_groups=num_groups) if tp.is_driver else None
+                                      num_kv_groups=self.num_kv_groups) if tp.is_driver else None
         self.inputs = StepInputBuilder(self.input_batch, scheduler_config.max_num_batched_tokens,
                                        device) if tp.is_driver else None
         # Decode-step CUDA graphs (capture_cuda_graphs); None: every step runs eagerly.
@@ -296,10 +296,7 @@ class ModelRunner:
     def layer_metadata(self, step: StepInputs) -> AttentionMetadata | list[AttentionMetadata]:
         """The step's metadata for the model: one for all layers, or (a hybrid model) each
         layer's group's."""
-        if self.layer_kv_groups is None:
-            return step.metadata
-        groups = step.kv_group_metadata
-        return [groups[g] for g in self.layer_kv_groups]
+        return per_layer(step.kv_group_metadata, self.layer_kv_groups)
 
     @torch.inference_mode()
     def forward_step(self, step: StepInputs, calibrate: bool = False) -> torch.Tensor | None:

@@ -15,7 +15,7 @@ mapping and a block table per group; each group's metadata shares every other bu
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -61,6 +61,15 @@ class StepInputs:
     def kv_group_metadata(self) -> tuple[AttentionMetadata, ...]:
         """Every KV cache group's metadata, by group index."""
         return (self.metadata, *self.group_metadata)
+
+
+def per_layer(group_metadata: Sequence[AttentionMetadata],
+              layer_kv_groups: tuple[int, ...] | None) -> AttentionMetadata | list[AttentionMetadata]:
+    """What the model takes from metadata by KV cache group: the one metadata (one group),
+    or each layer's group's (``layer_kv_groups``, a hybrid model)."""
+    if layer_kv_groups is None:
+        return group_metadata[0]
+    return [group_metadata[g] for g in layer_kv_groups]
 
 
 class StepInputBuilder:

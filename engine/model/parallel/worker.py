@@ -78,10 +78,9 @@ class Worker:
         self.runner = ModelRunner(spec.model_config, spec.cache_config, spec.scheduler_config, device,
                                   spec.attention_backend, tp)
         max_blocks = -(-spec.model_config.max_model_len // spec.cache_config.block_size)
-        groups = self.runner.layer_kv_groups
         self.receiver = StepReceiver(tp, spec.scheduler_config.max_num_batched_tokens,
                                      spec.scheduler_config.max_num_seqs, max_blocks, device,
-                                     num_kv_groups=1 if groups is None else 1 + max(groups))
+                                     num_kv_groups=self.runner.num_kv_groups)
 
     def serve(self) -> None:
         """Run commands until SHUTDOWN."""
