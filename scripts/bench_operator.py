@@ -161,7 +161,7 @@ def run_one(count: int, args: argparse.Namespace, workdir: Path) -> Result:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--services", default="30,300", help="comma-separated service counts")
     parser.add_argument("--namespaces", type=int, default=4)
     parser.add_argument("--resync", type=float, default=10.0, help="KVPILOT_RESYNC_SECONDS")
