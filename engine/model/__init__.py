@@ -7,7 +7,8 @@
 - ``sampler``: greedy / temperature / top-k / top-p / min-p / penalties, logprobs.
 - ``memory_profiling``: how many KV blocks to allocate (given, from bytes, or profiled).
 - ``attention/``: the attention backend interface, the torch path and the Triton path.
-- ``layers/``: RMSNorm, rotary embeddings; ``models/``: Llama-family models and the
+- ``layers/``: RMSNorm (Llama's and Gemma's), rotary embeddings; ``models/``: Llama-family
+  models, Gemma 3, which class runs an architecture (``models.model_class``) and the
   built-in demo checkpoint (``models/demo.py``).
 
 May import: torch, safetensors, ``kvpilot.kernels``, ``kvpilot.engine.core`` and the

@@ -7,11 +7,14 @@ Handles both layouts seen in the wild: transformers 4.x (``torch_dtype``, top-le
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from kvpilot.engine.core.weight_quant import Fp8WeightConfig, parse_quantization_config
+
+logger = logging.getLogger(__name__)
 
 # architecture name -> (q/k/v bias, per-head q/k RMSNorm)
 SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
@@ -19,7 +22,11 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
     "MistralForCausalLM": (False, False),
     "Qwen2ForCausalLM": (True, False),
     "Qwen3ForCausalLM": (False, True),
+    "Gemma3ForCausalLM": (False, True),
 }
+# Architectures built by ``models.gemma3`` (the rest by ``models.llama``); their configs
+# are read further by ``gemma3_arch_fields``.
+GEMMA3_ARCHITECTURES = ("Gemma3ForCausalLM",)
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
@@ -68,10 +75,25 @@ class ArchConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     quantization: Fp8WeightConfig | None = None   # FP8 weights (None: unquantized)
+    # Gemma 3 (``gemma3_arch_fields``); the defaults are the Llama family's behaviour.
+    sliding_rope: RopeConfig | None = None           # rope of the sliding-window layers (None: ``rope``)
+    query_pre_attn_scalar: float | None = None       # softmax scale = this ** -0.5 (None: head_dim)
+    final_logit_softcapping: float | None = None     # logits = cap * tanh(logits / cap) (None: off)
 
     @property
     def num_queries_per_kv(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def attention_scale(self) -> float:
+        """The softmax scale of every layer's attention."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def layer_rope(self, layer_idx: int) -> RopeConfig:
+        """The rope of layer ``layer_idx``: Gemma 3's local layers have their own base."""
+        if self.sliding_rope is not None and layer_idx in self.sliding_window_layers:
+            return self.sliding_rope
+        return self.rope
 
     def layer_sliding_window(self, layer_idx: int) -> int | None:
         """The window of layer ``layer_idx`` (None: full attention)."""
@@ -158,7 +180,7 @@ def parse_arch_config(cfg: dict[str, Any], architecture: str | None = None) -> A
         raise ValueError(f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})")
     attention_bias = bool(cfg.get("attention_bias", False))
     sliding_layers = _sliding_window_layers(cfg, num_layers)
-    return ArchConfig(
+    parsed = ArchConfig(
         architecture=arch,
         model_type=cfg.get("model_type", ""),
         vocab_size=vocab,
@@ -184,6 +206,72 @@ def parse_arch_config(cfg: dict[str, Any], architecture: str | None = None) -> A
         eos_token_ids=_eos_ids(cfg.get("eos_token_id")),
         quantization=parse_quantization_config(cfg),
     )
+    if arch in GEMMA3_ARCHITECTURES:
+        parsed = replace(parsed, **gemma3_arch_fields(cfg, num_layers))
+    return parsed
+
+
+def gemma3_arch_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """What a Gemma 3 text config (``model_type`` ``gemma3_text``) sets beyond the Llama
+    fields, with transformers' ``Gemma3TextConfig`` defaults for what it leaves out.
+
+    - Sliding-window layers: ``layer_types``, else every layer but each
+      ``sliding_window_pattern``-th (default 6: 5 local layers to 1 global).
+    - Rope: global layers use ``rope_theta`` (default 1e6) with ``rope_scaling``, local
+      layers ``rope_local_base_freq`` (default 1e4) unscaled (4.x layout); transformers
+      5 nests both under ``rope_parameters`` by layer type.
+    - ``query_pre_attn_scalar`` (default 256) sets the softmax scale;
+      ``final_logit_softcapping`` caps the logits; embeddings are tied by default; the
+      MLP activation is ``hidden_activation`` (GELU-tanh); the attention bias, where
+      present, is on o_proj too.
+
+    ``attn_logit_softcapping`` is not applied: transformers' and vLLM's Gemma 3 ignore it
+    (Gemma 2 used it; no Gemma 3 checkpoint sets it), and the engine follows them.
+    Bidirectional attention (``use_bidirectional_attention``, an embedding variant) is
+    refused.
+    """
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError("Gemma 3 with use_bidirectional_attention (an embedding model) is not supported; "
+                         "the engine runs causal language models")
+    if cfg.get("attn_logit_softcapping") is not None:
+        logger.warning("config.json sets attn_logit_softcapping=%s: Gemma 3 does not apply it "
+                       "(as in transformers and vLLM)", cfg["attn_logit_softcapping"])
+    window = cfg.get("sliding_window")
+    types = cfg.get("layer_types")
+    if types:
+        sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    else:
+        pattern = int(cfg.get("sliding_window_pattern") or 6)
+        sliding = tuple(i for i in range(num_layers) if (i + 1) % pattern)
+    if not window:
+        sliding = ()
+    full_rope, local_rope = _gemma3_ropes(cfg)
+    attention_bias = bool(cfg.get("attention_bias", False))
+    softcap = cfg.get("final_logit_softcapping")
+    return dict(
+        sliding_window=int(window) if sliding else None,
+        sliding_window_layers=sliding,
+        rope=full_rope,
+        sliding_rope=local_rope,
+        query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or 256),
+        final_logit_softcapping=float(softcap) if softcap else None,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh",
+        o_bias=attention_bias,
+    )
+
+
+def _gemma3_ropes(cfg: dict[str, Any]) -> tuple[RopeConfig, RopeConfig]:
+    """(global, local) rope of a Gemma 3 config, in either layout."""
+    nested = cfg.get("rope_parameters")
+    if isinstance(nested, dict) and ("full_attention" in nested or "sliding_attention" in nested):
+        full = {"rope_theta": 1_000_000.0, **(nested.get("full_attention") or {})}
+        local = {"rope_theta": 10_000.0, **(nested.get("sliding_attention") or {})}
+        return _rope_config({"rope_parameters": full}), _rope_config({"rope_parameters": local})
+    full = {"rope_theta": cfg.get("rope_theta") or 1_000_000.0, "rope_scaling": cfg.get("rope_scaling"),
+            "rope_parameters": nested}
+    local = {"rope_theta": cfg.get("rope_local_base_freq") or 10_000.0}
+    return _rope_config(full), _rope_config(local)
 
 
 def load_arch_config(model_dir: str | Path, architecture: str | None = None) -> ArchConfig:

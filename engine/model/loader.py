@@ -28,7 +28,8 @@ from torch import nn
 from kvpilot.engine.core.weight_quant import Fp8WeightConfig
 from kvpilot.engine.model.hf_config import ArchConfig
 from kvpilot.engine.model.layers.fp8_linear import use_fp8_weight
-from kvpilot.engine.model.layers.rotary import RotaryEmbedding
+from kvpilot.engine.model.layers.rotary import layer_rotaries
+from kvpilot.engine.model.models import model_class
 from kvpilot.engine.model.models.llama import LlamaForCausalLM
 from kvpilot.engine.model.parallel.group import TPGroup
 from kvpilot.engine.model.parallel.linear import ShapeMismatch, check_shape
@@ -118,7 +119,7 @@ def load_model(model_dir: str | Path, cfg: ArchConfig, max_model_len: int,
     rank), in ``dtype`` on ``device``; each rank reads only its own slices."""
     model_dir = Path(model_dir)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, max_model_len, tp).to(dtype)
+        model = model_class(cfg.architecture)(cfg, max_model_len, tp).to(dtype)
         if cfg.quantization is not None:
             _use_fp8_weights(model, cfg.quantization)
     model = model.to_empty(device=device)
@@ -181,8 +182,7 @@ def _use_fp8_weights(model: LlamaForCausalLM, config: Fp8WeightConfig) -> None:
 
 
 def _materialize_buffers(model: LlamaForCausalLM, cfg: ArchConfig, max_model_len: int) -> None:
-    rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max(max_model_len, 1), cfg.max_position_embeddings)
-    for layer in model.layers:
+    for layer, rotary in zip(model.layers, layer_rotaries(cfg, max_model_len), strict=True):
         attn = layer.self_attn
         attn.rotary = rotary
         attn.k_scale = torch.tensor(1.0)

@@ -221,6 +221,8 @@ def _rope(cfg: dict[str, Any]) -> tuple[float | None, dict[str, Any]]:
 
 def _max_positions(cfg: dict[str, Any], rope: dict[str, Any]) -> int:
     max_pos = int(cfg.get("max_position_embeddings") or 2048)
+    if cfg.get("model_type") in ("gemma3", "gemma3_text"):
+        return max_pos   # its rope scaling (global layers only) is already counted in it
     rope_type = rope.get("rope_type", rope.get("type"))
     factor = rope.get("factor")
     if rope_type in _STRETCHING_ROPE and factor:

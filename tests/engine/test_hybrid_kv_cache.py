@@ -24,6 +24,7 @@ from kvpilot.engine.core.kv_layout import blocks_held, sliding_pool_blocks
 from kvpilot.engine.core.request import Request
 
 from support.hf_oracle import hf_greedy
+from support.hybrid_plan import plan_and_engine, run_at_once
 from support.one_request import steps_of_one_request
 
 WINDOW, BLOCK = 32, 16
@@ -135,41 +136,19 @@ def test_planner_capacity_matches_the_engine(tiny_checkpoint, capsys):
     """A2: for a pinned KV byte budget the plan names the engine's full-pool block count,
     token capacity and windowed pool, and its KV-capacity concurrency (all sequences at
     the p95 length at once) runs without a preemption."""
-    from kvpilot.operator.planner import PlanRequest, make_plan
-
     path = tiny_checkpoint("qwen2", **MIXED)
-    plan = make_plan(PlanRequest.from_dict({
-        "model": str(path), "gpu": {"name": "l4", "memory_gib": 1.0},
-        "slo": {"max_context": 128, "p95_prompt_tokens": 40, "p95_output_tokens": 60},
-        "overrides": {"kv_cache_memory_bytes": 24 * 16 * 1024, "block_size": BLOCK,
-                      "max_num_batched_tokens": 32}}))
-    assert plan.feasible and plan.binding_constraint == "kv_capacity"
+    plan, llm = plan_and_engine(path, 24 * 16 * 1024, BLOCK, 40, 60)
     assert plan.num_sliding_pool_layers == 1 and plan.sliding_window == WINDOW
-    llm = LLM(str(path), kv_cache_memory_bytes=plan.kv_cache_memory_bytes, block_size=plan.block_size,
-              max_model_len=plan.max_model_len, max_num_seqs=plan.max_num_seqs,
-              max_num_batched_tokens=plan.max_num_batched_tokens, kv_cache_dtype=plan.kv_cache_dtype)
     engine = llm.llm_engine
     info, kv = engine.cache_info, engine.kv_cache_manager
-    assert info.num_gpu_blocks == plan.num_gpu_blocks
-    assert info.token_capacity == plan.kv_token_capacity
-    assert info.kv_cache_memory_bytes == plan.kv_cache_memory_bytes
-    assert kv.sliding.pool.num_blocks == plan.sliding_pool_blocks
     # one pool for both layers (a block table for all) would hold fewer tokens, and fewer
     # sequences: one of 128 tokens (8 blocks) and the rest at 100 tokens (7 blocks)
     one_table = plan.kv_cache_memory_bytes // (BLOCK * plan.kv_bytes_per_token) * BLOCK
     assert plan.kv_token_capacity > one_table
     one_table_seqs = (one_table // BLOCK - 8) // 7 + 1
     assert plan.max_num_seqs > one_table_seqs
-    rng = random.Random(9)
-    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
-    for i in range(plan.max_num_seqs):
-        engine.add_request(str(i), [rng.randrange(3, 512) for _ in range(40)], params)
-    peak_running = 0
-    while engine.has_unfinished_requests():
-        engine.step()
-        peak_running = max(peak_running, engine.scheduler.num_running)
+    assert run_at_once(llm, plan.max_num_seqs, 40, 60) == plan.max_num_seqs
     assert engine.scheduler.num_preemptions == 0
-    assert peak_running == plan.max_num_seqs
     _report(capsys, f"A2 planner vs engine (hybrid qwen2, {plan.kv_cache_memory_bytes:,} B of KV): plan "
                     f"{plan.num_gpu_blocks} full-pool blocks = {plan.kv_token_capacity} tokens + "
                     f"{plan.sliding_pool_blocks} windowed-pool blocks; engine {info.num_gpu_blocks} blocks = "

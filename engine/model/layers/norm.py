@@ -1,4 +1,5 @@
-"""RMSNorm, computed in float32 exactly as HF transformers' Llama/Qwen do.
+"""RMSNorm, computed in float32 exactly as HF transformers' Llama/Qwen do (``RMSNorm``)
+and as its Gemma 3 does (``GemmaRMSNorm``: a ``1 + weight`` gain, rounded once).
 
 ``forward(x, residual)`` also adds the residual first and returns the sum as the new
 residual (vLLM's fused add + norm), so a decoder layer hands one tensor pair from norm
@@ -44,3 +45,31 @@ class RMSNorm(nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: ``(x * rsqrt(mean(x^2) + eps)) * (1 + weight)``, all in float32 and
+    rounded to the input dtype once at the end (Llama rounds before the weight), as HF
+    transformers' Gemma 3 computes it. The weight is stored as the checkpoint has it
+    (zero-centred). ``forward(x, residual)`` adds the residual first, as ``RMSNorm`` does.
+
+    Always torch ops: the Triton RMSNorm kernel has Llama's rounding, so
+    ``use_triton_kernels`` leaves these norms alone.
+    """
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """``norm(x)``, or with ``residual``: ``(norm(x + residual), x + residual)``."""
+        if residual is not None:
+            x = x + residual
+            return self._norm(x), x
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)

@@ -16,7 +16,7 @@ import math
 import torch
 from torch import nn
 
-from kvpilot.engine.model.hf_config import RopeConfig
+from kvpilot.engine.model.hf_config import ArchConfig, RopeConfig
 
 
 def _base_inv_freq(base: float, dim: int) -> torch.Tensor:
@@ -117,3 +117,15 @@ class RotaryEmbedding(nn.Module):
             return x * cos + _rotate_half(x) * sin
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim:]
         return torch.cat((rot * cos + _rotate_half(rot) * sin, rest), dim=-1)
+
+
+def layer_rotaries(cfg: ArchConfig, max_model_len: int) -> list[RotaryEmbedding]:
+    """Each layer's rotary embedding (``ArchConfig.layer_rope``), one module per distinct
+    rope: one for a Llama, two for Gemma 3 (local and global layers)."""
+    built: dict[RopeConfig, RotaryEmbedding] = {}
+    for i in range(cfg.num_hidden_layers):
+        rope = cfg.layer_rope(i)
+        if rope not in built:
+            built[rope] = RotaryEmbedding(rope, cfg.head_dim, max(max_model_len, 1),
+                                          cfg.max_position_embeddings)
+    return [built[cfg.layer_rope(i)] for i in range(cfg.num_hidden_layers)]

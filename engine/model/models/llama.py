@@ -162,13 +162,17 @@ class LlamaForCausalLM(nn.Module):
 
         ``metadata``: one for every layer, or one per layer (a hybrid model's layers read
         their KV cache group's block table and slot mapping)."""
-        hidden = self.embed_tokens(input_ids)
+        hidden = self.embed(input_ids)
         residual = None
         per_layer = not isinstance(metadata, AttentionMetadata)
         for i, layer in enumerate(self.layers):
             hidden, residual = layer(positions, hidden, residual, kv_caches[i],
                                      metadata[i] if per_layer else metadata, backend)
         return self.norm(hidden, residual)[0]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The input embeddings (Gemma scales them)."""
+        return self.embed_tokens(input_ids)
 
     def use_triton_kernels(self) -> None:
         """RMSNorm (+ residual add) and rotary through the Triton kernels (with the Triton
