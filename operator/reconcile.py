@@ -2,16 +2,17 @@
 
 Used for every reason a service is looked at (created, spec changed, a child changed or
 disappeared, the periodic safety-net resync), so the same code path builds, repairs and
-observes. Children are read from the watch cache (``cache.Children``) and optional APIs
+observes. Children are read from the watch cache (``children.Children``) and optional APIs
 from the discovery cache, so an unchanged service costs no API request at all; writes
 happen only where the server's state differs from the desired one.
 
-- Children are created, or merge-patched when a field the operator sets differs or a
-  field it set before is no longer wanted (tracked in a last-applied annotation, as
-  ``kubectl apply`` does). Fields listed as create-only (an autoscaled Deployment's
-  replica count) are set at creation and then left to their owner, and never removed
-  when they stop being managed (``handover``). An object of the
-  same name controlled by something else is left alone (``Degraded``).
+- Children are written with server-side apply (``server_side_apply``) when a field the
+  operator sets differs or one it set before is no longer wanted; fields other managers
+  own (a sidecar, env a secrets agent injects, an annotation) are theirs and never count
+  as drift. Fields listed as create-only (an autoscaled Deployment's replica count) are
+  set at creation and then left to their owner, and never removed when they stop being
+  managed (``replica_handover``). An object of the same name controlled by something
+  else is left alone (``Degraded``).
 - An invalid or infeasible spec leaves the children as they are (the running pods keep
   the last plan, which ``status.plan`` keeps showing) and sets ``Planned=False``.
 - The status patch is the difference between the stored status and the computed one.
@@ -25,7 +26,6 @@ happen only where the server's state differs from the desired one.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -34,18 +34,19 @@ from typing import Any
 import kopf
 
 from kvpilot.operator import constants as c
-from kvpilot.operator.cache import Children
-from kvpilot.operator.diff import contains, diff, drop_path, removals, still_present, union
+from kvpilot.operator.children import Children
 from kvpilot.operator.discovery import Discovery
 from kvpilot.operator.engine_observer import EngineObserver, engine_pods
-from kvpilot.operator.handover import inherited_replicas
-from kvpilot.operator.kube import FOREIGN_CONTROLLER, KubeError
+from kvpilot.operator.kube_api import FOREIGN_CONTROLLER, KubeError
+from kvpilot.operator.merge_patch import diff
+from kvpilot.operator.replica_handover import inherited_replicas
 from kvpilot.operator.resources import DEPLOYMENT, Child, desired_children, possible_children
 from kvpilot.operator.resources.common import Owner
 from kvpilot.operator.resources.inference_pool import INFERENCE_POOL_API
 from kvpilot.operator.resources.monitoring import PODMONITOR_API
 from kvpilot.operator.resources.placement import describe as describe_placement
 from kvpilot.operator.resources.service import endpoint
+from kvpilot.operator.server_side_apply import applied_config, holds
 from kvpilot.operator.settings import OperatorSettings
 from kvpilot.operator.sizing_drift import SizingObservation, sizing_observation
 from kvpilot.operator.spec import InferenceServiceSpec, SpecError, parse_spec
@@ -134,54 +135,30 @@ class ReconcileResult:
         return any(f.error.status == 429 for f in self.failures)
 
 
-def _last_applied(body: Mapping[str, Any]) -> str:
-    return json.dumps(body, sort_keys=True, separators=(",", ":"))
-
-
 async def apply_child(children: Children, child: Child, result: ReconcileResult) -> Mapping[str, Any]:
-    """Create ``child`` or patch it where it differs; returns the object as stored.
+    """Server-side apply ``child`` unless the live object holds it already; returns the
+    object as stored.
 
-    The object is looked up in the watch cache; one that the cache does not show (someone
-    else's object of that name, which lacks our labels) is found by the create's 409.
+    The object is looked up in the watch cache; one the cache does not show (absent, or
+    someone else's object of that name, which lacks our labels) is read by name first, so
+    that an object another controller controls is never merged into.
     """
     ns = child.body["metadata"]["namespace"]
-    managed = child.body
-    for dotted in child.create_only:
-        managed = drop_path(managed, dotted)
-    annotations = {c.ANNOTATION_LAST_APPLIED: _last_applied(managed)}
-    managed = union(managed, {"metadata": {"annotations": annotations}})
-
     actual = children.get(child.kind, ns, child.name)
     if actual is None:
-        try:
-            created = await children.create(child.kind, ns, union(child.body, managed))
-        except KubeError as exc:
-            if not exc.already_exists:
-                raise
-            actual = await children.fetch(child.kind, ns, child.name)
-            if actual is None:  # deleted again in between: the next pass creates it
-                raise
-        else:
-            result.writes.append(f"created {child.kind.kind} {ns}/{child.name}")
-            return created
-    ours = {ref.get("uid") for ref in managed["metadata"].get("ownerReferences") or ()}
-    for ref in actual.get("metadata", {}).get("ownerReferences") or ():
-        if ref.get("controller") and ref.get("uid") not in ours:
-            raise KubeError(409, f"already controlled by {ref.get('kind')} {ref.get('name')}; "
-                                 "not taking it over", reason=FOREIGN_CONTROLLER)
-    stored = (actual.get("metadata", {}).get("annotations") or {}).get(c.ANNOTATION_LAST_APPLIED)
-    try:
-        previous = json.loads(stored) if stored else {}
-    except ValueError:
-        previous = {}
-    removal = removals(previous, managed)
-    for dotted in child.create_only:  # handed to another owner (an autoscaler), not unwanted
-        removal = drop_path(removal, dotted)
-    if contains(actual, managed) and not still_present(actual, removal):
+        actual = await children.fetch(child.kind, ns, child.name)
+    if actual is not None:
+        ours = {ref.get("uid") for ref in child.body["metadata"].get("ownerReferences") or ()}
+        for ref in actual.get("metadata", {}).get("ownerReferences") or ():
+            if ref.get("controller") and ref.get("uid") not in ours:
+                raise KubeError(409, f"already controlled by {ref.get('kind')} {ref.get('name')}; "
+                                     "not taking it over", reason=FOREIGN_CONTROLLER)
+    config = applied_config(child, actual)
+    if actual is not None and holds(actual, config, child.kind.kind):
         return actual
-    patched = await children.patch(child.kind, ns, child.name, union(removal, managed))
-    result.writes.append(f"patched {child.kind.kind} {ns}/{child.name}")
-    return patched
+    applied = await children.apply(child.kind, ns, child.name, config)
+    result.writes.append(f"{'patched' if actual is not None else 'created'} {child.kind.kind} {ns}/{child.name}")
+    return applied
 
 
 def _owned_by(obj: Mapping[str, Any], uid: str | None) -> bool:

@@ -43,7 +43,7 @@ from prometheus_sd import PROMETHEUS
 from kvpilot.engine.model.models.demo import DEMO_MODEL_NAME
 from kvpilot.engine.server.launch import free_port
 from kvpilot.operator import constants as c
-from kvpilot.operator.diff import quantity
+from kvpilot.operator.quantity import quantity
 
 NS, NAME = "serving", "chat"
 KV_BYTES, DRIFT_KV_BYTES = 4 << 20, 3 << 20      # 64 and 48 blocks of the demo model in bfloat16
