@@ -18,6 +18,7 @@
 - ``model_fetch``: the init container's model downloader.
 
 May import: kopf, kubernetes, pyyaml, and from the engine only its torch-free contract:
-``kvpilot.engine.core.kv_layout`` (the KV formula) and ``kvpilot.engine.core.constants``
-(names and limits shared with the engine). Never torch: the operator image has none (``tests/structure/test_layering.py`` checks it).
+``kvpilot.engine.core.kv_layout`` (the KV formula), ``kvpilot.engine.core.step_cost`` (the
+FLOPs and bytes of a step), ``kvpilot.engine.core.weight_quant`` and
+``kvpilot.engine.core.constants`` (names and limits shared with the engine). Never torch: the operator image has none (``tests/structure/test_layering.py`` checks it).
 """
