@@ -46,6 +46,7 @@ from kvpilot.operator.resources.inference_pool import INFERENCE_POOL_API
 from kvpilot.operator.resources.monitoring import PODMONITOR_API
 from kvpilot.operator.resources.placement import describe as describe_placement
 from kvpilot.operator.resources.service import endpoint
+from kvpilot.operator.resources.sizing import EngineSizing
 from kvpilot.operator.server_side_apply import applied_config, holds
 from kvpilot.operator.settings import OperatorSettings
 from kvpilot.operator.sizing_drift import SizingObservation, sizing_observation
@@ -234,12 +235,14 @@ async def reconcile(children: Children, discovery: Discovery, body: Mapping[str,
         outcome = plan_service(spec)
     except SpecError as exc:
         spec, outcome = None, PlanOutcome.rejected("InvalidSpec", str(exc))
+    # the sizing is there exactly when the plan is feasible (an invalid spec has none)
+    sizing = outcome.sizing
 
     desired: dict[str, Any] = {"observedGeneration": generation, "selector": owner.selector,
                                "endpoint": endpoint(owner), "plan": current.get("plan")}
-    if spec is not None and outcome.sizing is not None:  # feasible
+    if sizing is not None:
         planned = Condition(c.PLANNED, "True", "Planned", outcome.message)
-        await _apply_all(children, discovery, body, owner, spec, outcome, settings, desired, result)
+        await _apply_all(children, discovery, body, owner, spec, sizing, settings, desired, result)
     else:
         planned = Condition(c.PLANNED, "False", outcome.reason, outcome.message)
         desired["planError"] = _plan_error(outcome, generation)
@@ -251,21 +254,20 @@ async def reconcile(children: Children, discovery: Discovery, body: Mapping[str,
     apply_error = "; ".join(str(f) for f in result.failures) or None
     pods = children.pods(owner.namespace, owner.name)
     scheduling = None
-    if spec is not None and outcome.sizing is not None and state.exists and state.ready < state.desired:
-        scheduling = scheduling_problem(pods, describe_placement(spec, outcome.sizing.gpu, settings))
+    if sizing is not None and state.exists and state.ready < state.desired:
+        scheduling = scheduling_problem(pods, describe_placement(spec, sizing.gpu, settings))
     conditions = [planned, *workload_conditions(state, apply_error, scheduling)]
     if observer is not None:
         result.sizing = await _observe_engines(observer, owner, desired.get("plan"), pods, settings)
         desired["observed"] = result.sizing.observed
         conditions.append(result.sizing.condition)
-    feasible = spec is not None and outcome.sizing is not None
     result.figures = ServiceFigures(
         model_name=spec.model.served_name if spec is not None else None,
         replicas=state.replicas if state.exists else 0,
         desired_replicas=state.desired if state.exists else 0,
         max_replicas=(None if spec is None else spec.autoscaling.ceiling if spec.autoscaling.enabled
                       else state.desired if state.exists else None),
-        plan_outcome="feasible" if feasible else "infeasible", plan_reason=planned.reason,
+        plan_outcome="feasible" if sizing is not None else "infeasible", plan_reason=planned.reason,
         sizing_drift=(result.sizing.condition.status == "True") if result.sizing is not None else None)
     desired["conditions"] = merge_conditions(current.get("conditions"), conditions, generation,
                                              now_rfc3339())
@@ -274,8 +276,8 @@ async def reconcile(children: Children, discovery: Discovery, body: Mapping[str,
     return result
 
 
-async def _apply_all(children: Children, discovery: Discovery, body: Mapping[str, Any],
-                     owner: Owner, spec: InferenceServiceSpec, outcome: PlanOutcome, settings: OperatorSettings,
+async def _apply_all(children: Children, discovery: Discovery, body: Mapping[str, Any], owner: Owner,
+                     spec: InferenceServiceSpec, sizing: EngineSizing, settings: OperatorSettings,
                      desired: dict[str, Any], result: ReconcileResult) -> None:
     """Apply every desired child and remove the unwanted ones, recording failures."""
     apis = {}
@@ -286,7 +288,7 @@ async def _apply_all(children: Children, discovery: Discovery, body: Mapping[str
             result.failures.append(Failure("discovery of " + "/".join(api), exc))
             return
     inherited = inherited_replicas(children.get(DEPLOYMENT, owner.namespace, owner.name), spec.autoscaling.enabled)
-    wanted = desired_children(owner, spec, outcome.sizing, settings, podmonitor_api=apis[PODMONITOR_API],
+    wanted = desired_children(owner, spec, sizing, settings, podmonitor_api=apis[PODMONITOR_API],
                               inherited_replicas=inherited, inference_pool_api=apis[INFERENCE_POOL_API])
     for child in wanted:
         # Owner reference + the CR's labels on the child (not on the pod template: a
@@ -301,7 +303,7 @@ async def _apply_all(children: Children, discovery: Discovery, body: Mapping[str
                 return
             continue
         if child.kind is DEPLOYMENT:
-            desired["plan"] = {**outcome.sizing.status, "generation": desired["observedGeneration"]}
+            desired["plan"] = {**sizing.status, "generation": desired["observedGeneration"]}
     await _remove_unwanted(children, owner, {(ch.kind.kind, ch.name) for ch in wanted}, result)
 
 
