@@ -168,11 +168,14 @@ def _owned_by(obj: Mapping[str, Any], uid: str | None) -> bool:
 
 
 async def _remove_unwanted(children: Children, owner: Owner, wanted: set[tuple[str, str]],
-                           result: ReconcileResult) -> None:
+                           absent_apis: set[str], result: ReconcileResult) -> None:
+    """Delete the owner's children that are not ``wanted``; a kind whose API the cluster no
+    longer serves has nothing left to delete (its CRD went, and its objects with it, even
+    where the operator still remembers writing one)."""
     for kind, name in possible_children(owner):
-        if (kind.kind, name) in wanted:
+        if (kind.kind, name) in wanted or kind.group in absent_apis:
             continue
-        obj = children.get(kind, owner.namespace, name)  # never present when the API is absent
+        obj = children.get(kind, owner.namespace, name)
         if obj is None or not _owned_by(obj, owner.uid):
             continue
         try:
@@ -304,7 +307,8 @@ async def _apply_all(children: Children, discovery: Discovery, body: Mapping[str
             continue
         if child.kind is DEPLOYMENT:
             desired["plan"] = {**sizing.status, "generation": desired["observedGeneration"]}
-    await _remove_unwanted(children, owner, {(ch.kind.kind, ch.name) for ch in wanted}, result)
+    absent = {group for (group, _), served in apis.items() if not served}
+    await _remove_unwanted(children, owner, {(ch.kind.kind, ch.name) for ch in wanted}, absent, result)
 
 
 async def _observe_engines(observer: EngineObserver, owner: Owner, plan: Mapping[str, Any] | None,

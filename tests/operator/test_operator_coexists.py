@@ -31,7 +31,22 @@ STRATEGIC = "application/strategic-merge-patch+json"
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
+    """The operator, and a service whose Deployment other writers have added to."""
     with running(tmp_path_factory.mktemp("coexist"), {"KVPILOT_RESYNC_SECONDS": "0.5"}) as env:
+        env.namespace(NS)
+        env.create(NS, NAME, SMALL)
+        wait_for(lambda: env.reconciled(NS, NAME), 30, what="the service reconciled")
+        env.quiet(NS)
+        path = env.child_path("deployments", NS, NAME)
+        env.request("PATCH", path + "?fieldManager=mesh-injector&force=false", {
+            "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": NAME, "namespace": NS},
+            "spec": {"template": {"spec": {"containers": [{"name": "mesh-proxy", "image": "envoyproxy/envoy:v1.31"}],
+                                           "volumes": [{"name": "mesh-certs", "emptyDir": {}}]}}}}, APPLY)
+        env.request("PATCH", path + "?fieldManager=secrets-agent", {"spec": {"template": {"spec": {"containers": [
+            {"name": c.ENGINE_CONTAINER, "env": [{"name": "DB_PASSWORD", "value": "from-the-vault"}]}]}}}},
+            STRATEGIC)
+        env.kubectl("-n", NS, "annotate", "deployment", NAME, "team.example/owner=search")
+        _additions_survive(env)
         yield env
 
 
@@ -67,20 +82,6 @@ def _additions_survive(env) -> None:
 
 
 def test_other_writers_additions_survive_and_cost_no_patch(env):
-    env.namespace(NS)
-    env.create(NS, NAME, SMALL)
-    wait_for(lambda: env.reconciled(NS, NAME), 30, what="the service reconciled")
-    env.quiet(NS)
-    path = env.child_path("deployments", NS, NAME)
-    env.request("PATCH", path + "?fieldManager=mesh-injector&force=false", {
-        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": NAME, "namespace": NS},
-        "spec": {"template": {"spec": {"containers": [{"name": "mesh-proxy", "image": "envoyproxy/envoy:v1.31"}],
-                                       "volumes": [{"name": "mesh-certs", "emptyDir": {}}]}}}}, APPLY)
-    env.request("PATCH", path + "?fieldManager=secrets-agent", {"spec": {"template": {"spec": {"containers": [
-        {"name": c.ENGINE_CONTAINER, "env": [{"name": "DB_PASSWORD", "value": "from-the-vault"}]}]}}}}, STRATEGIC)
-    env.kubectl("-n", NS, "annotate", "deployment", NAME, "team.example/owner=search")
-    _additions_survive(env)
-
     writes, lines = len(env.emulator.writes), len(_passes(env))
     wait_for(lambda: sum("(resync)" in line for line in _passes(env)[lines:]) >= 10, 30, 0.1,
              "ten resync passes")
@@ -93,8 +94,6 @@ def test_other_writers_additions_survive_and_cost_no_patch(env):
 
 @pytest.mark.parametrize("field", ["image", "args", "resources"])
 def test_a_field_the_operator_owns_is_repaired_by_the_pass_the_change_triggers(env, field):
-    if not env.cr(NS, NAME):
-        pytest.skip("needs the service of the first test")
     path = env.child_path("deployments", NS, NAME)
     before = _engine(env)
     index = [ct["name"] for ct in _pod(env)["containers"]].index(c.ENGINE_CONTAINER)
