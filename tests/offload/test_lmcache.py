@@ -16,9 +16,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from offload_helpers import ENGINE_KW, GREEDY, PREFIX_LEN, assert_same_output, delta, run_measured
 
 from kvpilot.engine import LLM
+
+from support import with_support_path
+from support.offload_helpers import (
+    ENGINE_KW,
+    GREEDY,
+    PREFIX_LEN,
+    assert_same_output,
+    delta,
+    run_measured,
+)
 
 pytest.importorskip("lmcache")
 pytestmark = pytest.mark.slow
@@ -133,8 +142,8 @@ def lmcache_server():
 
 def test_two_engine_processes_share_one_lmcache_server(offload_model, prompts, reference,
                                                       lmcache_server, tmp_path):
-    env = dict(os.environ, LMCACHE_REMOTE_URL=lmcache_server, LMCACHE_CHUNK_SIZE=str(CHUNK),
-               LMCACHE_TRACK_USAGE="false")
+    env = with_support_path(dict(os.environ, LMCACHE_REMOTE_URL=lmcache_server,
+                                 LMCACHE_CHUNK_SIZE=str(CHUNK), LMCACHE_TRACK_USAGE="false"))
     results = {}
     for which in ("first", "second"):        # process 1 computes the prefix, process 2 reuses it
         out_path = tmp_path / f"{which}.json"

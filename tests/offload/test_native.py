@@ -13,7 +13,10 @@ import os
 import subprocess
 
 import pytest
-from offload_helpers import (
+
+from kvpilot.engine import LLM
+
+from support.offload_helpers import (
     BLOCK,
     ENGINE_KW,
     GREEDY,
@@ -22,8 +25,6 @@ from offload_helpers import (
     delta,
     run_measured,
 )
-
-from kvpilot.engine import LLM
 
 pytestmark = pytest.mark.slow
 GIB = 1 << 30

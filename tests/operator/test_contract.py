@@ -15,13 +15,14 @@ import shutil
 from pathlib import Path
 
 import celpy
-import crd_schema
 import pytest
 import yaml
 
 from kvpilot.operator.contract import inference_service as table
 from kvpilot.operator.contract.crd import FILE_NAME, crd, render
 from kvpilot.operator.contract.schema import Arr, Bool, Field, Int, Map, Num, Obj, SpecError, Str
+
+from support import crd_schema
 
 ROOT = Path(__file__).resolve().parents[2]
 GOOD = {"model": {"uri": "hf://Qwen/Qwen3-0.6B"}, "gpu": {"type": "l4"},

@@ -17,8 +17,9 @@ import urllib.request
 
 import pytest
 import yaml
-from harness import EmulatorThread, Kubectl, write_kubeconfig
-from kube_field_manager import owners
+
+from support.harness import EmulatorThread, Kubectl, write_kubeconfig
+from support.kube_field_manager import owners
 
 DEPLOY = "/apis/apps/v1/namespaces/default/deployments"
 APPLY = "application/apply-patch+yaml"

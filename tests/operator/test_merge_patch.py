@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from decimal import Decimal
 
-from kube_emulator_api import merge_patch
-
 from kvpilot.operator.merge_patch import diff
 from kvpilot.operator.quantity import quantity
+
+from support.kube_emulator_api import merge_patch
 
 
 def test_quantities_compare_by_value():

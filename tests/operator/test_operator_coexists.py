@@ -17,11 +17,12 @@ import re
 import time
 
 import pytest
-from harness import wait_for
-from kube_field_manager import owners
-from operator_env import JSON_PATCH, SMALL, running
 
 from kvpilot.operator import constants as c
+
+from support.harness import wait_for
+from support.kube_field_manager import owners
+from support.operator_env import JSON_PATCH, SMALL, running
 
 pytestmark = pytest.mark.slow
 NS, NAME = "shared", "chat"

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import copy
 
-import kube_field_manager as fm
 import pytest
-from built import SMALL, build
 
 from kvpilot.operator import constants as c
 from kvpilot.operator.resources import Child
@@ -25,6 +23,9 @@ from kvpilot.operator.server_side_apply import (
     holds,
     owns,
 )
+
+from support import kube_field_manager as fm
+from support.built import SMALL, build
 
 RICH = {**SMALL, "replicas": 2,
         "env": [{"name": "FROM_FIELD", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},

@@ -1,5 +1,5 @@
-"""Constants and helpers of the KV offload tests (a plain module; conftest puts this
-directory on sys.path so that test modules and subprocess workers import it)."""
+"""Constants and helpers of the KV offload tests (their test modules and the subprocess
+worker ``tests/offload/lmcache_worker.py`` import it)."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from api_calls import ApiCall
+from support.api_calls import ApiCall
 
 OPERATOR_AGENTS = ("kopf/", "kvpilot-operator")  # kopf's client and the operator's own
 
@@ -70,7 +70,7 @@ def allows(grant: Grant, call: ApiCall) -> bool:
 
 def assert_chart_grants(calls: Iterable[ApiCall], values: Iterable = ()) -> None:
     """Every call the operator made is granted by the chart rendered with ``values`` files."""
-    from chart import render
+    from support.chart import render
 
     docs = render(values, release="kvpilot", namespace="kvpilot")
     missing = ungranted(operator_calls(calls), grants(docs, "kvpilot", "kvpilot"))

@@ -370,7 +370,7 @@ def manager_name(field_manager: str | None, user_agent: str) -> str:
 
 
 def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _entries(obj: Mapping[str, Any] | None) -> list[dict]:
