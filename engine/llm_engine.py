@@ -22,6 +22,7 @@ from kvpilot.engine.core.kv_layout import HybridKVLayout, KVLayout, blocks_held,
 from kvpilot.engine.core.kv_residency import KVResidencySampler
 from kvpilot.engine.core.request import Request, RequestStatus
 from kvpilot.engine.core.scheduler import Scheduler
+from kvpilot.engine.core.step_cost import StepCostModel
 from kvpilot.engine.engine_args import EngineArgs, model_fingerprint
 from kvpilot.engine.exceptions import EngineDeadError
 from kvpilot.engine.model.device_memory import device_memory_for
@@ -30,7 +31,6 @@ from kvpilot.engine.model.parallel.group import RanksOutOfStep
 from kvpilot.engine.model.runner import ModelRunner
 from kvpilot.engine.output_processor import ChildState, OutputProcessor, ParentState
 from kvpilot.engine.outputs import RequestOutput
-from kvpilot.engine.perf_estimate import ModelCostModel
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.stats import EngineStats, StepStats
 from kvpilot.engine.structured_output import StructuredOutputManager
@@ -125,16 +125,17 @@ class LLMEngine:
         self._cost_model = self._make_cost_model(layout) if args.enable_mfu_metrics else None
         self._estimated = [0, 0, 0]   # flops, read bytes, write bytes (per GPU, cumulative)
 
-    def _make_cost_model(self, layout: KVLayout) -> ModelCostModel:
+    def _make_cost_model(self, layout: KVLayout) -> StepCostModel:
         arch, tp = self.model_config.arch, self.parallel_config.tensor_parallel_size
-        return ModelCostModel(
+        return StepCostModel(
             num_layers=arch.num_hidden_layers, hidden_size=arch.hidden_size,
             intermediate_size=arch.intermediate_size, num_heads=arch.num_attention_heads,
             num_kv_heads=arch.num_key_value_heads, head_dim=arch.head_dim,
             vocab_size=arch.vocab_size,
             # FP8 checkpoints read their (dominant) linear weights at one byte each
             weight_bytes=1 if arch.quantization is not None else MODEL_DTYPE_BYTES[self.model_config.dtype],
-            kv_bytes_per_token=layout.bytes_per_token * tp, tensor_parallel_size=tp)
+            kv_bytes_per_token=layout.bytes_per_token * tp, tensor_parallel_size=tp,
+            num_sliding_layers=len(arch.sliding_window_layers), sliding_window=arch.sliding_window)
 
     # ---- start-up steps -----------------------------------------------------
     def _start_workers(self) -> WorkerGroup | None:

@@ -17,13 +17,11 @@ LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 LABEL_COMPONENT = "app.kubernetes.io/component"
 APP_NAME = "kvpilot"
 MANAGER = "kvpilot-operator"
-
-# Annotation on each child holding the JSON it was last applied with: fields that were
-# applied before and are no longer wanted are removed (set to null) by the next patch.
-ANNOTATION_LAST_APPLIED = f"{GROUP}/last-applied"
+# The operator's field manager: server-side applies of the children, status patches.
+FIELD_MANAGER = "kvpilot"
 # Annotation on an engine Deployment holding the replica count an autoscaler left when
 # autoscaling was switched off: the operator keeps at least that many until spec.replicas
-# is set (kvpilot.operator.handover).
+# is set (kvpilot.operator.replica_handover).
 ANNOTATION_INHERITED_REPLICAS = f"{GROUP}/inherited-replicas"
 FINALIZER = f"{GROUP}/finalizer"
 

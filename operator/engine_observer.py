@@ -36,7 +36,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvpilot.operator import constants as c
 
 if TYPE_CHECKING:
-    from kvpilot.operator.kube import KubeApi
+    from kvpilot.operator.kube_api import KubeApi
     from kvpilot.operator.settings import OperatorSettings
 
 logger = logging.getLogger(__name__)

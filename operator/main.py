@@ -15,7 +15,7 @@
   and complete before any worker starts) and an event handler that pokes the owner's
   worker when a child changes or disappears (drift repair without polling);
 - engine pods (label-selected): an index of their scheduling state, where they serve and
-  what they run (``cache.pod_summary``), read when replicas are missing (``Degraded``
+  what they run (``index_copies.pod_summary``), read when replicas are missing (``Degraded``
   NoMatchingNodes / Unschedulable) and to read what ready ones allocated
   (``engine_observer``: ``status.observed``, ``SizingDrift``), and an event handler that
   pokes the service's worker when one changes;
@@ -37,10 +37,10 @@ from typing import Any
 import kopf
 
 from kvpilot.operator import constants as c
-from kvpilot.operator.cache import pod_summary, stored_copy
 from kvpilot.operator.discovery import Discovery
 from kvpilot.operator.engine_observer import EngineObserver
-from kvpilot.operator.kube import KubeApi
+from kvpilot.operator.index_copies import pod_summary, stored_copy
+from kvpilot.operator.kube_api import KubeApi
 from kvpilot.operator.metrics import serve_metrics
 from kvpilot.operator.peering import peering_priority
 from kvpilot.operator.resources import KINDS, ChildKind

@@ -2,16 +2,17 @@
 
 Used for every reason a service is looked at (created, spec changed, a child changed or
 disappeared, the periodic safety-net resync), so the same code path builds, repairs and
-observes. Children are read from the watch cache (``cache.Children``) and optional APIs
+observes. Children are read from the watch cache (``children.Children``) and optional APIs
 from the discovery cache, so an unchanged service costs no API request at all; writes
 happen only where the server's state differs from the desired one.
 
-- Children are created, or merge-patched when a field the operator sets differs or a
-  field it set before is no longer wanted (tracked in a last-applied annotation, as
-  ``kubectl apply`` does). Fields listed as create-only (an autoscaled Deployment's
-  replica count) are set at creation and then left to their owner, and never removed
-  when they stop being managed (``handover``). An object of the
-  same name controlled by something else is left alone (``Degraded``).
+- Children are written with server-side apply (``server_side_apply``) when a field the
+  operator sets differs or one it set before is no longer wanted; fields other managers
+  own (a sidecar, env a secrets agent injects, an annotation) are theirs and never count
+  as drift. Fields listed as create-only (an autoscaled Deployment's replica count) are
+  set at creation and then left to their owner, and never removed when they stop being
+  managed (``replica_handover``). An object of the same name controlled by something
+  else is left alone (``Degraded``).
 - An invalid or infeasible spec leaves the children as they are (the running pods keep
   the last plan, which ``status.plan`` keeps showing) and sets ``Planned=False``.
 - The status patch is the difference between the stored status and the computed one.
@@ -25,7 +26,6 @@ happen only where the server's state differs from the desired one.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -34,18 +34,20 @@ from typing import Any
 import kopf
 
 from kvpilot.operator import constants as c
-from kvpilot.operator.cache import Children
-from kvpilot.operator.diff import contains, diff, drop_path, removals, still_present, union
+from kvpilot.operator.children import Children
 from kvpilot.operator.discovery import Discovery
 from kvpilot.operator.engine_observer import EngineObserver, engine_pods
-from kvpilot.operator.handover import inherited_replicas
-from kvpilot.operator.kube import FOREIGN_CONTROLLER, KubeError
+from kvpilot.operator.kube_api import FOREIGN_CONTROLLER, KubeError
+from kvpilot.operator.merge_patch import diff
+from kvpilot.operator.replica_handover import inherited_replicas
 from kvpilot.operator.resources import DEPLOYMENT, Child, desired_children, possible_children
 from kvpilot.operator.resources.common import Owner
 from kvpilot.operator.resources.inference_pool import INFERENCE_POOL_API
 from kvpilot.operator.resources.monitoring import PODMONITOR_API
 from kvpilot.operator.resources.placement import describe as describe_placement
 from kvpilot.operator.resources.service import endpoint
+from kvpilot.operator.resources.sizing import EngineSizing
+from kvpilot.operator.server_side_apply import applied_config, holds
 from kvpilot.operator.settings import OperatorSettings
 from kvpilot.operator.sizing_drift import SizingObservation, sizing_observation
 from kvpilot.operator.spec import InferenceServiceSpec, SpecError, parse_spec
@@ -134,54 +136,30 @@ class ReconcileResult:
         return any(f.error.status == 429 for f in self.failures)
 
 
-def _last_applied(body: Mapping[str, Any]) -> str:
-    return json.dumps(body, sort_keys=True, separators=(",", ":"))
-
-
 async def apply_child(children: Children, child: Child, result: ReconcileResult) -> Mapping[str, Any]:
-    """Create ``child`` or patch it where it differs; returns the object as stored.
+    """Server-side apply ``child`` unless the live object holds it already; returns the
+    object as stored.
 
-    The object is looked up in the watch cache; one that the cache does not show (someone
-    else's object of that name, which lacks our labels) is found by the create's 409.
+    The object is looked up in the watch cache; one the cache does not show (absent, or
+    someone else's object of that name, which lacks our labels) is read by name first, so
+    that an object another controller controls is never merged into.
     """
     ns = child.body["metadata"]["namespace"]
-    managed = child.body
-    for dotted in child.create_only:
-        managed = drop_path(managed, dotted)
-    annotations = {c.ANNOTATION_LAST_APPLIED: _last_applied(managed)}
-    managed = union(managed, {"metadata": {"annotations": annotations}})
-
     actual = children.get(child.kind, ns, child.name)
     if actual is None:
-        try:
-            created = await children.create(child.kind, ns, union(child.body, managed))
-        except KubeError as exc:
-            if not exc.already_exists:
-                raise
-            actual = await children.fetch(child.kind, ns, child.name)
-            if actual is None:  # deleted again in between: the next pass creates it
-                raise
-        else:
-            result.writes.append(f"created {child.kind.kind} {ns}/{child.name}")
-            return created
-    ours = {ref.get("uid") for ref in managed["metadata"].get("ownerReferences") or ()}
-    for ref in actual.get("metadata", {}).get("ownerReferences") or ():
-        if ref.get("controller") and ref.get("uid") not in ours:
-            raise KubeError(409, f"already controlled by {ref.get('kind')} {ref.get('name')}; "
-                                 "not taking it over", reason=FOREIGN_CONTROLLER)
-    stored = (actual.get("metadata", {}).get("annotations") or {}).get(c.ANNOTATION_LAST_APPLIED)
-    try:
-        previous = json.loads(stored) if stored else {}
-    except ValueError:
-        previous = {}
-    removal = removals(previous, managed)
-    for dotted in child.create_only:  # handed to another owner (an autoscaler), not unwanted
-        removal = drop_path(removal, dotted)
-    if contains(actual, managed) and not still_present(actual, removal):
+        actual = await children.fetch(child.kind, ns, child.name)
+    if actual is not None:
+        ours = {ref.get("uid") for ref in child.body["metadata"].get("ownerReferences") or ()}
+        for ref in actual.get("metadata", {}).get("ownerReferences") or ():
+            if ref.get("controller") and ref.get("uid") not in ours:
+                raise KubeError(409, f"already controlled by {ref.get('kind')} {ref.get('name')}; "
+                                     "not taking it over", reason=FOREIGN_CONTROLLER)
+    config = applied_config(child, actual)
+    if actual is not None and holds(actual, config, child.kind.kind):
         return actual
-    patched = await children.patch(child.kind, ns, child.name, union(removal, managed))
-    result.writes.append(f"patched {child.kind.kind} {ns}/{child.name}")
-    return patched
+    applied = await children.apply(child.kind, ns, child.name, config)
+    result.writes.append(f"{'patched' if actual is not None else 'created'} {child.kind.kind} {ns}/{child.name}")
+    return applied
 
 
 def _owned_by(obj: Mapping[str, Any], uid: str | None) -> bool:
@@ -190,11 +168,14 @@ def _owned_by(obj: Mapping[str, Any], uid: str | None) -> bool:
 
 
 async def _remove_unwanted(children: Children, owner: Owner, wanted: set[tuple[str, str]],
-                           result: ReconcileResult) -> None:
+                           absent_apis: set[str], result: ReconcileResult) -> None:
+    """Delete the owner's children that are not ``wanted``; a kind whose API the cluster no
+    longer serves has nothing left to delete (its CRD went, and its objects with it, even
+    where the operator still remembers writing one)."""
     for kind, name in possible_children(owner):
-        if (kind.kind, name) in wanted:
+        if (kind.kind, name) in wanted or kind.group in absent_apis:
             continue
-        obj = children.get(kind, owner.namespace, name)  # never present when the API is absent
+        obj = children.get(kind, owner.namespace, name)
         if obj is None or not _owned_by(obj, owner.uid):
             continue
         try:
@@ -257,12 +238,14 @@ async def reconcile(children: Children, discovery: Discovery, body: Mapping[str,
         outcome = plan_service(spec)
     except SpecError as exc:
         spec, outcome = None, PlanOutcome.rejected("InvalidSpec", str(exc))
+    # the sizing is there exactly when the plan is feasible (an invalid spec has none)
+    sizing = outcome.sizing
 
     desired: dict[str, Any] = {"observedGeneration": generation, "selector": owner.selector,
                                "endpoint": endpoint(owner), "plan": current.get("plan")}
-    if spec is not None and outcome.sizing is not None:  # feasible
+    if sizing is not None:
         planned = Condition(c.PLANNED, "True", "Planned", outcome.message)
-        await _apply_all(children, discovery, body, owner, spec, outcome, settings, desired, result)
+        await _apply_all(children, discovery, body, owner, spec, sizing, settings, desired, result)
     else:
         planned = Condition(c.PLANNED, "False", outcome.reason, outcome.message)
         desired["planError"] = _plan_error(outcome, generation)
@@ -274,21 +257,20 @@ async def reconcile(children: Children, discovery: Discovery, body: Mapping[str,
     apply_error = "; ".join(str(f) for f in result.failures) or None
     pods = children.pods(owner.namespace, owner.name)
     scheduling = None
-    if spec is not None and outcome.sizing is not None and state.exists and state.ready < state.desired:
-        scheduling = scheduling_problem(pods, describe_placement(spec, outcome.sizing.gpu, settings))
+    if sizing is not None and state.exists and state.ready < state.desired:
+        scheduling = scheduling_problem(pods, describe_placement(spec, sizing.gpu, settings))
     conditions = [planned, *workload_conditions(state, apply_error, scheduling)]
     if observer is not None:
         result.sizing = await _observe_engines(observer, owner, desired.get("plan"), pods, settings)
         desired["observed"] = result.sizing.observed
         conditions.append(result.sizing.condition)
-    feasible = spec is not None and outcome.sizing is not None
     result.figures = ServiceFigures(
         model_name=spec.model.served_name if spec is not None else None,
         replicas=state.replicas if state.exists else 0,
         desired_replicas=state.desired if state.exists else 0,
         max_replicas=(None if spec is None else spec.autoscaling.ceiling if spec.autoscaling.enabled
                       else state.desired if state.exists else None),
-        plan_outcome="feasible" if feasible else "infeasible", plan_reason=planned.reason,
+        plan_outcome="feasible" if sizing is not None else "infeasible", plan_reason=planned.reason,
         sizing_drift=(result.sizing.condition.status == "True") if result.sizing is not None else None)
     desired["conditions"] = merge_conditions(current.get("conditions"), conditions, generation,
                                              now_rfc3339())
@@ -297,8 +279,8 @@ async def reconcile(children: Children, discovery: Discovery, body: Mapping[str,
     return result
 
 
-async def _apply_all(children: Children, discovery: Discovery, body: Mapping[str, Any],
-                     owner: Owner, spec: InferenceServiceSpec, outcome: PlanOutcome, settings: OperatorSettings,
+async def _apply_all(children: Children, discovery: Discovery, body: Mapping[str, Any], owner: Owner,
+                     spec: InferenceServiceSpec, sizing: EngineSizing, settings: OperatorSettings,
                      desired: dict[str, Any], result: ReconcileResult) -> None:
     """Apply every desired child and remove the unwanted ones, recording failures."""
     apis = {}
@@ -309,7 +291,7 @@ async def _apply_all(children: Children, discovery: Discovery, body: Mapping[str
             result.failures.append(Failure("discovery of " + "/".join(api), exc))
             return
     inherited = inherited_replicas(children.get(DEPLOYMENT, owner.namespace, owner.name), spec.autoscaling.enabled)
-    wanted = desired_children(owner, spec, outcome.sizing, settings, podmonitor_api=apis[PODMONITOR_API],
+    wanted = desired_children(owner, spec, sizing, settings, podmonitor_api=apis[PODMONITOR_API],
                               inherited_replicas=inherited, inference_pool_api=apis[INFERENCE_POOL_API])
     for child in wanted:
         # Owner reference + the CR's labels on the child (not on the pod template: a
@@ -324,8 +306,9 @@ async def _apply_all(children: Children, discovery: Discovery, body: Mapping[str
                 return
             continue
         if child.kind is DEPLOYMENT:
-            desired["plan"] = {**outcome.sizing.status, "generation": desired["observedGeneration"]}
-    await _remove_unwanted(children, owner, {(ch.kind.kind, ch.name) for ch in wanted}, result)
+            desired["plan"] = {**sizing.status, "generation": desired["observedGeneration"]}
+    absent = {group for (group, _), served in apis.items() if not served}
+    await _remove_unwanted(children, owner, {(ch.kind.kind, ch.name) for ch in wanted}, absent, result)
 
 
 async def _observe_engines(observer: EngineObserver, owner: Owner, plan: Mapping[str, Any] | None,

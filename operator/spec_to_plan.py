@@ -1,5 +1,9 @@
 """The operator's use of the planner: spec -> ``PlanRequest`` -> ``Plan`` -> sizing + status.
 
+Typed all the way: the parsed spec's ``ServiceLevel`` is the request's, its pinned engine
+settings become ``Overrides``, and a feasible plan becomes the builders' ``EngineSizing``
+(``PlanOutcome.sizing``, present exactly when the plan is feasible).
+
 Mapping rules (the planner's own rules decide everything else):
 
 - the model is a catalogue preset: ``spec.model.architecture``, else the hf:// repo id,
@@ -23,10 +27,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpilot.engine.core.constants import MAX_TENSOR_PARALLEL_SIZE
-from kvpilot.operator.planner.catalog import model_presets, preset_key
+from kvpilot.operator.planner.catalog import model_presets, preset_key, preset_model
+from kvpilot.operator.planner.gpu import get_gpu
 from kvpilot.operator.planner.plan import make_plan
 from kvpilot.operator.planner.plan_request import PlanRequest
 from kvpilot.operator.planner.result import Plan
+from kvpilot.operator.planner.slo import Overrides
 from kvpilot.operator.resources.sizing import EngineSizing
 from kvpilot.operator.spec import InferenceServiceSpec
 
@@ -95,8 +101,8 @@ def model_preset(spec: InferenceServiceSpec) -> str:
                      f"to one of: {', '.join(model_presets())}")
 
 
-def plan_request(spec: InferenceServiceSpec) -> dict[str, Any]:
-    """The plain-dict ``PlanRequest`` for ``spec`` (see the module docstring for the rules)."""
+def plan_overrides(spec: InferenceServiceSpec) -> Overrides:
+    """What ``spec`` pins for the planner (see the module docstring for the rules)."""
     offload = spec.offload
     overrides = {
         "tensor_parallel_size": spec.gpu.count,
@@ -110,9 +116,14 @@ def plan_request(spec: InferenceServiceSpec) -> dict[str, Any]:
         overrides["offload_backend"] = offload.backend
     else:
         overrides["cpu_offload_gib"] = overrides["disk_offload_gib"] = 0
-    return {"model": {"preset": model_preset(spec)}, "gpu": spec.gpu.type,
-            "slo": {k: v for k, v in spec.slo.to_dict().items() if v is not None},
-            "overrides": {k: v for k, v in overrides.items() if v is not None}}
+    return Overrides(**{k: v for k, v in overrides.items() if v is not None})
+
+
+def plan_request(spec: InferenceServiceSpec) -> PlanRequest:
+    """The ``PlanRequest`` for ``spec``; ValueError when the model is not one the planner
+    knows or a pinned value is out of the planner's range."""
+    return PlanRequest(model=preset_model(model_preset(spec)), gpu=get_gpu(spec.gpu.type), slo=spec.slo,
+                       overrides=plan_overrides(spec))
 
 
 def plan_status(plan: Plan) -> dict[str, Any]:
@@ -158,7 +169,7 @@ def _unsupported(spec: InferenceServiceSpec, request: PlanRequest) -> str | None
 def plan_service(spec: InferenceServiceSpec) -> PlanOutcome:
     """Plan ``spec``; an invalid request or an infeasible plan is an outcome, not an error."""
     try:
-        request = PlanRequest.from_dict(plan_request(spec))
+        request = plan_request(spec)
     except ValueError as exc:
         return PlanOutcome.rejected("InvalidSpec", str(exc))
     unsupported = _unsupported(spec, request)

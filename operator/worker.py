@@ -37,14 +37,16 @@ from typing import Any
 import kopf
 
 from kvpilot.operator import constants as c
-from kvpilot.operator.cache import Children, WriteLog, newest, resource_version
+from kvpilot.operator.children import Children
 from kvpilot.operator.discovery import Discovery
 from kvpilot.operator.engine_observer import EngineObserver
-from kvpilot.operator.kube import KubeApi, KubeError
+from kvpilot.operator.kube_api import KubeApi, KubeError
 from kvpilot.operator.metrics import OperatorMetrics
 from kvpilot.operator.reconcile import Failure, ReconcileResult, reconcile
+from kvpilot.operator.resource_version import newest, resource_version
 from kvpilot.operator.resources import ChildKind
 from kvpilot.operator.settings import OperatorSettings
+from kvpilot.operator.write_log import WriteLog
 
 ServiceKey = tuple[str, str]  # namespace, name
 BLOCKED_RETRY_SECONDS = 60.0
@@ -111,7 +113,7 @@ class WorkerContext:
         api: the API client.
         settings: operator settings.
         discovery: cached discovery of optional APIs.
-        writes: the operator's recent writes (see ``cache.WriteLog``).
+        writes: the operator's recent writes (see ``write_log.WriteLog``).
         workers: the registry of running workers.
         backoff: retry delays after failures that may pass.
         rng: randomness for jitter (seeded in tests).
@@ -154,8 +156,8 @@ class ServiceWorker:
         ctx: the shared context.
         body: the InferenceService as kopf last saw it (kopf's live body of a daemon: it
             is updated in place as watch events arrive).
-        indexes: kopf's child indexes by kind (see ``cache.Children``).
-        pods: kopf's engine pod index (see ``cache.Children``).
+        indexes: kopf's child indexes by kind (see ``children.Children``).
+        pods: kopf's engine pod index (see ``children.Children``).
     """
 
     def __init__(self, ctx: WorkerContext, body: Mapping[str, Any],

@@ -1,8 +1,12 @@
-"""Copy the CRDs from ``crds/`` (their one source) into the Helm chart's ``crds/`` folder.
+"""Write the CRDs: the InferenceService CRD from its contract tables into ``crds/``, then
+every CRD of ``crds/`` (their one source) into the Helm chart's ``crds/`` folder.
 
+``crds/serving.kvpilot.dev_inferenceservices.yaml`` is generated from
+``kvpilot/operator/contract/`` (the same tables the operator validates specs with), so the
+CRD's types, bounds, enums, defaults and CEL rules cannot drift from the operator's.
 Helm installs a chart's ``crds/`` folder verbatim (never templated), so the chart carries
-byte-identical copies. Run after editing a CRD; ``--check`` only reports differences
-(``tests/chart`` runs it and fails when the copies are stale).
+byte-identical copies. Run after editing a table; ``--check`` only reports differences
+(``tests/chart`` and ``tests/operator/test_contract.py`` run it and fail when a file is stale).
 
     python scripts/sync_chart_crds.py [--check]
 """
@@ -11,11 +15,40 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT / "crds"
 CHART_CRDS = ROOT / "charts" / "kvpilot" / "crds"
+
+
+def generated() -> dict[str, str]:
+    """The generated CRD files by name, as the contract tables render them."""
+    from kvpilot.operator.contract.crd import FILE_NAME, render
+
+    return {FILE_NAME: render()}
+
+
+def contract_differences(source: Path = SOURCE,
+                         files: Callable[[], dict[str, str]] = generated) -> list[str]:
+    """Which generated CRD files in ``source`` differ from the tables (empty = in sync)."""
+    out = []
+    for name, text in files().items():
+        path = source / name
+        if not path.is_file():
+            out.append(f"{path} is missing")
+        elif path.read_text() != text:
+            out.append(f"{path} differs from the contract tables (kvpilot/operator/contract/)")
+    return out
+
+
+def generate(source: Path = SOURCE) -> list[str]:
+    """Write the generated CRD files into ``source``; returns what changed."""
+    changed = contract_differences(source)
+    for name, text in generated().items():
+        (source / name).write_text(text)
+    return changed
 
 
 def differences(source: Path = SOURCE, target: Path = CHART_CRDS) -> list[str]:
@@ -47,11 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="report differences, change nothing")
     args = parser.parse_args(argv)
     if args.check:
-        diffs = differences()
+        diffs = contract_differences() + differences()
         for line in diffs:
             print(line, file=sys.stderr)
         return 1 if diffs else 0
-    for line in sync():
+    for line in generate() + sync():
         print(f"synced: {line}")
     return 0
 

@@ -4,6 +4,7 @@
 - ``kv_layout``: the KV-cache memory formula (``KVLayout``; ``HybridKVLayout`` for mixed
   full / sliding-window layers), shared with the planner.
 - ``weight_quant``: a checkpoint's FP8 weight format from config.json, shared with the planner.
+- ``step_cost``: FLOPs and memory traffic of a step, for the MFU metrics and the planner's latency.
 - ``block_hash``: hash-chained block hashes for prefix caching.
 - ``block_pool``: blocks, ref counts, the LRU free queue and the hash -> block map.
 - ``kv_cache_manager``: per-request block tables and prefix-cache lookups.

@@ -1,5 +1,10 @@
 """``kvpilot plan``: size the engine from SLOs and print the plan.
 
+Only ``--model`` and ``--gpu`` are required. Without ``--max-context`` the plan serves
+the model's own context, as vLLM's default ``max_model_len`` does; without the p95
+lengths a request may fill that context (half prompt, half output). The derivation's
+first line says which figures were assumed and the flags that pin them.
+
 Exit status: 0 feasible, 2 infeasible (the plan and its suggestions are still
 printed; ``-o args`` prints nothing on stdout then), 1 bad input (message on
 stderr; unknown GPUs and models list the known ones). Argument errors exit 1
@@ -11,6 +16,7 @@ Torch-free: imported by the console script in the operator image.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from dataclasses import fields
 from typing import Any
@@ -19,10 +25,11 @@ from kvpilot.engine.core.constants import KV_CACHE_DTYPES, OFFLOAD_BACKENDS
 from kvpilot.operator.planner.catalog import model_presets
 from kvpilot.operator.planner.gpu import GPU_CATALOG
 from kvpilot.operator.planner.plan import make_plan
-from kvpilot.operator.planner.plan_request import PlanRequest
+from kvpilot.operator.planner.plan_request import PlanRequest, gpu_from_dict, model_from_dict
 from kvpilot.operator.planner.render import FORMATS, render
 from kvpilot.operator.planner.reserve import DEFAULT_KV_SAFETY_MARGIN
-from kvpilot.operator.planner.slo import Overrides, ServiceLevel
+from kvpilot.operator.planner.result import Plan
+from kvpilot.operator.planner.slo import Overrides, ServiceLevel, build
 from kvpilot.operator.planner.weights import WEIGHT_QUANT_BYTES
 
 EXIT_FEASIBLE, EXIT_BAD_INPUT, EXIT_INFEASIBLE = 0, 1, 2
@@ -58,9 +65,11 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     m.add_argument("--gpu-bandwidth-gbps", metavar="GB_S", type=float, help="GPU memory bandwidth, GB/s")
     m.add_argument("--gpu-tflops", metavar="TFLOPS", type=float, help="GPU dense BF16 TFLOP/s")
     s = p.add_argument_group("service level")
-    s.add_argument("--max-context", metavar="TOKENS", type=int, help="longest prompt + output accepted (max_model_len)")
-    s.add_argument("--p95-prompt-tokens", metavar="TOKENS", type=int)
-    s.add_argument("--p95-output-tokens", metavar="TOKENS", type=int)
+    s.add_argument("--max-context", metavar="TOKENS", type=int,
+                   help="longest prompt + output accepted (max_model_len); default: the model's own context")
+    s.add_argument("--p95-prompt-tokens", metavar="TOKENS", type=int,
+                   help="default: half the context (a request may fill it)")
+    s.add_argument("--p95-output-tokens", metavar="TOKENS", type=int, help="default: the rest of the context")
     s.add_argument("--p50-prompt-tokens", metavar="TOKENS", type=int, help="default: the p95 value")
     s.add_argument("--p50-output-tokens", metavar="TOKENS", type=int, help="default: the p95 value")
     s.add_argument("--concurrency", metavar="N", type=int, help="concurrent sequences across all replicas")
@@ -95,10 +104,10 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
-def request_from_args(args: argparse.Namespace) -> PlanRequest:
-    """The PlanRequest the flags describe; ValueError for missing or bad values."""
-    missing = [f"--{name.replace('_', '-')}" for name in ("model", "gpu", "max_context", "p95_prompt_tokens",
-                                                           "p95_output_tokens") if getattr(args, name) is None]
+def request_from_args(args: argparse.Namespace) -> tuple[PlanRequest, list[str]]:
+    """The PlanRequest the flags describe, and what it assumed for the service-level
+    figures not given; ValueError for missing or bad values."""
+    missing = [f"--{name}" for name in ("model", "gpu") if getattr(args, name) is None]
     if missing:
         raise ValueError(f"missing required flag(s): {', '.join(missing)}")
     gpu: dict[str, Any] = {"name": args.gpu}
@@ -106,8 +115,34 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
                       ("gpu_tflops", "bf16_tflops")):
         if getattr(args, flag) is not None:
             gpu[key] = getattr(args, flag)
-    return PlanRequest.from_dict({"model": args.model, "gpu": gpu, "slo": _given(args, ServiceLevel),
-                                  "overrides": _given(args, Overrides)})
+    model = model_from_dict(args.model)
+    slo, assumed = _given(args, ServiceLevel), []
+    if args.max_context is None:
+        slo["max_context"] = model.max_position_embeddings
+        assumed.append(f"--max-context {slo['max_context']} (the model's own context, vLLM's default max_model_len)")
+    context = slo["max_context"]
+    if args.p95_prompt_tokens is None and args.p95_output_tokens is None:
+        slo["p95_prompt_tokens"], slo["p95_output_tokens"] = context // 2, context - context // 2
+        assumed.append(f"--p95-prompt-tokens {context // 2} and --p95-output-tokens {context - context // 2} "
+                       "(a request filling the context, as vLLM admits one)")
+    elif args.p95_output_tokens is None:
+        slo["p95_output_tokens"] = max(1, context - args.p95_prompt_tokens)
+        assumed.append(f"--p95-output-tokens {slo['p95_output_tokens']} (the rest of the context)")
+    elif args.p95_prompt_tokens is None:
+        slo["p95_prompt_tokens"] = max(1, context - args.p95_output_tokens)
+        assumed.append(f"--p95-prompt-tokens {slo['p95_prompt_tokens']} (the rest of the context)")
+    request = PlanRequest(model=model, gpu=gpu_from_dict(gpu), slo=build(ServiceLevel, slo, "slo"),
+                          overrides=build(Overrides, _given(args, Overrides), "overrides"))
+    return request, assumed
+
+
+def _noting(plan: Plan, assumed: list[str]) -> Plan:
+    """``plan`` with a first derivation line naming the assumed figures and their flags."""
+    if not assumed:
+        return plan
+    note = (f"Assumed (not given): {'; '.join(assumed)}. Pin them with the flags named to plan "
+            "for your own workload.")
+    return dataclasses.replace(plan, derivation=(note, *plan.derivation))
 
 
 def _given(args: argparse.Namespace, cls: type) -> dict[str, Any]:
@@ -128,7 +163,8 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(_listing())
         return EXIT_FEASIBLE
     try:
-        plan = make_plan(request_from_args(args))
+        request, assumed = request_from_args(args)
+        plan = _noting(make_plan(request), assumed)
     except ValueError as exc:
         print(f"kvpilot plan: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -30,13 +30,14 @@ from kvpilot.engine.core.kv_layout import (
     kv_heads_per_rank,
     sliding_pool_blocks,
 )
+from kvpilot.engine.core.step_cost import StepCostModel
 from kvpilot.operator.planner import kv_dtype
 from kvpilot.operator.planner.checks import Check, run_checks
 from kvpilot.operator.planner.latency import (
     REPLICA_UTILIZATION,
     Roofline,
-    flops_per_token,
     largest_int,
+    step_cost_model,
 )
 from kvpilot.operator.planner.memory import (
     Budget,
@@ -203,9 +204,9 @@ def evaluate(req: PlanRequest, tp: int, kv_cache_dtype: str) -> Evaluation:
     kv_limit, layout, num_blocks = _kv_capacity(
         req, tp, kv_cache_dtype, block_size, budget.kv_bytes, target,
         ov.max_num_batched_tokens or max(mnbt_cap, target + block_size), ctx_blocks, seq_blocks)
-    roof = Roofline(budget.weight_bytes, model.kv_tokens_attended(slo.seq_tokens_p95) * layout.bytes_per_token,
-                    gpu.memory_bandwidth_bytes_per_s, gpu.bf16_flops * tp,
-                    flops_per_token(model, slo.p95_prompt_tokens))
+    cost = step_cost_model(model, layout.bytes_per_token, tp, weight_total)
+    roof = Roofline.of(cost, gpu.memory_bandwidth_bytes_per_s, gpu.bf16_flops * tp, slo.seq_tokens_p95,
+                       slo.p95_prompt_tokens)
 
     limits = {"target": target, "kv_capacity": kv_limit}
     itl_s = slo.itl_p95_ms / 1000 if slo.itl_p95_ms else None
@@ -250,7 +251,7 @@ def evaluate(req: PlanRequest, tp: int, kv_cache_dtype: str) -> Evaluation:
             cpu_offload_gib=ov.cpu_offload_gib if offloads else 0,
             disk_offload_gib=ov.disk_offload_gib if offloads else 0)
 
-    throughput = _throughput(req, tp, layout, budget, msq, mnbt, cached, factor) if msq >= 1 else None
+    throughput = _throughput(req, tp, cost, msq, mnbt, cached, factor) if msq >= 1 else None
     replicas, need, replicas_source = _replicas(req, msq, throughput)
     ev = Evaluation(tp, kv_cache_dtype, weight_total, weight_source, budget, layout, num_blocks, seq_blocks,
                     ctx_blocks, target, target_source, limits, msq, mnbt, mnbt_source, roof, prompt_u,
@@ -258,19 +259,19 @@ def evaluate(req: PlanRequest, tp: int, kv_cache_dtype: str) -> Evaluation:
     return replace(ev, checks=run_checks(req, ev))
 
 
-def _throughput(req: PlanRequest, tp: int, layout: KVLayout, budget: Budget, msq: int, mnbt: int,
+def _throughput(req: PlanRequest, tp: int, cost: StepCostModel, msq: int, mnbt: int,
                 cached: int, factor: float) -> Throughput:
     """Requests/s one replica sustains at p50 lengths (Little's law, capped by compute)."""
-    model, slo = req.model, req.slo
+    slo = req.slo
     prompt, output = slo.prompt_tokens_p50, slo.output_tokens_p50
     prompt_u = max(1, prompt - cached)
-    f_tok = flops_per_token(model, prompt)
-    roof = Roofline(budget.weight_bytes, model.kv_tokens_attended(prompt + output // 2) * layout.bytes_per_token,
-                    req.gpu.memory_bandwidth_bytes_per_s, req.gpu.bf16_flops * tp, f_tok)
+    mid = prompt + output // 2
+    roof = Roofline.of(cost, req.gpu.memory_bandwidth_bytes_per_s, req.gpu.bf16_flops * tp, mid, prompt)
     ttft = roof.ttft_s(msq, mnbt, prompt_u) * factor
     decode = roof.step_s(msq, msq)
     request_s = ttft + output * decode
-    by_compute = roof.effective_flops / (prompt_u * f_tok + output * 2.0 * model.num_params)
+    # a request's FLOPs: its uncached prompt, then one decode step per output token
+    by_compute = roof.effective_flops / (prompt_u * roof.flops_per_token + output * cost.flops(1, mid))
     return Throughput(ttft, decode, request_s, msq / request_s, by_compute)
 
 

@@ -6,11 +6,13 @@ of reading memory and computing::
 
     memory  = (weights / TP + batch x KV bytes of one sequence / TP) / (HBM_EFFICIENCY x bandwidth)
     compute = tokens x FLOPs/token / (FLOPS_EFFICIENCY x TP x dense BF16 FLOP/s)
-    FLOPs/token = 2 x params + 4 x heads x head_dim x (attended context summed over layers)
 
-with the attended context of a prompt of P tokens taken at its average position
-P/2 (capped at the window on sliding layers), which makes the prefill total
-``2 x params x P + 2 x layers x heads x head_dim x P^2`` for full attention.
+The bytes and FLOPs are the engine's own model of a step (``kvpilot.engine.core.step_cost``,
+the one behind its MFU metrics): FLOPs/token of a prompt of P tokens is 2 x the linear
+weights of the layers, the LM head once per prompt (2 x vocab x hidden / P) and
+attention's 4 x heads x head_dim x (P + 1) / 2 keys per query summed over layers (at
+most the window on sliding layers), which makes the prefill total about
+``2 x linear x P + 2 x layers x heads x head_dim x P^2`` for full attention.
 
 - ITL p95: a step with a full batch of p95-length sequences *and* a full prefill
   chunk, so ``max(memory(batch), compute(max_num_batched_tokens))``; that bounds both
@@ -33,6 +35,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvpilot.engine.core.step_cost import StepCostModel
 from kvpilot.operator.planner.model_spec import ModelSpec
 
 HBM_EFFICIENCY = 0.80
@@ -40,13 +43,21 @@ FLOPS_EFFICIENCY = 0.50
 REPLICA_UTILIZATION = 0.80
 
 
-def flops_per_token(model: ModelSpec, prompt_tokens: int) -> float:
-    """Prefill FLOPs per token of a ``prompt_tokens`` prompt (attention at the mean position)."""
-    half = prompt_tokens / 2
-    attended = model.num_full_layers * half
-    if model.num_sliding_layers:
-        attended += model.num_sliding_layers * min(half, model.sliding_window)
-    return 2.0 * model.num_params + 4.0 * model.num_attention_heads * model.head_dim * attended
+def step_cost_model(model: ModelSpec, kv_bytes_per_token: int, tensor_parallel_size: int,
+                    weight_bytes_total: int) -> StepCostModel:
+    """The engine's step cost model of ``model`` on ``tensor_parallel_size`` GPUs.
+
+    Args:
+        kv_bytes_per_token: KV bytes of one token on one GPU (the plan's KV layout).
+        weight_bytes_total: the weights' bytes over all GPUs (measured where known).
+    """
+    return StepCostModel(
+        num_layers=model.num_layers, hidden_size=model.hidden_size, intermediate_size=model.intermediate_size,
+        num_heads=model.num_attention_heads, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
+        vocab_size=model.vocab_size, weight_bytes=model.dtype_bytes,
+        kv_bytes_per_token=kv_bytes_per_token * tensor_parallel_size, tensor_parallel_size=tensor_parallel_size,
+        num_sliding_layers=model.num_sliding_layers, sliding_window=model.sliding_window,
+        total_weight_bytes=weight_bytes_total)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +69,7 @@ class Roofline:
         seq_kv_bytes: KV bytes per GPU of one sequence at the length being modelled.
         bandwidth: peak memory bandwidth of one GPU, bytes/s.
         replica_flops: peak dense BF16 FLOP/s of all GPUs of the replica.
-        flops_per_token: FLOPs per processed token (see ``flops_per_token``).
+        flops_per_token: FLOPs per processed token (``StepCostModel.flops_per_token``).
     """
 
     weight_bytes: int
@@ -66,6 +77,13 @@ class Roofline:
     bandwidth: float
     replica_flops: float
     flops_per_token: float
+
+    @classmethod
+    def of(cls, cost: StepCostModel, bandwidth: float, replica_flops: float, seq_tokens: int,
+           prompt_tokens: int) -> Roofline:
+        """The roofline of sequences of ``seq_tokens`` tokens and prompts of ``prompt_tokens``."""
+        return cls(cost.weight_read_bytes, cost.kv_read_bytes(seq_tokens), bandwidth, replica_flops,
+                   cost.flops_per_token(prompt_tokens))
 
     @property
     def effective_bandwidth(self) -> float:

@@ -113,7 +113,7 @@ def desired_children(owner: Owner, spec: InferenceServiceSpec, sizing: EngineSiz
         podmonitor_api: whether the cluster serves monitoring.coreos.com/v1 (PodMonitors,
             and PrometheusRules for the SLO alerts when the spec declares latency targets).
         inherited_replicas: the count an autoscaler left when autoscaling was switched off
-            (``kvpilot.operator.handover``), a floor while ``spec.replicas`` is unset.
+            (``kvpilot.operator.replica_handover``), a floor while ``spec.replicas`` is unset.
         inference_pool_api: whether it serves inference.networking.k8s.io/v1 InferencePools.
     """
     policy = ReplicaPolicy.of(spec, sizing, inherited_replicas)

@@ -60,7 +60,7 @@ class ReplicaPolicy:
         replicas: the Deployment's count at creation (and always, when not autoscaled).
         autoscaled: an HPA/ScaledObject owns the count after creation.
         max_replicas: the most replicas there can be (decides PDB and disk-claim layout).
-        inherited: the count the operator took over from an autoscaler (``handover``),
+        inherited: the count the operator took over from an autoscaler (``replica_handover``),
             kept as a floor while ``spec.replicas`` is unset; None when there is none.
     """
 
@@ -73,7 +73,7 @@ class ReplicaPolicy:
     def of(cls, spec: InferenceServiceSpec, sizing: EngineSizing,
            inherited: int | None = None) -> ReplicaPolicy:
         """The policy of ``spec`` planned as ``sizing``; ``inherited`` is the count an
-        autoscaler left when autoscaling was switched off (``handover.inherited_replicas``)."""
+        autoscaler left when autoscaling was switched off (``replica_handover.inherited_replicas``)."""
         auto = spec.autoscaling
         if auto.enabled:
             return cls(min(max(sizing.replicas, auto.min_replicas), auto.ceiling), True, auto.ceiling)

@@ -37,7 +37,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvpilot.engine.model.models.demo import DEMO_MODEL_NAME
 from kvpilot.engine.server.launch import free_port
 from kvpilot.operator import constants as c
-from kvpilot.operator.diff import quantity
+from kvpilot.operator.quantity import quantity
 
 from support import adapter_rules
 from support.harness import wait_for

@@ -12,7 +12,7 @@ from kvpilot.engine.core.block_hash import root_hash
 from kvpilot.engine.core.kv_cache_manager import KVCacheManager
 from kvpilot.engine.core.kv_residency import KVResidencySampler
 from kvpilot.engine.core.request import Request
-from kvpilot.engine.perf_estimate import ModelCostModel
+from kvpilot.engine.core.step_cost import StepCostModel
 from kvpilot.engine.sampling_params import SamplingParams
 
 
@@ -100,7 +100,7 @@ def test_cost_model_counts_the_weights_hf_transformers_builds():
     model = transformers.Qwen3ForCausalLM(config)
     # linear weights of the layers + embedding + LM head (norms are vectors, not matmuls)
     hf_matrices = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2)
-    cost = ModelCostModel(num_layers=3, hidden_size=64, intermediate_size=128, num_heads=4,
+    cost = StepCostModel(num_layers=3, hidden_size=64, intermediate_size=128, num_heads=4,
                           num_kv_heads=2, head_dim=32, vocab_size=512, weight_bytes=2,
                           kv_bytes_per_token=3 * 2 * 2 * 32 * 2)
     assert cost.num_weights == hf_matrices

@@ -20,7 +20,6 @@ from kvpilot.engine.server.args import engine_args_from_namespace, make_serve_pa
 from kvpilot.operator import constants as c
 from kvpilot.operator.model_fetch import parse_hf_uri
 from kvpilot.operator.planner.plan import make_plan
-from kvpilot.operator.planner.plan_request import PlanRequest
 from kvpilot.operator.resources import desired_children
 from kvpilot.operator.resources.common import Owner, decimal_quantity, gib_quantity
 from kvpilot.operator.settings import OperatorSettings
@@ -49,7 +48,7 @@ def _build(cr: dict, podmonitor_api: bool = True):
     children = desired_children(owner, spec, outcome.sizing, SETTINGS, podmonitor_api=podmonitor_api)
     for child in children:
         kopf.adopt(child.body, owner=cr)
-    plan = make_plan(PlanRequest.from_dict(plan_request(spec)))
+    plan = make_plan(plan_request(spec))
     # by kind; the model cache claim apart from the disk tier's
     return {"ModelCache" if ch.name == owner.model_cache_claim else ch.kind.kind: ch for ch in children}, plan
 

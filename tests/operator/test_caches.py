@@ -7,11 +7,12 @@ import random
 
 import pytest
 
-from kvpilot.operator.cache import WriteLog, newest
 from kvpilot.operator.discovery import Discovery
-from kvpilot.operator.kube import KubeError
+from kvpilot.operator.kube_api import KubeError
+from kvpilot.operator.resource_version import newest
 from kvpilot.operator.resources import DEPLOYMENT
 from kvpilot.operator.worker import Backoff
+from kvpilot.operator.write_log import WriteLog
 
 KEY = (DEPLOYMENT, "ns", "svc")
 

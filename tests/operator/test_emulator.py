@@ -81,8 +81,11 @@ def test_json_patch_tests_and_put_preconditions(emu):
     code, status = call(emu, "PUT", f"{CM}/cm", {"metadata": {"name": "cm", "resourceVersion": stale},
                                                  "data": {}})
     assert code == 409 and status["reason"] == "Conflict"
-    code, _ = call(emu, "PATCH", f"{CM}/cm", {}, "application/apply-patch+yaml")
+    code, _ = call(emu, "PATCH", f"{CM}/cm", {}, "application/x-unknown-patch")
     assert code == 415
+    code, status = call(emu, "PATCH", f"{CM}/cm", {"apiVersion": "v1", "kind": "ConfigMap"},
+                        "application/apply-patch+yaml")
+    assert code == 400 and "fieldManager" in status["message"]  # apply names its manager
 
 
 def test_lists_carry_kind_and_honour_selectors(emu):

@@ -23,7 +23,6 @@ from prometheus_client import CollectorRegistry, generate_latest
 from kvpilot.engine.config import KVCacheInfo
 from kvpilot.engine.server.metrics import ServerMetrics
 from kvpilot.operator import constants as c
-from kvpilot.operator.cache import pod_summary
 from kvpilot.operator.engine_observer import (
     ApiServerReader,
     DirectReader,
@@ -33,7 +32,8 @@ from kvpilot.operator.engine_observer import (
     engine_pods,
     parse_engine_cache,
 )
-from kvpilot.operator.kube import KubeApi
+from kvpilot.operator.index_copies import pod_summary
+from kvpilot.operator.kube_api import KubeApi
 from kvpilot.operator.spec import parse_spec
 from kvpilot.operator.spec_to_plan import plan_service
 
@@ -255,8 +255,9 @@ def test_the_operator_reads_a_new_pod_soon_even_when_the_first_read_fails(tmp_pa
                 started = time.monotonic()
                 emu.run(create)
 
-                def observed():
-                    status = emu.run(lambda e: copy.deepcopy(e.objects[(c.GROUP, c.PLURAL, "ns", "chat")]))["status"]
+                def observed():  # the status is written after the children: absent at first
+                    status = emu.run(lambda e: copy.deepcopy(e.objects[(c.GROUP, c.PLURAL, "ns", "chat")]))
+                    status = status.get("status") or {}
                     return status.get("observed") and status
                 status = wait_for(observed, 30, 0.2, "status.observed")
                 assert time.monotonic() - started < 15 and engine.hits == 2   # failed once, then read

@@ -17,7 +17,6 @@ import yaml
 from kvpilot.engine.server.args import make_serve_parser
 from kvpilot.operator import constants as c
 from kvpilot.operator.planner.plan import make_plan
-from kvpilot.operator.planner.plan_request import PlanRequest
 from kvpilot.operator.settings import OperatorSettings
 from kvpilot.operator.spec import SpecError, parse_spec
 from kvpilot.operator.spec_to_plan import plan_request
@@ -39,7 +38,7 @@ def _children(spec: dict, settings: OperatorSettings = SETTINGS, name: str = "sv
             assert kubernetes_validate.validate(child.body, K8S_VERSION, strict=True) == K8S_VERSION
     claims = {ch.name: ch for ch in children if ch.kind.kind == "PersistentVolumeClaim"}
     deployment = next(ch.body for ch in children if ch.kind.kind == "Deployment")
-    return claims, deployment, make_plan(PlanRequest.from_dict(plan_request(parse_spec(spec, name))))
+    return claims, deployment, make_plan(plan_request(parse_spec(spec, name)))
 
 
 def _pod(deployment: dict) -> dict:

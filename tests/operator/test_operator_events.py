@@ -54,10 +54,11 @@ def test_drift_is_repaired_from_watch_events_within_a_second(env):
                      lambda: (d := deployment()) and d["metadata"]["uid"] != before["Deployment"]["metadata"]["uid"]
                      and d["spec"]["template"]["spec"]["containers"][0]["args"] == args,
                      "the Deployment re-created")
+    # (a port's number is its key with protocol: another number would be another writer's port)
     tampered = _timed(env, lambda: env.request("PATCH", env.child_path("services", ns, "svc"), [
-        {"op": "replace", "path": "/spec/ports/0/port", "value": 9999}], JSON_PATCH),
-                      lambda: env.children(ns, "svc")["Service"]["spec"]["ports"][0]["port"] == 80,
-                      "the Service port restored")
+        {"op": "replace", "path": "/spec/ports/0/targetPort", "value": 9999}], JSON_PATCH),
+                      lambda: env.children(ns, "svc")["Service"]["spec"]["ports"][0]["targetPort"] == "http",
+                      "the Service's target port restored")
     # Without the managed-by label the Deployment leaves the operator's watch (DELETED there);
     # the operator finds it again by name and puts the label back.
     unlabelled = _timed(env, lambda: env.kubectl("-n", ns, "label", "deployment", "svc", f"{c.LABEL_MANAGED_BY}-"),

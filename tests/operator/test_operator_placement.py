@@ -70,5 +70,5 @@ def test_the_spec_override_reaches_the_running_deployment(cluster):
     pod = wait_for(lambda: (d := cluster.children("overridden")["Deployment"]["spec"]["template"]["spec"])
                    .get("nodeSelector") and d, what="the override applied")
     assert pod["nodeSelector"] == {"cloud.google.com/gke-accelerator": "nvidia-l4"}
-    assert "affinity" not in pod  # removed through the last-applied annotation
+    assert "affinity" not in pod  # removed: the operator no longer applies it
     assert cluster.children("overridden")["Deployment"]["metadata"]["labels"][c.LABEL_INSTANCE] == "overridden"

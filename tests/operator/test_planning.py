@@ -6,13 +6,13 @@ import copy
 
 import pytest
 
+from kvpilot.operator.planner.catalog import preset_model
 from kvpilot.operator.planner.plan import make_plan
-from kvpilot.operator.planner.plan_request import PlanRequest
 from kvpilot.operator.resources import desired_children
 from kvpilot.operator.resources.common import Owner
 from kvpilot.operator.settings import OperatorSettings
 from kvpilot.operator.spec import parse_spec
-from kvpilot.operator.spec_to_plan import model_preset, plan_request, plan_service
+from kvpilot.operator.spec_to_plan import model_preset, plan_overrides, plan_request, plan_service
 
 BASE = {"model": {"uri": "hf://Qwen/Qwen3-8B"}, "gpu": {"type": "h100-80gb"},
         "slo": {"maxContext": 16384, "p95PromptTokens": 8192, "p95OutputTokens": 1024, "concurrency": 32,
@@ -32,35 +32,36 @@ def test_the_model_is_a_catalogue_preset_never_a_path():
     assert model_preset(_spec(model={"uri": "/etc", "architecture": "llama-3.1-8b"})) == "llama-3.1-8b"
     with pytest.raises(ValueError, match="spec.model.architecture"):
         model_preset(_spec(model={"uri": "pvc://models/finetune-v3"}))
-    assert plan_request(_spec())["model"] == {"preset": "Qwen/Qwen3-8B"}
+    assert plan_request(_spec()).model == preset_model("Qwen/Qwen3-8B")
 
 
 def test_offload_is_opt_in_and_explicit_values_are_pinned():
-    off = plan_request(_spec())["overrides"]
-    assert (off["cpu_offload_gib"], off["disk_offload_gib"]) == (0, 0)
-    auto = plan_request(_spec(offload={"enabled": True}))["overrides"]
-    assert "cpu_offload_gib" not in auto and auto["disk_offload_gib"] == 0  # no disk tier asked for
-    sized = plan_request(_spec(offload={"enabled": True, "backend": "lmcache", "cpuGiB": 24,
-                                        "disk": {}}))["overrides"]
-    assert sized["cpu_offload_gib"] == 24 and "disk_offload_gib" not in sized
-    assert sized["offload_backend"] == "lmcache"
-    planned = make_plan(PlanRequest.from_dict(plan_request(_spec(offload={"enabled": True, "disk": {}}))))
-    unplanned = make_plan(PlanRequest.from_dict(plan_request(_spec())))
+    off = plan_overrides(_spec())
+    assert (off.cpu_offload_gib, off.disk_offload_gib) == (0, 0)
+    auto = plan_overrides(_spec(offload={"enabled": True}))
+    assert auto.cpu_offload_gib is None and auto.disk_offload_gib == 0  # no disk tier asked for
+    sized = plan_overrides(_spec(offload={"enabled": True, "backend": "lmcache", "cpuGiB": 24, "disk": {}}))
+    assert sized.cpu_offload_gib == 24 and sized.disk_offload_gib is None
+    assert sized.offload_backend == "lmcache"
+    planned = make_plan(plan_request(_spec(offload={"enabled": True, "disk": {}})))
+    unplanned = make_plan(plan_request(_spec()))
     assert planned.cpu_offload_gib > 0 and unplanned.cpu_offload_gib == 0
 
 
 def test_pins_follow_the_spec():
-    over = plan_request(_spec(gpu={"type": "l4", "count": 2}, replicas=3,
-                              engine={"kvCacheDtype": "fp8", "blockSize": 32, "maxNumSeqs": 8}))["overrides"]
-    assert over["tensor_parallel_size"] == 2 and over["replicas"] == 3
-    assert (over["kv_cache_dtype"], over["block_size"], over["max_num_seqs"]) == ("fp8", 32, 8)
-    autoscaled = plan_request(_spec(replicas=3, autoscaling={"mode": "hpa", "maxReplicas": 4}))
-    assert "replicas" not in autoscaled["overrides"]  # the autoscaler decides
+    over = plan_overrides(_spec(gpu={"type": "l4", "count": 2}, replicas=3,
+                                engine={"kvCacheDtype": "fp8", "blockSize": 32, "maxNumSeqs": 8}))
+    assert over.tensor_parallel_size == 2 and over.replicas == 3
+    assert (over.kv_cache_dtype, over.block_size, over.max_num_seqs) == ("fp8", 32, 8)
+    autoscaled = plan_overrides(_spec(replicas=3, autoscaling={"mode": "hpa", "maxReplicas": 4}))
+    assert autoscaled.replicas is None  # the autoscaler decides
+    spec = _spec()
+    assert plan_request(spec).slo is spec.slo   # the parsed spec's own ServiceLevel, not a copy
 
 
 def test_scaled_to_zero_plans_one_replica_and_runs_none():
     spec = _spec(replicas=0)
-    assert "replicas" not in plan_request(spec)["overrides"]
+    assert plan_overrides(spec).replicas is None
     outcome = plan_service(spec)
     assert outcome.feasible
     children = desired_children(Owner("svc", "ns"), spec, outcome.sizing, OperatorSettings(), podmonitor_api=False)
@@ -88,7 +89,7 @@ def test_gpu_count_is_the_tensor_parallel_size_when_it_splits_the_model():
     assert args[args.index("--tensor-parallel-size") + 1] == "2"
     assert outcome.sizing.status["tensorParallelSize"] == 2
     assert outcome.sizing.status["numGpuBlocks"] == make_plan(
-        PlanRequest.from_dict(plan_request(_spec(gpu={"type": "l4", "count": 2})))).num_gpu_blocks
+        plan_request(_spec(gpu={"type": "l4", "count": 2}))).num_gpu_blocks
     assert "--tensor-parallel-size" not in plan_service(_spec()).sizing.serve_args
 
 
@@ -113,8 +114,8 @@ def test_a_model_beyond_one_node_says_so():
 
 
 def test_the_kv_safety_margin_is_a_planner_setting_in_the_spec():
-    default = make_plan(PlanRequest.from_dict(plan_request(_spec())))
-    wider = make_plan(PlanRequest.from_dict(plan_request(_spec(engine={"kvSafetyMargin": 0.1}))))
+    default = make_plan(plan_request(_spec()))
+    wider = make_plan(plan_request(_spec(engine={"kvSafetyMargin": 0.1})))
     estimate = default.memory["kv_estimate_bytes"]
     assert wider.memory["kv_estimate_bytes"] == estimate
     assert (default.memory["kv_available_bytes"], wider.memory["kv_available_bytes"]) == (

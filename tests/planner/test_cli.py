@@ -93,7 +93,7 @@ def test_infeasible_exits_2_with_the_structured_answer():
       "--p95-output-tokens", "100"], "unknown GPU 'tpu-v9'; known GPUs: l4, a10g"),
     (["--model", "nope-7b", "--gpu", "l4", "--max-context", "4096", "--p95-prompt-tokens", "100",
       "--p95-output-tokens", "100"], "unknown model 'nope-7b'"),
-    (["--model", "qwen3-8b", "--gpu", "l4"], "missing required flag(s): --max-context"),
+    (["--gpu", "l4", "--max-context", "4096"], "missing required flag(s): --model"),
     (["--model", "qwen3-8b", "--gpu", "l4", "--max-context", "many"], "invalid int value: 'many'"),
     (["--model", "qwen3-8b", "--gpu", "l4", "--max-ctx", "4096"], "unrecognized arguments: --max-ctx 4096"),
     (["--model", "qwen3-8b", "--gpu", "l4", "--max-context", "4096", "--p95-prompt-tokens", "4000",
@@ -106,6 +106,26 @@ def test_bad_input_exits_1_with_a_clear_message(args, message):
     assert result.returncode == 1
     assert message in result.stderr
     assert result.stdout == ""
+
+
+def test_a_first_plan_needs_only_the_model_and_the_gpu():
+    """Without the service-level flags the plan serves the model's own context, as vLLM's
+    default max_model_len does, and its derivation says what was assumed and how to pin it."""
+    result = kvpilot("--model", "qwen3-8b", "--gpu", "l4", "-o", "json")
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    assert plan["feasible"] and plan["max_model_len"] == 40960      # Qwen3-8B's max_position_embeddings
+    note = plan["derivation"][0]
+    assert note.startswith("Assumed (not given): --max-context 40960 (the model's own context")
+    assert "--p95-prompt-tokens 20480 and --p95-output-tokens 20480" in note
+    assert json.loads(kvpilot("--model", "qwen3-8b", "--gpu", "l4", "--max-context", "8192", "--p95-prompt-tokens",
+                              "1000", "-o", "json").stdout)["derivation"][0] == (
+        "Assumed (not given): --p95-output-tokens 7192 (the rest of the context). Pin them with the flags "
+        "named to plan for your own workload.")
+    pinned = json.loads(kvpilot(*QWEN_H100, "-o", "json").stdout)
+    assert not any(line.startswith("Assumed") for line in pinned["derivation"])
+    text = kvpilot("--model", "qwen3-8b", "--gpu", "l4")
+    assert text.returncode == 0 and "Assumed (not given): --max-context 40960" in " ".join(text.stdout.split())
 
 
 def test_list_names_models_and_gpus():

@@ -19,7 +19,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 OPERATOR_MAY_IMPORT = {"kvpilot.engine", "kvpilot.engine.core", "kvpilot.engine.core.kv_layout",
-                       "kvpilot.engine.core.constants", "kvpilot.engine.core.weight_quant"}
+                       "kvpilot.engine.core.constants", "kvpilot.engine.core.weight_quant",
+                       "kvpilot.engine.core.step_cost"}
 
 
 def _modules(folder: str, package: str) -> list[str]:

@@ -9,8 +9,10 @@ rely on (see /work/shared/ENVIRONMENT.md). ``KubeEmulator`` extends kmock's ``Ra
   ``spec.replicas`` defaulted to 1 when absent;
 - status subresource isolation (writes to ``/status`` change only status; writes to the
   main resource keep status) and the ``/scale`` subresource (autoscaling/v1 Scale);
-- merge, strategic-merge (approximated as merge) and JSON patches; PUT with
-  resourceVersion preconditions (409 Conflict);
+- managed fields per manager, server-side apply (conflicts, ``force``, removal of fields
+  a manager stops applying, lists merged by their keys) and strategic merge patch by
+  patch merge key, from the real API server's schemas (``kube_field_manager``);
+- merge and JSON patches; PUT with resourceVersion preconditions (409 Conflict);
 - lists with ``kind`` / ``apiVersion`` / ``resourceVersion``, label and field selectors;
   watch streams that resume from a resourceVersion and honour ``timeoutSeconds``;
 - discovery (/api, /apis, group versions with subresources) including resources
@@ -48,14 +50,33 @@ from typing import Any, TypeVar
 import aiohttp.web
 import attrs
 import kmock
+import yaml
 from kmock._internal import parsing
 
 from support import api_calls, crd_schema
 from support import kube_emulator_api as api
+from support import kube_field_manager as fm
 from support.kube_faults import FaultPolicy
 
 T = TypeVar("T")
 Key = tuple[str, str, str | None, str]  # group, plural, namespace, name
+
+
+@dataclass(frozen=True)
+class Writer:
+    """Who writes, for managed fields: the manager (``fieldManager``, else from the
+    User-Agent) and, for an apply, whether it forces conflicts."""
+
+    manager: str
+    force: bool = False
+
+    @classmethod
+    def of(cls, params: dict, user_agent: str) -> Writer:
+        return cls(fm.manager_name(params.get("fieldManager"), user_agent),
+                   params.get("force") in ("true", "1"))
+
+
+IN_PROCESS = Writer("emulator-test")   # writes the tests make on the store directly
 
 
 @dataclass(frozen=True)
@@ -252,15 +273,22 @@ class KubeEmulator(kmock.RawHandler):
                 if "as=Table" in raw.headers.get("Accept", ""):
                     return _json(api.table(rtype, [obj], str(self._rv)))
                 return _json(obj)
-            elif method == "POST" and p.name is None:
+            writer = Writer.of(req.params, raw.headers.get("User-Agent", ""))
+            ctype = raw.headers.get("Content-Type", "").split(";")[0].strip().lower()
+            if method == "POST" and p.name is None:
                 if not isinstance(req.data, dict):
                     raise ApiError(400, "BadRequest", "the body must be a JSON object")
                 if rtype.namespaced and not namespace:
                     raise ApiError(405, "MethodNotAllowed", "create needs a namespace in the path")
-                return _json(self._store_create(rtype, namespace, req.data), 201)
+                return _json(self._store_create(rtype, namespace, req.data, writer), 201)
+            elif method == "PATCH" and p.name and ctype == api.APPLY:
+                config = req.data if req.data is not None else yaml.safe_load(req.text or "null")
+                obj, created = self._apply(rtype, namespace, p.name, p.subresource, config, writer,
+                                           req.params, raw.headers.get("User-Agent", ""))
+                return _json(obj, 201 if created else 200)
             elif method in ("PATCH", "PUT") and p.name:
-                return _json(self._write(rtype, namespace, p.name, p.subresource, method,
-                                         raw.headers.get("Content-Type", ""), req.data))
+                return _json(self._write(rtype, namespace, p.name, p.subresource, method, ctype,
+                                         req.data, writer))
             elif method == "DELETE" and p.name:
                 return _json(self._delete(rtype, namespace, p.name))
             raise ApiError(405, "MethodNotAllowed", f"{method} is not supported on {path}")
@@ -360,9 +388,14 @@ class KubeEmulator(kmock.RawHandler):
             raise ApiError(422, "Invalid", f'{rtype.kind}{group} "{name}" is invalid: ' + "; ".join(errors))
         return stored
 
-    def _store_create(self, rtype: api.ResourceType, namespace: str | None, body: dict) -> dict:
+    def _store_create(self, rtype: api.ResourceType, namespace: str | None, body: dict,
+                      writer: Writer | None = None, applied: bool = False) -> dict:
+        """Create ``body``; ``writer`` owns its fields (an Update entry, or with ``applied``
+        the Apply entry ``_apply`` already wrote); None: the emulator's own set-up objects."""
         obj = copy.deepcopy(body)
         meta = obj.setdefault("metadata", {})
+        if not applied:
+            meta.pop("managedFields", None)
         if not meta.get("name"):
             if not meta.get("generateName"):
                 raise ApiError(422, "Invalid", "metadata.name or metadata.generateName is required")
@@ -380,6 +413,8 @@ class KubeEmulator(kmock.RawHandler):
         if rtype.status:
             obj.pop("status", None)
         obj = api.apply_builtin_defaults(rtype, self._admit(rtype, obj, meta["name"]))
+        if writer is not None and not applied:
+            fm.record_update(None, obj, rtype.shape, writer.manager, rtype.api_version, rtype.status)
         meta = obj["metadata"]
         meta.update(uid=str(uuid.uuid4()), creationTimestamp=_now(), generation=1)
         if rtype.kind == "CustomResourceDefinition":
@@ -402,14 +437,47 @@ class KubeEmulator(kmock.RawHandler):
                 ("Established", "InitialNamesAccepted", "the initial names have been accepted"))],
         }
 
+    def _apply(self, rtype: api.ResourceType, namespace: str | None, name: str, subresource: str | None,
+               config: Any, writer: Writer, params: dict, user_agent: str) -> tuple[dict, bool]:
+        """Server-side apply of ``config``; (the object as stored, whether it was created)."""
+        if not params.get("fieldManager"):
+            raise ApiError(400, "BadRequest", "PATCH with apply requires a fieldManager parameter")
+        if not isinstance(config, dict):
+            raise ApiError(400, "BadRequest", "the applied configuration must be an object")
+        meta = config.get("metadata") or {}
+        if meta.get("name") not in (None, name) or (rtype.namespaced and meta.get("namespace") not in
+                                                      (None, namespace)):
+            raise ApiError(400, "BadRequest", "the name (or namespace) of the object does not match the path")
+        if (config.get("apiVersion"), config.get("kind")) != (rtype.api_version, rtype.kind):
+            raise ApiError(400, "BadRequest", f"apply needs apiVersion {rtype.api_version} and kind {rtype.kind}")
+        key = self._key(rtype, namespace, name)
+        old = self.objects.get(key)
+        if old is None and subresource is not None:
+            self._get(rtype, namespace, name)  # raises the 404
+        try:
+            merged = fm.apply(old, config, rtype.shape, writer.manager, writer.force, rtype.api_version,
+                              rtype.status, subresource)
+        except fm.Conflict as exc:
+            raise ApiError(409, "Conflict", str(exc)) from None
+        except fm.InvalidConfig as exc:
+            raise ApiError(422, "Invalid", str(exc)) from None
+        if old is None:  # SSA creates: the API server authorizes it as create too
+            self.calls.append(api_calls.ApiCall("create", rtype.group, rtype.plural, None,
+                                                namespace if rtype.namespaced else None, name, user_agent))
+            merged.setdefault("metadata", {}).update(name=name)
+            return self._store_create(rtype, namespace, merged, writer, applied=True), True
+        return self._write(rtype, namespace, name, subresource, "APPLY", api.APPLY, merged, writer), False
+
     def _write(self, rtype: api.ResourceType, namespace: str | None, name: str, subresource: str | None,
-               method: str, content_type: str, data: Any) -> dict:
+               method: str, content_type: str, data: Any, writer: Writer = IN_PROCESS) -> dict:
+        """PUT or PATCH (``method`` APPLY: ``data`` is the object ``_apply`` merged, managed
+        fields included); ``writer``: the test code's own writes by default."""
         key = self._key(rtype, namespace, name)
         old = self.objects.get(key)
         if old is None:
             self._get(rtype, namespace, name)  # raises the 404
         if subresource == "scale":
-            return self._write_scale(rtype, key, old, method, content_type, data)
+            return self._write_scale(rtype, key, old, method, content_type, data, writer)
         if subresource not in (None, "status"):
             raise ApiError(404, "NotFound", f"no subresource {subresource!r}")
         if method == "PUT":
@@ -421,17 +489,26 @@ class KubeEmulator(kmock.RawHandler):
                                                 "the object has been modified; please apply your changes "
                                                 "to the latest version and try again")
             new = copy.deepcopy(data)
+        elif method == "APPLY":
+            new = copy.deepcopy(data)
         else:
             try:
-                new = api.apply_patch(old, content_type, data)
+                new = api.apply_patch(old, content_type, data, rtype.shape if rtype.schema is None else None)
             except LookupError:
                 raise ApiError(415, "UnsupportedMediaType",
                                f"the body of the request was in an unknown format - accepted media types "
                                f"include: {api.JSON_PATCH}, {api.MERGE}, {api.STRATEGIC}") from None
             except api.PatchError as exc:
                 raise ApiError(422, "Invalid", str(exc)) from None
+        managed = (new.get("metadata") or {}).get("managedFields") if method == "APPLY" else None
         new = self._isolate(rtype, old, new, subresource)
         new = api.apply_builtin_defaults(rtype, self._admit(rtype, new, name))
+        if method == "APPLY":
+            new["metadata"]["managedFields"] = managed
+            if not managed:
+                new["metadata"].pop("managedFields")
+        else:
+            fm.record_update(old, new, rtype.shape, writer.manager, rtype.api_version, rtype.status, subresource)
         if new == old:
             return copy.deepcopy(old)  # a no-op write changes nothing, not even resourceVersion
         if _spec_part(new) != _spec_part(old):
@@ -458,9 +535,11 @@ class KubeEmulator(kmock.RawHandler):
         result = copy.deepcopy(new)
         meta = result.setdefault("metadata", {})
         for field in ("uid", "creationTimestamp", "generation", "resourceVersion", "deletionTimestamp",
-                      "name", "namespace"):
+                      "name", "namespace", "managedFields"):  # a client's managedFields are ignored
             if field in old["metadata"]:
                 meta[field] = old["metadata"][field]
+            else:
+                meta.pop(field, None)
         result["apiVersion"], result["kind"] = old["apiVersion"], old["kind"]
         if rtype.status:
             if "status" in old:
@@ -484,7 +563,7 @@ class KubeEmulator(kmock.RawHandler):
                            **({"selector": selector[0]} if selector else {})}}
 
     def _write_scale(self, rtype: api.ResourceType, key: Key, old: dict, method: str,
-                     content_type: str, data: Any) -> dict:
+                     content_type: str, data: Any, writer: Writer) -> dict:
         scale = self._scale_of(rtype, old)
         try:
             scale = data if method == "PUT" else api.apply_patch(scale, content_type, data)
@@ -496,6 +575,7 @@ class KubeEmulator(kmock.RawHandler):
         new = copy.deepcopy(old)
         api.set_path(new, rtype.scale["specReplicasPath"], replicas)
         new = self._admit(rtype, new, old["metadata"]["name"])
+        fm.record_update(old, new, rtype.shape, writer.manager, rtype.api_version, rtype.status, "scale")
         if new != old:
             new["metadata"]["generation"] = old["metadata"].get("generation", 1) + 1
             self._bump(new)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import functools
 import json
 import re
 from collections.abc import Mapping
@@ -15,6 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jsonpatch
+
+from support import kube_field_manager as fm
 
 VERBS = ["create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"]
 
@@ -42,6 +45,13 @@ class ResourceType:
     @property
     def singular(self) -> str:
         return self.kind.lower()
+
+    @functools.cached_property
+    def shape(self) -> fm.Shape:
+        """How its maps and lists merge: the CRD's schema, else the API server's own."""
+        if self.schema is not None:
+            return fm.Shape(self.schema)
+        return fm.Shape.builtin(self.group, self.version, self.kind) or fm.Shape(None)
 
     def discovery(self) -> list[dict]:
         """APIResource entries (the resource and its subresources)."""
@@ -280,16 +290,22 @@ class PatchError(ValueError):
     """A patch that cannot be applied (bad body or a failed JSON-patch ``test``)."""
 
 
-def apply_patch(obj: dict, content_type: str, body: Any) -> dict:
+def apply_patch(obj: dict, content_type: str, body: Any, shape: fm.Shape | None = None) -> dict:
     """Apply a PATCH body of ``content_type`` to a copy of ``obj``.
 
-    Strategic merge patch is applied as a JSON merge patch (lists are replaced whole, no
-    ``$patch`` directives): enough for kubectl's client-side apply of objects it created.
+    A strategic merge patch follows ``shape`` (a built-in kind's schema:
+    ``kube_field_manager.strategic_merge``); without one (custom resources, which the API
+    server refuses it for) it is applied as a JSON merge patch.
     """
     ctype = content_type.split(";")[0].strip().lower()
     if ctype in (MERGE, STRATEGIC):
         if not isinstance(body, Mapping):
             raise PatchError("a merge patch must be a JSON object")
+        if ctype == STRATEGIC and shape is not None:
+            try:
+                return fm.strategic_merge(obj, body, shape)
+            except fm.InvalidConfig as exc:
+                raise PatchError(str(exc)) from None
         return merge_patch(obj, body)
     if ctype == JSON_PATCH:
         try:

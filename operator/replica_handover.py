@@ -1,16 +1,16 @@
 """Who owns the engine Deployment's replica count, and the hand-over between owners.
 
 While an autoscaler (HPA or KEDA ScaledObject) exists it owns ``spec.replicas``: the
-operator sets the count when it creates the Deployment and never writes it again
+operator sets the count when it creates the Deployment and never sets it again
 (``Child.create_only``). Switching ``spec.autoscaling.mode`` hands the count over, and
 neither direction may shrink the service:
 
-- **none -> hpa/keda.** The operator stops managing ``spec.replicas``. Its last-applied
-  annotation still lists the field, and a field that was applied before and is no longer
-  managed is normally removed (set to null) by the next patch; for ``spec.replicas`` the
-  API server would then default it to 1 and the service would drop to one pod until the
-  autoscaler reacts. A create-only field changes hands instead: ``reconcile.apply_child``
-  never removes it.
+- **none -> hpa/keda.** The operator stops managing ``spec.replicas``. A field a server-side
+  apply stops naming is removed when no other manager owns it, and the API server would
+  then default the count to 1, dropping the service to one pod until the autoscaler
+  reacts. A create-only field changes hands instead: the operator keeps applying its live
+  value for as long as it owns it (``server_side_apply.applied_config``), and stops once
+  the autoscaler has scaled (which makes the autoscaler its owner).
 - **hpa/keda -> none.** The operator takes the count back. With ``spec.replicas`` unset
   it would apply the planner's count, which may be far below what the autoscaler had
   reached under load. Instead it inherits the autoscaler's last count: it keeps at least
@@ -21,15 +21,11 @@ neither direction may shrink the service:
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
 
 from kvpilot.operator import constants as c
-
-
-def _annotations(obj: Mapping[str, Any]) -> Mapping[str, str]:
-    return (obj.get("metadata") or {}).get("annotations") or {}
+from kvpilot.operator.server_side_apply import owned_paths, owns
 
 
 def _count(value: Any) -> int | None:
@@ -48,21 +44,17 @@ def inherited_replicas(deployment: Mapping[str, Any] | None, autoscaled: bool) -
         autoscaled: whether the spec asks for an autoscaler now (then nothing is inherited).
     Returns:
         the count remembered from an earlier hand-over, else the Deployment's current count
-        when its last-applied annotation shows that an autoscaler held it (the operator
-        applied no ``spec.replicas``), else None.
+        when the operator has applied the Deployment but no longer owns its count (an
+        autoscaler scaled it), else None.
     """
     if deployment is None or autoscaled:
         return None
-    annotations = _annotations(deployment)
+    annotations = (deployment.get("metadata") or {}).get("annotations") or {}
     remembered = _count(annotations.get(c.ANNOTATION_INHERITED_REPLICAS))
     if remembered is not None:
         return remembered
-    try:
-        applied = json.loads(annotations.get(c.ANNOTATION_LAST_APPLIED) or "null")
-    except ValueError:
-        return None
-    if not isinstance(applied, Mapping) or not isinstance(applied.get("spec"), Mapping):
+    if owned_paths(deployment) is None:
         return None  # never applied by this operator: nothing to hand over
-    if "replicas" in applied["spec"]:
-        return None  # the operator owned the count already
+    if owns(deployment, "spec.replicas"):
+        return None  # the operator owns the count (still, or again)
     return _count((deployment.get("spec") or {}).get("replicas", 1))

@@ -20,7 +20,11 @@ from kubernetes.aio import client as aio_client
 from kubernetes.aio import config as aio_config
 from kubernetes.aio.client.exceptions import ApiException
 
+from kvpilot.operator.constants import FIELD_MANAGER
+
 MERGE_PATCH = "application/merge-patch+json"
+# Server-side apply: the body is the manager's whole intent (JSON is YAML).
+APPLY_PATCH = "application/apply-patch+yaml"
 # Names the operator's own requests in audit logs (kopf's say "kopf/<version>").
 USER_AGENT = "kvpilot-operator"
 
@@ -72,7 +76,7 @@ def _retry_after(value: str | None) -> float | None:
 
 
 class KubeApi:
-    """Plain-dict GET/POST/PATCH/DELETE on API paths.
+    """Plain-dict GET/PATCH (merge, server-side apply)/DELETE on API paths.
 
     Args:
         api_client: a connected ``kubernetes.aio.client.ApiClient``.
@@ -158,11 +162,16 @@ class KubeApi:
                 return None
             raise
 
-    async def create(self, collection_path: str, body: dict) -> dict:
-        return await self.request("POST", collection_path, body)
-
     async def merge_patch(self, path: str, patch: dict) -> dict:
-        return await self.request("PATCH", path, patch, content_type=MERGE_PATCH)
+        return await self.request("PATCH", path, patch, content_type=MERGE_PATCH,
+                                  query=[("fieldManager", FIELD_MANAGER)])
+
+    async def apply(self, path: str, body: dict, force: bool = True) -> dict:
+        """Server-side apply ``body`` as the operator's field manager; creates the object when
+        absent. ``force``: take over the fields of ``body`` from any other manager that set
+        them to something else (the body holds only fields the operator owns)."""
+        return await self.request("PATCH", path, body, content_type=APPLY_PATCH,
+                                  query=[("fieldManager", FIELD_MANAGER), ("force", str(force).lower())])
 
     async def delete(self, path: str) -> bool:
         """Delete (background propagation); False when it was already gone."""

@@ -1,0 +1,240 @@
+"""The InferenceService contract, one row per field: the CRD and the operator's checks.
+
+``SPEC`` is the schema of ``spec`` (types, bounds, enums, defaults, descriptions and CEL
+rules); ``operator/spec.py`` checks every spec with it (``SPEC.check``) before reading the
+typed values, and ``crd.inference_service_crd()`` renders it into
+``crds/serving.kvpilot.dev_inferenceservices.yaml`` (``scripts/sync_chart_crds.py``
+writes the file and fails ``--check`` when it differs). Adding a field is one row here
+(plus where the operator reads it); the CRD, its chart copy and the Python validation
+follow.
+
+Shared values come from their one source: the GPU catalogue, the KV dtypes and offload
+backends of the engine, the endpoint picker's failure modes of the settings.
+"""
+
+from __future__ import annotations
+
+import re
+
+from kvpilot.engine.core.constants import KV_CACHE_DTYPES, OFFLOAD_BACKENDS
+from kvpilot.operator.constants import HTTP_PORT
+from kvpilot.operator.contract.rules import Rule, each, f, has
+from kvpilot.operator.contract.schema import Arr, Bool, Free, Int, IntOrStr, Map, Num, Obj, Str
+from kvpilot.operator.planner.gpu import gpu_names
+from kvpilot.operator.settings import EPP_FAILURE_MODES
+
+BLOCK_SIZES = (8, 16, 32, 64, 128)
+AUTOSCALING_MODES = ("none", "hpa", "keda")
+ACCESS_MODES = ("ReadWriteMany", "ReadWriteOnce")
+DEFAULT_PROMETHEUS = "http://prometheus-operated.monitoring.svc:9090"
+# The composite scale signal's defaults: ~5 queued requests per replica is the usual
+# vLLM queue-depth target; one preemption per 10 s per pod means the KV cache thrashes.
+DEFAULT_WAITING_REQUESTS_TARGET = 5
+DEFAULT_PREEMPTION_RATE_TARGET = 0.1
+DEFAULT_KV_USAGE_TARGET = 0.7
+
+# The forms of spec.model.uri, with the parts the operator reads (spec.py matches them).
+URI_FORMS = {
+    "hf": r"hf://(?P<repo>[A-Za-z0-9][-A-Za-z0-9_.]*/[A-Za-z0-9][-A-Za-z0-9_.]*)(@(?P<rev>[-A-Za-z0-9_./]+))?",
+    "pvc": r"pvc://(?P<claim>[a-z0-9]([-a-z0-9]*[a-z0-9])?)(/(?P<path>\S*))?",
+    "s3": r"s3://(?P<bucket>[a-z0-9][-a-z0-9.]*[a-z0-9])(/(?P<prefix>\S*))?",
+    "path": r"(?P<image_path>/\S*)",
+}
+_UNNAMED = re.compile(r"\(\?P<\w+>")
+
+
+def _any_of(forms: dict[str, str]) -> str:
+    """One anchored pattern matching any of ``forms`` (group names dropped: RE2 and the
+    API server's validators need none)."""
+    return "^(" + "|".join(_UNNAMED.sub("(", p) for p in forms.values()) + ")$"
+
+
+def _ref(what: str) -> Obj:
+    return Obj(required=("name",), description=what, properties={"name": Str(max_length=253)})
+
+
+QUANTITIES = Map(values=IntOrStr())
+
+MODEL = Obj(required=("uri",), rules=(
+    Rule(~has("credentialsSecretRef") | f("uri").starts_with("hf://") | f("uri").starts_with("s3://"),
+         "model.credentialsSecretRef is only used with hf:// and s3:// URIs"),
+    Rule(~has("cache") | f("uri").starts_with("hf://"), "model.cache is only used with hf:// URIs"),
+), properties={
+    "uri": Str(max_length=512, pattern=_any_of(URI_FORMS), expected=(
+        "hf://org/name[@revision], pvc://claim/path, s3://bucket/prefix or an absolute path in the image"),
+        description=(
+        "Where the weights come from: hf://org/name[@revision] (downloaded by an init container), "
+        "pvc://claim/path (mounted read-only), s3://bucket/prefix (downloaded by an init container) "
+        "or an absolute path inside the image.")),
+    "servedName": Str(max_length=128, pattern=r"^[A-Za-z0-9][-A-Za-z0-9_./:]*$", expected="a valid model name",
+                      description="The model name clients send in API requests (default: the resource name)."),
+    "architecture": Str(max_length=128, description=(
+        "A model in the planner's catalogue (`kvpilot plan --help` lists them) whose architecture "
+        "describes these weights; needed when the URI does not name one.")),
+    "credentialsSecretRef": _ref(
+        "A Secret whose keys become environment variables of the download init container (HF_TOKEN; "
+        "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION, ...)."),
+    "cache": Obj(description=(
+        "Where hf:// weights are kept between pod starts: a claim per service (ReadWriteMany: shared "
+        "by all replicas; ReadWriteOnce: one replica, else a claim per pod that lives as long as the "
+        "pod). The claim's spec is set when it is created."), properties={
+        "enabled": Bool(default=True, description=(
+            "false: an emptyDir, filled at every pod start (as without the operator's cache).")),
+        "accessMode": Str(enum=ACCESS_MODES, description=(
+            "Unset: ReadWriteMany when the storage class is one of the operator's "
+            "KVPILOT_RWX_STORAGE_CLASSES.")),
+        "storageClassName": Str(max_length=253),
+        "sizeGiB": Num(minimum=1, maximum=65536, description="Unset: the planner's checkpoint size + 10% + 2 GiB."),
+    }),
+})
+
+GPU = Obj(required=("type",), properties={
+    "type": Str(enum=tuple(gpu_names()), description="A GPU in the planner's catalogue."),
+    "count": Int(minimum=1, maximum=8, default=1, description="GPUs per replica (tensor parallel size)."),
+    "nodeSelector": Map(values=Str(max_length=63), max_properties=16, description=(
+        "Node labels that mean this GPU type in your cluster (a cloud's accelerator label, say). "
+        "Replaces the default match: the operator's KVPILOT_GPU_NODE_LABEL (nvidia.com/gpu.product, "
+        "set by NVIDIA GPU feature discovery) equal to one of the type's product names.")),
+})
+
+# spec.slo becomes the planner's ServiceLevel: each field's planner name is its snake_case.
+SLO = Obj(required=("maxContext", "p95PromptTokens", "p95OutputTokens"), rules=(
+    Rule(has("concurrency") | has("requestsPerSecond"), "slo needs a target concurrency, a request rate, or both"),
+    Rule(~has("p50PromptTokens") | (f("p50PromptTokens") <= f("p95PromptTokens")),
+         "slo.p50PromptTokens must be <= slo.p95PromptTokens"),
+    Rule(~has("p50OutputTokens") | (f("p50OutputTokens") <= f("p95OutputTokens")),
+         "slo.p50OutputTokens must be <= slo.p95OutputTokens"),
+    Rule(f("p95PromptTokens") + f("p95OutputTokens") <= f("maxContext"),
+         "slo.p95PromptTokens + slo.p95OutputTokens must fit in slo.maxContext"),
+    Rule(~has("sharedPrefixTokens") | (f("sharedPrefixTokens") <= f("p95PromptTokens")),
+         "slo.sharedPrefixTokens is part of the prompt and must be <= slo.p95PromptTokens"),
+), properties={
+    "maxContext": Int(minimum=16, maximum=2097152,
+                      description="Longest sequence (prompt + output) served; becomes --max-model-len."),
+    "p50PromptTokens": Int(minimum=1),
+    "p95PromptTokens": Int(minimum=1),
+    "p50OutputTokens": Int(minimum=1),
+    "p95OutputTokens": Int(minimum=1),
+    "concurrency": Int(minimum=1, maximum=100000, description="Sequences in flight across the service at peak."),
+    "requestsPerSecond": Num(minimum=0, exclusive_minimum=True, maximum=100000),
+    "ttftP95Ms": Num(minimum=0, exclusive_minimum=True, description="Time-to-first-token target (p95, milliseconds)."),
+    "itlP95Ms": Num(minimum=0, exclusive_minimum=True, description="Inter-token-latency target (p95, milliseconds)."),
+    "sharedPrefixTokens": Int(minimum=0, description=(
+        "Tokens of a prompt prefix shared by many requests (system prompt, few-shot).")),
+    "distinctPrefixes": Int(minimum=1, maximum=1000000, description="How many different shared prefixes are in use."),
+    "allowFp8KvCache": Bool(default=False, description="Let the planner choose an FP8 KV cache when capacity needs it."),
+})
+
+# spec.engine's settings become the planner's Overrides (snake_case names); extraArgs the command line.
+ENGINE = Obj(description="Explicit engine settings; each wins over the planner and is checked by it.", properties={
+    "gpuMemoryUtilization": Num(minimum=0.05, maximum=0.99),
+    "maxNumSeqs": Int(minimum=1, maximum=65536),
+    "maxNumBatchedTokens": Int(minimum=1, maximum=4194304),
+    "kvCacheDtype": Str(enum=KV_CACHE_DTYPES),
+    "blockSize": Int(enum=BLOCK_SIZES),
+    "enablePrefixCaching": Bool(),
+    "kvSafetyMargin": Num(minimum=0, maximum=0.49, description=(
+        "Plan the KV cache this fraction below the planner's calibrated estimate (default 0.03).")),
+    "kvCacheMemoryBytes": Int(minimum=1, int64=True, description=(
+        "Pin the KV cache size per GPU (bytes; --kv-cache-memory-bytes) instead of what the planner "
+        "leaves for it: for a GPU shared with other processes, or a small cache. The planner checks "
+        "that it fits and sizes max_num_seqs for it.")),
+    "extraArgs": Arr(items=Str(max_length=256), max_items=32,
+                     description="Appended verbatim to the `kvpilot serve` command line.",
+                     rules=(Rule(each(lambda a: ~a.starts_with("--api-key")),
+                                 "pass the API key through spec.apiKeySecretRef, never on the command line"),)),
+})
+
+OFFLOAD = Obj(description="KV offload tiers that extend the prefix cache beyond GPU memory.", rules=(
+    Rule(f("enabled") | (~has("cpuGiB") & ~has("disk") & ~has("lmcache")),
+         "offload.cpuGiB, offload.disk and offload.lmcache need offload.enabled=true"),
+    Rule(~has("lmcache") | (f("backend") == "lmcache"), "offload.lmcache needs offload.backend=lmcache"),
+), properties={
+    "enabled": Bool(default=False),
+    "backend": Str(enum=OFFLOAD_BACKENDS, default="native"),
+    "cpuGiB": Num(minimum=0, exclusive_minimum=True, maximum=4096,
+                  description="Host-memory KV tier per replica (GiB); unset = the planner's size."),
+    "disk": Obj(description="A disk KV tier on a PersistentVolumeClaim (one per replica).", properties={
+        "sizeGiB": Num(minimum=1, maximum=65536, description="Disk KV tier per replica (GiB); unset = the planner's size."),
+        "storageClassName": Str(max_length=253),
+    }),
+    "lmcache": Obj(properties={
+        "remoteUrl": Str(max_length=512, pattern=r"^lm://[^\s/:]+:[0-9]+$", expected="lm://host:port",
+                         description="An `lmcache server` shared by all replicas (lm://host:port)."),
+        "chunkSize": Int(minimum=16, maximum=8192),
+    }),
+})
+
+AUTOSCALING = Obj(description=(
+    "Scale on a composite signal: the autoscaler follows whichever of KV cache usage, queued requests "
+    "and preemptions per pod asks for the most replicas."), rules=(
+    Rule((f("mode") == "none") | has("maxReplicas"),
+         "autoscaling.maxReplicas is required when autoscaling.mode is hpa or keda"),
+    Rule(~has("maxReplicas") | (f("minReplicas") <= f("maxReplicas")),
+         "autoscaling.minReplicas must be <= autoscaling.maxReplicas"),
+    Rule((f("minReplicas") >= 1) | (f("mode") == "keda"),
+         "autoscaling.minReplicas 0 (scale to zero) needs autoscaling.mode keda"),
+), properties={
+    "mode": Str(enum=AUTOSCALING_MODES, default="none"),
+    "minReplicas": Int(minimum=0, maximum=1000, default=1,
+                       description="Fewest replicas; 0 (scale to zero when idle) with mode keda only."),
+    "maxReplicas": Int(minimum=1, maximum=1000),
+    "kvCacheUsageTarget": Num(minimum=0.05, maximum=1, default=DEFAULT_KV_USAGE_TARGET,
+                              description="Average KV cache usage (0..1) per pod that the autoscaler aims for."),
+    "waitingRequestsTarget": Int(minimum=1, default=DEFAULT_WAITING_REQUESTS_TARGET,
+                                 description="Average queued requests per pod that the autoscaler aims for."),
+    "preemptionRateTarget": Num(minimum=0, exclusive_minimum=True, default=DEFAULT_PREEMPTION_RATE_TARGET,
+                                description=("Average preemptions per second per pod (KV cache thrash) "
+                                             "that the autoscaler aims for.")),
+    "prometheusServerAddress": Str(max_length=512, default=DEFAULT_PROMETHEUS,
+                                   description="Prometheus that KEDA's triggers query (mode keda)."),
+})
+
+ROUTING = Obj(description="Gateway API inference routing to the engine pods.", properties={
+    "inferencePool": Obj(description=(
+        "An InferencePool of the engine pods, created when the cluster serves "
+        "inference.networking.k8s.io/v1 (the Gateway API inference extension)."), properties={
+        "enabled": Bool(default=True),
+        "endpointPickerRef": Obj(required=("name",), description=(
+            "The endpoint picker Service that routes requests among the pods (default: the operator's "
+            "KVPILOT_EPP_NAME, KVPILOT_EPP_PORT, KVPILOT_EPP_FAILURE_MODE)."), properties={
+            "name": Str(min_length=1, max_length=253),
+            "port": Int(minimum=1, maximum=65535),
+            "failureMode": Str(enum=EPP_FAILURE_MODES),
+        }),
+    }),
+})
+
+SPEC = Obj(required=("model", "gpu", "slo"), rules=(
+    Rule(~has("engine") | ~has("engine.maxNumBatchedTokens") | ~has("engine.maxNumSeqs")
+         | (f("engine.maxNumBatchedTokens") >= f("engine.maxNumSeqs")),
+         "engine.maxNumBatchedTokens must be >= engine.maxNumSeqs (every running sequence needs a token per step)"),
+), properties={
+    "model": MODEL,
+    "gpu": GPU,
+    "slo": SLO,
+    "engine": ENGINE,
+    "offload": OFFLOAD,
+    "replicas": Int(minimum=0, maximum=1000, description="Replicas while autoscaling is off (unset = the planner's count)."),
+    "autoscaling": AUTOSCALING,
+    "image": Str(max_length=512, description="Engine image (default: the operator's KVPILOT_ENGINE_IMAGE)."),
+    "imagePullPolicy": Str(enum=("Always", "IfNotPresent", "Never")),
+    "resources": Obj(description="Extra requests/limits for the engine container; nvidia.com/gpu is always gpu.count.",
+                     properties={"limits": QUANTITIES, "requests": QUANTITIES}),
+    "env": Arr(max_items=128, items=Obj(required=("name",), properties={
+        "name": Str(min_length=1, max_length=256), "value": Str(), "valueFrom": Free()})),
+    "nodeSelector": Map(values=Str()),
+    "tolerations": Arr(max_items=64, items=Obj(properties={
+        "key": Str(), "operator": Str(enum=("Exists", "Equal")), "value": Str(),
+        "effect": Str(enum=("NoSchedule", "PreferNoSchedule", "NoExecute")), "tolerationSeconds": Int()})),
+    "affinity": Free(description=(
+        "A pod Affinity for the engine pods. The GPU-type match is added to each of its required node "
+        "selector terms; pod (anti-)affinity is used as given.")),
+    "port": Int(minimum=1024, maximum=65535, default=HTTP_PORT,
+                description="The port the engine serves its API and metrics on (pods run as non-root)."),
+    "routing": ROUTING,
+    "serviceAccountName": Str(max_length=253),
+    "apiKeySecretRef": Obj(required=("name",), description=(
+        "The API key clients must send; given to the engine as KVPILOT_API_KEY."), properties={
+        "name": Str(max_length=253), "key": Str(max_length=253, default="api-key")}),
+})

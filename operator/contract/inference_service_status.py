@@ -1,0 +1,97 @@
+"""The InferenceService ``status`` schema: what the operator writes, declared so that the
+API server keeps it (fields a CRD does not declare are pruned).
+
+``status.plan`` holds ``spec_to_plan.STATUS_FIELDS`` (camelCase) plus the generation,
+the serve flags and the KV estimate; tests/operator/test_crd.py keeps them equal.
+"""
+
+from __future__ import annotations
+
+from kvpilot.operator.constants import CONDITION_TYPES
+from kvpilot.operator.contract.schema import Arr, Bool, Int, Map, Num, Obj, Str
+
+
+def _strings() -> Arr:
+    return Arr(items=Str())
+
+
+CONDITION = Obj(required=("type", "status"), properties={
+    "type": Str(enum=CONDITION_TYPES),
+    "status": Str(enum=("True", "False", "Unknown")),
+    "reason": Str(),
+    "message": Str(),
+    "lastTransitionTime": Str(format="date-time"),
+    "observedGeneration": Int(int64=True),
+})
+
+PLAN_ERROR = Obj(description="Why the latest spec could not be planned (cleared once it can).", properties={
+    "generation": Int(int64=True),
+    "reason": Str(),
+    "message": Str(),
+    "bindingConstraint": Str(),
+    "suggestions": _strings(),
+})
+
+OBSERVED = Obj(description=(
+    "What the engine pods running the plan report about their KV cache, for the pod furthest from the "
+    "plan (absent until one was read); SizingDrift compares it with the plan."), properties={
+    "pods": Int(description="Engine pods read (ready, running this plan)."),
+    "pod": Str(description="The pod furthest from the plan, whose figures these are."),
+    "numGpuBlocks": Int(),
+    "blockSize": Int(),
+    "cacheDtype": Str(),
+    "tokenCapacity": Int(int64=True),
+    "profiledKvBytes": Int(int64=True, description=(
+        "What start-up profiling left for the KV cache (engines that profile a GPU).")),
+    "comparedOn": Str(enum=("numGpuBlocks", "profiledKvBytes"), description=(
+        "The comparison relativeError is about: the profiled KV memory against the plan's kvEstimateBytes "
+        "where engines export it, else the blocks against numGpuBlocks.")),
+    "relativeError": Num(description="observed / planned - 1."),
+})
+
+PLAN = Obj(description="What the running pods were given, with the planner's derivation.", properties={
+    "generation": Int(int64=True, description="The spec generation this plan was made for."),
+    "model": Str(),
+    "gpu": Str(),
+    "tensorParallelSize": Int(),
+    "replicas": Int(),
+    "kvCacheDtype": Str(),
+    "kvDtypeBytes": Int(),
+    "kvBytesPerToken": Int(),
+    "gpuMemoryUtilization": Num(),
+    "kvCacheMemoryBytes": Int(int64=True),
+    "kvEstimateBytes": Int(int64=True, description=(
+        "What the planner expects start-up profiling to leave for the KV cache per GPU.")),
+    "numGpuBlocks": Int(),
+    "blockSize": Int(),
+    "kvTokenCapacity": Int(int64=True),
+    "maxModelLen": Int(),
+    "maxNumSeqs": Int(),
+    "maxNumBatchedTokens": Int(),
+    "enablePrefixCaching": Bool(),
+    "residentPrefixTokens": Int(int64=True),
+    "cpuOffloadGib": Num(),
+    "diskOffloadGib": Num(),
+    "offloadBackend": Str(),
+    "podMemoryGib": Num(),
+    "shmGib": Num(),
+    "bindingConstraint": Str(),
+    "bindingDetail": Str(),
+    "estimates": Map(values=Num(), description="Roofline estimates (milliseconds, requests/s) behind the plan."),
+    "limits": Map(values=Int(), description="max_num_seqs allowed by each constraint."),
+    "serveArgs": _strings(),
+    "derivation": _strings(),
+    "warnings": _strings(),
+})
+
+STATUS = Obj(properties={
+    "observedGeneration": Int(int64=True),
+    "replicas": Int(),
+    "readyReplicas": Int(),
+    "selector": Str(),
+    "endpoint": Str(),
+    "conditions": Arr(items=CONDITION, map_keys=("type",)),
+    "planError": PLAN_ERROR,
+    "observed": OBSERVED,
+    "plan": PLAN,
+})
