@@ -59,6 +59,15 @@ def _structured_outputs_config(text: str) -> StructuredOutputsConfig:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _kv_events_config(text: str):
+    from kvpilot.engine.kv_events.config import KVEventsConfig
+
+    try:
+        return KVEventsConfig.from_json(text)
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Adds every ``kvpilot serve`` flag to ``parser`` and returns it: the engine's flags
     here, the HTTP front end's (``args_frontend``), and the vLLM flags kvpilot refuses
@@ -140,6 +149,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     cache.add_argument("--enable-mfu-metrics", action="store_true",
                        help="export model-shape estimates of FLOPs and bytes read / written per GPU "
                             "(vllm:estimated_flops_per_gpu_total, ...)")
+
+    cache.add_argument("--kv-events-config", type=_kv_events_config, default=None, metavar="JSON",
+                       help="vLLM's KV-cache events over ZeroMQ for prefix-aware routers: JSON with "
+                            "enable_kv_cache_events, publisher (zmq | null), endpoint (tcp://*:5557), "
+                            "replay_endpoint, buffer_steps, hwm, max_queue_size, topic")
 
     offload = parser.add_argument_group("KV offloading (only where this build supports it)")
     offload.add_argument("--kv-offloading-size", type=non_negative_float, default=None,
@@ -280,6 +294,7 @@ def engine_args_from_namespace(ns: argparse.Namespace):
         "override_generation_config": ns.override_generation_config,
         "max_logprobs": ns.max_logprobs,
         "structured_outputs_config": structured,
+        "kv_events_config": ns.kv_events_config,
         "enforce_eager": ns.enforce_eager,
         "kv_cache_metrics": ns.kv_cache_metrics,
         "kv_cache_metrics_sample": ns.kv_cache_metrics_sample,

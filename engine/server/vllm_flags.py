@@ -111,7 +111,7 @@ VLLM_FLAGS: tuple[VLLMFlag, ...] = (
     _r("--cpu-offload-gb", "weights always live on the device (KV offloading is --kv-offloading-size)"),
     _r("--prefix-caching-hash-algo", "the prefix hash is always sha256 (seed it with --prefix-caching-hash-seed)"),
     _r("--kv-transfer-config", "KV transfer between instances (disaggregated prefill) is not implemented; share prefixes with --kv-offloading-backend lmcache"),
-    _r("--kv-events-config", "KV cache events are not published"),
+    _h("--kv-events-config", "vLLM's KV-cache events (BlockStored / BlockRemoved / AllBlocksCleared, map form) on a ZeroMQ PUB socket with a replay socket, for llm-d and vllm-router's kv_aware policy"),
     # ---- scheduler
     _h("--max-num-seqs", "sequences per batch"),
     _h("--max-num-batched-tokens", "token budget of one step"),
