@@ -29,6 +29,8 @@ BLOCK_SIZES = (8, 16, 32, 64, 128)
 AUTOSCALING_MODES = ("none", "hpa", "keda")
 ACCESS_MODES = ("ReadWriteMany", "ReadWriteOnce")
 FAILURE_MODES = ("FailOpen", "FailClose")
+ROUTERS = ("gateway", "vllm-router")   # spec.routing.router
+ROUTER_POLICIES = ("kv_aware", "cache_aware", "round_robin", "power_of_two", "consistent_hash")
 DEFAULT_PROMETHEUS = "http://prometheus-operated.monitoring.svc:9090"
 # The composite scale signal's defaults: ~5 queued requests per replica is the usual
 # vLLM queue-depth target; one preemption per 10 s per pod means the KV cache thrashes.
@@ -139,6 +141,16 @@ class InferencePoolSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class RouterSpec:
+    """``spec.routing.router`` (``gateway`` | ``vllm-router``; None: as before, no events) and
+    ``spec.routing.vllmRouter`` (``resources/router.py``)."""
+
+    kind: str | None = None
+    policy: str = "kv_aware"
+    replicas: int = 2
+
+
+@dataclass(frozen=True, slots=True)
 class EngineSpec:
     """``spec.engine``.
 
@@ -228,6 +240,7 @@ class InferenceServiceSpec:
     affinity: Mapping[str, Any] = field(default_factory=dict)
     port: int = HTTP_PORT
     inference_pool: InferencePoolSpec = InferencePoolSpec()
+    router: RouterSpec = RouterSpec()
     service_account_name: str | None = None
     api_key_secret: tuple[str, str] | None = None   # (secret name, key)
 
@@ -311,6 +324,16 @@ def _parse_routing(r: Reader | None) -> InferencePoolSpec:
         endpoint_picker_port=picker.get("port", int, minimum=1, maximum=65535) if picker else None,
         failure_mode=picker.get("failureMode", str, choices=FAILURE_MODES) if picker else None,
     )
+
+
+def _parse_router(r: Reader | None) -> RouterSpec:
+    if r is None:
+        return RouterSpec()
+    vllm = r.sub("vllmRouter")
+    return RouterSpec(
+        kind=r.get("router", str, choices=ROUTERS),
+        policy=vllm.get("policy", str, "kv_aware", choices=ROUTER_POLICIES) if vllm else "kv_aware",
+        replicas=vllm.get("replicas", int, 2, minimum=1, maximum=100) if vllm else 2)
 
 
 def _parse_slo(r: Reader) -> ServiceLevel:
@@ -431,6 +454,7 @@ def parse_spec(spec: Mapping[str, Any], resource_name: str) -> InferenceServiceS
         affinity=_parse_affinity(r),
         port=r.get("port", int, HTTP_PORT, minimum=1024, maximum=65535),
         inference_pool=_parse_routing(r.sub("routing")),
+        router=_parse_router(r.sub("routing")),
         api_key_secret=(api_key.get("name", str, required=True), api_key.get("key", str, "api-key"))
         if api_key else None,
     )

@@ -41,6 +41,9 @@ ALLOWED_UNUSED = {
     # OwnerReferencesPermissionEnforcement: setting blockOwnerDeletion on a child's
     # ownerReference needs update on the owner's finalizers subresource.
     ("update", c.GROUP, f"{c.PLURAL}/finalizers"),
+    # Escalation prevention: the operator may create the router's Role (pods get, list,
+    # watch) only if it holds those permissions itself.
+    ("get", "", "pods"),
 }
 
 SMALL = {"model": {"uri": "hf://Qwen/Qwen3-0.6B"}, "gpu": {"type": "l4"},
@@ -49,6 +52,10 @@ OFFLOAD = {**SMALL, "replicas": 1, "offload": {"enabled": True, "cpuGiB": 4, "di
 # latency SLOs: a PrometheusRule child (dropped again when the spec loses them)
 AUTOSCALED = {**SMALL, "slo": {**SMALL["slo"], "ttftP95Ms": 800, "itlP95Ms": 60},
               "autoscaling": {"mode": "hpa", "minReplicas": 2, "maxReplicas": 4}}
+# vLLM's router in front: its Deployment, Service, ServiceAccount, Role, RoleBinding, PDB
+ROUTED = {**SMALL, "replicas": 2, "routing": {"router": "vllm-router"}}
+ROUTER_KINDS = {"Deployment", "Service", "ServiceAccount", "Role", "RoleBinding",
+                "PodDisruptionBudget", "PodMonitor"}
 
 
 def _inference_pool_crd() -> dict:
@@ -97,6 +104,28 @@ class Scenario:
         return wait_for(lambda: (ch := self.children(name, ns)) and set(ch) == kinds and ch,
                         20, 0.1, f"{name}'s children to be exactly {sorted(kinds)}")
 
+    def router_children(self, name: str, ns: str = "team-a") -> dict[str, dict]:
+        """The router's children (named ``<name>-router``) by kind."""
+        router = f"{name}-router"
+        return copy.deepcopy(self.emu.run(lambda e: {
+            o["kind"]: o for (g, p, n, nm), o in e.objects.items() if n == ns and nm == router}))
+
+    def wait_router(self, name: str, kinds: set[str], ns: str = "team-a") -> dict[str, dict]:
+        return wait_for(lambda: (ch := self.router_children(name, ns)) and set(ch) == kinds and ch,
+                        20, 0.1, f"{name}'s router children to be exactly {sorted(kinds)}")
+
+    def tamper_router(self, name: str, kinds: set[str], ns: str = "team-a") -> None:
+        strip = json.dumps({"metadata": {"annotations": {c.ANNOTATION_LAST_APPLIED: None},
+                                         "labels": {c.LABEL_MANAGED_BY: None}}})
+        for kind in kinds:
+            self.kubectl("-n", ns, "patch", kind.lower(), f"{name}-router", "--type", "merge", "-p", strip)
+
+    def router_untampered(self, name: str, kinds: set[str], ns: str = "team-a") -> bool:
+        ch = self.router_children(name, ns)
+        return set(ch) == kinds and all(
+            c.ANNOTATION_LAST_APPLIED in (o["metadata"].get("annotations") or {}) and
+            (o["metadata"].get("labels") or {}).get(c.LABEL_MANAGED_BY) == c.MANAGER for o in ch.values())
+
     def tamper(self, name: str, ns: str = "team-a") -> None:
         """Strip the last-applied annotation and the managed-by label from every child, through
         the API: each leaves the operator's label-selected watch, so the operator tries to
@@ -138,6 +167,7 @@ def test_cluster_rbac_grants_exactly_what_the_operator_calls(tmp_path):
         with s.operator:
             s.service("cached", OFFLOAD)
             s.service("scaled", AUTOSCALED)
+            s.service("routed", ROUTED)
             s.wait_children("cached", {"Deployment", "Service", "PersistentVolumeClaim", "PodMonitor",
                                        "InferencePool"})
             scaled = s.wait_children("scaled", {"Deployment", "Service", "HorizontalPodAutoscaler",
@@ -147,9 +177,20 @@ def test_cluster_rbac_grants_exactly_what_the_operator_calls(tmp_path):
             image = operator_env(docs)["KVPILOT_ENGINE_IMAGE"]
             pod = scaled["Deployment"]["spec"]["template"]["spec"]
             assert [x["image"] for x in pod["containers"] + pod["initContainers"]] == [image, image]
-            for name in ("cached", "scaled"):  # every child kind patched back
+            router = s.wait_router("routed", ROUTER_KINDS)
+            # the router's identity may do exactly what its service discovery does
+            assert router["Role"]["rules"] == [{"apiGroups": [""], "resources": ["pods"],
+                                                "verbs": ["get", "list", "watch"]}]
+            assert router["Deployment"]["spec"]["template"]["spec"]["containers"][0]["image"] == \
+                operator_env(docs)["KVPILOT_ROUTER_IMAGE"]
+            for name in ("cached", "scaled", "routed"):  # every child kind patched back
                 s.tamper(name)
-            wait_for(lambda: s.untampered("cached") and s.untampered("scaled"), 20, 0.1, "drift repaired")
+            s.tamper_router("routed", ROUTER_KINDS)
+            wait_for(lambda: s.untampered("cached") and s.untampered("scaled") and s.untampered("routed")
+                     and s.router_untampered("routed", ROUTER_KINDS), 20, 0.1, "drift repaired")
+            s.service("routed", {**SMALL, "replicas": 2})     # router off: its children go
+            wait_for(lambda: not s.router_children("routed"), 20, 0.1, "the router's children deleted")
+            s.delete("routed")
             s.service("scaled", {**AUTOSCALED, "autoscaling": {"mode": "keda", "minReplicas": 2,
                                                                "maxReplicas": 4}})
             s.wait_children("scaled", {"Deployment", "Service", "ScaledObject", "PodMonitor",
@@ -180,12 +221,13 @@ def test_cluster_rbac_grants_exactly_what_the_operator_calls(tmp_path):
     # create, patch, get (a create that found the name taken) and, where droppable, delete
     for kind in ("deployments", "services", "persistentvolumeclaims", "horizontalpodautoscalers",
                  "scaledobjects", "podmonitors", "prometheusrules", "poddisruptionbudgets",
-                 "inferencepools"):
+                 "inferencepools", "serviceaccounts", "roles", "rolebindings"):
         assert {v for v, g, r in used if r == kind} >= {"list", "watch", "get", "create", "patch"}, kind
     assert {v for v, g, r in used if r == "pods"} == {"list", "watch"}
     assert {r for v, g, r in used if v == "delete"} == {
         "persistentvolumeclaims", "horizontalpodautoscalers", "scaledobjects", "poddisruptionbudgets",
-        "inferencepools", "prometheusrules"}
+        "inferencepools", "prometheusrules", "deployments", "services", "serviceaccounts", "roles",
+        "rolebindings", "podmonitors"}
     assert ("patch", "kopf.dev", "clusterkopfpeerings") in used
     # the check can fail: without one rule, the calls that need it are reported
     (role,) = of_kind(docs, "ClusterRole")

@@ -293,3 +293,42 @@ def test_an_endpoint_in_use_is_a_clear_error():
             _publisher(endpoint="tcp://*:" + first.endpoint.rsplit(":", 1)[1], replay_endpoint=None)
     finally:
         first.close()
+
+
+def test_a_hybrid_models_groups_each_announce_their_blocks():
+    """Full-attention and sliding-window pools register the same hashes under group 0 and 1
+    (labelled with their kind and window), and each pool's evictions are removals from its
+    own group: the translator's views equal both pools."""
+    from kvpilot.engine.core.block_hash import root_hash
+    from kvpilot.engine.core.hybrid_kv_cache_manager import HybridKVCacheManager
+    from kvpilot.engine.core.kv_event_log import KVEventLog
+    from kvpilot.engine.core.request import Request
+    from kvpilot.engine.kv_events import group_specs
+
+    kv = HybridKVCacheManager(32, 6, 4, enable_caching=True, hash_root=root_hash("t"), sliding_window=8)
+    log = KVEventLog(group_specs(kv))
+    kv.attach_events(log)
+    translator = EventTranslator(4, log.group_specs)
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    requests = [Request("a", list(range(100, 141)), params), Request("b", list(range(300, 309)), params)]
+    for request in requests:            # prefilled 4 tokens a step, as the scheduler does
+        kv.update_block_hashes(request)
+        while request.num_computed_tokens < request.num_tokens:
+            step = min(4, request.num_tokens - request.num_computed_tokens)
+            assert kv.allocate_slots(request, step)
+            request.num_computed_tokens += step
+            kv.release_outside_window(request)
+        kv.free(request)
+    events = translator.translate(log.take())
+    stored: dict[int, list[int]] = {0: [], 1: []}
+    for e in events:
+        if type(e).__name__ == "BlockStored":
+            stored[e.group_idx] += e.block_hashes
+            assert (e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window) == \
+                (("full_attention", None), ("sliding_window", 8))[e.group_idx]
+    every = [low64(h) for r in requests for h in r.block_hashes]
+    assert stored[0] == stored[1] == every
+    removed = [e for e in events if type(e).__name__ == "BlockRemoved"]
+    assert removed and {e.group_idx for e in removed} == {1}   # only the 6-block sliding pool ran out
+    for group, manager in enumerate(kv.groups):
+        assert translator.view[(group, "GPU")] == set(manager.pool.cached)
