@@ -132,6 +132,9 @@ def test_events_rebuild_every_tier_exactly(micro_model, tmp_path, one_thread):
         assert num_aborted > 0
         assert stats.prefix_cache_hits > 0 and stats.external_prefix_cache_hits > 0
         assert engine.kv_events.publisher._translator.num_unannounced == 0
+        print(f"\n{NUM_REQUESTS} requests, {wave} waves compared, {stats.num_preemptions} preemptions, "
+              f"{num_aborted} aborted, {num_resets} resets, {follower.publisher.num_published} batches "
+              f"({follower.num_replayed} by replay); blocks: {dict(sorted(counts.items()))}")
         # Live messages and the replay of the same sequence numbers are the same bytes.
         live = sorted(follower.payloads)
         assert live == list(range(follower.publisher.num_published))
