@@ -19,6 +19,7 @@ from kvpilot.engine.config import (
 )
 from kvpilot.engine.core.constants import MODEL_DTYPES
 from kvpilot.engine.generation_defaults import load_generation_defaults
+from kvpilot.engine.kv_events.config import KVEventsConfig
 from kvpilot.engine.model.device_memory import FAKE_DEVICE_MEMORY_ENV
 from kvpilot.engine.model.hf_config import ArchConfig, kv_cache_groups, load_arch_config
 
@@ -90,6 +91,8 @@ class EngineArgs:
     # vLLM's VLLM_COMPUTE_NANS_IN_LOGITS): a device sync per step.
     compute_nans_in_logits: bool = False
     structured_outputs_config: StructuredOutputsConfig = StructuredOutputsConfig()
+    # vLLM's --kv-events-config: publish KV-cache events over ZeroMQ (None = off).
+    kv_events_config: KVEventsConfig | None = None
 
     def resolve_device(self) -> str:
         if self.device != "auto":

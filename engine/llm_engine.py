@@ -25,6 +25,7 @@ from kvpilot.engine.core.scheduler import Scheduler
 from kvpilot.engine.core.step_cost import StepCostModel
 from kvpilot.engine.engine_args import EngineArgs, model_fingerprint
 from kvpilot.engine.exceptions import EngineDeadError
+from kvpilot.engine.kv_events import start_kv_events
 from kvpilot.engine.model.device_memory import device_memory_for
 from kvpilot.engine.model.memory_profiling import KVCacheSizing, determine_num_blocks
 from kvpilot.engine.model.parallel.group import RanksOutOfStep
@@ -108,6 +109,7 @@ class LLMEngine:
                 record_evictions=self.kv_offload is not None, residency=self._residency,
                 release_window=self._release_window())
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager, offload=self.kv_offload)
+        self.kv_events = start_kv_events(args.kv_events_config, self.kv_cache_manager, self.kv_offload)
         self.runner.kv_transfer = self.kv_offload
         self.runner.count_nan_logits = args.compute_nans_in_logits
         self._num_corrupted = 0
@@ -326,6 +328,12 @@ class LLMEngine:
     # ---- stepping -----------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One scheduling + model step; returns the outputs the requests' kinds ask for."""
+        outputs = self._step()
+        if self.kv_events is not None:   # the step's KV-cache events, one batch
+            self.kv_events.publish_step()
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             self.runner.remove_preempted(sched.preempted_request_ids)
@@ -422,7 +430,10 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         """Forget the device pool's cached blocks (offload tiers keep theirs)."""
-        return self.kv_cache_manager.reset_prefix_cache()
+        done = self.kv_cache_manager.reset_prefix_cache()
+        if self.kv_events is not None:
+            self.kv_events.publish_step()
+        return done
 
     def _run_pending_kv_transfers(self) -> None:
         transfers = self.scheduler.take_kv_transfers()
@@ -436,6 +447,8 @@ class LLMEngine:
             if self.kv_offload is not None:
                 self._run_pending_kv_transfers()
                 self.kv_offload.close()
+            if self.kv_events is not None:
+                self.kv_events.close()
         finally:
             if self.workers is not None:
                 self.workers.close()

@@ -89,6 +89,7 @@ class OperatorSettings:
         endpoint_picker_name: the endpoint picker Service of an InferencePool; ``{name}``
             is replaced by the InferenceService's name.
         endpoint_picker_port / endpoint_picker_failure_mode: its port and failure mode.
+        router_image: vLLM's router (``Dockerfile.router``) for ``spec.routing.router: vllm-router``.
     """
 
     namespaces: tuple[str, ...] = ()
@@ -118,6 +119,7 @@ class OperatorSettings:
     engine_scrape_timeout: float = 2.0
     engine_scrapes_per_pass: int = 4
     sizing_drift_threshold: float = 0.02
+    router_image: str = "ghcr.io/kvpilot/router:0.1.17"
 
     def __post_init__(self) -> None:
         if not self.engine_image:
@@ -209,6 +211,7 @@ class OperatorSettings:
             namespaces=namespaces,
             engine_image=env.get("KVPILOT_ENGINE_IMAGE", defaults.engine_image),
             s3_fetch_image=env.get("KVPILOT_S3_FETCH_IMAGE", defaults.s3_fetch_image),
+            router_image=env.get("KVPILOT_ROUTER_IMAGE", defaults.router_image),
             log_level=env.get("KVPILOT_LOG_LEVEL", defaults.log_level).upper(),
             resync_seconds=number("KVPILOT_RESYNC_SECONDS", defaults.resync_seconds),
             max_concurrent_reconciles=int(number("KVPILOT_MAX_CONCURRENT_RECONCILES",

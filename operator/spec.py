@@ -111,6 +111,16 @@ class InferencePoolSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class RouterSpec:
+    """``spec.routing.router`` (``gateway`` | ``vllm-router``; None: as before, no events) and
+    ``spec.routing.vllmRouter`` (``resources/router.py``)."""
+
+    kind: str | None = None
+    policy: str = "kv_aware"
+    replicas: int = 2
+
+
+@dataclass(frozen=True, slots=True)
 class EngineSpec:
     """``spec.engine``.
 
@@ -200,6 +210,7 @@ class InferenceServiceSpec:
     affinity: Mapping[str, Any] = field(default_factory=dict)
     port: int = HTTP_PORT
     inference_pool: InferencePoolSpec = InferencePoolSpec()
+    router: RouterSpec = RouterSpec()
     service_account_name: str | None = None
     api_key_secret: tuple[str, str] | None = None   # (secret name, key)
 
@@ -242,6 +253,12 @@ def _parse_routing(routing: Mapping[str, Any]) -> InferencePoolSpec:
     picker = pool.get("endpointPickerRef") or {}
     return InferencePoolSpec(enabled=pool["enabled"], endpoint_picker=picker.get("name"),
                              endpoint_picker_port=picker.get("port"), failure_mode=picker.get("failureMode"))
+
+
+def _parse_router(routing: Mapping[str, Any]) -> RouterSpec:
+    vllm = routing.get("vllmRouter", {})
+    return RouterSpec(kind=routing.get("router"), policy=vllm.get("policy", "kv_aware"),
+                      replicas=vllm.get("replicas", 2))
 
 
 def _parse_slo(slo: Mapping[str, Any]) -> ServiceLevel:
@@ -313,5 +330,6 @@ def parse_spec(spec: Mapping[str, Any], resource_name: str) -> InferenceServiceS
         affinity=s.get("affinity", {}),
         port=s["port"],
         inference_pool=_parse_routing(s.get("routing", {})),
+        router=_parse_router(s.get("routing", {})),
         api_key_secret=(api_key["name"], api_key["key"]) if api_key else None,
     )

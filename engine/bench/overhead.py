@@ -51,6 +51,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="comma-separated --attention-backend values, each measured at every batch "
                         "size, alternating (e.g. cpu,torch: the C++ decode kernel against the "
                         "pure-torch path side by side; default: %(default)s)")
+    p.add_argument("--kv-events", choices=("off", "on", "off,on"), default="off",
+                   help="publish KV-cache events (a ZeroMQ socket on loopback nobody reads); "
+                        "off,on measures both side by side, alternating (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=1,
                    help="runs per batch size; the fastest is reported (noisy machines)")
     p.add_argument("--json-out", default=None, help="also write the results to this JSON file")
@@ -66,6 +69,7 @@ class OverheadResult:
     forward_ms_per_step: float  # of which inside the model's forward + logits
     outside_share: float | None  # 1 - forward / step (CPU only)
     output_tokens_per_s: float  # whole run, prefill included
+    kv_events: bool = False     # publishing KV-cache events (--kv-events-config)
 
 
 def write_micro_model(directory: Path) -> Path:
@@ -122,7 +126,7 @@ class _StepProbe:
 def measure(model_dir: str, batch_size: int, prompt_len: int = 64, output_len: int = 128,
             output_kind: str = "final", device: str = "auto", enforce_eager: bool = False,
             dtype: str = "float32", num_gpu_blocks: int | None = None,
-            attention_backend: str = "auto") -> OverheadResult:
+            attention_backend: str = "auto", kv_events: bool = False) -> OverheadResult:
     """One engine, ``batch_size`` requests at once; mean decode step and forward times.
 
     The forward share is measured on CPU only (on CUDA kernels run asynchronously and
@@ -130,14 +134,18 @@ def measure(model_dir: str, batch_size: int, prompt_len: int = 64, output_len: i
     """
     from kvpilot.engine import LLMEngine, SamplingParams
     from kvpilot.engine.engine_args import EngineArgs
+    from kvpilot.engine.kv_events import KVEventsConfig
     from kvpilot.engine.sampling_params import RequestOutputKind
 
     max_len = prompt_len + output_len
     blocks = num_gpu_blocks or batch_size * -(-max_len // 16) + 16
+    # Events to a loopback port nobody reads: the publishing is what is measured.
+    events = (KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://127.0.0.1:*")
+              if kv_events else None)
     engine = LLMEngine(EngineArgs(model=model_dir, max_model_len=max_len + 16, max_num_seqs=batch_size,
                                   num_gpu_blocks=blocks, enable_prefix_caching=True, dtype=dtype,
                                   device=device, enforce_eager=enforce_eager,
-                                  attention_backend=attention_backend))
+                                  attention_backend=attention_backend, kv_events_config=events))
     on_cpu = engine.runner.device.type == "cpu"
     kind = {"final": RequestOutputKind.FINAL_ONLY, "delta": RequestOutputKind.DELTA,
             "cumulative": RequestOutputKind.CUMULATIVE}[output_kind]
@@ -164,14 +172,16 @@ def measure(model_dir: str, batch_size: int, prompt_len: int = 64, output_len: i
     engine.close()
     step, fwd = statistics.fmean(step_ms), statistics.fmean(forward_ms)
     return OverheadResult(batch_size, engine.runner.backend.name, len(step_ms), step, fwd,
-                          1 - fwd / step if on_cpu else None, batch_size * output_len / total)
+                          1 - fwd / step if on_cpu else None, batch_size * output_len / total,
+                          kv_events)
 
 
 def format_row(r: OverheadResult) -> str:
     """One line of the table (the outside share is "-" where it is not measured: CUDA)."""
     outside = "-" if r.outside_share is None else f"{r.outside_share:.0%}"
+    events = "  KV events on" if r.kv_events else ""
     return (f"{r.batch_size:>6}{r.attention_backend:>11}{r.ms_per_step:>10.2f}"
-            f"{r.forward_ms_per_step:>12.2f}{outside:>9}{r.output_tokens_per_s:>10.0f}")
+            f"{r.forward_ms_per_step:>12.2f}{outside:>9}{r.output_tokens_per_s:>10.0f}{events}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -186,16 +196,18 @@ def run(args: argparse.Namespace) -> int:
               f"{MICRO_CONFIG['hidden_size']}, vocab {MICRO_CONFIG['vocab_size']}, float32; "
               f"{args.prompt_len} prompt + {args.output_len} output tokens per request; "
               f"{args.output_kind} outputs; threads={torch.get_num_threads()}")
-        backends = args.attention_backends.split(",")
+        variants = [(b, e == "on") for b in args.attention_backends.split(",")
+                    for e in args.kv_events.split(",")]
         print(f"{'batch':>6}{'attention':>11}{'ms/step':>10}{'forward ms':>12}{'outside':>9}{'tok/s':>10}")
         for size in sizes:
-            runs: dict[str, list[OverheadResult]] = {b: [] for b in backends}
-            for _ in range(args.repeats):   # backends alternate: a noisy moment hits each alike
-                for backend in backends:
-                    runs[backend].append(measure(model_dir, size, args.prompt_len, args.output_len,
-                                                 args.output_kind, attention_backend=backend))
-            for backend in backends:
-                best = min(runs[backend], key=lambda r: r.ms_per_step)
+            runs: dict[tuple[str, bool], list[OverheadResult]] = {v: [] for v in variants}
+            for _ in range(args.repeats):   # variants alternate: a noisy moment hits each alike
+                for backend, events in variants:
+                    runs[backend, events].append(measure(
+                        model_dir, size, args.prompt_len, args.output_len, args.output_kind,
+                        attention_backend=backend, kv_events=events))
+            for variant in variants:
+                best = min(runs[variant], key=lambda r: r.ms_per_step)
                 results.append(best)
                 print(format_row(best), flush=True)
     if args.json_out:

@@ -12,6 +12,7 @@
 - ``request`` / ``request_queue``: a request's state; FCFS and priority queues.
 - ``scheduler``: continuous batching, chunked prefill, preemption -> ``SchedulerOutput``.
 - ``kv_transfer``: the offload saves and loads a step carries to the runner.
+- ``kv_event_log``: what each step changed in each KV tier, for the KV-event publisher.
 
 May import: the standard library, ``kvpilot.engine.config``, ``kvpilot.engine.sampling_params``
 and ``kvpilot.engine.model.hf_config`` (all torch-free). Never torch, numpy or tokenizers:

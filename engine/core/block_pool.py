@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 from kvpilot.engine.core.block_hash import BlockHash
+from kvpilot.engine.core.kv_event_log import CLEARED, MEDIUM_GPU, REMOVED, KVEventLog
 from kvpilot.engine.core.kv_residency import KVResidencySampler
 
 
@@ -90,6 +91,10 @@ class BlockPool:
         record_evictions: keep a list of evicted cached blocks for ``drain_evicted``
             (the KV offload tiers save them); off, evictions are not recorded at all.
         residency: follows sampled blocks' lives (``--kv-cache-metrics``); None = off.
+
+    ``events`` (set by ``attach_events``; None = off) gets a record each time a hash leaves
+    ``cached`` and on a reset; the KV cache manager records the blocks it registers, since
+    only it knows their tokens (``cache_full_block`` says which it did register).
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool = True,
@@ -107,6 +112,12 @@ class BlockPool:
         # still in the block until the next forward pass overwrites it.
         self._evicted: list[tuple[int, BlockHash]] = []
         self.residency = residency
+        self.events: KVEventLog | None = None
+        self.event_group = 0
+
+    def attach_events(self, events: KVEventLog, group_idx: int) -> None:
+        """Record this pool's changes in ``events`` as KV cache group ``group_idx``."""
+        self.events, self.event_group = events, group_idx
 
     @property
     def num_free_blocks(self) -> int:
@@ -150,6 +161,8 @@ class BlockPool:
         if self.cached.get(block.block_hash) is block:
             if self.record_evictions:
                 self._evicted.append((block.block_id, block.block_hash))
+            if self.events is not None:
+                self.events.append((REMOVED, self.event_group, MEDIUM_GPU, block.block_hash))
             del self.cached[block.block_hash]
         block.block_hash = None
 
@@ -158,17 +171,20 @@ class BlockPool:
         evicted, self._evicted = self._evicted, []
         return evicted
 
-    def cache_full_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
-        """Register a full block under its hash (first writer wins on duplicates)."""
-        if not self.enable_caching or block.block_hash is not None:
-            return
-        if block_hash not in self.cached:
-            block.block_hash = block_hash
-            self.cached[block_hash] = block
+    def cache_full_block(self, block: KVCacheBlock, block_hash: BlockHash) -> bool:
+        """Register a full block under its hash (first writer wins on duplicates); True
+        when it was registered now."""
+        if not self.enable_caching or block.block_hash is not None or block_hash in self.cached:
+            return False
+        block.block_hash = block_hash
+        self.cached[block_hash] = block
+        return True
 
     def uncache(self, block: KVCacheBlock) -> None:
         """Drop a block's hash registration without eviction side effects (its KV is invalid)."""
         if block.block_hash is not None and self.cached.get(block.block_hash) is block:
+            if self.events is not None:
+                self.events.append((REMOVED, self.event_group, MEDIUM_GPU, block.block_hash))
             del self.cached[block.block_hash]
         block.block_hash = None
 
@@ -190,4 +206,6 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.cached.clear()
+        if self.events is not None:
+            self.events.append((CLEARED,))
         return True

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from kvpilot.engine.core.block_hash import BlockHash
 from kvpilot.engine.core.block_pool import BlockPool
 from kvpilot.engine.core.kv_cache_manager import KVCacheManager, PrefixCacheStats, PrefixHit
+from kvpilot.engine.core.kv_event_log import KVEventLog
 from kvpilot.engine.core.kv_residency import KVResidencySampler
 from kvpilot.engine.core.request import Request
 
@@ -139,3 +140,8 @@ class HybridKVCacheManager:
         if any(g.pool.num_free_blocks != g.pool.num_blocks for g in self.groups):
             return False
         return all([g.reset_prefix_cache() for g in self.groups])
+
+    def attach_events(self, events: KVEventLog) -> None:
+        """Record each group's pool changes in ``events`` under its group index."""
+        for idx, group in enumerate(self.groups):
+            group.pool.attach_events(events, idx)

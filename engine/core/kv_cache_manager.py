@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from kvpilot.engine.core.block_hash import BlockHash, extend_block_hashes
 from kvpilot.engine.core.block_pool import BlockPool, KVCacheBlock
+from kvpilot.engine.core.kv_event_log import MEDIUM_GPU, STORED, KVEventLog
 from kvpilot.engine.core.kv_layout import num_released_blocks
 from kvpilot.engine.core.kv_residency import KVResidencySampler
 from kvpilot.engine.core.request import Request
@@ -251,9 +252,35 @@ class KVCacheManager:
         if num_full <= start:
             return
         self.update_block_hashes(request)
-        for i in range(start, num_full):
-            self.pool.cache_full_block(blocks[i], request.block_hashes[i])
+        hashes, cache = request.block_hashes, self.pool.cache_full_block
+        if self.pool.events is None:
+            for i in range(start, num_full):
+                cache(blocks[i], hashes[i])
+        else:
+            self._register_and_record(request, blocks, start, num_full)
         self._num_registered[rid] = num_full
+
+    def _register_and_record(self, request: Request, blocks: list[KVCacheBlock], start: int,
+                             end: int) -> None:
+        """Registers blocks ``start..end - 1`` and records one ``STORED`` per run of blocks
+        registered now (a block another request registered first is not this one's)."""
+        hashes, cache, bs = request.block_hashes, self.pool.cache_full_block, self.block_size
+        events, group = self.pool.events, self.pool.event_group
+        run_start = None
+        for i in range(start, end + 1):
+            if i < end and cache(blocks[i], hashes[i]):
+                if run_start is None:
+                    run_start = i
+                continue
+            if run_start is not None:
+                # vLLM's extra keys: the cache salt on a chain's first block, else None.
+                extra = [(request.cache_salt,) if j == 0 and request.cache_salt else None
+                         for j in range(run_start, i)]
+                events.append((STORED, group, MEDIUM_GPU, run_start,
+                               hashes[run_start - 1] if run_start else None,
+                               hashes[run_start:i], request.token_ids_slice(run_start * bs, i * bs),
+                               extra))
+                run_start = None
 
     def free(self, request: Request) -> list[int]:
         """Release a request's blocks, tail first (so its tail is evicted first).
@@ -283,3 +310,7 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
+
+    def attach_events(self, events: KVEventLog) -> None:
+        """Record the pool's changes in ``events`` (one KV cache group: index 0)."""
+        self.pool.attach_events(events, 0)

@@ -176,6 +176,12 @@ class OffloadBase(abc.ABC):
         """Waits until background writes (the disk tier's) are done."""
         return
 
+    def attach_events(self, events) -> None:
+        """Record blocks entering and leaving the tiers in ``events`` (a ``KVEventLog``) for
+        the KV-event publisher. The default announces nothing: a backend whose evictions
+        it cannot observe (LMCache's) would otherwise leave consumers with stale blocks."""
+        return
+
     def close(self) -> None:
         self.flush()
 

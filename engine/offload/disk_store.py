@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from kvpilot.engine.core.block_hash import BlockHash
+from kvpilot.engine.core.kv_event_log import MEDIUM_DISK, OFFLOADED, REMOVED, KVEventLog
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,10 @@ class DiskStore:
         self._pending: dict[BlockHash, torch.Tensor] = {}
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-disk-writer")
         self._closed = False
+        # KV events (None = off): blocks whose file is in place, and files dropped. Set
+        # after the start-up scan, so blocks of earlier runs are not announced (their
+        # tokens are not known).
+        self.events: KVEventLog | None = None
         self._scan()
 
     # ---- bookkeeping --------------------------------------------------------
@@ -135,12 +140,16 @@ class DiskStore:
             block_hash, size = self._index.popitem(last=False)
             self._used -= size
             self.path(block_hash).unlink(missing_ok=True)
+            if self.events is not None:
+                self.events.record_threadsafe((REMOVED, 0, MEDIUM_DISK, block_hash))
 
     def _forget(self, block_hash: BlockHash, delete: bool) -> None:
         with self._lock:
             size = self._index.pop(block_hash, None)
             if size is not None:
                 self._used -= size
+                if self.events is not None:
+                    self.events.record_threadsafe((REMOVED, 0, MEDIUM_DISK, block_hash))
             if delete:
                 self.path(block_hash).unlink(missing_ok=True)
 
@@ -188,6 +197,8 @@ class DiskStore:
         with self._lock:
             self._index[block_hash] = size
             self._used += size
+            if self.events is not None:
+                self.events.record_threadsafe((OFFLOADED, MEDIUM_DISK, block_hash))
             self._evict_locked()
         self.bytes_written += data.nbytes
 

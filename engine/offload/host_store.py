@@ -12,6 +12,7 @@ from collections import OrderedDict
 import torch
 
 from kvpilot.engine.core.block_hash import BlockHash
+from kvpilot.engine.core.kv_event_log import MEDIUM_CPU, OFFLOADED, REMOVED, KVEventLog
 
 
 class HostStore:
@@ -29,6 +30,7 @@ class HostStore:
         self.bytes_per_block = bytes_per_block
         self.capacity_blocks = capacity_bytes // bytes_per_block
         self._blocks: OrderedDict[BlockHash, torch.Tensor] = OrderedDict()
+        self.events: KVEventLog | None = None   # KV events: blocks in and out (None = off)
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -53,10 +55,15 @@ class HostStore:
             raise ValueError(f"payload of {payload.numel()} bytes, expected {self.bytes_per_block}")
         if self.capacity_blocks == 0:
             return 0
+        events = self.events
+        if events is not None and block_hash not in self._blocks:
+            events.append((OFFLOADED, MEDIUM_CPU, block_hash))
         self._blocks[block_hash] = payload
         self._blocks.move_to_end(block_hash)
         evicted = 0
         while len(self._blocks) > self.capacity_blocks:
-            self._blocks.popitem(last=False)
+            gone, _ = self._blocks.popitem(last=False)
+            if events is not None:
+                events.append((REMOVED, 0, MEDIUM_CPU, gone))
             evicted += 1
         return evicted

@@ -103,6 +103,11 @@ class NativeOffload(OffloadBase):
             self._awaiting.pop(block_hash).payload = self.host.get(block_hash)
 
     # ---- lifecycle / stats --------------------------------------------------------
+    def attach_events(self, events) -> None:
+        self.host.events = events
+        if self.disk is not None:
+            self.disk.events = events
+
     def flush(self) -> None:
         if self.disk is not None:
             self.disk.flush()

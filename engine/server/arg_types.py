@@ -108,3 +108,14 @@ def structured_outputs_config(text: str):
         return StructuredOutputsConfig(**data)
     except (TypeError, ValueError) as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def kv_events_config(text: str):
+    """An argparse ``type``: ``--kv-events-config``'s JSON object (vLLM's fields), as a
+    ``KVEventsConfig`` (unknown keys and bad values refused)."""
+    from kvpilot.engine.kv_events.config import KVEventsConfig
+
+    try:
+        return KVEventsConfig.from_json(text)
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

@@ -39,6 +39,7 @@ from kvpilot.engine.server.arg_types import (
     fraction,
     json_object,
     json_string_list,
+    kv_events_config,
     max_logprobs,
     non_negative_float,
     non_negative_int,
@@ -173,7 +174,8 @@ SERVE_FLAGS: tuple[Flag, ...] = (
         _r("--cpu-offload-gb", "weights always live on the device (KV offloading is --kv-offloading-size)"),
         _r("--prefix-caching-hash-algo", "the prefix hash is always sha256 (seed it with --prefix-caching-hash-seed)"),
         _r("--kv-transfer-config", "KV transfer between instances (disaggregated prefill) is not implemented; share prefixes with --kv-offloading-backend lmcache"),
-        _r("--kv-events-config", "KV cache events are not published"),
+        _h("--kv-events-config", "vLLM's KV-cache events (BlockStored / BlockRemoved / AllBlocksCleared, map form) on a ZeroMQ PUB socket with a replay socket, for llm-d and vllm-router's kv_aware policy: JSON with `enable_kv_cache_events`, `publisher` (`zmq` / `null`), `endpoint` (`tcp://*:5557`), `replay_endpoint`, `buffer_steps`, `hwm`, `max_queue_size`, `topic`",
+           engine="kv_events_config", type=kv_events_config, metavar="JSON"),
     ),
     *section(
         "KV offloading",

@@ -190,7 +190,19 @@ AUTOSCALING = Obj(description=(
                                    description="Prometheus that KEDA's triggers query (mode keda)."),
 })
 
-ROUTING = Obj(description="Gateway API inference routing to the engine pods.", properties={
+ROUTERS = ("gateway", "vllm-router")   # spec.routing.router
+ROUTER_POLICIES = ("kv_aware", "cache_aware", "round_robin", "power_of_two", "consistent_hash")
+
+ROUTING = Obj(description="Routing to the engine pods: the Gateway API inference extension, or vLLM's router.", properties={
+    "router": Str(enum=ROUTERS, description=(
+        "Prefix-aware routing: gateway (the InferencePool, with the pod labels and KV events llm-d's "
+        "endpoint picker reads) or vllm-router (vLLM's router in front of the engines); absent: "
+        "no KV events.")),
+    "vllmRouter": Obj(description="vLLM's router (router: vllm-router).", properties={
+        "policy": Str(enum=ROUTER_POLICIES, default="kv_aware",
+                      description="The router's policy; kv_aware is fed by every engine pod's KV events."),
+        "replicas": Int(minimum=1, maximum=100, default=2),
+    }),
     "inferencePool": Obj(description=(
         "An InferencePool of the engine pods, created when the cluster serves "
         "inference.networking.k8s.io/v1 (the Gateway API inference extension)."), properties={

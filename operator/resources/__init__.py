@@ -12,6 +12,7 @@
 | PodMonitor              | the monitoring.coreos.com/v1 API exists                      |
 | PodDisruptionBudget     | more than one replica (autoscaled: minReplicas > 1)          |
 | InferencePool           | the inference.networking.k8s.io/v1 API exists and spec.routing.inferencePool.enabled |
+| router Deployment, Service, ServiceAccount, Role, RoleBinding, PodDisruptionBudget (PodMonitor with the API) | spec.routing.router = vllm-router (``router.py``) |
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from kvpilot.operator.resources.monitoring import (
     build_podmonitor,
     build_slo_prometheusrule,
 )
+from kvpilot.operator.resources.router import router_children, router_names
 from kvpilot.operator.resources.service import build_service
 from kvpilot.operator.resources.sizing import EngineSizing
 from kvpilot.operator.resources.storage import (
@@ -67,8 +69,12 @@ POD_MONITOR = ChildKind("/".join(PODMONITOR_API), "PodMonitor", "podmonitors")
 PROMETHEUS_RULE = ChildKind("/".join(PODMONITOR_API), "PrometheusRule", "prometheusrules")
 PDB = ChildKind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets")
 INFERENCE_POOL = ChildKind("/".join(INFERENCE_POOL_API), "InferencePool", "inferencepools")
+SERVICE_ACCOUNT = ChildKind("v1", "ServiceAccount", "serviceaccounts")
+ROLE = ChildKind("rbac.authorization.k8s.io/v1", "Role", "roles")
+ROLE_BINDING = ChildKind("rbac.authorization.k8s.io/v1", "RoleBinding", "rolebindings")
 KINDS: dict[str, ChildKind] = {k.kind: k for k in (DEPLOYMENT, SERVICE, PVC, HPA, SCALED_OBJECT,
-                                                   POD_MONITOR, PROMETHEUS_RULE, PDB, INFERENCE_POOL)}
+                                                   POD_MONITOR, PROMETHEUS_RULE, PDB, INFERENCE_POOL,
+                                                   SERVICE_ACCOUNT, ROLE, ROLE_BINDING)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +102,8 @@ def possible_children(owner: Owner) -> list[tuple[ChildKind, str]]:
     return [(DEPLOYMENT, owner.name), (SERVICE, owner.name), (PVC, owner.kv_disk_claim),
             (PVC, owner.model_cache_claim),
             (HPA, owner.name), (SCALED_OBJECT, owner.name), (POD_MONITOR, owner.name),
-            (PROMETHEUS_RULE, owner.name), (PDB, owner.name), (INFERENCE_POOL, owner.name)]
+            (PROMETHEUS_RULE, owner.name), (PDB, owner.name), (INFERENCE_POOL, owner.name),
+            *((KINDS[kind], name) for kind, name in router_names(owner))]
 
 
 def desired_children(owner: Owner, spec: InferenceServiceSpec, sizing: EngineSizing,
@@ -142,4 +149,7 @@ def desired_children(owner: Owner, spec: InferenceServiceSpec, sizing: EngineSiz
         children.append(Child(PDB, build_pdb(owner)))
     if inference_pool_api and spec.inference_pool.enabled:
         children.append(Child(INFERENCE_POOL, build_inference_pool(owner, spec, settings)))
+    if spec.router.kind == "vllm-router":
+        children += [Child(KINDS[body["kind"]], body)
+                     for body in router_children(owner, spec, sizing, settings, podmonitor_api)]
     return children

@@ -25,6 +25,7 @@ from kvpilot.operator.resources import placement
 from kvpilot.operator.resources.common import Owner, format_gib, gib_quantity
 from kvpilot.operator.resources.inference_pool import ENGINE_TYPE, ENGINE_TYPE_LABEL
 from kvpilot.operator.resources.model import model_delivery
+from kvpilot.operator.resources.router import engine_routing
 from kvpilot.operator.resources.sizing import EngineSizing
 from kvpilot.operator.resources.storage import (
     RWO,
@@ -92,12 +93,12 @@ def disk_claim_child(policy: ReplicaPolicy, sizing: EngineSizing) -> bool:
 
 
 def engine_args(spec: InferenceServiceSpec, sizing: EngineSizing, model_path: str,
-                shutdown_timeout: int) -> list[str]:
+                shutdown_timeout: int, routing_args: tuple[str, ...] = ()) -> list[str]:
     """The ``kvpilot serve`` flags of the engine container (the API key is never here);
     ``engine.extraArgs`` come last, so that they win (a ``--shutdown-timeout`` included)."""
     return ["--model", model_path, "--served-model-name", spec.model.served_name,
             "--host", "0.0.0.0", "--port", str(spec.port), SHUTDOWN_TIMEOUT_FLAG,
-            str(shutdown_timeout), *sizing.serve_args, *spec.engine.extra_args]
+            str(shutdown_timeout), *sizing.serve_args, *routing_args, *spec.engine.extra_args]
 
 
 def termination_grace_seconds(spec: InferenceServiceSpec, settings: OperatorSettings) -> int:
@@ -185,13 +186,15 @@ def build_deployment(owner: Owner, spec: InferenceServiceSpec, sizing: EngineSiz
         volumes.append(_disk_volume(owner, spec, sizing, policy))
         mounts.append({"name": "kv-disk", "mountPath": sizing.disk_path or c.KV_DISK_MOUNT})
 
+    routing = engine_routing(owner, spec.router.kind, spec.model.served_name)
     container = {
         "name": c.ENGINE_CONTAINER,
         "image": image,
         "command": ["kvpilot", "serve"],
-        "args": engine_args(spec, sizing, delivery.model_path, settings.termination_grace_seconds),
-        "ports": [{"name": "http", "containerPort": spec.port, "protocol": "TCP"}],
-        "env": _env(spec, sizing),
+        "args": engine_args(spec, sizing, delivery.model_path, settings.termination_grace_seconds,
+                            routing.args),
+        "ports": [{"name": "http", "containerPort": spec.port, "protocol": "TCP"}, *routing.ports],
+        "env": [*_env(spec, sizing), *routing.env],
         "resources": _resources(spec, sizing),
         "volumeMounts": mounts,
         # Loading weights can take minutes: the startup probe (readiness' path, 200 once
@@ -244,7 +247,8 @@ def build_deployment(owner: Owner, spec: InferenceServiceSpec, sizing: EngineSiz
             "template": {
                 "metadata": {
                     # the engine type tells Gateway API inference routing which metrics to read
-                    "labels": {**owner.labels("engine"), ENGINE_TYPE_LABEL: ENGINE_TYPE},
+                    "labels": {**owner.labels("engine"), ENGINE_TYPE_LABEL: ENGINE_TYPE,
+                               **routing.labels},
                     "annotations": {"prometheus.io/scrape": "true",
                                     "prometheus.io/port": str(spec.port),
                                     "prometheus.io/path": "/metrics"},

@@ -243,7 +243,7 @@ def test_notes_say_what_was_installed_and_what_to_do_next():
     assert "Grafana dashboards" in notes
 
 
-@pytest.mark.parametrize("dockerfile", ["Dockerfile.engine", "Dockerfile.operator"])
+@pytest.mark.parametrize("dockerfile", ["Dockerfile.engine", "Dockerfile.operator", "Dockerfile.router"])
 def test_dockerfiles_pass_hadolint(dockerfile):
     run = subprocess.run([tool("hadolint"), "--no-color", str(ROOT / dockerfile)],
                          capture_output=True, text=True, timeout=60)
@@ -258,6 +258,33 @@ def test_hadolint_does_flag_a_bad_dockerfile(tmp_path):
     assert run.returncode != 0
     for rule in ("DL3007", "DL3013", "DL3042", "DL3003"):
         assert rule in run.stdout, run.stdout
+
+
+def test_router_off_takes_away_what_only_the_router_needs():
+    def rules(docs):
+        (role,) = of_kind(docs, "ClusterRole")
+        return {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"]
+                for r in rule["resources"] for v in rule["verbs"]}
+
+    on, off = render(), render([CHART / "ci" / "router-off-values.yaml"])
+    only_on = rules(on) - rules(off)
+    assert only_on == {(g, r, v) for g, r in (("", "serviceaccounts"), ("rbac.authorization.k8s.io", "roles"),
+                                               ("rbac.authorization.k8s.io", "rolebindings"))
+                       for v in ("get", "create", "patch", "delete")} | {
+        ("apps", "deployments", "delete"), ("", "services", "delete"),
+        ("monitoring.coreos.com", "podmonitors", "delete"), ("", "pods", "get")}
+    assert rules(off) <= rules(on)
+    assert operator_env(on)["KVPILOT_ROUTER_IMAGE"] == "ghcr.io/kvpilot/router:0.1.17"
+    assert "KVPILOT_ROUTER_IMAGE" not in operator_env(off)
+
+
+def test_the_router_image_is_the_version_the_operator_deploys():
+    from kvpilot.operator.settings import OperatorSettings
+
+    text = (ROOT / "Dockerfile.router").read_text()
+    version = text.split("ARG VLLM_ROUTER_VERSION=", 1)[1].split()[0]
+    assert OperatorSettings().router_image.endswith(":" + version)
+    assert '"vllm-router==${VLLM_ROUTER_VERSION}"' in text and 'ENTRYPOINT ["vllm-router"]' in text
 
 
 def test_the_engine_image_installs_what_the_tests_install():

@@ -42,6 +42,9 @@ ALLOWED_UNUSED = {
     # OwnerReferencesPermissionEnforcement: setting blockOwnerDeletion on a child's
     # ownerReference needs update on the owner's finalizers subresource.
     ("update", c.GROUP, f"{c.PLURAL}/finalizers"),
+    # Escalation prevention: the operator may create the router's Role (pods get, list,
+    # watch) only if it holds those permissions itself.
+    ("get", "", "pods"),
 }
 
 SMALL = {"model": {"uri": "hf://Qwen/Qwen3-0.6B"}, "gpu": {"type": "l4"},
@@ -50,6 +53,10 @@ OFFLOAD = {**SMALL, "replicas": 1, "offload": {"enabled": True, "cpuGiB": 4, "di
 # latency SLOs: a PrometheusRule child (dropped again when the spec loses them)
 AUTOSCALED = {**SMALL, "slo": {**SMALL["slo"], "ttftP95Ms": 800, "itlP95Ms": 60},
               "autoscaling": {"mode": "hpa", "minReplicas": 2, "maxReplicas": 4}}
+# vLLM's router in front: its Deployment, Service, ServiceAccount, Role, RoleBinding, PDB
+ROUTED = {**SMALL, "replicas": 2, "routing": {"router": "vllm-router"}}
+ROUTER_KINDS = {"Deployment", "Service", "ServiceAccount", "Role", "RoleBinding",
+                "PodDisruptionBudget", "PodMonitor"}
 
 
 def _inference_pool_crd() -> dict:
@@ -98,6 +105,26 @@ class Scenario:
         return wait_for(lambda: (ch := self.children(name, ns)) and set(ch) == kinds and ch,
                         20, 0.1, f"{name}'s children to be exactly {sorted(kinds)}")
 
+    def router_children(self, name: str, ns: str = "team-a") -> dict[str, dict]:
+        """The router's children (named ``<name>-router``) by kind."""
+        router = f"{name}-router"
+        return copy.deepcopy(self.emu.run(lambda e: {
+            o["kind"]: o for (g, p, n, nm), o in e.objects.items() if n == ns and nm == router}))
+
+    def wait_router(self, name: str, kinds: set[str], ns: str = "team-a") -> dict[str, dict]:
+        return wait_for(lambda: (ch := self.router_children(name, ns)) and set(ch) == kinds and ch,
+                        20, 0.1, f"{name}'s router children to be exactly {sorted(kinds)}")
+
+    def tamper_router(self, name: str, kinds: set[str], ns: str = "team-a") -> None:
+        """As ``tamper``, for the router's children."""
+        strip = json.dumps({"metadata": {"labels": {c.LABEL_MANAGED_BY: None}}})
+        for kind in kinds:
+            self.kubectl("-n", ns, "patch", kind.lower(), f"{name}-router", "--type", "merge", "-p", strip)
+
+    def router_untampered(self, name: str, kinds: set[str], ns: str = "team-a") -> bool:
+        ch = self.router_children(name, ns)
+        return set(ch) == kinds and all(_applied_by_kvpilot(o) for o in ch.values())
+
     def tamper(self, name: str, ns: str = "team-a") -> None:
         """Strip the managed-by label from every child, through the API: each leaves the
         operator's label-selected watch, so the operator misses it, reads it by name and
@@ -108,15 +135,19 @@ class Scenario:
                          "-p", strip)
 
     def untampered(self, name: str, ns: str = "team-a") -> bool:
-        return all((o["metadata"].get("labels") or {}).get(c.LABEL_MANAGED_BY) == c.MANAGER and
-                   any(e["manager"] == c.FIELD_MANAGER and e["operation"] == "Apply"
-                       for e in o["metadata"].get("managedFields") or ())
-                   for o in self.children(name, ns).values())
+        return all(_applied_by_kvpilot(o) for o in self.children(name, ns).values())
 
     def delete(self, name: str, ns: str = "team-a") -> None:
         self.kubectl("delete", "inferenceservice", name, "-n", ns, "--wait=false")
         wait_for(lambda: not self.emu.run(lambda e: (c.GROUP, c.PLURAL, ns, name) in e.objects),
                  20, 0.1, f"{name} deleted (finalizer released)")
+
+
+def _applied_by_kvpilot(o: dict) -> bool:
+    """The object carries kvpilot's label and an Apply entry of kvpilot's field manager."""
+    return ((o["metadata"].get("labels") or {}).get(c.LABEL_MANAGED_BY) == c.MANAGER and
+            any(e["manager"] == c.FIELD_MANAGER and e["operation"] == "Apply"
+                for e in o["metadata"].get("managedFields") or ()))
 
 
 def _prove(calls, docs) -> tuple[set, set]:
@@ -139,6 +170,7 @@ def test_cluster_rbac_grants_exactly_what_the_operator_calls(tmp_path):
         with s.operator:
             s.service("cached", OFFLOAD)
             s.service("scaled", AUTOSCALED)
+            s.service("routed", ROUTED)
             s.wait_children("cached", {"Deployment", "Service", "PersistentVolumeClaim", "PodMonitor",
                                        "InferencePool"})
             scaled = s.wait_children("scaled", {"Deployment", "Service", "HorizontalPodAutoscaler",
@@ -148,9 +180,20 @@ def test_cluster_rbac_grants_exactly_what_the_operator_calls(tmp_path):
             image = operator_env(docs)["KVPILOT_ENGINE_IMAGE"]
             pod = scaled["Deployment"]["spec"]["template"]["spec"]
             assert [x["image"] for x in pod["containers"] + pod["initContainers"]] == [image, image]
-            for name in ("cached", "scaled"):  # every child kind patched back
+            router = s.wait_router("routed", ROUTER_KINDS)
+            # the router's identity may do exactly what its service discovery does
+            assert router["Role"]["rules"] == [{"apiGroups": [""], "resources": ["pods"],
+                                                "verbs": ["get", "list", "watch"]}]
+            assert router["Deployment"]["spec"]["template"]["spec"]["containers"][0]["image"] == \
+                operator_env(docs)["KVPILOT_ROUTER_IMAGE"]
+            for name in ("cached", "scaled", "routed"):  # every child kind patched back
                 s.tamper(name)
-            wait_for(lambda: s.untampered("cached") and s.untampered("scaled"), 20, 0.1, "drift repaired")
+            s.tamper_router("routed", ROUTER_KINDS)
+            wait_for(lambda: s.untampered("cached") and s.untampered("scaled") and s.untampered("routed")
+                     and s.router_untampered("routed", ROUTER_KINDS), 20, 0.1, "drift repaired")
+            s.service("routed", {**SMALL, "replicas": 2})     # router off: its children go
+            wait_for(lambda: not s.router_children("routed"), 20, 0.1, "the router's children deleted")
+            s.delete("routed")
             s.service("scaled", {**AUTOSCALED, "autoscaling": {"mode": "keda", "minReplicas": 2,
                                                                "maxReplicas": 4}})
             s.wait_children("scaled", {"Deployment", "Service", "ScaledObject", "PodMonitor",
@@ -182,12 +225,13 @@ def test_cluster_rbac_grants_exactly_what_the_operator_calls(tmp_path):
     # child the cache did not show) and, where droppable, delete
     for kind in ("deployments", "services", "persistentvolumeclaims", "horizontalpodautoscalers",
                  "scaledobjects", "podmonitors", "prometheusrules", "poddisruptionbudgets",
-                 "inferencepools"):
+                 "inferencepools", "serviceaccounts", "roles", "rolebindings"):
         assert {v for v, g, r in used if r == kind} >= {"list", "watch", "get", "create", "patch"}, kind
     assert {v for v, g, r in used if r == "pods"} == {"list", "watch"}
     assert {r for v, g, r in used if v == "delete"} == {
         "persistentvolumeclaims", "horizontalpodautoscalers", "scaledobjects", "poddisruptionbudgets",
-        "inferencepools", "prometheusrules"}
+        "inferencepools", "prometheusrules", "deployments", "services", "serviceaccounts", "roles",
+        "rolebindings", "podmonitors"}
     assert ("patch", "kopf.dev", "clusterkopfpeerings") in used
     # the check can fail: without one rule, the calls that need it are reported
     (role,) = of_kind(docs, "ClusterRole")

@@ -90,6 +90,9 @@ HONOURED_CASES = {
     "--calculate-kv-scales": (["--calculate-kv-scales"], lambda ns, ea, sc: ea.calculate_kv_scales),
     "--enable-prefix-caching": (["--no-enable-prefix-caching"],
                                 lambda ns, ea, sc: ea.enable_prefix_caching is False),
+    "--kv-events-config": (["--kv-events-config", '{"enable_kv_cache_events": true, "topic": "t"}'],
+                           lambda ns, ea, sc: ea.kv_events_config is not None
+                           and ea.kv_events_config.enabled and ea.kv_events_config.topic == "t"),
     "--kv-offloading-size": (["--kv-offloading-size", "4"],
                              lambda ns, ea, sc: ea.kv_offloading_size == 4.0),
     "--kv-offloading-backend": (["--kv-offloading-backend", "lmcache"],

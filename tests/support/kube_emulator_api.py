@@ -90,6 +90,10 @@ BUILTIN_TYPES = [
     ResourceType("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget", short_names=["pdb"],
                  status=True),
     ResourceType("events.k8s.io", "v1", "events", "Event", short_names=["ev"]),
+    # the router's identity and discovery Role (spec.routing.router: vllm-router)
+    _core("serviceaccounts", "ServiceAccount", short_names=["sa"]),
+    ResourceType("rbac.authorization.k8s.io", "v1", "roles", "Role"),
+    ResourceType("rbac.authorization.k8s.io", "v1", "rolebindings", "RoleBinding"),
     ResourceType("apiextensions.k8s.io", "v1", "customresourcedefinitions", "CustomResourceDefinition",
                  namespaced=False, short_names=["crd", "crds"], status=True),
 ]
