@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpilot.engine.core.weight_quant import Fp8WeightConfig, parse_quantization_config
+from kvpilot.engine.model.checkpoint_checks import check_arch_bounds, check_config_file
 
 # architecture name -> (q/k/v bias, per-head q/k RMSNorm)
 SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
@@ -158,7 +159,7 @@ def parse_arch_config(cfg: dict[str, Any], architecture: str | None = None) -> A
         raise ValueError(f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})")
     attention_bias = bool(cfg.get("attention_bias", False))
     sliding_layers = _sliding_window_layers(cfg, num_layers)
-    return ArchConfig(
+    arch = ArchConfig(
         architecture=arch,
         model_type=cfg.get("model_type", ""),
         vocab_size=vocab,
@@ -184,10 +185,13 @@ def parse_arch_config(cfg: dict[str, Any], architecture: str | None = None) -> A
         eos_token_ids=_eos_ids(cfg.get("eos_token_id")),
         quantization=parse_quantization_config(cfg),
     )
+    check_arch_bounds(arch)  # before anything is built for it
+    return arch
 
 
 def load_arch_config(model_dir: str | Path, architecture: str | None = None) -> ArchConfig:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"model directory {model_dir} has no config.json")
+    check_config_file(path)
     return parse_arch_config(json.loads(path.read_text()), architecture)
