@@ -46,6 +46,7 @@ from kvpilot.operator.resources.inference_pool import INFERENCE_POOL_API
 from kvpilot.operator.resources.monitoring import PODMONITOR_API
 from kvpilot.operator.resources.placement import describe as describe_placement
 from kvpilot.operator.resources.service import endpoint
+from kvpilot.operator.security import check_spec
 from kvpilot.operator.settings import OperatorSettings
 from kvpilot.operator.sizing_drift import SizingObservation, sizing_observation
 from kvpilot.operator.spec import InferenceServiceSpec, SpecError, parse_spec
@@ -254,9 +255,10 @@ async def reconcile(children: Children, discovery: Discovery, body: Mapping[str,
 
     try:
         spec = parse_spec(body.get("spec") or {}, owner.name)
+        check_spec(spec, owner.name, settings.policy, settings.engine_image)  # before anything is built
         outcome = plan_service(spec)
-    except SpecError as exc:
-        spec, outcome = None, PlanOutcome.rejected("InvalidSpec", str(exc))
+    except SpecError as exc:  # a PolicyViolation names its own reason
+        spec, outcome = None, PlanOutcome.rejected(getattr(exc, "reason", "InvalidSpec"), str(exc))
 
     desired: dict[str, Any] = {"observedGeneration": generation, "selector": owner.selector,
                                "endpoint": endpoint(owner), "plan": current.get("plan")}

@@ -230,6 +230,7 @@ class InferenceServiceSpec:
     inference_pool: InferencePoolSpec = InferencePoolSpec()
     service_account_name: str | None = None
     api_key_secret: tuple[str, str] | None = None   # (secret name, key)
+    env_secrets: tuple[str, ...] = ()   # security: the Secrets spec.env may read (secretKeyRef)
 
 
 def _read(r: Reader, table: Fields) -> dict[str, Any]:
@@ -433,4 +434,6 @@ def parse_spec(spec: Mapping[str, Any], resource_name: str) -> InferenceServiceS
         inference_pool=_parse_routing(r.sub("routing")),
         api_key_secret=(api_key.get("name", str, required=True), api_key.get("key", str, "api-key"))
         if api_key else None,
+        # security (kvpilot.operator.security): checked against the platform's policy
+        env_secrets=r.items("envSecrets", lambda n: isinstance(n, str) and 0 < len(n) <= 253, "Secret names"),
     )

@@ -12,6 +12,8 @@
 | PodMonitor              | the monitoring.coreos.com/v1 API exists                      |
 | PodDisruptionBudget     | more than one replica (autoscaled: minReplicas > 1)          |
 | InferencePool           | the inference.networking.k8s.io/v1 API exists and spec.routing.inferencePool.enabled |
+| ServiceAccount          | always: the engine pods' own identity, no API token          |
+| NetworkPolicy           | KVPILOT_NETWORK_POLICY on (the default): the engine pods' fence |
 """
 
 from __future__ import annotations
@@ -28,13 +30,16 @@ from kvpilot.operator.resources.monitoring import (
     build_podmonitor,
     build_slo_prometheusrule,
 )
+from kvpilot.operator.resources.network_policy import build_network_policy
 from kvpilot.operator.resources.service import build_service
+from kvpilot.operator.resources.service_account import build_service_account
 from kvpilot.operator.resources.sizing import EngineSizing
 from kvpilot.operator.resources.storage import (
     build_kv_disk_claim,
     build_model_cache_claim,
     model_cache_claim_child,
 )
+from kvpilot.operator.security import engine_service_account
 from kvpilot.operator.settings import OperatorSettings
 from kvpilot.operator.spec import InferenceServiceSpec
 
@@ -67,8 +72,11 @@ POD_MONITOR = ChildKind("/".join(PODMONITOR_API), "PodMonitor", "podmonitors")
 PROMETHEUS_RULE = ChildKind("/".join(PODMONITOR_API), "PrometheusRule", "prometheusrules")
 PDB = ChildKind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets")
 INFERENCE_POOL = ChildKind("/".join(INFERENCE_POOL_API), "InferencePool", "inferencepools")
+SERVICE_ACCOUNT = ChildKind("v1", "ServiceAccount", "serviceaccounts")
+NETWORK_POLICY = ChildKind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies")
 KINDS: dict[str, ChildKind] = {k.kind: k for k in (DEPLOYMENT, SERVICE, PVC, HPA, SCALED_OBJECT,
-                                                   POD_MONITOR, PROMETHEUS_RULE, PDB, INFERENCE_POOL)}
+                                                   POD_MONITOR, PROMETHEUS_RULE, PDB, INFERENCE_POOL,
+                                                   SERVICE_ACCOUNT, NETWORK_POLICY)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +104,8 @@ def possible_children(owner: Owner) -> list[tuple[ChildKind, str]]:
     return [(DEPLOYMENT, owner.name), (SERVICE, owner.name), (PVC, owner.kv_disk_claim),
             (PVC, owner.model_cache_claim),
             (HPA, owner.name), (SCALED_OBJECT, owner.name), (POD_MONITOR, owner.name),
-            (PROMETHEUS_RULE, owner.name), (PDB, owner.name), (INFERENCE_POOL, owner.name)]
+            (PROMETHEUS_RULE, owner.name), (PDB, owner.name), (INFERENCE_POOL, owner.name),
+            (SERVICE_ACCOUNT, engine_service_account(owner.name)), (NETWORK_POLICY, owner.name)]
 
 
 def desired_children(owner: Owner, spec: InferenceServiceSpec, sizing: EngineSizing,
@@ -119,7 +128,10 @@ def desired_children(owner: Owner, spec: InferenceServiceSpec, sizing: EngineSiz
     policy = ReplicaPolicy.of(spec, sizing, inherited_replicas)
     deployment = Child(DEPLOYMENT, build_deployment(owner, spec, sizing, settings, policy),
                        create_only=("spec.replicas",) if policy.autoscaled else ())
-    children = [deployment, Child(SERVICE, build_service(owner))]
+    children = [Child(SERVICE_ACCOUNT, build_service_account(owner)), deployment,
+                Child(SERVICE, build_service(owner))]
+    if settings.fence.enabled:
+        children.append(Child(NETWORK_POLICY, build_network_policy(owner, spec, settings.fence)))
     if disk_claim_child(policy, sizing):
         children.append(Child(PVC, build_kv_disk_claim(owner, spec, sizing)))
     if model_cache_claim_child(spec, settings, policy.max_replicas):
