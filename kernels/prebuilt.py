@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import hashlib
 import os
+import platform
 import sys
 import sysconfig
 import tempfile
@@ -54,7 +55,7 @@ def find_cpu_kernel(name: str, flags: list[str]) -> Path | None:
 
 def build_cpu_kernels(dest: Path, isas: tuple[str | None, ...] | None = None) -> list[Path]:
     """Compile the CPU paged-decode kernel into ``dest`` for each of ``isas`` (None: every
-    variant ``paged_decode_cpu.ISA_FLAGS`` knows, and the baseline); returns the modules."""
+    variant ``paged_decode_cpu.ISA_FLAGS`` knows on x86, and the baseline); returns the modules."""
     from setuptools import setup
     from torch.utils.cpp_extension import BuildExtension, CppExtension
 
@@ -62,7 +63,9 @@ def build_cpu_kernels(dest: Path, isas: tuple[str | None, ...] | None = None) ->
 
     dest.mkdir(parents=True, exist_ok=True)
     built = []
-    for isa in isas if isas is not None else (*ISA_FLAGS, None):
+    if isas is None:  # the ISA variants are x86's; elsewhere only the baseline
+        isas = (*ISA_FLAGS, None) if platform.machine().lower() in ("x86_64", "amd64") else (None,)
+    for isa in isas:
         name, flags = variant(isa)
         with tempfile.TemporaryDirectory() as tmp, contextlib.chdir(tmp):  # no project config read
             setup(name=name, packages=[], py_modules=[],
