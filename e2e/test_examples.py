@@ -18,12 +18,13 @@ import os
 import uuid
 from pathlib import Path
 
-import crd_schema
 import pytest
 import yaml
-from harness import EmulatorThread, Kubectl, OperatorProcess, wait_for, write_kubeconfig
 
 from kvpilot.operator import constants as c
+
+from support import crd_schema
+from support.harness import EmulatorThread, Kubectl, OperatorProcess, wait_for, write_kubeconfig
 
 CRD_NAME = f"{c.PLURAL}.{c.GROUP}"
 COLUMNS = ["NAME", "MODEL", "GPU", "KV-DTYPE", "MAX-SEQS", "OBSERVED-KV-TOKENS", "READY-REPLICAS", "REPLICAS",

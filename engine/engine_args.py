@@ -8,6 +8,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvpilot.engine.config import (
     CacheConfig,
@@ -27,38 +28,49 @@ GIB = 1 << 30
 # CPU has no memory profiler to size the cache from: this is the default KV budget there
 # (vLLM's CPU backend takes a fixed KV space too).
 DEFAULT_CPU_KV_CACHE_BYTES = 1 * GIB
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+def _default(config: type, name: str) -> Any:
+    """The default of ``config``'s field ``name``: a default of the configs EngineArgs
+    builds is stated there once (and ``kvpilot serve``'s flags read EngineArgs')."""
+    return config.__dataclass_fields__[name].default
+
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = _default(SchedulerConfig, "max_num_batched_tokens")
 
 
 @dataclass(frozen=True, slots=True)
 class EngineArgs:
+    """What an engine is built from: vLLM's names, the defaults of ``kvpilot serve`` (its
+    flags take theirs from here) and of ``LLM(...)``."""
+
     model: str | None = None                  # None => the built-in demo model
     served_model_name: str | None = None
     tokenizer: str | None = None              # tokenizer directory; None => the model's
     architecture: str | None = None           # override config.json's architectures[0]
     dtype: str = "auto"
-    seed: int = 0
-    block_size: int = 16
-    gpu_memory_utilization: float = 0.9
+    seed: int = _default(ModelConfig, "seed")
+    block_size: int = _default(CacheConfig, "block_size")
+    gpu_memory_utilization: float = _default(CacheConfig, "gpu_memory_utilization")
     kv_cache_memory_bytes: int | None = None
-    clamp_kv_cache_memory: bool = False
+    clamp_kv_cache_memory: bool = _default(CacheConfig, "clamp_kv_cache_memory")
     num_gpu_blocks: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
+    max_num_seqs: int = _default(SchedulerConfig, "max_num_seqs")
+    max_num_batched_tokens: int | None = None   # None => DEFAULT_MAX_NUM_BATCHED_TOKENS or more
     max_model_len: int | None = None
-    kv_cache_dtype: str = "auto"
-    calculate_kv_scales: bool = False
-    kv_cache_dtype_skip_sliding_window: bool = False
-    enable_prefix_caching: bool = True
+    kv_cache_dtype: str = _default(CacheConfig, "kv_cache_dtype")
+    calculate_kv_scales: bool = _default(CacheConfig, "calculate_kv_scales")
+    kv_cache_dtype_skip_sliding_window: bool = _default(CacheConfig, "kv_cache_dtype_skip_sliding_window")
+    enable_prefix_caching: bool = _default(CacheConfig, "enable_prefix_caching")
     prefix_caching_hash_seed: str | None = None
-    enable_chunked_prefill: bool = True
+    enable_chunked_prefill: bool = _default(SchedulerConfig, "enable_chunked_prefill")
     attention_backend: str = "auto"          # auto | cpu | torch | triton (model/attention/backend.py)
     device: str = "auto"
-    enforce_eager: bool = False               # CUDA: no CUDA graphs for decode steps
+    enforce_eager: bool = _default(ModelConfig, "enforce_eager")   # CUDA: no CUDA graphs for decode
     # Ranks (processes, GPUs) one replica of the model is split over: Megatron-style
     # tensor parallelism; ranks use consecutive devices from ``device`` (cuda:N..N+tp-1).
-    tensor_parallel_size: int = 1
-    scheduling_policy: str = "fcfs"
+    tensor_parallel_size: int = _default(ParallelConfig, "tensor_parallel_size")
+    scheduling_policy: str = _default(SchedulerConfig, "policy")
     # KV offload (vLLM's names): CPU tier GiB (None = off), backend, optional disk tier.
     kv_offloading_size: float | None = None
     kv_offloading_backend: str = "native"
@@ -68,7 +80,7 @@ class EngineArgs:
     # or a directory holding a generation_config.json; the overrides win.
     generation_config: str = "auto"
     override_generation_config: dict | None = None
-    max_logprobs: int = 20
+    max_logprobs: int = _default(ModelConfig, "max_logprobs")
     # Observability: sampled KV block residency histograms (vLLM's --kv-cache-metrics,
     # --kv-cache-metrics-sample) and model-shape FLOPs / bytes counters (--enable-mfu-metrics).
     kv_cache_metrics: bool = False

@@ -78,7 +78,7 @@ def build_cpu_kernels(dest: Path, isas: tuple[str | None, ...] | None = None) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvpilot.kernels.prebuilt",
+    parser = argparse.ArgumentParser(prog="python -m kvpilot.kernels.prebuilt", allow_abbrev=False,
                                      description="Compile the engine's native code into DEST (image builds).")
     parser.add_argument("dest", type=Path)
     parser.add_argument("--no-triton", action="store_true", help="only the CPU kernels")

@@ -216,7 +216,7 @@ def fetch(source: Source, repo_id: str, revision: str | None, dest: Path) -> Fet
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvpilot.operator.model_fetch",
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog="python -m kvpilot.operator.model_fetch",
                                      description="Download a Hugging Face model into a cache directory "
                                                  "(nothing when the cache already holds it).")
     parser.add_argument("--uri", required=True, help="hf://org/name[@revision]")

@@ -31,7 +31,7 @@ class Condition:
 
 def now_rfc3339() -> str:
     """The current UTC time as the API server writes it (seconds, ``Z``)."""
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def merge_conditions(current: Sequence[Mapping[str, Any]] | None, updates: Sequence[Condition],

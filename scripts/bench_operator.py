@@ -2,7 +2,7 @@
 
 For each service count (default 30 and 300, side by side; ``--services 30,300,1000``):
 
-1. a fresh emulator (tests/operator/kube_emulator.py) with the CRD and ``--namespaces``
+1. a fresh emulator (tests/support/kube_emulator.py) with the CRD and ``--namespaces``
    namespaces, and the operator process (``KVPILOT_RESYNC_SECONDS=--resync``, INFO logs);
 2. all services are created at once; prints the time until every one is planned, has
    its Deployment and Service, and reports its status, and how many services got more
@@ -32,11 +32,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "operator"))
+sys.path.insert(0, str(ROOT / "tests"))   # the operator tests' helpers: tests/support
 
-import crd_schema  # noqa: E402
-import traffic  # noqa: E402
-from harness import EmulatorThread, OperatorProcess, wait_for, write_kubeconfig  # noqa: E402
+from support import crd_schema, traffic  # noqa: E402
+from support.harness import EmulatorThread, OperatorProcess, wait_for, write_kubeconfig  # noqa: E402
 
 GROUP, VERSION, PLURAL = "serving.kvpilot.dev", "v1alpha1", "inferenceservices"
 SPEC = {"model": {"uri": "hf://Qwen/Qwen3-0.6B"}, "gpu": {"type": "l4"},
@@ -162,7 +161,7 @@ def run_one(count: int, args: argparse.Namespace, workdir: Path) -> Result:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--services", default="30,300", help="comma-separated service counts")
     parser.add_argument("--namespaces", type=int, default=4)
     parser.add_argument("--resync", type=float, default=10.0, help="KVPILOT_RESYNC_SECONDS")

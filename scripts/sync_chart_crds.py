@@ -43,7 +43,7 @@ def sync(source: Path = SOURCE, target: Path = CHART_CRDS) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="report differences, change nothing")
     args = parser.parse_args(argv)
     if args.check:

@@ -4,6 +4,7 @@
   before triton is first imported, so it is set here, before any test module loads.
 - The demo model is built (once per session) into a temporary cache directory, never
   into the user's cache; subprocesses started by tests inherit KVPILOT_CACHE_DIR.
+- Tests marked ``gpu`` are skipped without a CUDA device (``support.markers``).
 """
 
 import os
@@ -12,6 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from support.markers import pytest_collection_modifyitems  # noqa: F401 - the gpu marker's skip
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

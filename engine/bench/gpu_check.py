@@ -172,7 +172,7 @@ def section_overhead(device: str, smoke: bool) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--json-out", default="gpu-check.json")
     parser.add_argument("--smoke", action="store_true",
                         help="toy sizes on any device (tests this script; CPU needs TRITON_INTERPRET=1)")

@@ -351,7 +351,7 @@ def run_checks(device, *, smoke: bool, bench: bool) -> tuple[dict, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--interpret-smoke", action="store_true",
                         help="run on CPU through the Triton interpreter at tiny sizes (no timing)")
     parser.add_argument("--skip-bench", action="store_true", help="run the checks only")

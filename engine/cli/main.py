@@ -12,6 +12,8 @@ import argparse
 import sys
 from importlib import import_module
 
+from kvpilot.engine.cli.parser import ArgumentParser
+
 # subcommand name -> module defining register(subparsers)
 SUBCOMMANDS: dict[str, str] = {
     "generate": "kvpilot.engine.cli.generate",
@@ -23,7 +25,7 @@ SUBCOMMANDS: dict[str, str] = {
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvpilot", description="kvpilot LLM inference platform")
+    parser = ArgumentParser(prog="kvpilot", description="kvpilot LLM inference platform")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, module in SUBCOMMANDS.items():
         if only is not None and name != only:

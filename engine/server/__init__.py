@@ -1,8 +1,9 @@
 """kvpilot's OpenAI-compatible HTTP server (``kvpilot serve``).
 
-``args`` / ``args_frontend`` (the command-line parser) are torch-free so that the
-operator can parse the flags it writes into a Deployment; ``vllm_flags`` holds the table
-of vLLM's flags (honoured or refused). Everything that touches the engine is imported
-lazily by ``cli``. ``parsing/`` turns chat answers into reasoning, content and tool calls;
+``vllm_flags`` is the table of every ``kvpilot serve`` flag (vLLM's, honoured or refused,
+and kvpilot's own; ``flag_table`` says what a row holds and builds the parser, the help
+and the README's tables from rows); ``args`` is the parser built from it. They are
+torch-free so that the operator can parse the flags it writes into a Deployment.
+Everything that touches the engine is imported lazily by ``cli``. ``parsing/`` turns chat answers into reasoning, content and tool calls;
 ``structured`` maps a request's output constraint onto the engine's.
 """

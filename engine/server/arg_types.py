@@ -1,4 +1,4 @@
-"""argparse ``type`` converters shared by the ``kvpilot serve`` flag modules (torch-free)."""
+"""argparse ``type`` converters of the ``kvpilot serve`` flags (torch-free)."""
 
 from __future__ import annotations
 
@@ -83,3 +83,28 @@ def json_string_list(text: str) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}")
     return value
+
+
+# vLLM's spellings of the dtypes kvpilot names differently.
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+
+
+def dtype(text: str) -> str:
+    """An argparse ``type``: vLLM's dtype aliases, mapped before argparse checks the choices."""
+    return DTYPE_ALIASES.get(text, text)
+
+
+def structured_outputs_config(text: str):
+    """An argparse ``type``: ``--structured-outputs-config``'s JSON object, as a
+    ``StructuredOutputsConfig`` (unknown keys and bad values refused)."""
+    from kvpilot.engine.config import StructuredOutputsConfig
+
+    data = json_object(text)
+    names = set(StructuredOutputsConfig.__dataclass_fields__)
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown key(s) {unknown}; kvpilot honours {sorted(names)}")
+    try:
+        return StructuredOutputsConfig(**data)
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

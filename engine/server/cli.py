@@ -12,11 +12,7 @@ import contextlib
 import logging
 import sys
 
-from kvpilot.engine.server.args import (
-    HelpFormatter,
-    add_serve_arguments,
-    engine_args_from_namespace,
-)
+from kvpilot.engine.server.args import add_serve_arguments, engine_args_from_namespace
 from kvpilot.engine.server.config import server_config_from_namespace
 
 logger = logging.getLogger("kvpilot.engine.server")
@@ -36,7 +32,7 @@ model is served."""
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
-        description=DESCRIPTION, formatter_class=HelpFormatter)
+        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_serve_arguments(parser)
     parser.set_defaults(func=run)
 

@@ -10,6 +10,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+# Where the API key comes from without --api-key (how a Kubernetes Secret reaches the server).
+API_KEY_ENV = "KVPILOT_API_KEY"
 # A --chat-template value with one of these is Jinja source, not a file name (as vLLM decides).
 _JINJA_CHARS = "{}\n"
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 << 20
@@ -142,7 +144,6 @@ def server_config_from_namespace(ns: argparse.Namespace) -> ServerConfig:
     Secret reaches the server without showing on the command line).
     """
     from kvpilot.engine.server.args import structured_outputs_config
-    from kvpilot.engine.server.args_frontend import API_KEY_ENV
 
     chat = ChatConfig(
         chat_template=load_chat_template(ns.chat_template),

@@ -11,11 +11,9 @@ from __future__ import annotations
 import re
 import subprocess
 
-import adapter_rules
 import kubernetes_validate
 import pytest
 import yaml
-from chart import of_kind, render, tool
 
 from kvpilot.operator.resources.autoscaling import (
     KV_USAGE_SERIES,
@@ -28,6 +26,9 @@ from kvpilot.operator.resources.autoscaling import (
 from kvpilot.operator.resources.common import Owner
 from kvpilot.operator.settings import OperatorSettings
 from kvpilot.operator.spec import parse_spec
+
+from support import adapter_rules
+from support.chart import of_kind, render, tool
 
 ENGINE_SERIES = (KV_USAGE_SERIES, WAITING_SERIES, PREEMPTIONS_SERIES)
 SPEC = {"model": {"uri": "hf://Qwen/Qwen3-0.6B"}, "gpu": {"type": "l4"},

@@ -30,20 +30,21 @@ import threading
 from decimal import Decimal
 from pathlib import Path
 
-import adapter_rules
 import httpx
 import pytest
-from harness import wait_for
-from hpa_algorithm import desired_replicas, external_average_proposal, pods_proposal
-from kubelet import DEMO_MODEL_IN_IMAGE
-from platforms import ClusterPlatform, EmulatedPlatform, Platform
 from prometheus_client.parser import text_string_to_metric_families
-from prometheus_sd import PROMETHEUS
 
 from kvpilot.engine.model.models.demo import DEMO_MODEL_NAME
 from kvpilot.engine.server.launch import free_port
 from kvpilot.operator import constants as c
 from kvpilot.operator.diff import quantity
+
+from support import adapter_rules
+from support.harness import wait_for
+from support.hpa_algorithm import desired_replicas, external_average_proposal, pods_proposal
+from support.kubelet import DEMO_MODEL_IN_IMAGE
+from support.platforms import ClusterPlatform, EmulatedPlatform, Platform
+from support.prometheus_sd import PROMETHEUS
 
 NS, NAME = "serving", "chat"
 KV_BYTES, DRIFT_KV_BYTES = 4 << 20, 3 << 20      # 64 and 48 blocks of the demo model in bfloat16

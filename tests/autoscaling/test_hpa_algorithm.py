@@ -5,7 +5,7 @@ no change within the 0.1 tolerance, the largest proposal of several metrics, the
 
 from __future__ import annotations
 
-from hpa_algorithm import desired_replicas, external_average_proposal, pods_proposal
+from support.hpa_algorithm import desired_replicas, external_average_proposal, pods_proposal
 
 
 def test_the_documented_ratios():

@@ -13,12 +13,19 @@ import copy
 
 import celpy
 import pytest
-from chart import helm, of_kind, operator_env, render
-from deputy_specs import DEPUTY_SPECS, FOREIGN_ACCOUNT, FOREIGN_IMAGE, GOOD, UNDECLARED_SECRET
 
 from kvpilot.operator.security import PolicyViolation, check_spec
 from kvpilot.operator.settings import OperatorSettings
 from kvpilot.operator.spec import parse_spec
+
+from support.chart import helm, of_kind, operator_env, render
+from support.deputy_specs import (
+    DEPUTY_SPECS,
+    FOREIGN_ACCOUNT,
+    FOREIGN_IMAGE,
+    GOOD,
+    UNDECLARED_SECRET,
+)
 
 NAME = "chat"
 

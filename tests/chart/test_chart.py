@@ -13,10 +13,17 @@ import json
 import shutil
 import subprocess
 
-import crd_schema
 import pytest
 import yaml
-from chart import (
+
+from kvpilot.operator.resources.common import Owner
+from kvpilot.operator.resources.deployment import build_deployment
+from kvpilot.operator.settings import OperatorSettings
+from kvpilot.operator.spec import parse_spec
+from kvpilot.operator.spec_to_plan import plan_service
+
+from support import crd_schema
+from support.chart import (
     CHART,
     CI_VALUES,
     MONITORING_API,
@@ -28,13 +35,7 @@ from chart import (
     render,
     tool,
 )
-from manifests import crd_schemas, validate
-
-from kvpilot.operator.resources.common import Owner
-from kvpilot.operator.resources.deployment import build_deployment
-from kvpilot.operator.settings import OperatorSettings
-from kvpilot.operator.spec import parse_spec
-from kvpilot.operator.spec_to_plan import plan_service
+from support.manifests import crd_schemas, validate
 
 CHART_CRDS = [doc for path in sorted((CHART / "crds").glob("*.yaml"))
               for doc in yaml.safe_load_all(path.read_text()) if doc]

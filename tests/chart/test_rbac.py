@@ -19,8 +19,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from chart import CHART, of_kind, operator_container, operator_env, render
-from harness import (
+
+from kvpilot.operator import constants as c
+
+from support.chart import CHART, of_kind, operator_container, operator_env, render
+from support.harness import (
     EmulatorThread,
     Kubectl,
     OperatorProcess,
@@ -29,9 +32,7 @@ from harness import (
     wait_for,
     write_kubeconfig,
 )
-from rbac import call_key, grants, operator_calls, ungranted
-
-from kvpilot.operator import constants as c
+from support.rbac import call_key, grants, operator_calls, ungranted
 
 pytestmark = pytest.mark.slow
 RELEASE, RELEASE_NS = "kvpilot", "kvpilot"

@@ -2,22 +2,16 @@
 
 A small byte-level BPE tokenizer is trained on a fixed corpus so the checkpoint is
 complete (config.json + safetensors + tokenizer files) without any download. The HF
-oracle of the parity tests is ``hf_oracle.py`` beside this file.
+oracle of the parity tests is ``support.hf_oracle``.
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-# plain helper modules of these tests (hf_oracle) are imported by name
-HERE = str(Path(__file__).resolve().parent)
-if HERE not in sys.path:
-    sys.path.insert(0, HERE)
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. " * 3,

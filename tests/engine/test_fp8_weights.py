@@ -9,11 +9,12 @@ import random
 
 import pytest
 import torch
-from fp8_checkpoints import FORMATS, quantize
-from hf_oracle import hf_greedy
 
 from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.model.layers.fp8_linear import fp8_weight_bytes
+
+from support.fp8_checkpoints import FORMATS, quantize
+from support.hf_oracle import hf_greedy
 
 SHAPE = dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

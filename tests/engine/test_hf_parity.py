@@ -9,9 +9,10 @@ pool so small that requests are preempted and recomputed.
 from __future__ import annotations
 
 import pytest
-from hf_oracle import MAX_NEW, hf_greedy, make_prompts
 
 from kvpilot.engine import LLM, SamplingParams
+
+from support.hf_oracle import MAX_NEW, hf_greedy, make_prompts
 
 KINDS = ["llama", "qwen2", "qwen3"]
 

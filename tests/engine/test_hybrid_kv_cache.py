@@ -16,14 +16,15 @@ import random
 
 import pytest
 import torch
-from hf_oracle import hf_greedy
-from one_request import steps_of_one_request
 
 from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.core.block_hash import root_hash
 from kvpilot.engine.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from kvpilot.engine.core.kv_layout import blocks_held, sliding_pool_blocks
 from kvpilot.engine.core.request import Request
+
+from support.hf_oracle import hf_greedy
+from support.one_request import steps_of_one_request
 
 WINDOW, BLOCK = 32, 16
 MIXED = dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)

@@ -17,12 +17,13 @@ import re
 from dataclasses import fields, replace
 
 import pytest
-from fp8_checkpoints import quantize
 
 from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.server.args import engine_args_from_namespace, make_serve_parser
 from kvpilot.operator.planner import PlanRequest, make_plan
 from kvpilot.operator.planner import suggest as suggest_module
+
+from support.fp8_checkpoints import quantize
 
 SHAPE = dict(dtype="bfloat16", hidden_size=128, intermediate_size=512, num_hidden_layers=4,
              max_position_embeddings=4096)

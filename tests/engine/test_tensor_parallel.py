@@ -17,9 +17,10 @@ import signal
 import time
 
 import pytest
-from hf_oracle import MAX_NEW, hf_greedy, make_prompts
 
 from kvpilot.engine import LLM, EngineArgs, EngineDeadError, LLMEngine, SamplingParams
+
+from support.hf_oracle import MAX_NEW, hf_greedy, make_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
 LAYOUTS = {

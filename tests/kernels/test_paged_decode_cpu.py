@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from attention_helpers import TOL, assert_attention_close, attend, stored
 
 from kvpilot.engine.model.attention import select_attention_backend
 from kvpilot.engine.model.attention.torch_backend import paged_attention
 from kvpilot.kernels import paged_decode_cpu
 from kvpilot.kernels.paged_batch import make_paged_batch
 from kvpilot.kernels.unified_attention import unified_attention_ref
+
+from support.attention_helpers import TOL, assert_attention_close, attend, stored
 
 pytestmark = pytest.mark.skipif(paged_decode_cpu.load() is None,
                                 reason="the CPU decode kernel cannot be built here (no C++ compiler)")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from attention_helpers import assert_attention_close, attend, stored
 
 from kvpilot.engine.model.attention.torch_backend import paged_attention
 from kvpilot.kernels.paged_batch import fill_unused, make_paged_batch
@@ -21,6 +20,8 @@ from kvpilot.kernels.unified_attention import (
     unified_attention,
     unified_attention_ref,
 )
+
+from support.attention_helpers import assert_attention_close, attend, stored
 
 # (context_len, query_len): chunked prefill past the window, a prefill longer than the
 # window, decodes far past it, one inside it

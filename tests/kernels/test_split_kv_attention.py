@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from attention_helpers import assert_attention_close, attend, stored
 
 from kvpilot.kernels.paged_batch import make_paged_batch
 from kvpilot.kernels.split_kv_attention import MAX_KV_SPLITS, choose_num_kv_splits
 from kvpilot.kernels.unified_attention import unified_attention, unified_attention_ref
+
+from support.attention_helpers import assert_attention_close, attend, stored
 
 E4M3 = torch.float8_e4m3fn
 

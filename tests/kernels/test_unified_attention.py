@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from attention_helpers import assert_attention_close, attend, stored
 
 from kvpilot.engine.model.attention.torch_backend import decode_groups, paged_attention
 from kvpilot.kernels.paged_batch import MIXED_SPECS, make_paged_batch
@@ -27,6 +26,8 @@ from kvpilot.kernels.unified_attention import (
     unified_attention,
     unified_attention_ref,
 )
+
+from support.attention_helpers import assert_attention_close, attend, stored
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 

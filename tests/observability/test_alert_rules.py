@@ -6,8 +6,9 @@ its PrometheusRule."""
 from __future__ import annotations
 
 import pytest
-from chart import CHART, MONITORING_API, of_kind, render
-from promtool import AlertCase, check_rules, rules_by_alert, run_alert_cases
+
+from support.chart import CHART, MONITORING_API, of_kind, render
+from support.promtool import AlertCase, check_rules, rules_by_alert, run_alert_cases
 
 RULE_FILES = sorted((CHART / "files" / "rules").glob("*.yaml"))
 ENGINE_RULES = CHART / "files" / "rules" / "kvpilot-engines.yaml"

@@ -11,9 +11,10 @@ import re
 
 import pytest
 import yaml
-from chart import of_kind, render
-from dashboards import DASHBOARD_DIR, generator, load, panels, substitute, targets
-from promtool import check_rules
+
+from support.chart import of_kind, render
+from support.dashboards import DASHBOARD_DIR, generator, load, panels, substitute, targets
+from support.promtool import check_rules
 
 GEN = generator()
 

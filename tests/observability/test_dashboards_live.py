@@ -21,12 +21,16 @@ import math
 import threading
 import time
 
-import crd_schema
 import httpx
 import pytest
 import yaml
-from dashboards import substitute, targets
-from harness import (
+
+from kvpilot.engine.server.launch import free_port
+from kvpilot.operator import constants as c
+
+from support import crd_schema
+from support.dashboards import substitute, targets
+from support.harness import (
     EmulatorThread,
     Kubectl,
     OperatorProcess,
@@ -34,12 +38,9 @@ from harness import (
     wait_for,
     write_kubeconfig,
 )
-from kubelet import DEMO_MODEL_IN_IMAGE, Kubelet
-from prometheus_sd import PROMETHEUS, LocalPrometheus, podmonitor_targets
-from test_metric_names import readme_metrics
-
-from kvpilot.engine.server.launch import free_port
-from kvpilot.operator import constants as c
+from support.kubelet import DEMO_MODEL_IN_IMAGE, Kubelet
+from support.prometheus_sd import PROMETHEUS, LocalPrometheus, podmonitor_targets
+from support.readme import readme_metrics
 
 pytestmark = pytest.mark.slow
 

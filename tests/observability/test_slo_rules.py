@@ -8,10 +8,11 @@ from __future__ import annotations
 from decimal import Decimal
 
 import yaml
-from promtool import AlertCase, check_rules, run_alert_cases
 
 from kvpilot.operator.resources.common import Owner
 from kvpilot.operator.resources.monitoring import build_slo_prometheusrule, seconds_from_ms
+
+from support.promtool import AlertCase, check_rules, run_alert_cases
 
 SELF = 'namespace="team",model_name="chat-model"'
 OTHER = 'namespace="team",model_name="other"'

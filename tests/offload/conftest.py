@@ -13,18 +13,13 @@ request and the one that shares it. The no-offload engine's outputs are the orac
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
+from kvpilot.engine import LLM
 
-from offload_helpers import ENGINE_KW, GREEDY, build_offload_model, make_prompts  # noqa: E402
-
-from kvpilot.engine import LLM  # noqa: E402
+from support.offload_helpers import ENGINE_KW, GREEDY, build_offload_model, make_prompts
 
 
 @pytest.fixture(scope="session")

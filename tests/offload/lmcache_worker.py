@@ -12,11 +12,9 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kvpilot.engine import LLM
 
-from offload_helpers import ENGINE_KW, GREEDY, make_prompts  # noqa: E402
-
-from kvpilot.engine import LLM  # noqa: E402
+from support.offload_helpers import ENGINE_KW, GREEDY, make_prompts
 
 
 def main(model_dir: str, which: str, out_path: str) -> None:

@@ -16,9 +16,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from offload_helpers import ENGINE_KW, GREEDY, PREFIX_LEN, assert_same_output, delta, run_measured
 
 from kvpilot.engine import LLM
+
+from support import with_support_path
+from support.offload_helpers import (
+    ENGINE_KW,
+    GREEDY,
+    PREFIX_LEN,
+    assert_same_output,
+    delta,
+    exported,
+    run_measured,
+)
 
 pytest.importorskip("lmcache")
 pytestmark = pytest.mark.slow
@@ -80,8 +90,6 @@ def test_lmcache_a_corrupt_chunk_is_a_miss_recomputed_and_replaced(offload_model
     """Every chunk file on LMCache's disk gets one byte flipped (bit rot, or a peer's bytes):
     no chunk is served, the output is still the reference, the chunks are counted, removed
     and stored again by the request that recomputed them."""
-    from test_native import exported
-
     lmcache_env.setenv("LMCACHE_LOCAL_CPU", "false")
     disk = tmp_path / "lmcache-disk"
     llm = LLM(offload_model, **ENGINE_KW, kv_offloading_backend="lmcache", kv_offloading_size=0.05,
@@ -170,8 +178,8 @@ def lmcache_server():
 
 def test_two_engine_processes_share_one_lmcache_server(offload_model, prompts, reference,
                                                       lmcache_server, tmp_path):
-    env = dict(os.environ, LMCACHE_REMOTE_URL=lmcache_server, LMCACHE_CHUNK_SIZE=str(CHUNK),
-               LMCACHE_TRACK_USAGE="false")
+    env = with_support_path(dict(os.environ, LMCACHE_REMOTE_URL=lmcache_server,
+                                 LMCACHE_CHUNK_SIZE=str(CHUNK), LMCACHE_TRACK_USAGE="false"))
     results = {}
     for which in ("first", "second"):        # process 1 computes the prefix, process 2 reuses it
         out_path = tmp_path / f"{which}.json"

@@ -13,17 +13,19 @@ import os
 import subprocess
 
 import pytest
-from offload_helpers import (
+
+from kvpilot.engine import LLM
+
+from support.offload_helpers import (
     BLOCK,
     ENGINE_KW,
     GREEDY,
     PREFIX_BLOCK_TOKENS,
     assert_same_output,
     delta,
+    exported,
     run_measured,
 )
-
-from kvpilot.engine import LLM
 
 pytestmark = pytest.mark.slow
 GIB = 1 << 30
@@ -44,19 +46,6 @@ def assert_offload_hit(before, after, prompt: list[int], *, min_external: int) -
     assert delta(after, before, "computed_prompt_tokens") == len(prompt) - PREFIX_BLOCK_TOKENS
     assert delta(after, before, "external_prefix_cache_queries") == len(prompt)
     return external
-
-
-def exported(stats) -> dict[str, float]:
-    """The samples the server's /metrics shows for ``stats`` (prometheus_client's own exposition)."""
-    from prometheus_client import CollectorRegistry, generate_latest
-    from prometheus_client.parser import text_string_to_metric_families
-
-    from kvpilot.engine.server.metrics_engine_stats import EngineStatsCollector
-
-    registry = CollectorRegistry()
-    registry.register(EngineStatsCollector(lambda: stats, "m"))
-    return {s.name: s.value for family in text_string_to_metric_families(generate_latest(registry).decode())
-            for s in family.samples}
 
 
 def test_offload_off_reports_no_offload_stats(offload_model):

@@ -14,11 +14,12 @@ import time
 import httpx
 import openai
 import pytest
-from offload_helpers import GREEDY, PREFIX_BLOCK_TOKENS
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpilot.engine.offload.config import GIB
 from kvpilot.engine.server.launch import launch_server
+
+from support.offload_helpers import GREEDY, PREFIX_BLOCK_TOKENS
 
 pytestmark = pytest.mark.slow
 BYTES_PER_BLOCK = 4 * 2 * 16 * 2 * 32 * 4     # layers x K/V x tokens x kv heads x head dim x fp32

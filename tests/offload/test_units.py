@@ -164,12 +164,13 @@ def test_two_engines_in_two_processes_share_one_disk_directory(tmp_path):
     import json
     import subprocess
     import sys
-    from pathlib import Path
 
-    worker = Path(__file__).with_name("disk_worker.py")
-    env = {**os.environ, "PYTHONSAFEPATH": "1"}
+    from support import shared_disk as w
+    from support import with_support_path
+
+    env = with_support_path({**os.environ, "PYTHONSAFEPATH": "1"})
     count = 400
-    procs = [subprocess.Popen([sys.executable, str(worker), str(tmp_path), role, str(count)], env=env,
+    procs = [subprocess.Popen([sys.executable, "-m", "support.shared_disk", str(tmp_path), role, str(count)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for role in ("a", "b")]
     results = []
@@ -178,11 +179,6 @@ def test_two_engines_in_two_processes_share_one_disk_directory(tmp_path):
         assert proc.returncode == 0, err[-3000:]
         results.append(json.loads(out.strip().splitlines()[-1]))
     assert results == [{"writable": True, "corrupt": 0, "written": count}] * 2, results
-    sys.path.insert(0, str(worker.parent))
-    try:
-        import disk_worker as w
-    finally:
-        sys.path.remove(str(worker.parent))
     reader = DiskStore(tmp_path, 1 << 34, w.BLOCK_BYTES, w.LAYOUT)
     wanted = set(w.blocks("a", count)) | set(w.blocks("b", count))
     assert len(reader) == len(wanted) == 3 * count // 2

@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import math
 
-import crd_schema
 import kopf
 import kubernetes_validate
 import pytest
@@ -27,6 +26,8 @@ from kvpilot.operator.resources.common import Owner, decimal_quantity, gib_quant
 from kvpilot.operator.settings import OperatorSettings
 from kvpilot.operator.spec import SpecError, parse_spec
 from kvpilot.operator.spec_to_plan import plan_request, plan_service
+
+from support import crd_schema
 
 SETTINGS = OperatorSettings(engine_image="registry.example/kvpilot:1.2.3")
 K8S_VERSION = "1.33"

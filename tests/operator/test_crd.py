@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 from dataclasses import fields
 
-import crd_schema
 import kubernetes_validate
 import pytest
 import yaml
@@ -21,6 +20,8 @@ from kvpilot.operator.planner.gpu import gpu_names
 from kvpilot.operator.planner.slo import Overrides, ServiceLevel
 from kvpilot.operator.spec import ENGINE_FIELDS, SLO_FIELDS, SpecError, parse_spec, planner_name
 from kvpilot.operator.spec_to_plan import STATUS_FIELDS, camel, plan_service
+
+from support import crd_schema
 
 CRD = crd_schema.load_crd()
 SCHEMA = crd_schema.version_schema(CRD)

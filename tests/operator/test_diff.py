@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from decimal import Decimal
 
-from kube_emulator_api import merge_patch
-
 from kvpilot.operator.diff import (
     contains,
     diff,
@@ -15,6 +13,8 @@ from kvpilot.operator.diff import (
     still_present,
     union,
 )
+
+from support.kube_emulator_api import merge_patch
 
 
 def test_contains_ignores_server_added_fields_but_not_changed_ones():

@@ -6,9 +6,10 @@ import json
 import urllib.error
 import urllib.request
 
-import crd_schema
 import pytest
-from harness import EmulatorThread
+
+from support import crd_schema
+from support.harness import EmulatorThread
 
 CM = "/api/v1/namespaces/default/configmaps"
 DEPLOY = "/apis/apps/v1/namespaces/default/deployments"

@@ -11,8 +11,9 @@ import urllib.error
 import urllib.request
 
 import pytest
-from harness import EmulatorThread
-from kube_faults import Fault
+
+from support.harness import EmulatorThread
+from support.kube_faults import Fault
 
 CM = "/api/v1/namespaces/default/configmaps"
 

@@ -17,12 +17,8 @@ import threading
 import time
 
 import aiohttp.web
-import crd_schema
 import pytest
-from chart import CHART, render
-from harness import EmulatorThread, Kubectl, OperatorProcess, wait_for, write_kubeconfig
 from prometheus_client import CollectorRegistry, generate_latest
-from rbac import assert_chart_grants, call_key, grants, operator_calls, ungranted
 
 from kvpilot.engine.config import KVCacheInfo
 from kvpilot.engine.server.metrics import ServerMetrics
@@ -42,6 +38,11 @@ from kvpilot.operator.engine_observer import (
 from kvpilot.operator.kube import KubeApi
 from kvpilot.operator.spec import parse_spec
 from kvpilot.operator.spec_to_plan import plan_service
+
+from support import crd_schema
+from support.chart import CHART, render
+from support.harness import EmulatorThread, Kubectl, OperatorProcess, wait_for, write_kubeconfig
+from support.rbac import assert_chart_grants, call_key, grants, operator_calls, ungranted
 
 SERVE_ARGS = ["--max-num-seqs", "4", "--kv-cache-memory-bytes", "4194304"]
 

@@ -12,13 +12,21 @@ import re
 import time
 import urllib.request
 
-import crd_schema
 import pytest
 import yaml
-from harness import EmulatorThread, Kubectl, OperatorProcess, free_port, wait_for, write_kubeconfig
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpilot.operator import constants as c
+
+from support import crd_schema
+from support.harness import (
+    EmulatorThread,
+    Kubectl,
+    OperatorProcess,
+    free_port,
+    wait_for,
+    write_kubeconfig,
+)
 
 pytestmark = pytest.mark.slow
 NS = "team-a"

@@ -11,15 +11,16 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-import crd_schema
 import pytest
 import yaml
-from built import SETTINGS, build
 
 from kvpilot.operator import constants as c
 from kvpilot.operator.resources.inference_pool import ENGINE_TYPE_LABEL
 from kvpilot.operator.settings import OperatorSettings
 from kvpilot.operator.spec import SpecError, parse_spec
+
+from support import crd_schema
+from support.built import SETTINGS, build
 
 POOL_CRD = yaml.safe_load((Path(__file__).resolve().parent / "inferencepool_crd.yaml").read_text())
 POOL_SCHEMA = crd_schema.version_schema(POOL_CRD)

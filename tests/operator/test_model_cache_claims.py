@@ -10,11 +10,9 @@ from __future__ import annotations
 import copy
 import math
 
-import crd_schema
 import kubernetes_validate
 import pytest
 import yaml
-from built import SETTINGS, build
 
 from kvpilot.engine.server.args import make_serve_parser
 from kvpilot.operator import constants as c
@@ -23,6 +21,9 @@ from kvpilot.operator.planner.plan_request import PlanRequest
 from kvpilot.operator.settings import OperatorSettings
 from kvpilot.operator.spec import SpecError, parse_spec
 from kvpilot.operator.spec_to_plan import plan_request
+
+from support import crd_schema
+from support.built import SETTINGS, build
 
 K8S_VERSION = "1.33"
 RWX_SETTINGS = OperatorSettings(engine_image="registry.example/kvpilot:1.2.3",

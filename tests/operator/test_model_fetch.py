@@ -17,13 +17,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from fake_hub import HubFile as FakeHubFile
-from fake_hub import HubServer
-from harness import free_port, wait_for
 from safetensors.numpy import save_file
 
 from kvpilot.operator.model_cache import MARKER, read_marker
 from kvpilot.operator.model_fetch import FetchError, HubSource, fetch, parse_hf_uri
+
+from support.fake_hub import HubFile as FakeHubFile
+from support.fake_hub import HubServer
+from support.harness import free_port, wait_for
 
 REPO = "kvpilot-test/tiny-model"
 WEIGHTS = "model.safetensors"

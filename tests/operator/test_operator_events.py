@@ -11,10 +11,11 @@ import time
 
 import pytest
 import yaml
-from harness import wait_for
-from operator_env import JSON_PATCH, OperatorEnv, running
 
 from kvpilot.operator import constants as c
+
+from support.harness import wait_for
+from support.operator_env import JSON_PATCH, OperatorEnv, running
 
 pytestmark = pytest.mark.slow
 PODMONITOR_DISCOVERY = "/apis/monitoring.coreos.com/v1"

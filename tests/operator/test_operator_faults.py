@@ -14,10 +14,11 @@ import time
 from collections import Counter
 
 import pytest
-import traffic
-from harness import wait_for
-from kube_faults import WRITES, Fault
-from operator_env import JSON_PATCH, MERGE, OperatorEnv, running
+
+from support import traffic
+from support.harness import wait_for
+from support.kube_faults import WRITES, Fault
+from support.operator_env import JSON_PATCH, MERGE, OperatorEnv, running
 
 pytestmark = pytest.mark.slow
 OPERATOR = "kvpilot-operator"   # the operator's own client (kopf's watches are not faulted)

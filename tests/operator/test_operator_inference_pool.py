@@ -12,17 +12,14 @@ import json
 from pathlib import Path
 
 import pytest
-from harness import wait_for
-from test_operator import NS, shared_cluster  # noqa: F401 - the fixture `cluster` needs
-from test_operator import cluster as _cluster_fixture
-from test_operator import own_cluster as _own_cluster_fixture
 
 from kvpilot.operator import constants as c
 from kvpilot.operator.resources.inference_pool import ENGINE_TYPE_LABEL
 
+from support.harness import wait_for
+from support.operator_cluster import NS
+
 pytestmark = pytest.mark.slow
-cluster = _cluster_fixture  # a module-scoped emulator + operator of this module's own, emptied per test
-own_cluster = _own_cluster_fixture  # an emulator + operator for one test (it installs a CRD)
 
 INFERENCE_POOL_CRD = Path(__file__).resolve().parent / "inferencepool_crd.yaml"
 POOL_API = "/apis/inference.networking.k8s.io/v1"

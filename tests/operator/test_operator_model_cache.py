@@ -5,12 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from harness import wait_for
-from test_operator import SMALL, shared_cluster  # noqa: F401 - the fixture `cluster` needs
-from test_operator import cluster as _cluster_fixture
+
+from support.harness import wait_for
+from support.operator_cluster import SMALL
 
 pytestmark = pytest.mark.slow
-cluster = _cluster_fixture  # a module-scoped emulator + operator of this module's own, emptied per test
 
 
 def test_the_model_cache_claim_is_created_once_and_removed_with_the_cache(cluster):

@@ -1,7 +1,7 @@
 """The real operator process against the API emulator: GPU placement in the pods it builds,
 and Pending pods reported with the scheduler's reason.
 
-Its own emulator and operator (the fixtures of test_operator.py, reused: each test starts
+Its own emulator and operator (the fixtures of conftest.py, as test_operator.py's: each test starts
 from an empty namespace), so that the other module's services do not interfere; objects are
 written with the real kubectl.
 """
@@ -12,14 +12,13 @@ import json
 
 import pytest
 import yaml
-from harness import wait_for
-from test_operator import NS, SMALL, shared_cluster  # noqa: F401 - the fixture `cluster` needs
-from test_operator import cluster as _cluster_fixture
 
 from kvpilot.operator import constants as c
 
+from support.harness import wait_for
+from support.operator_cluster import NS, SMALL
+
 pytestmark = pytest.mark.slow
-cluster = _cluster_fixture  # a module-scoped emulator + operator of this module's own, emptied per test
 
 NO_MATCH = ("0/3 nodes are available: 3 node(s) didn't match Pod's node affinity/selector. "
             "preemption: 0/3 nodes are available: 3 Preemption is not helpful for scheduling.")

@@ -12,8 +12,9 @@ import re
 import time
 
 import pytest
-from harness import wait_for
-from operator_env import running
+
+from support.harness import wait_for
+from support.operator_env import running
 
 pytestmark = pytest.mark.slow
 COUNT = 40

@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import copy
 
-import crd_schema
 import kubernetes_validate
 import pytest
 import yaml
-from built import SETTINGS, build
 
 from kvpilot.operator import constants as c
 from kvpilot.operator.planner.gpu import GPU_NODE_PRODUCTS, gpu_names
@@ -24,6 +22,9 @@ from kvpilot.operator.settings import OperatorSettings
 from kvpilot.operator.spec import SpecError, parse_spec
 from kvpilot.operator.spec_to_plan import plan_service
 from kvpilot.operator.status import scheduling_problem, workload_conditions
+
+from support import crd_schema
+from support.built import SETTINGS, build
 
 K8S_VERSION = "1.33"
 PRODUCT = "nvidia.com/gpu.product"

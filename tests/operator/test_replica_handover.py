@@ -15,14 +15,15 @@ from __future__ import annotations
 import json
 import re
 
-import crd_schema
 import pytest
 import yaml
-from chart import CHART
-from harness import EmulatorThread, Kubectl, OperatorProcess, wait_for, write_kubeconfig
-from rbac import assert_chart_grants
 
 from kvpilot.operator import constants as c
+
+from support import crd_schema
+from support.chart import CHART
+from support.harness import EmulatorThread, Kubectl, OperatorProcess, wait_for, write_kubeconfig
+from support.rbac import assert_chart_grants
 
 pytestmark = pytest.mark.slow
 NS = "handover"

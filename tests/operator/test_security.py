@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import copy
 
-import crd_schema
 import kubernetes_validate
 import pytest
 import yaml
-from deputy_specs import DEPUTY_SPECS, FOREIGN_ACCOUNT, FOREIGN_IMAGE, GOOD
 
 from kvpilot.operator.resources import NETWORK_POLICY, SERVICE_ACCOUNT, desired_children
 from kvpilot.operator.resources.common import Owner
@@ -30,6 +28,9 @@ from kvpilot.operator.security import (
 from kvpilot.operator.settings import OperatorSettings
 from kvpilot.operator.spec import parse_spec
 from kvpilot.operator.spec_to_plan import plan_service
+
+from support import crd_schema
+from support.deputy_specs import DEPUTY_SPECS, FOREIGN_ACCOUNT, FOREIGN_IMAGE, GOOD
 
 K8S_VERSION = "1.33"
 ENGINE = OperatorSettings().engine_image

@@ -3,19 +3,16 @@ and an in-process ``LLM`` with the same engine settings as the oracle for output
 
 The server runs the built-in demo model with a small KV cache and tight limits
 (4 running sequences, 2 waiting requests) so that queue-full and disconnect
-behaviour can be provoked quickly. This folder goes on ``sys.path`` (``vllm_metric_names``
-is shared with the observability tests).
+behaviour can be provoked quickly.
 """
 
 from __future__ import annotations
 
 import json
-import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import openai
@@ -23,10 +20,6 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpilot.engine.server.launch import launch_server
-
-HERE = str(Path(__file__).resolve().parent)
-if HERE not in sys.path:
-    sys.path.insert(0, HERE)
 
 
 @dataclass(frozen=True)

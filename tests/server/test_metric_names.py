@@ -1,16 +1,13 @@
 """The server's metrics against the README's table and against vLLM's names, types, labels
-and buckets (``vllm_metric_names.py``). The acceptance test with a real Prometheus
+and buckets (``support/vllm_metric_names.py``). The acceptance test with a real Prometheus
 (``tests/observability/test_dashboards_live.py``) checks the table against live servers too.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
-from pathlib import Path
 
 from prometheus_client import CollectorRegistry
-from vllm_metric_names import NOT_APPLICABLE, NOT_EXPORTED, TOKENS, VLLM_METRICS
 
 from kvpilot.engine.config import KVCacheInfo
 from kvpilot.engine.core.kv_residency import BlockResidency
@@ -18,20 +15,10 @@ from kvpilot.engine.server.latency_tracker import FinishedRequestStats, Iteratio
 from kvpilot.engine.server.metrics import ServerMetrics, token_buckets
 from kvpilot.engine.stats import EngineStats
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+from support.readme import readme_metrics
+from support.vllm_metric_names import NOT_APPLICABLE, NOT_EXPORTED, TOKENS, VLLM_METRICS
+
 MAX_MODEL_LEN = 2048
-
-
-def readme_metrics() -> dict[str, str]:
-    """Exposed name -> type of every row of the README's Metrics table."""
-    text = README.read_text()
-    assert "## Metrics" in text, "README lacks its Metrics section"
-    section = text.split("## Metrics", 1)[1].split("\n## ", 1)[0]
-    documented = {}
-    for row in re.finditer(r"^\|\s*(`(?:vllm|kvpilot):[^|]+)\|\s*(\w+)\s*\|", section, re.MULTILINE):
-        for name in re.findall(r"`((?:vllm|kvpilot):[a-z0-9_:]+)`", row.group(1)):
-            documented[name] = row.group(2)
-    return documented
 
 
 @dataclasses.dataclass(frozen=True)

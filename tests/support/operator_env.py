@@ -18,12 +18,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import crd_schema
-import traffic
-from chart import CHART
-from harness import EmulatorThread, Kubectl, OperatorProcess, wait_for, write_kubeconfig
-from kube_emulator import KubeEmulator
-from rbac import assert_chart_grants
+from support import crd_schema, traffic
+from support.chart import CHART
+from support.harness import EmulatorThread, Kubectl, OperatorProcess, wait_for, write_kubeconfig
+from support.kube_emulator import KubeEmulator
+from support.rbac import assert_chart_grants
 
 GROUP, VERSION, PLURAL = "serving.kvpilot.dev", "v1alpha1", "inferenceservices"
 SMALL = {"model": {"uri": "hf://Qwen/Qwen3-0.6B"}, "gpu": {"type": "l4"},

@@ -1,6 +1,6 @@
 """Quantize a tiny HF checkpoint's linear layers to FP8 (e4m3) in the two served formats.
 
-A plain module of the engine tests (tests/engine is on ``sys.path``). ``quantize`` writes
+Used by the engine tests. ``quantize`` writes
 the FP8 checkpoint (config.json with its ``quantization_config``, e4m3 weights and their
 scales, everything else copied) and, for the HF transformers oracle, the same model with
 every quantized weight replaced by its dequantization ``weight x scale`` in float32.

@@ -22,7 +22,8 @@ from typing import Any, TypeVar
 
 import kmock
 import yaml
-from kube_emulator import KubeEmulator
+
+from support.kube_emulator import KubeEmulator
 
 T = TypeVar("T")
 KUBECTL = "/usr/bin/kubectl"

@@ -1,6 +1,6 @@
-"""One engine's disk tier in its own process, for the shared-directory test.
+"""One engine's disk tier in its own process, for the shared-directory test (tests/offload).
 
-``python disk_worker.py DIR ROLE COUNT``: writes COUNT blocks (the first half shared with
+``python -m support.shared_disk DIR ROLE COUNT`` (``tests/`` on PYTHONPATH): writes COUNT blocks (the first half shared with
 the peer: same hashes, same bytes, as two engines serving one prefix would write; the rest
 its own) into a ``DiskStore`` on DIR, re-opening the store (a restart: the start-up scan)
 every ``RESTART_EVERY`` blocks, with ``os.getpid`` reporting 1 as it does for an engine

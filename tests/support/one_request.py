@@ -1,5 +1,5 @@
-"""Drive an engine through one request step by step (a plain module: tests/engine is on
-``sys.path`` by its conftest), for tests that measure what a request holds per step."""
+"""Drive an engine through one request step by step, for tests that measure what a
+request holds per step."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import kube_emulator_api as api
+from support import kube_emulator_api as api
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from api_calls import ApiCall
+from support.api_calls import ApiCall
 
 OPERATOR_AGENTS = ("kopf/", "kvpilot-operator")  # kopf's client and the operator's own
 
@@ -72,7 +72,7 @@ def assert_chart_grants(calls: Iterable[ApiCall], values: Iterable = ()) -> None
     """Every call the operator made is granted by the chart rendered with ``values`` files
     over cluster-wide RBAC (ci/cluster-rbac-values.yaml: the operator tests run it with
     ``--all-namespaces``)."""
-    from chart import CHART, render
+    from support.chart import CHART, render
 
     docs = render([CHART / "ci" / "cluster-rbac-values.yaml", *values], release="kvpilot", namespace="kvpilot")
     missing = ungranted(operator_calls(calls), grants(docs, "kvpilot", "kvpilot"))

@@ -23,9 +23,10 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import crd_schema
 import yaml
-from harness import (
+
+from support import crd_schema
+from support.harness import (
     EmulatorThread,
     Kubectl,
     OperatorProcess,
@@ -34,8 +35,8 @@ from harness import (
     wait_for,
     write_kubeconfig,
 )
-from kubelet import Kubelet, engine_container
-from prometheus_sd import LocalPrometheus, PrometheusApi, podmonitor_targets
+from support.kubelet import Kubelet, engine_container
+from support.prometheus_sd import LocalPrometheus, PrometheusApi, podmonitor_targets
 
 GIB = 1 << 30
 

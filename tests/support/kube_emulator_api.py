@@ -307,7 +307,7 @@ def human_age(created: str | None, now: datetime.datetime | None = None) -> str:
     """``kubectl``'s short age: 45s, 5m30s, 12m, 3h20m, 5h, 3d4h, 12d."""
     if not created:
         return "<unknown>"
-    now = now or datetime.datetime.now(datetime.timezone.utc)
+    now = now or datetime.datetime.now(datetime.UTC)
     then = datetime.datetime.fromisoformat(created.replace("Z", "+00:00"))
     s = max(0, int((now - then).total_seconds()))
     m, h, d = s // 60, s // 3600, s // 86400

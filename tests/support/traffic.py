@@ -11,8 +11,9 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 
-import api_calls
 import kmock
+
+from support import api_calls
 
 OPERATOR_AGENTS = ("kopf/", "kvpilot-operator")
 

@@ -16,8 +16,9 @@ import functools
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-import crd_schema
 import kubernetes_validate
+
+from support import crd_schema
 
 KUBERNETES_VERSIONS = ("1.25", "1.33")
 # Kinds newer than the oldest version: validated where they exist (the chart renders them

@@ -1,7 +1,6 @@
 """The HF transformers oracle of the parity tests: greedy continuations of token prompts.
 
-A plain module (tests/engine is put on ``sys.path`` by its conftest), shared by the
-one-rank and the tensor-parallel parity tests.
+Shared by the one-rank and the tensor-parallel parity tests.
 """
 
 from __future__ import annotations

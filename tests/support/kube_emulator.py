@@ -46,13 +46,13 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import aiohttp.web
-import api_calls
 import attrs
-import crd_schema
 import kmock
-import kube_emulator_api as api
 from kmock._internal import parsing
-from kube_faults import FaultPolicy
+
+from support import api_calls, crd_schema
+from support import kube_emulator_api as api
+from support.kube_faults import FaultPolicy
 
 T = TypeVar("T")
 Key = tuple[str, str, str | None, str]  # group, plural, namespace, name
@@ -81,7 +81,7 @@ class ApiError(Exception):
 
 
 def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _status(code: int, reason: str, message: str) -> dict:

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
-from chart import tool
+
+from support.chart import tool
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,54 @@
+"""The markers the README documents do what it says: ``gpu`` tests are skipped, with the
+reason, where there is no CUDA device, and run where there is one."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from support.markers import NO_CUDA
+
+pytest_plugins = ["pytester"]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(pytester: pytest.Pytester):
+    pytester.makeconftest("from support.markers import pytest_collection_modifyitems  # noqa: F401\n")
+    pytester.makeini("[pytest]\nasyncio_default_fixture_loop_scope = function\n"
+                     "markers =\n    gpu: needs CUDA\n")
+    pytester.makepyfile("""
+        import pytest
+
+        @pytest.mark.gpu
+        def test_on_the_gpu():
+            pass
+
+        def test_anywhere():
+            pass
+    """)
+    return pytester.runpytest_inprocess("-rs", "-p", "no:randomly", "-p", "no:cacheprovider")
+
+
+def test_gpu_tests_are_skipped_with_the_reason_without_cuda(pytester, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    result = _run(pytester)
+    result.assert_outcomes(passed=1, skipped=1)
+    assert NO_CUDA in result.stdout.str()
+
+
+def test_gpu_tests_run_where_cuda_is(pytester, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    _run(pytester).assert_outcomes(passed=2)
+
+
+def test_every_documented_marker_is_registered():
+    import tomllib
+
+    registered = {m.split(":")[0] for m in
+                  tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["markers"]}
+    development = (ROOT / "README.md").read_text().split("## Development", 1)[1].split("\n## ", 1)[0]
+    documented = set(re.findall(r"`(\w+)` \(", development))
+    assert documented and documented <= registered, (documented, registered)
