@@ -33,6 +33,8 @@ class EngineStats:
     kv_offload_cpu_capacity_bytes: int | None = None
     kv_offload_disk_used_bytes: int | None = None      # disk tier contents
     kv_offload_disk_capacity_bytes: int | None = None
+    kv_offload_disk_writable: bool | None = None       # the disk tier takes new blocks
+    kv_offload_corrupt_blocks: int | None = None       # read back corrupt: dropped, recomputed
     # Where the prompt tokens of admitted sequences came from, counted at first admission
     # (cumulative): computed, found in the device prefix cache, loaded from offload tiers.
     prompt_tokens_local_compute: int = 0

@@ -10,7 +10,8 @@ then the softmax-weighted sum of values), accumulating in float32 (double for do
 The source is ``csrc/paged_decode_cpu.cpp``; ``load()`` compiles it (about 30 s) once
 per machine into torch's extension cache (``TORCH_EXTENSIONS_DIR``, by default
 ``~/.cache/torch_extensions``; ``scripts/bootstrap.sh`` builds it at install time, and a
-changed source is rebuilt on the next load) and returns None, with the reason logged,
+changed source is rebuilt on the next load; the engine image ships it prebuilt, see
+``kvpilot.kernels.prebuilt``) and returns None, with the reason logged,
 where it cannot be built (no C++ compiler or Python headers): the engine then uses the
 pure-torch path. fp8 caches are not handled here (the torch path dequantizes them).
 """
@@ -18,11 +19,14 @@ pure-torch path. fp8 caches are not handled here (the torch path dequantizes the
 from __future__ import annotations
 
 import functools
+import importlib.util
 import logging
 from pathlib import Path
 from types import ModuleType
 
 import torch
+
+from kvpilot.kernels.prebuilt import find_cpu_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -40,17 +44,28 @@ ISA_FLAGS = {
 }
 
 
+def variant(isa: str | None) -> tuple[str, list[str]]:
+    """The module name and compiler flags of the kernel for ``isa`` (None or unknown: baseline)."""
+    flags = ISA_FLAGS.get(isa or "", [])
+    return f"kvpilot_paged_decode_cpu_{isa.lower() if flags else 'baseline'}", [*CFLAGS, *flags]
+
+
 @functools.cache
 def load() -> ModuleType | None:
-    """The compiled kernel module (built on the first call), or None if it cannot be built."""
+    """The compiled kernel module (prebuilt, or built on the first call), or None if it
+    cannot be built."""
+    name, flags = variant(torch.backends.cpu.get_cpu_capability())
+    prebuilt = find_cpu_kernel(name, flags)   # the engine image's (kvpilot.kernels.prebuilt)
+    if prebuilt is not None:
+        spec = importlib.util.spec_from_file_location(name, prebuilt)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
     try:
         from torch.utils.cpp_extension import load as build
 
-        isa = torch.backends.cpu.get_cpu_capability()
-        flags = ISA_FLAGS.get(isa, [])
         logger.info("loading the CPU paged-decode kernel (built on its first use on a machine, about 30 s; cached after)")
-        return build(f"kvpilot_paged_decode_cpu_{isa.lower() if flags else 'baseline'}", [str(SOURCE)],
-                     extra_cflags=[*CFLAGS, *flags], extra_ldflags=["-lm"], verbose=False)
+        return build(name, [str(SOURCE)], extra_cflags=flags, extra_ldflags=["-lm"], verbose=False)
     except Exception as exc:  # noqa: BLE001 - no compiler, no headers: the torch path serves
         logger.warning("the CPU paged-decode kernel could not be built (%s: %s); decode attention "
                        "runs on the pure-torch path", type(exc).__name__, str(exc).strip()[-500:])

@@ -15,7 +15,9 @@ tried again on a later pass: observation never fails a reconcile pass.
 
 Only pods that run the current plan are read: ready, not terminating, with an IP, and with
 the plan's serve flags on the engine container's command line (pods of an older rollout
-generation report an older plan). A reader fetches a pod's metrics page
+generation report an older plan). A page over ``MAX_METRICS_BYTES`` (an engine's is tens of
+KiB) is refused as it arrives: whatever runs in an engine pod cannot make the operator
+buffer or parse an endless answer. A reader fetches a pod's metrics page
 (``KVPILOT_ENGINE_METRICS``): straight from the pod (``pod``:
 ``http://POD_IP:PORT/metrics``, as Prometheus does), or through the API server's pod proxy
 (``apiserver``: for an operator outside the cluster, or network policies that keep it from
@@ -45,6 +47,15 @@ CACHE_CONFIG_INFO = "vllm:cache_config_info"
 KV_CACHE_MEMORY_BYTES = "kvpilot:kv_cache_memory_bytes"
 PROFILED_KV_BYTES = "kvpilot:kv_cache_profiled_available_bytes"
 METRICS_PORT_NAME = "http"
+MAX_METRICS_BYTES = 4 << 20
+
+
+class MetricsTooLarge(ValueError):
+    """A metrics page over ``MAX_METRICS_BYTES``."""
+
+    def __init__(self, size: int | None = None) -> None:
+        got = f" ({size:,} bytes)" if size else ""
+        super().__init__(f"the metrics page is over {MAX_METRICS_BYTES:,} bytes{got}; not read")
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,7 +170,14 @@ class DirectReader:
         host = f"[{pod.ip}]" if ":" in pod.ip else pod.ip
         async with self._session.get(f"http://{host}:{pod.port}/metrics") as response:
             response.raise_for_status()
-            return await response.text()
+            if (response.content_length or 0) > MAX_METRICS_BYTES:
+                raise MetricsTooLarge(response.content_length)
+            body = bytearray()
+            async for chunk in response.content.iter_chunked(64 << 10):   # decompressed, if gzip
+                body += chunk
+                if len(body) > MAX_METRICS_BYTES:
+                    raise MetricsTooLarge()
+            return body.decode(response.charset or "utf-8", errors="replace")
 
     async def close(self) -> None:
         if self._session is not None:
@@ -175,8 +193,11 @@ class ApiServerReader:
         self._api = api
 
     async def __call__(self, pod: EnginePod) -> str:
-        return await self._api.get_text(f"/api/v1/namespaces/{pod.namespace}/pods/{pod.name}:{pod.port}"
+        text = await self._api.get_text(f"/api/v1/namespaces/{pod.namespace}/pods/{pod.name}:{pod.port}"
                                         "/proxy/metrics")
+        if len(text) > MAX_METRICS_BYTES:  # read whole by the API client: at least never parsed
+            raise MetricsTooLarge(len(text))
+        return text
 
     async def close(self) -> None:  # the API client is the operator's; it closes it
         return None

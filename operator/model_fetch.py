@@ -20,7 +20,11 @@ pod; ``model_cache`` says what a complete copy is. One start:
 
 The token comes from ``HF_TOKEN`` and a mirror from ``HF_ENDPOINT`` (the operator maps the
 spec's credentials Secret into the environment). Only weights, configs and tokenizer files
-are fetched (no ``*.bin`` / ``*.pth`` duplicates of the safetensors).
+are fetched (no ``*.bin`` / ``*.pth`` duplicates of the safetensors, no ``*.py`` code: the
+engine never runs a repository's code). File names come from the Hub (or a mirror) and are
+not trusted: a snapshot listing a name that would leave the cache directory (``../x``,
+``/etc/x``, a symlinked folder) or land on its hidden entries (the marker) is refused
+before any file is touched.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ from kvpilot.operator.model_cache import (
 HF_URI = re.compile(r"^hf://(?P<repo>[^/@\s]+/[^/@\s]+)(@(?P<rev>\S+))?$")
 COMMIT = re.compile(r"^[0-9a-f]{40}$")
 DEFAULT_REVISION = "main"
-ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja", "*.py"]
+ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
 
 logger = logging.getLogger("kvpilot.model_fetch")
 
@@ -128,6 +132,25 @@ class FetchResult:
     downloaded: bool
 
 
+def check_names(dest: Path, files: tuple[CachedFile, ...]) -> None:
+    """Refuse a snapshot whose file names leave ``dest`` or touch its hidden top-level entries.
+
+    Raises:
+        FetchError: naming the first such file.
+    """
+    root = dest.resolve()
+    for f in files:
+        parts = f.path.split("/")
+        bad = (not f.path or "\\" in f.path or "\0" in f.path or f.path.startswith("/")
+               or any(p in ("", ".", "..") for p in parts) or parts[0].startswith("."))
+        if not bad:
+            target = (dest / f.path).resolve()
+            bad = target == root or root not in target.parents
+        if bad:
+            raise FetchError(f"the snapshot lists a file name that leaves the cache directory or "
+                             f"touches its own entries: {f.path!r}; nothing was changed")
+
+
 def _valid(dest: Path, marker: Marker | None, repo_id: str, commit: str | None,
            checksum: str | None) -> bool:
     return (marker is not None and marker.repo_id == repo_id and (commit is None or marker.commit == commit)
@@ -173,6 +196,7 @@ def fetch(source: Source, repo_id: str, revision: str | None, dest: Path) -> Fet
                                revision, marker.commit)
                 return FetchResult(marker, downloaded=False)
             raise
+        check_names(dest, snap.files)
         if _valid(dest, marker, repo_id, snap.commit, files_checksum(snap.files)):
             return FetchResult(marker, downloaded=False)
         remove_marker(dest)  # from here on the directory must not look complete

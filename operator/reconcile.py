@@ -47,6 +47,7 @@ from kvpilot.operator.resources.monitoring import PODMONITOR_API
 from kvpilot.operator.resources.placement import describe as describe_placement
 from kvpilot.operator.resources.service import endpoint
 from kvpilot.operator.resources.sizing import EngineSizing
+from kvpilot.operator.security import check_spec
 from kvpilot.operator.server_side_apply import applied_config, holds
 from kvpilot.operator.settings import OperatorSettings
 from kvpilot.operator.sizing_drift import SizingObservation, sizing_observation
@@ -235,9 +236,10 @@ async def reconcile(children: Children, discovery: Discovery, body: Mapping[str,
 
     try:
         spec = parse_spec(body.get("spec") or {}, owner.name)
+        check_spec(spec, owner.name, settings.policy, settings.engine_image)  # before anything is built
         outcome = plan_service(spec)
-    except SpecError as exc:
-        spec, outcome = None, PlanOutcome.rejected("InvalidSpec", str(exc))
+    except SpecError as exc:  # a PolicyViolation names its own reason
+        spec, outcome = None, PlanOutcome.rejected(getattr(exc, "reason", "InvalidSpec"), str(exc))
     # the sizing is there exactly when the plan is feasible (an invalid spec has none)
     sizing = outcome.sizing
 

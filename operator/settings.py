@@ -29,6 +29,17 @@
 | KVPILOT_ENGINE_SCRAPE_TIMEOUT   | 2 (seconds one read of a pod's /metrics may take) |
 | KVPILOT_ENGINE_SCRAPES_PER_PASS | 4 (engine pods read at most per pass of a service) |
 | KVPILOT_SIZING_DRIFT_THRESHOLD  | 0.02 (relative error of observed vs planned KV capacity that sets SizingDrift) |
+| KVPILOT_ALLOWED_IMAGES          | "" (only KVPILOT_ENGINE_IMAGE); comma-separated globs of spec.image |
+| KVPILOT_ALLOWED_SERVICE_ACCOUNTS | "" (only the per-service account); comma-separated names |
+| KVPILOT_ALLOWED_SECRETS         | * (any declared Secret); comma-separated globs; "" = none |
+| KVPILOT_NETWORK_POLICY          | on (a NetworkPolicy per service; off: none) |
+| KVPILOT_NETWORK_CLIENT_LABELS   | serving.kvpilot.dev/client=true (pods that may call the engine port) |
+| KVPILOT_NETWORK_CLIENT_NAMESPACE_LABELS | unset (clients in the service's namespace); k=v,... (namespaces) |
+| KVPILOT_NETWORK_MONITORING_NAMESPACE | monitoring (may scrape the engine port; "" = none) |
+| KVPILOT_OPERATOR_NAMESPACE      | "" (the operator's pods may read engine /metrics from there) |
+| KVPILOT_NETWORK_DNS_LABELS      | k8s-app=kube-dns (the DNS pods the engines may query) |
+| KVPILOT_NETWORK_MODEL_EGRESS_CIDRS | 0.0.0.0/0,::/0 (where hf:// / s3:// / LMCache remote are) |
+| KVPILOT_NETWORK_MODEL_EGRESS_PORTS | 443 (their ports; an LMCache remote URL's port is added) |
 
 The HPA metric names are the names a Prometheus adapter exposes in the custom metrics
 API: the engine exports ``vllm:kv_cache_usage_perc`` / ``vllm:num_requests_waiting`` /
@@ -46,6 +57,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kvpilot.operator.planner.gpu import gpu_names, gpu_node_products
+from kvpilot.operator.security import NetworkFence, SpecPolicy
 
 EPP_FAILURE_MODES = ("FailOpen", "FailClose")
 ENGINE_METRICS_MODES = ("pod", "apiserver", "off")
@@ -80,6 +92,8 @@ class OperatorSettings:
             cache (``engine_observer``): ``pod`` (directly), ``apiserver`` (pod proxy) or ``off``.
         engine_scrape_timeout / engine_scrapes_per_pass: seconds per read; reads per pass.
         sizing_drift_threshold: observed vs planned KV capacity error that sets ``SizingDrift``.
+        policy: what a spec may ask for: images, service accounts, Secrets (``security``).
+        fence: the engine pods' NetworkPolicy (``security.NetworkFence``).
         gpu_node_label: node label whose value names the GPU product (GPU feature
             discovery's); None = pods are not pinned to a GPU type.
         gpu_node_values: GPU type -> label values, replacing the catalogue's products.
@@ -120,6 +134,8 @@ class OperatorSettings:
     engine_scrapes_per_pass: int = 4
     sizing_drift_threshold: float = 0.02
     router_image: str = "ghcr.io/kvpilot/router:0.1.17"
+    policy: SpecPolicy = SpecPolicy()
+    fence: NetworkFence = field(default_factory=NetworkFence)
 
     def __post_init__(self) -> None:
         if not self.engine_image:
@@ -240,4 +256,6 @@ class OperatorSettings:
             engine_scrapes_per_pass=int(number("KVPILOT_ENGINE_SCRAPES_PER_PASS",
                                                defaults.engine_scrapes_per_pass)),
             sizing_drift_threshold=number("KVPILOT_SIZING_DRIFT_THRESHOLD", defaults.sizing_drift_threshold),
+            policy=SpecPolicy.from_env(env),
+            fence=NetworkFence.from_env(env),
         )

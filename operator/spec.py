@@ -213,6 +213,7 @@ class InferenceServiceSpec:
     router: RouterSpec = RouterSpec()
     service_account_name: str | None = None
     api_key_secret: tuple[str, str] | None = None   # (secret name, key)
+    env_secrets: tuple[str, ...] = ()   # security: the Secrets spec.env may read (secretKeyRef)
 
 
 def _planner_kwargs(values: Mapping[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
@@ -332,4 +333,6 @@ def parse_spec(spec: Mapping[str, Any], resource_name: str) -> InferenceServiceS
         inference_pool=_parse_routing(s.get("routing", {})),
         router=_parse_router(s.get("routing", {})),
         api_key_secret=(api_key["name"], api_key["key"]) if api_key else None,
+        # security (kvpilot.operator.security): checked against the platform's policy
+        env_secrets=tuple(s.get("envSecrets", ())),
     )

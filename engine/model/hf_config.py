@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpilot.engine.core.weight_quant import Fp8WeightConfig, parse_quantization_config
+from kvpilot.engine.model.checkpoint_checks import check_arch_bounds, check_config_file
 
 logger = logging.getLogger(__name__)
 
@@ -208,6 +209,7 @@ def parse_arch_config(cfg: dict[str, Any], architecture: str | None = None) -> A
     )
     if arch in GEMMA3_ARCHITECTURES:
         parsed = replace(parsed, **gemma3_arch_fields(cfg, num_layers))
+    check_arch_bounds(parsed)  # before anything is built for it
     return parsed
 
 
@@ -278,4 +280,5 @@ def load_arch_config(model_dir: str | Path, architecture: str | None = None) -> 
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"model directory {model_dir} has no config.json")
+    check_config_file(path)
     return parse_arch_config(json.loads(path.read_text()), architecture)

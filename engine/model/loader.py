@@ -26,6 +26,11 @@ from safetensors import safe_open
 from torch import nn
 
 from kvpilot.engine.core.weight_quant import Fp8WeightConfig
+from kvpilot.engine.model.checkpoint_checks import (
+    check_shard_names,
+    check_tensor_list,
+    checkpoint_shapes,
+)
 from kvpilot.engine.model.hf_config import ArchConfig
 from kvpilot.engine.model.layers.fp8_linear import use_fp8_weight
 from kvpilot.engine.model.layers.rotary import layer_rotaries
@@ -62,6 +67,7 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         weight_map = json.loads(index.read_text()).get("weight_map", {})
+        check_shard_names(model_dir, weight_map)
         files = sorted({model_dir / name for name in weight_map.values()})
         missing = [f.name for f in files if not f.is_file()]
         if missing:
@@ -118,6 +124,7 @@ def load_model(model_dir: str | Path, cfg: ArchConfig, max_model_len: int,
     """The model with this rank's shard of the checkpoint's weights (all of them at one
     rank), in ``dtype`` on ``device``; each rank reads only its own slices."""
     model_dir = Path(model_dir)
+    check_tensor_list(checkpoint_shapes(safetensors_files(model_dir)), cfg, model_dir)  # before allocating
     with torch.device("meta"):
         model = model_class(cfg.architecture)(cfg, max_model_len, tp).to(dtype)
         if cfg.quantization is not None:

@@ -82,6 +82,8 @@ class OffloadStats:
     disk_capacity_bytes: int | None
     fetch_seconds: float
     transfer_seconds: float
+    disk_writable: bool | None = None        # the disk tier still takes new blocks
+    corrupt_blocks: int | None = None        # blocks (LMCache: chunks) that failed their check
 
     def engine_stat_fields(self) -> dict[str, int | None]:
         """The ``EngineStats`` keyword arguments these figures fill."""
@@ -97,6 +99,8 @@ class OffloadStats:
             "kv_offload_cpu_capacity_bytes": self.cpu_capacity_bytes,
             "kv_offload_disk_used_bytes": self.disk_used_bytes,
             "kv_offload_disk_capacity_bytes": self.disk_capacity_bytes,
+            "kv_offload_disk_writable": self.disk_writable,
+            "kv_offload_corrupt_blocks": self.corrupt_blocks,
         }
 
 
@@ -196,11 +200,12 @@ class OffloadBase(abc.ABC):
             cpu_used_bytes=tiers.get("cpu_used"), cpu_capacity_bytes=tiers.get("cpu_capacity"),
             disk_used_bytes=tiers.get("disk_used"), disk_capacity_bytes=tiers.get("disk_capacity"),
             fetch_seconds=c.fetch_seconds, transfer_seconds=c.transfer_seconds,
+            disk_writable=tiers.get("disk_writable"), corrupt_blocks=tiers.get("corrupt"),
         )
 
     def _tier_stats(self) -> dict[str, int | None]:
         """Backend-specific figures: cpu_used, cpu_capacity, disk_used, disk_capacity,
-        cpu_to_disk, disk_to_cpu (bytes; absent = unknown)."""
+        cpu_to_disk, disk_to_cpu (bytes), disk_writable, corrupt (absent = unknown)."""
         return {}
 
     # ---- backend hooks --------------------------------------------------------

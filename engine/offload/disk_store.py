@@ -12,10 +12,15 @@ Writes run on one background thread, off the engine step; a block queued for wri
 is served from memory until its file exists. Any OSError while writing (ENOSPC, a
 quota, a read-only or failing volume) stops the tier from taking new blocks, with one
 WARNING: offload carries on with the host tier; files already written are still read.
+``writable`` and ``num_corrupt`` (files dropped as corrupt) are exported as metrics.
 
 Block hashes are stable across restarts, so a new engine on the same directory finds
 the blocks of the previous one: the index is rebuilt from the file names at start-up,
-oldest modification time first. One engine owns a directory at a time.
+oldest modification time first. Engines may share a directory (pods on one volume, with
+the same PIDs in their containers): each temporary name is unique (``<block>.kvb.<random
+hex>.tmp``), a start-up deletes only temporaries older than ``STALE_TMP_SECONDS`` (left
+by a crash, never a live peer's write in progress), a file a peer evicted is a miss, and
+a temporary that vanished before its rename loses that block only, not the tier.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ import logging
 import os
 import struct
 import threading
+import time
+import uuid
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -40,6 +47,9 @@ logger = logging.getLogger(__name__)
 MAGIC = b"KVPB"
 FORMAT_VERSION = 1
 SUFFIX = ".kvb"
+TMP_SUFFIX = ".tmp"
+# A block file is written in well under a second: a temporary this old was left by a crash.
+STALE_TMP_SECONDS = 3600.0
 # magic, version, header size, payload bytes, block hash, layout id, payload digest
 HEADER = struct.Struct("<4sHHQ32s8s16s")
 
@@ -106,6 +116,7 @@ class DiskStore:
 
     def _scan(self) -> None:
         found = []
+        stale_before = time.time() - STALE_TMP_SECONDS
         for sub in os.scandir(self.root):
             if not sub.is_dir() or len(sub.name) != 2:
                 continue          # not a block directory (lost+found, ...)
@@ -114,8 +125,8 @@ class DiskStore:
             except OSError:
                 continue
             for entry in entries:
-                if entry.name.endswith(".tmp"):          # left by a crash mid-write
-                    Path(entry.path).unlink(missing_ok=True)
+                if entry.name.endswith(TMP_SUFFIX):
+                    self._drop_if_stale(entry, stale_before)
                     continue
                 if not entry.name.endswith(SUFFIX):
                     continue
@@ -134,6 +145,15 @@ class DiskStore:
         if found:
             logger.info("KV offload disk tier %s: %d block files (%.1f MiB) from earlier runs",
                         self.root, len(self._index), self._used / 2**20)
+
+    @staticmethod
+    def _drop_if_stale(entry: os.DirEntry, stale_before: float) -> None:
+        """Delete a temporary left by a crash mid-write; a peer's write in progress is younger."""
+        try:
+            if entry.stat().st_mtime < stale_before:
+                Path(entry.path).unlink(missing_ok=True)
+        except OSError:
+            pass   # gone already (its writer renamed it), or not ours to delete
 
     def _evict_locked(self) -> None:
         while self._used > self.capacity_bytes and self._index:
@@ -172,7 +192,8 @@ class DiskStore:
 
     def _write(self, block_hash: BlockHash, payload: torch.Tensor, ready) -> None:
         final = self.path(block_hash)
-        tmp = final.with_name(f"{final.name}.{os.getpid()}.tmp")
+        # unique per write: a PID is often the same in every container sharing the volume
+        tmp = final.with_name(f"{final.name}.{uuid.uuid4().hex}{TMP_SUFFIX}")
         try:
             if not self.writable:
                 return
@@ -186,6 +207,12 @@ class DiskStore:
                 f.write(header)
                 f.write(memoryview(data))
             os.replace(tmp, final)
+        except FileNotFoundError as exc:
+            # The temporary (or its folder) went away under us: someone cleaned the shared
+            # directory. This block is lost, the volume is fine: keep writing.
+            logger.warning("KV offload disk tier %s: a block file vanished while being written (%s); "
+                           "the block is not kept on disk", self.root, exc)
+            return
         except OSError as exc:
             self._stop_writing(exc)
             tmp.unlink(missing_ok=True)

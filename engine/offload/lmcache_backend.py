@@ -13,7 +13,9 @@ chunks LMCache already holds are not sent again); device evictions are not saved
 separately. At admission the chunks after the device hit are looked up and retrieved
 into host memory right away, so the hit granted is exactly what arrived. Hits are
 chunk-granular (``chunk_size`` tokens, 256 by default): a prefix reuses the chunks it
-fully covers. The device copies go through the engine's ``BlockIO`` like the native
+fully covers. Every chunk read back is checked against the digest it was stored with
+(``lmcache_adapter``): a corrupt one is a miss from there on, removed from LMCache and
+counted. The device copies go through the engine's ``BlockIO`` like the native
 backend's. LMCache's engine forces multiprocessing's start method to ``spawn``; the
 adapter restores the process's own setting (it starts no LMCache worker processes).
 """
@@ -55,6 +57,7 @@ class _StoreJob:
     token_ids: list[int]      # whole chunks of a finished request
     cache_salt: str | None
     block_ids: list[int]
+    block_hashes: list[BlockHash]   # of those blocks: each chunk's digest binds its key
 
 
 class LMCacheOffload(OffloadBase):
@@ -105,7 +108,11 @@ class LMCacheOffload(OffloadBase):
         mask = torch.zeros(hit, dtype=torch.bool)
         mask[start // chunk * chunk:] = True
         fetched: dict[int, torch.Tensor] = {}
-        self.engine.retrieve(token_ids[:hit], mask=mask, fetched=fetched, request_configs=configs)
+        corrupt: list[int] = []
+        self.engine.retrieve(token_ids[:hit], mask=mask, fetched=fetched, request_configs=configs,
+                             block_hashes=request.block_hashes, corrupt=corrupt)
+        if corrupt:  # drop the bad chunks (and the prefix keyed with them): the finished request stores them anew
+            self.engine.clear(tokens=token_ids[:max(corrupt) + chunk], request_configs=configs)
         sources: list[Source] = []
         for block in range(start_block, hit // bs):
             payload = fetched.get(block)
@@ -121,8 +128,9 @@ class LMCacheOffload(OffloadBase):
             num_tokens = len(finished.block_ids) * self.block_size // self.chunk_size * self.chunk_size
             if not num_tokens:
                 continue
+            num_blocks = num_tokens // self.block_size
             job = _StoreJob(finished.token_ids[:num_tokens], finished.cache_salt,
-                            finished.block_ids[:num_tokens // self.block_size])
+                            finished.block_ids[:num_blocks], finished.block_hashes[:num_blocks])
             try:
                 self._store(job)
             except Exception as exc:  # noqa: BLE001 - a failed store only loses a cache entry
@@ -143,7 +151,8 @@ class LMCacheOffload(OffloadBase):
         mask = torch.zeros(len(job.token_ids), dtype=torch.bool)
         mask[stored:] = True
         self.engine.store(tokens=job.token_ids, mask=mask, request_configs=configs,
-                          payloads={first + i: p for i, p in enumerate(payloads)})
+                          payloads={first + i: p for i, p in enumerate(payloads)},
+                          block_hashes=job.block_hashes)
 
     # ---- lifecycle / stats --------------------------------------------------------
     def flush(self, timeout: float = 30.0) -> None:
@@ -172,7 +181,8 @@ class LMCacheOffload(OffloadBase):
         # Read from LMCache's backends (its internals, hence defensively): what the
         # host tier and the local disk tier hold. Remote tiers are not counted.
         backends = getattr(self.engine.storage_manager, "storage_backends", {})
-        figures: dict[str, int | None] = {"cpu_capacity": self._cpu_capacity}
+        figures: dict[str, int | None] = {"cpu_capacity": self._cpu_capacity,
+                                          "corrupt": self.engine.gpu_connector.num_corrupt}
         cpu = backends.get("LocalCPUBackend")
         if cpu is not None and hasattr(cpu, "hot_cache"):
             figures["cpu_used"] = sum(obj.get_size() for obj in list(cpu.hot_cache.values()))

@@ -121,5 +121,6 @@ class NativeOffload(OffloadBase):
                                           "cpu_capacity": self.host.capacity_bytes}
         if self.disk is not None:
             figures.update(disk_used=self.disk.used_bytes, disk_capacity=self.disk.capacity_bytes,
-                           cpu_to_disk=self.disk.bytes_written, disk_to_cpu=self.disk.bytes_read)
+                           cpu_to_disk=self.disk.bytes_written, disk_to_cpu=self.disk.bytes_read,
+                           disk_writable=self.disk.writable, corrupt=self.disk.num_corrupt)
         return figures

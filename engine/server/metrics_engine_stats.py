@@ -56,6 +56,12 @@ OFFLOAD_STAT_METRICS: tuple[StatMetric, ...] = (
                "Bytes of KV block files in the disk offload tier."),
     StatMetric("kvpilot:kv_offload_disk_capacity_bytes", "gauge", "kv_offload_disk_capacity_bytes",
                "Capacity of the disk offload tier in bytes (--kv-offloading-disk-size)."),
+    StatMetric("kvpilot:kv_offload_disk_writable", "gauge", "kv_offload_disk_writable",
+               "1 while the disk offload tier takes new blocks; 0 once a write failed (a full or "
+               "failing volume): offload goes on with the CPU tier until a restart."),
+    StatMetric("kvpilot:kv_offload_corrupt_blocks", "counter", "kv_offload_corrupt_blocks",
+               "KV blocks read back from an offload tier that failed their integrity check "
+               "(checksum, header, layout; LMCache: per chunk), dropped and recomputed."),
 )
 
 ENGINE_STAT_METRICS: tuple[StatMetric, ...] = (

@@ -245,7 +245,13 @@ SPEC = Obj(required=("model", "gpu", "slo"), rules=(
     "port": Int(minimum=1024, maximum=65535, default=HTTP_PORT,
                 description="The port the engine serves its API and metrics on (pods run as non-root)."),
     "routing": ROUTING,
-    "serviceAccountName": Str(max_length=253),
+    "serviceAccountName": Str(max_length=253, description=(
+        "The engine pods' account (default: NAME-engine, which the operator creates, without an "
+        "API token); others only where the platform allows them.")),
+    # security: the platform restricts which names may be declared (kvpilot.operator.security)
+    "envSecrets": Arr(max_items=32, items=Str(min_length=1, max_length=253), description=(
+        "The Secrets that env may read (valueFrom.secretKeyRef); env reading any other Secret is "
+        "refused, as are Secrets the platform does not allow.")),
     "apiKeySecretRef": Obj(required=("name",), description=(
         "The API key clients must send; given to the engine as KVPILOT_API_KEY."), properties={
         "name": Str(max_length=253), "key": Str(max_length=253, default="api-key")}),

@@ -13,6 +13,8 @@
 | PodDisruptionBudget     | more than one replica (autoscaled: minReplicas > 1)          |
 | InferencePool           | the inference.networking.k8s.io/v1 API exists and spec.routing.inferencePool.enabled |
 | router Deployment, Service, ServiceAccount, Role, RoleBinding, PodDisruptionBudget (PodMonitor with the API) | spec.routing.router = vllm-router (``router.py``) |
+| ServiceAccount          | always: the engine pods' own identity, no API token          |
+| NetworkPolicy           | KVPILOT_NETWORK_POLICY on (the default): the engine pods' fence |
 """
 
 from __future__ import annotations
@@ -29,14 +31,17 @@ from kvpilot.operator.resources.monitoring import (
     build_podmonitor,
     build_slo_prometheusrule,
 )
+from kvpilot.operator.resources.network_policy import build_network_policy
 from kvpilot.operator.resources.router import router_children, router_names
 from kvpilot.operator.resources.service import build_service
+from kvpilot.operator.resources.service_account import build_service_account
 from kvpilot.operator.resources.sizing import EngineSizing
 from kvpilot.operator.resources.storage import (
     build_kv_disk_claim,
     build_model_cache_claim,
     model_cache_claim_child,
 )
+from kvpilot.operator.security import engine_service_account
 from kvpilot.operator.settings import OperatorSettings
 from kvpilot.operator.spec import InferenceServiceSpec
 
@@ -72,9 +77,10 @@ INFERENCE_POOL = ChildKind("/".join(INFERENCE_POOL_API), "InferencePool", "infer
 SERVICE_ACCOUNT = ChildKind("v1", "ServiceAccount", "serviceaccounts")
 ROLE = ChildKind("rbac.authorization.k8s.io/v1", "Role", "roles")
 ROLE_BINDING = ChildKind("rbac.authorization.k8s.io/v1", "RoleBinding", "rolebindings")
+NETWORK_POLICY = ChildKind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies")
 KINDS: dict[str, ChildKind] = {k.kind: k for k in (DEPLOYMENT, SERVICE, PVC, HPA, SCALED_OBJECT,
                                                    POD_MONITOR, PROMETHEUS_RULE, PDB, INFERENCE_POOL,
-                                                   SERVICE_ACCOUNT, ROLE, ROLE_BINDING)}
+                                                   SERVICE_ACCOUNT, ROLE, ROLE_BINDING, NETWORK_POLICY)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +109,7 @@ def possible_children(owner: Owner) -> list[tuple[ChildKind, str]]:
             (PVC, owner.model_cache_claim),
             (HPA, owner.name), (SCALED_OBJECT, owner.name), (POD_MONITOR, owner.name),
             (PROMETHEUS_RULE, owner.name), (PDB, owner.name), (INFERENCE_POOL, owner.name),
+            (SERVICE_ACCOUNT, engine_service_account(owner.name)), (NETWORK_POLICY, owner.name),
             *((KINDS[kind], name) for kind, name in router_names(owner))]
 
 
@@ -126,7 +133,10 @@ def desired_children(owner: Owner, spec: InferenceServiceSpec, sizing: EngineSiz
     policy = ReplicaPolicy.of(spec, sizing, inherited_replicas)
     deployment = Child(DEPLOYMENT, build_deployment(owner, spec, sizing, settings, policy),
                        create_only=("spec.replicas",) if policy.autoscaled else ())
-    children = [deployment, Child(SERVICE, build_service(owner))]
+    children = [Child(SERVICE_ACCOUNT, build_service_account(owner)), deployment,
+                Child(SERVICE, build_service(owner))]
+    if settings.fence.enabled:
+        children.append(Child(NETWORK_POLICY, build_network_policy(owner, spec, settings.fence)))
     if disk_claim_child(policy, sizing):
         children.append(Child(PVC, build_kv_disk_claim(owner, spec, sizing)))
     if model_cache_claim_child(spec, settings, policy.max_replicas):

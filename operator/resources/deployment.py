@@ -9,7 +9,8 @@ Service by readiness, not restarted; a dead engine fails both), a memory-backed
 the workers' NCCL buffers, the
 disk KV tier (the PVC child when the service has one replica, else a per-pod ephemeral
 claim, since a ReadWriteOnce claim cannot follow several pods), a writable ``/tmp`` and a
-read-only root filesystem; Prometheus scrape annotations; non-root; and a graceful stop
+read-only root filesystem; Prometheus scrape annotations; non-root, under the service's
+own account (or an allowed one, ``security``) with no API token mounted; and a graceful stop
 (``preStop`` sleep so endpoints drop the pod first, then SIGTERM lets the server drain for
 ``--shutdown-timeout`` seconds; the grace period covers both and the exit).
 """
@@ -34,6 +35,7 @@ from kvpilot.operator.resources.storage import (
     model_cache_claim_child,
     model_cache_volume,
 )
+from kvpilot.operator.security import engine_service_account
 from kvpilot.operator.settings import OperatorSettings
 from kvpilot.operator.spec import SHUTDOWN_TIMEOUT_FLAG, InferenceServiceSpec
 
@@ -42,9 +44,11 @@ PRESTOP_SLEEP_SECONDS = 10
 # Beyond the drain: uvicorn's last seconds for open connections, stopping the engine
 # thread (up to 10 s) and the process exit.
 SHUTDOWN_MARGIN_SECONDS = 15
+# OnRootMismatch: the kubelet re-owns a volume only when its root is not the pod's group
+# already, instead of walking the whole model cache at every pod start.
 POD_SECURITY_CONTEXT = {
     "runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000,
-    "seccompProfile": {"type": "RuntimeDefault"},
+    "fsGroupChangePolicy": "OnRootMismatch", "seccompProfile": {"type": "RuntimeDefault"},
 }
 CONTAINER_SECURITY_CONTEXT = {
     "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
@@ -209,6 +213,9 @@ def build_deployment(owner: Owner, spec: InferenceServiceSpec, sizing: EngineSiz
         container["imagePullPolicy"] = spec.image_pull_policy
 
     pod_spec: dict = {
+        # the engine never calls the Kubernetes API: no token in its pods, whatever the account
+        "serviceAccountName": spec.service_account_name or engine_service_account(owner.name),
+        "automountServiceAccountToken": False,
         "securityContext": POD_SECURITY_CONTEXT,
         "terminationGracePeriodSeconds": termination_grace_seconds(spec, settings),
         "enableServiceLinks": False,
@@ -222,8 +229,6 @@ def build_deployment(owner: Owner, spec: InferenceServiceSpec, sizing: EngineSiz
         pod_spec["nodeSelector"] = selector
     if affinity := placement.affinity(spec, sizing.gpu, settings):
         pod_spec["affinity"] = affinity
-    if spec.service_account_name:
-        pod_spec["serviceAccountName"] = spec.service_account_name
 
     # A single replica on a ReadWriteOnce claim (disk tier, model cache) cannot surge (the new
     # pod could land on another node and wait forever for the volume): replace it instead.

@@ -76,7 +76,7 @@ def test_every_rendered_manifest_validates_strictly(values, monitoring_api):
 def test_a_manifest_with_an_unknown_field_fails_validation():
     docs = render(api_versions=[MONITORING_API])
     for kind, path in (("Deployment", ("spec", "template", "spec")), ("ServiceMonitor", ("spec",)),
-                       ("ClusterKopfPeering", ())):
+                       ("KopfPeering", ())):
         (doc,) = of_kind(docs, kind)
         node = doc
         for part in path:
@@ -100,8 +100,6 @@ def test_the_values_schema_rejects_wrong_types_and_unknown_keys():
 def test_combinations_the_schema_cannot_express_fail_with_a_reason():
     run = helm("template", "kvpilot", "--set", "replicaCount=3", "--set", "peering.enabled=false")
     assert run.returncode != 0 and "replicaCount > 1 needs peering.enabled=true" in run.stderr
-    run = helm("template", "kvpilot", "--set", "rbac.scope=namespaces")
-    assert run.returncode != 0 and "rbac.scope=namespaces needs watchNamespaces" in run.stderr
 
 
 def test_the_chart_ships_the_crds_folder_verbatim(tmp_path):
@@ -122,27 +120,64 @@ def test_the_chart_ships_the_crds_folder_verbatim(tmp_path):
                      "kopfpeerings.kopf.dev"}
 
 
-def test_defaults_are_two_peered_replicas_with_cluster_rbac():
+def test_defaults_are_two_peered_replicas_watching_the_release_namespace():
     docs = render()
     deployment = of_kind(docs, "Deployment")[0]["spec"]
     assert deployment["replicas"] == 2 and deployment["strategy"]["type"] == "RollingUpdate"
     args = operator_container(docs)["args"]
-    assert args == ["--all-namespaces", "--peering=kvpilot"]
-    (peering,) = of_kind(docs, "ClusterKopfPeering")
-    assert peering["metadata"]["name"] == "kvpilot"
+    assert args == ["--namespace=kvpilot", "--peering=kvpilot"]
+    (peering,) = of_kind(docs, "KopfPeering")
+    assert (peering["metadata"]["name"], peering["metadata"]["namespace"]) == ("kvpilot", "kvpilot")
     assert of_kind(docs, "PodDisruptionBudget")[0]["spec"]["minAvailable"] == 1
-    assert of_kind(docs, "Role") == []
+    # least privilege by default: what the operator writes is granted in its namespace only
+    (role,) = of_kind(docs, "Role")
+    assert role["metadata"]["namespace"] == "kvpilot"
+    bound = [b for b in of_kind(docs, "ClusterRoleBinding") if b["subjects"][0]["name"] == "kvpilot"]
+    (cluster_role,) = [r for r in of_kind(docs, "ClusterRole") if r["metadata"]["name"] == bound[0]["roleRef"]["name"]]
+    assert {v for rule in cluster_role["rules"] for v in rule["verbs"]} == {"list", "watch"}
     env = operator_env(docs)
     settings = OperatorSettings.from_env(env)
-    assert (settings.peering_lifetime, settings.metrics_port, settings.clusterwide) == (30, 8081, True)
+    assert (settings.peering_lifetime, settings.metrics_port) == (30, 8081)  # the watch: --namespace above
     ports = {p["name"]: p["containerPort"] for p in operator_container(docs)["ports"]}
     assert settings.liveness_endpoint == f"http://0.0.0.0:{ports['health']}/healthz"
     assert ports["metrics"] == settings.metrics_port
 
 
+def test_cluster_rbac_is_an_explicit_choice():
+    docs = render([CHART / "ci" / "cluster-rbac-values.yaml"])
+    assert operator_container(docs)["args"] == ["--all-namespaces", "--peering=kvpilot"]
+    assert of_kind(docs, "Role") == [] and of_kind(docs, "KopfPeering") == []
+    (peering,) = of_kind(docs, "ClusterKopfPeering")
+    assert peering["metadata"]["name"] == "kvpilot"
+    (role,) = [r for r in of_kind(docs, "ClusterRole") if r["metadata"]["name"] == "kvpilot"]
+    assert {"deployments", "inferenceservices"} <= {r for rule in role["rules"] for r in rule["resources"]}
+
+
+def test_user_roles_aggregate_into_edit_and_view():
+    roles = {r["metadata"]["name"]: r for r in of_kind(render(), "ClusterRole")}
+    edit, view = roles["kvpilot-edit"], roles["kvpilot-view"]
+    assert edit["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-edit"] == "true"
+    assert edit["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-admin"] == "true"
+    assert view["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-view"] == "true"
+    by_resource = {}
+    for role in (edit, view):
+        for rule in role["rules"]:
+            assert rule["apiGroups"] == ["serving.kvpilot.dev"]
+            for resource in rule["resources"]:
+                by_resource.setdefault((role["metadata"]["name"], resource), set()).update(rule["verbs"])
+    assert by_resource[("kvpilot-edit", "inferenceservices")] >= {"create", "patch", "delete"}
+    assert by_resource[("kvpilot-view", "inferenceservices")] == {"get", "list", "watch"}
+    assert by_resource[("kvpilot-view", "inferenceservices/status")] == {"get", "list", "watch"}
+    # no role for people grants anything on the operator's children or on Secrets
+    assert {r for _, r in by_resource} <= {"inferenceservices", "inferenceservices/status",
+                                             "inferenceservices/scale"}
+    off = render(sets=["rbac.aggregateUserRoles=false"])
+    assert not {"kvpilot-edit", "kvpilot-view"} & {r["metadata"]["name"] for r in of_kind(off, "ClusterRole")}
+
+
 def test_namespaced_rbac_grants_children_only_in_the_watched_namespaces():
     docs = render([CHART / "ci" / "namespaced-rbac-values.yaml"])
-    (cluster_role,) = of_kind(docs, "ClusterRole")
+    (cluster_role,) = [r for r in of_kind(docs, "ClusterRole") if r["metadata"]["name"] == "kvpilot"]
     assert {r for rule in cluster_role["rules"] for r in rule["resources"]} == \
         {"customresourcedefinitions", "namespaces"}  # kopf's discovery, nothing it writes
     assert {v for rule in cluster_role["rules"] for v in rule["verbs"]} == {"list", "watch"}
@@ -162,10 +197,10 @@ def test_ha_off_is_one_standalone_replica():
     docs = render([CHART / "ci" / "ha-off-values.yaml"])
     deployment = of_kind(docs, "Deployment")[0]["spec"]
     assert deployment["replicas"] == 1 and deployment["strategy"] == {"type": "Recreate"}
-    assert operator_container(docs)["args"] == ["--all-namespaces", "--standalone"]
+    assert operator_container(docs)["args"] == ["--namespace=kvpilot", "--standalone"]
     kinds = {d["kind"] for d in docs}
     assert not kinds & {"ClusterKopfPeering", "KopfPeering", "PodDisruptionBudget"}
-    rules = of_kind(docs, "ClusterRole")[0]["rules"]
+    rules = [rule for role in of_kind(docs, "ClusterRole") + of_kind(docs, "Role") for rule in role["rules"]]
     assert not [r for r in rules if "kopf.dev" in r["apiGroups"]]
 
 
@@ -262,16 +297,21 @@ def test_hadolint_does_flag_a_bad_dockerfile(tmp_path):
 
 def test_router_off_takes_away_what_only_the_router_needs():
     def rules(docs):
-        (role,) = of_kind(docs, "ClusterRole")
-        return {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"]
+        """The operator's grants: its Roles and ClusterRoles (not the users' aggregated ones)."""
+        roles = [d for d in of_kind(docs, "Role") + of_kind(docs, "ClusterRole")
+                 if not any(k.startswith("rbac.authorization.k8s.io/aggregate-to")
+                            for k in d["metadata"].get("labels") or {})]
+        assert roles
+        return {(g, r, v) for role in roles for rule in role["rules"] for g in rule["apiGroups"]
                 for r in rule["resources"] for v in rule["verbs"]}
 
     on, off = render(), render([CHART / "ci" / "router-off-values.yaml"])
     only_on = rules(on) - rules(off)
-    assert only_on == {(g, r, v) for g, r in (("", "serviceaccounts"), ("rbac.authorization.k8s.io", "roles"),
+    # the engine pods' own ServiceAccount is created and patched whether or not the router is on
+    assert only_on == {(g, r, v) for g, r in (("rbac.authorization.k8s.io", "roles"),
                                                ("rbac.authorization.k8s.io", "rolebindings"))
                        for v in ("get", "create", "patch", "delete")} | {
-        ("apps", "deployments", "delete"), ("", "services", "delete"),
+        ("", "serviceaccounts", "delete"), ("apps", "deployments", "delete"), ("", "services", "delete"),
         ("monitoring.coreos.com", "podmonitors", "delete"), ("", "pods", "get")}
     assert rules(off) <= rules(on)
     assert operator_env(on)["KVPILOT_ROUTER_IMAGE"] == "ghcr.io/kvpilot/router:0.1.17"
@@ -293,3 +333,62 @@ def test_the_engine_image_installs_what_the_tests_install():
     assert '".[triton,fetch]"' in text and "ENTRYPOINT [\"kvpilot\", \"serve\"]" in text
     assert "HEALTHCHECK" not in text.replace("No HEALTHCHECK", "")
     assert "USER 1000:1000" in text
+
+
+def _stages(dockerfile: str) -> list[list[str]]:
+    """The instructions of each stage of ``dockerfile`` (continuation lines joined)."""
+    text = (ROOT / dockerfile).read_text().replace("\\\n", " ")
+    stages: list[list[str]] = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("FROM "):
+            stages.append([])
+        if stages and line and not line.startswith("#"):
+            stages[-1].append(line)
+    return stages
+
+
+@pytest.mark.parametrize("dockerfile", ["Dockerfile.engine", "Dockerfile.operator"])
+def test_base_images_are_pinned_by_digest(dockerfile):
+    import re
+
+    text = (ROOT / dockerfile).read_text()
+    (image,) = re.findall(r"^ARG PYTHON_IMAGE=(\S+)$", text, re.MULTILINE)
+    assert re.fullmatch(r"python:3\.11-slim@sha256:[0-9a-f]{64}", image), image
+    froms = [s[0] for s in _stages(dockerfile)]
+    assert froms and all(f.split()[1] == "${PYTHON_IMAGE}" for f in froms), froms
+    same = re.findall(r"^ARG PYTHON_IMAGE=(\S+)$", (ROOT / "Dockerfile.operator").read_text(), re.MULTILINE)
+    assert same == [image]  # one base for both images
+
+
+def test_the_engine_runtime_image_has_no_compiler():
+    builder, runtime = _stages("Dockerfile.engine")
+    assert builder[0].endswith("AS builder") and any("gcc g++" in i for i in builder)
+    assert not any(i.startswith("RUN apt-get") for i in runtime)   # nothing installed there
+    assert any("python -m kvpilot.kernels.prebuilt /opt/kvpilot/native" in i for i in builder)
+    assert {"COPY --from=builder /opt/venv /opt/venv", "COPY --from=builder /opt/kvpilot /opt/kvpilot"} <= set(runtime)
+    env = next(i for i in runtime if i.startswith("ENV "))
+    for setting in ("KVPILOT_PREBUILT_KERNELS=/opt/kvpilot/native/cpu", "KVPILOT_PREBUILT_TRITON=/opt/kvpilot/native/triton",
+                    "TRITON_CACHE_MANAGER=kvpilot.kernels.triton_cache:PrebuiltFirstCacheManager"):
+        assert setting in env
+    stub = "TRITON_LIBCUDA_PATH=/opt/kvpilot/native/cuda-stub"
+    assert stub in env and stub in next(i for i in builder if i.startswith("ENV "))  # Triton's key
+    check = next(i for i in runtime if "check_triton_driver" in i)
+    assert "command -v" in check   # the build fails if a compiler is there or Triton would need one
+
+
+def test_the_operator_image_installs_only_hash_locked_dependencies():
+    import re
+
+    _, = stages = _stages("Dockerfile.operator")
+    runs = [i for i in stages[0] if i.startswith("RUN ")]
+    assert runs[0] == "RUN pip install --no-cache-dir --require-hashes -r requirements-operator.lock"
+    assert "--no-deps --no-build-isolation --no-index ." in runs[1]
+    lock = (ROOT / "requirements-operator.lock").read_text()
+    pins = re.findall(r"^([A-Za-z0-9_.-]+)==([^ \\]+) \\$", lock, re.MULTILINE)
+    blocks = re.split(r"^(?=[A-Za-z0-9_.-]+==)", lock, flags=re.MULTILINE)[1:]
+    assert len(pins) == len(blocks) >= 10
+    assert all("--hash=sha256:" in block for block in blocks)
+    wanted = {re.split(r"[<>=]", line)[0].lower() for line in (ROOT / "requirements-operator.in").read_text().splitlines()
+              if line and not line.startswith("#")}
+    assert wanted <= {name.lower() for name, _ in pins}

@@ -47,6 +47,7 @@ ALLOWED_UNUSED = {
     ("get", "", "pods"),
 }
 
+FENCE = {"ServiceAccount", "NetworkPolicy"}  # every service's own account and NetworkPolicy
 SMALL = {"model": {"uri": "hf://Qwen/Qwen3-0.6B"}, "gpu": {"type": "l4"},
          "slo": {"maxContext": 8192, "p95PromptTokens": 2048, "p95OutputTokens": 512, "concurrency": 8}}
 OFFLOAD = {**SMALL, "replicas": 1, "offload": {"enabled": True, "cpuGiB": 4, "disk": {"sizeGiB": 20}}}
@@ -159,7 +160,7 @@ def _prove(calls, docs) -> tuple[set, set]:
 
 
 def test_cluster_rbac_grants_exactly_what_the_operator_calls(tmp_path):
-    docs = render(release=RELEASE, namespace=RELEASE_NS)
+    docs = render([CHART / "ci" / "cluster-rbac-values.yaml"], release=RELEASE, namespace=RELEASE_NS)
     crds = _chart_crds() + [schemaless_crd("keda.sh", "v1alpha1", "ScaledObject", "scaledobjects"),
                             schemaless_crd("monitoring.coreos.com", "v1", "PodMonitor", "podmonitors"),
                             schemaless_crd("monitoring.coreos.com", "v1", "PrometheusRule",
@@ -171,9 +172,9 @@ def test_cluster_rbac_grants_exactly_what_the_operator_calls(tmp_path):
             s.service("cached", OFFLOAD)
             s.service("scaled", AUTOSCALED)
             s.service("routed", ROUTED)
-            s.wait_children("cached", {"Deployment", "Service", "PersistentVolumeClaim", "PodMonitor",
+            s.wait_children("cached", {*FENCE, "Deployment", "Service", "PersistentVolumeClaim", "PodMonitor",
                                        "InferencePool"})
-            scaled = s.wait_children("scaled", {"Deployment", "Service", "HorizontalPodAutoscaler",
+            scaled = s.wait_children("scaled", {*FENCE, "Deployment", "Service", "HorizontalPodAutoscaler",
                                                 "PodMonitor", "PrometheusRule", "PodDisruptionBudget",
                                                 "InferencePool"})
             # acceptance: the engine image the chart rendered is what the operator runs
@@ -196,18 +197,18 @@ def test_cluster_rbac_grants_exactly_what_the_operator_calls(tmp_path):
             s.delete("routed")
             s.service("scaled", {**AUTOSCALED, "autoscaling": {"mode": "keda", "minReplicas": 2,
                                                                "maxReplicas": 4}})
-            s.wait_children("scaled", {"Deployment", "Service", "ScaledObject", "PodMonitor",
+            s.wait_children("scaled", {*FENCE, "Deployment", "Service", "ScaledObject", "PodMonitor",
                                        "PrometheusRule", "PodDisruptionBudget", "InferencePool"})
             s.tamper("scaled")
             wait_for(lambda: s.untampered("scaled"), 20, 0.1, "ScaledObject repaired")
             # one replica: the hf:// model cache becomes a claim child (the disk tier's goes);
             # routing off: the InferencePool goes
             s.service("scaled", {**SMALL, "replicas": 1, "routing": {"inferencePool": {"enabled": False}}})
-            s.wait_children("scaled", {"Deployment", "Service", "PodMonitor", "PersistentVolumeClaim"})
+            s.wait_children("scaled", {*FENCE, "Deployment", "Service", "PodMonitor", "PersistentVolumeClaim"})
             s.service("cached", {**SMALL, "replicas": 1})
             wait_for(lambda: s.emu.run(lambda e: ("", "persistentvolumeclaims", "team-a", "cached-kv-disk")
                                        not in e.objects), 20, 0.1, "the disk tier's claim deleted")
-            s.wait_children("cached", {"Deployment", "Service", "PodMonitor", "PersistentVolumeClaim",
+            s.wait_children("cached", {*FENCE, "Deployment", "Service", "PodMonitor", "PersistentVolumeClaim",
                                        "InferencePool"})
             s.delete("cached")
             s.delete("scaled")
@@ -225,7 +226,7 @@ def test_cluster_rbac_grants_exactly_what_the_operator_calls(tmp_path):
     # child the cache did not show) and, where droppable, delete
     for kind in ("deployments", "services", "persistentvolumeclaims", "horizontalpodautoscalers",
                  "scaledobjects", "podmonitors", "prometheusrules", "poddisruptionbudgets",
-                 "inferencepools", "serviceaccounts", "roles", "rolebindings"):
+                 "inferencepools", "serviceaccounts", "roles", "rolebindings", "networkpolicies"):
         assert {v for v, g, r in used if r == kind} >= {"list", "watch", "get", "create", "patch"}, kind
     assert {v for v, g, r in used if r == "pods"} == {"list", "watch"}
     assert {r for v, g, r in used if v == "delete"} == {
@@ -234,7 +235,7 @@ def test_cluster_rbac_grants_exactly_what_the_operator_calls(tmp_path):
         "rolebindings", "podmonitors"}
     assert ("patch", "kopf.dev", "clusterkopfpeerings") in used
     # the check can fail: without one rule, the calls that need it are reported
-    (role,) = of_kind(docs, "ClusterRole")
+    (role,) = [r for r in of_kind(docs, "ClusterRole") if r["metadata"]["name"] == RELEASE]
     role["rules"] = [r for r in role["rules"] if r["resources"] != [f"{c.PLURAL}/status"]]
     missing, _ = _prove(calls, docs)
     assert {(m.verb, m.resource, m.subresource) for m in missing} == {("patch", c.PLURAL, "status")}
@@ -248,9 +249,9 @@ def test_namespaced_rbac_covers_the_operator_in_its_namespaces(tmp_path):
             s.service("ignored", SMALL, ns="default")  # not watched: never touched
             s.service("scaled", AUTOSCALED)
             s.service("other", SMALL, ns="team-b")
-            s.wait_children("scaled", {"Deployment", "Service", "HorizontalPodAutoscaler",
+            s.wait_children("scaled", {*FENCE, "Deployment", "Service", "HorizontalPodAutoscaler",
                                        "PodDisruptionBudget"})
-            s.wait_children("other", {"Deployment", "Service", "PersistentVolumeClaim"}, ns="team-b")
+            s.wait_children("other", {*FENCE, "Deployment", "Service", "PersistentVolumeClaim"}, ns="team-b")
             assert s.children("ignored", ns="default") == {}
             s.delete("scaled")
         calls = operator_calls(emu.emulator.calls)

@@ -26,6 +26,7 @@ from support.offload_helpers import (
     PREFIX_LEN,
     assert_same_output,
     delta,
+    exported,
     run_measured,
 )
 
@@ -80,6 +81,41 @@ def test_lmcache_disk_tier_only(offload_model, prompts, reference, lmcache_env, 
         assert_same_output(out, reference[tuple(prompts.second)])
         assert after.kv_offload_cpu_used_bytes == 0          # nothing could come from the CPU tier
         assert after.kv_offload_disk_used_bytes > 0 and any(disk.iterdir())
+    finally:
+        llm.llm_engine.close()
+
+
+def test_lmcache_a_corrupt_chunk_is_a_miss_recomputed_and_replaced(offload_model, prompts, reference,
+                                                                  lmcache_env, tmp_path):
+    """Every chunk file on LMCache's disk gets one byte flipped (bit rot, or a peer's bytes):
+    no chunk is served, the output is still the reference, the chunks are counted, removed
+    and stored again by the request that recomputed them."""
+    lmcache_env.setenv("LMCACHE_LOCAL_CPU", "false")
+    disk = tmp_path / "lmcache-disk"
+    llm = LLM(offload_model, **ENGINE_KW, kv_offloading_backend="lmcache", kv_offloading_size=0.05,
+              kv_offloading_disk_path=str(disk), kv_offloading_disk_size=0.1)
+    try:
+        llm.generate([prompts.first], GREEDY)
+        llm.generate([prompts.filler], GREEDY)
+        llm.llm_engine.kv_offload.flush()
+        files = [p for p in disk.rglob("*") if p.is_file()]
+        assert files
+        for path in files:
+            data = bytearray(path.read_bytes())
+            data[len(data) // 2] ^= 0x5A
+            path.write_bytes(bytes(data))
+        out, before, after = run_measured(llm, prompts.second)
+        assert delta(after, before, "external_prefix_cache_hits") == 0
+        assert delta(after, before, "kv_offload_corrupt_blocks") >= 1
+        assert exported(after)["kvpilot:kv_offload_corrupt_blocks_total"] >= 1
+        assert_same_output(out, reference[tuple(prompts.second)])
+        llm.generate([prompts.filler], GREEDY)   # the prefix leaves the device pool again
+        llm.llm_engine.kv_offload.flush()
+        out, before, after = run_measured(llm, prompts.third)
+        assert delta(after, before, "kv_offload_corrupt_blocks") == 0
+        assert delta(after, before, "external_prefix_cache_hits") + delta(after, before, "prefix_cache_hits") \
+            == CHUNK_PREFIX_TOKENS   # stored anew by the request that recomputed it
+        assert_same_output(out, reference[tuple(prompts.third)])
     finally:
         llm.llm_engine.close()
 

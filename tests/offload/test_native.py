@@ -23,6 +23,7 @@ from support.offload_helpers import (
     PREFIX_BLOCK_TOKENS,
     assert_same_output,
     delta,
+    exported,
     run_measured,
 )
 
@@ -50,6 +51,7 @@ def assert_offload_hit(before, after, prompt: list[int], *, min_external: int) -
 def test_offload_off_reports_no_offload_stats(offload_model):
     stats = LLM(offload_model, **ENGINE_KW).get_stats()
     assert stats.external_prefix_cache_hits is None and stats.kv_offload_cpu_to_gpu_bytes is None
+    assert stats.kv_offload_disk_writable is None and "kvpilot:kv_offload_disk_writable" not in exported(stats)
     assert stats.external_prefix_cache_hit_rate is None
 
 
@@ -133,6 +135,9 @@ def test_corrupt_disk_file_is_a_miss_and_recomputed(offload_model, prompts, refe
     assert delta(after, before, "computed_prompt_tokens") == len(prompts.second) - bad_block * BLOCK
     assert_same_output(out, reference[tuple(prompts.second)])
     assert any(str(path) in r.getMessage() for r in caplog.records)
+    assert (before.kv_offload_corrupt_blocks, after.kv_offload_corrupt_blocks) == (0, 1)  # exported
+    assert exported(after)["kvpilot:kv_offload_corrupt_blocks_total"] == 1.0
+    assert exported(after)["kvpilot:kv_offload_disk_writable"] == 1.0
     # The damaged file was dropped, then written again from the recomputed block.
     offload.flush()
     assert offload.disk.read(request_hashes[bad_block]) is not None
@@ -171,6 +176,8 @@ def test_full_disk_degrades_to_the_cpu_tier(offload_model, prompts, reference, t
         llm.llm_engine.kv_offload.flush()
     disk = llm.llm_engine.kv_offload.disk
     assert not disk.writable
+    assert llm.get_stats().kv_offload_disk_writable is False
+    assert exported(llm.get_stats())["kvpilot:kv_offload_disk_writable"] == 0.0
     warnings = [r for r in caplog.records if "takes no new blocks" in r.getMessage()]
     assert len(warnings) == 1 and "No space left" in warnings[0].getMessage()
     out, before, after = run_measured(llm, prompts.second)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import time
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ import torch
 from kvpilot.engine.engine_args import EngineArgs
 from kvpilot.engine.offload.block_io import BlockIO
 from kvpilot.engine.offload.config import GIB, OffloadConfig
-from kvpilot.engine.offload.disk_store import HEADER, DiskStore
+from kvpilot.engine.offload.disk_store import HEADER, STALE_TMP_SECONDS, DiskStore
 from kvpilot.engine.offload.host_store import HostStore
 
 LAYOUT = b"layout01"
@@ -138,3 +139,50 @@ def test_stats_line_reports_the_offload_hit_rate_over_the_interval():
     off = StatsLogger(log=lines.append)
     off.update(snapshot(None, None), 0.0)
     assert "External" not in off.update(snapshot(None, None), 1.0)
+
+
+def test_a_peers_write_in_progress_survives_a_start_up_but_a_stale_temporary_does_not(tmp_path):
+    store = DiskStore(tmp_path, 1 << 20, 256, LAYOUT)
+    store.submit(block_hash(1), payload(1))
+    store.close()
+    folder = store.path(block_hash(1)).parent
+    live = folder / "live.kvb.0123abcd.tmp"          # a peer engine is writing this block now
+    live.write_bytes(b"partial")
+    stale = folder / "crashed.kvb.4567.tmp"          # left by an engine killed mid-write
+    stale.write_bytes(b"partial")
+    old = time.time() - 2 * STALE_TMP_SECONDS
+    os.utime(stale, (old, old))
+    peer = DiskStore(tmp_path, 1 << 20, 256, LAYOUT)
+    assert live.exists() and not stale.exists()
+    assert len(peer) == 1 and peer.read(block_hash(1))[1] is True
+
+
+def test_two_engines_in_two_processes_share_one_disk_directory(tmp_path):
+    """Both write the shared blocks and their own, restarting (scanning) as they go, each as
+    PID 1. Before: one's start-up deleted the other's temporary mid-write (or both wrote one
+    PID-named temporary), and the loser's tier stopped taking blocks for good."""
+    import json
+    import subprocess
+    import sys
+
+    from support import shared_disk as w
+    from support import with_support_path
+
+    env = with_support_path({**os.environ, "PYTHONSAFEPATH": "1"})
+    count = 400
+    procs = [subprocess.Popen([sys.executable, "-m", "support.shared_disk", str(tmp_path), role, str(count)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for role in ("a", "b")]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err[-3000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    assert results == [{"writable": True, "corrupt": 0, "written": count}] * 2, results
+    reader = DiskStore(tmp_path, 1 << 34, w.BLOCK_BYTES, w.LAYOUT)
+    wanted = set(w.blocks("a", count)) | set(w.blocks("b", count))
+    assert len(reader) == len(wanted) == 3 * count // 2
+    for tag, i in sorted(wanted):
+        got, from_file = reader.read(w.block_hash(tag, i))
+        assert from_file and torch.equal(got, w.payload(tag, i)), (tag, i)
+    assert reader.num_corrupt == 0 and not list(tmp_path.rglob("*.tmp"))

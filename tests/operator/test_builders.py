@@ -31,7 +31,8 @@ from support import crd_schema
 SETTINGS = OperatorSettings(engine_image="registry.example/kvpilot:1.2.3")
 K8S_VERSION = "1.33"
 BUILTIN = {"Deployment", "Service", "PersistentVolumeClaim", "HorizontalPodAutoscaler",
-           "PodDisruptionBudget"}
+           "PodDisruptionBudget", "ServiceAccount", "NetworkPolicy"}
+FENCE = {"ServiceAccount", "NetworkPolicy"}   # every service's identity and network fence
 
 
 def _cr(name: str, spec: dict) -> dict:
@@ -370,7 +371,7 @@ def test_keda_scales_to_zero_only_when_asked():
 
 def test_pdb_and_podmonitor_only_when_they_apply():
     one, _ = _build(_cr("one", {**BASE, "replicas": 1}), podmonitor_api=False)
-    assert set(one) == {"Deployment", "Service", "ModelCache"}  # one replica: a ReadWriteOnce cache claim
+    assert set(one) == {"Deployment", "Service", "ModelCache", *FENCE}  # one replica: a ReadWriteOnce cache claim
     two, _ = _build(_cr("two", {**BASE, "replicas": 2}), podmonitor_api=True)
     assert two["PodDisruptionBudget"].body["spec"]["maxUnavailable"] == 1
     monitor = two["PodMonitor"].body["spec"]

@@ -24,11 +24,13 @@ from kvpilot.engine.config import KVCacheInfo
 from kvpilot.engine.server.metrics import ServerMetrics
 from kvpilot.operator import constants as c
 from kvpilot.operator.engine_observer import (
+    MAX_METRICS_BYTES,
     ApiServerReader,
     DirectReader,
     EngineCache,
     EngineObserver,
     EnginePod,
+    MetricsTooLarge,
     engine_pods,
     parse_engine_cache,
 )
@@ -38,7 +40,7 @@ from kvpilot.operator.spec import parse_spec
 from kvpilot.operator.spec_to_plan import plan_service
 
 from support import crd_schema
-from support.chart import render
+from support.chart import CHART, render
 from support.harness import EmulatorThread, Kubectl, OperatorProcess, wait_for, write_kubeconfig
 from support.rbac import assert_chart_grants, call_key, grants, operator_calls, ungranted
 
@@ -193,9 +195,63 @@ def test_reading_through_the_api_servers_pod_proxy(tmp_path, monkeypatch):
         values = tmp_path / "values.yaml"
         values.write_text("operator:\n  engineMetrics: apiserver\n")
         assert_chart_grants(emu.emulator.calls, [values])
-        docs = render()
+        docs = render([CHART / "ci" / "cluster-rbac-values.yaml"])
         assert [call_key(call) for call in ungranted(operator_calls(calls), grants(docs, "kvpilot", "kvpilot"))] \
             == [("get", "", "pods/proxy")]  # not granted in the default mode (pod)
+
+
+def test_an_endless_metrics_page_is_cut_off_not_buffered(caplog):
+    """A pod that answers /metrics with an endless stream (or a huge declared length, or a
+    gzip bomb) costs the operator at most MAX_METRICS_BYTES and one failed read."""
+    import gzip
+
+    caplog.set_level(logging.INFO, logger="kvpilot.operator.engine_observer")
+    sent = {"endless": 0}
+
+    async def endless(request):
+        response = aiohttp.web.StreamResponse(headers={"Content-Type": "text/plain"})
+        await response.prepare(request)
+        line = b"# HELP x y\n" * 4096
+        while sent["endless"] < 64 * MAX_METRICS_BYTES:
+            await response.write(line)
+            sent["endless"] += len(line)
+        return response
+
+    async def declared(request):
+        return aiohttp.web.Response(body=b"x" * (MAX_METRICS_BYTES + 1), content_type="text/plain")
+
+    bomb = gzip.compress(b"#" * (8 * MAX_METRICS_BYTES))
+
+    async def gzipped(request):
+        return aiohttp.web.Response(body=bomb, headers={"Content-Encoding": "gzip", "Content-Type": "text/plain"})
+
+    async def scenario():
+        runners, ports = [], {}
+        for kind, handler in (("endless", endless), ("declared", declared), ("gzip", gzipped)):
+            app = aiohttp.web.Application()
+            app.router.add_get("/metrics", handler)
+            runner = aiohttp.web.AppRunner(app)
+            await runner.setup()
+            site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            runners.append(runner)
+            ports[kind] = site._server.sockets[0].getsockname()[1]
+        reader = DirectReader()
+        try:
+            for kind, port in ports.items():
+                (target,) = engine_pods([pod(kind, port=port)], SERVE_ARGS)
+                with pytest.raises(MetricsTooLarge):
+                    await reader(target)
+            observer = EngineObserver(reader, timeout=5)
+            pods = engine_pods([pod("p0", port=ports["endless"])], SERVE_ARGS)
+            assert await observer.observe(("ns", "chat"), pods) == []   # only a failed read
+        finally:
+            await reader.close()
+            for runner in runners:
+                await runner.cleanup()
+    asyncio.run(scenario())
+    assert sent["endless"] < 8 * MAX_METRICS_BYTES   # the stream was cut off, not drained
+    assert "not read" in caplog.text
 
 
 class FlakyEngine:

@@ -22,6 +22,7 @@ from safetensors.numpy import save_file
 from kvpilot.operator.model_cache import MARKER, read_marker
 from kvpilot.operator.model_fetch import FetchError, HubSource, fetch, parse_hf_uri
 
+from support.fake_hub import HubFile as FakeHubFile
 from support.fake_hub import HubServer
 from support.harness import free_port, wait_for
 
@@ -204,6 +205,40 @@ def test_a_tampered_marker_does_not_count(hub, tmp_path):
     assert fetch(HubSource(hub.url), REPO, None, dest).downloaded
     assert hub.hub.file_bytes == 0  # the files themselves were intact: huggingface_hub kept them
     assert read_marker(dest) is not None
+
+
+@pytest.mark.parametrize("name", ["../victim.json", "ABSOLUTE", "sub/../../victim.json", ".kvpilot-model.json",
+                                  "link/victim.json"])
+def test_a_file_name_that_leaves_the_cache_is_refused_and_nothing_is_touched(hub, tmp_path, name):
+    """A malicious mirror lists names outside the cache directory: before the fix the stale-file
+    clean-up deleted them (``dest / "../victim.json"``, ``dest / "/etc/x"`` is ``/etc/x``)."""
+    source = _checkpoint(tmp_path / "src")
+    commit = hub.hub.publish(REPO, source)
+    dest = tmp_path / "cache" / "model"
+    victim = tmp_path / "cache" / "victim.json"
+    victim.parent.mkdir(parents=True)
+    victim.write_text('{"precious": true}')
+    if name == "ABSOLUTE":
+        name = str(victim)
+    if name.startswith("link/"):  # a folder in the cache that is a symlink to outside it
+        dest.mkdir(parents=True)
+        (dest / "link").symlink_to(victim.parent, target_is_directory=True)
+    hub.hub.commits[(REPO, commit)][name] = FakeHubFile(b'{"evil": 1}', lfs=False)
+    with pytest.raises(FetchError, match="leaves the cache directory"):
+        fetch(HubSource(hub.url), REPO, None, dest)
+    assert victim.read_text() == '{"precious": true}'
+    assert hub.hub.file_bytes == 0  # refused before any download
+    assert not (dest / MARKER).exists()
+
+
+def test_repository_code_is_never_fetched(hub, tmp_path):
+    source = _checkpoint(tmp_path / "src")
+    (source / "modeling_evil.py").write_text("import os\nos.system('id')\n")
+    hub.hub.publish(REPO, source)
+    dest = tmp_path / "cache" / "model"
+    result = fetch(HubSource(hub.url), REPO, None, dest)
+    assert "modeling_evil.py" not in {f.path for f in result.marker.files}
+    assert not (dest / "modeling_evil.py").exists() and _contents(dest) == _wanted(source)
 
 
 def test_uri_parsing_and_errors():

@@ -24,6 +24,7 @@ from kvpilot.operator import constants as c
 from kvpilot.operator.spec import parse_spec
 
 from support import crd_schema
+from support.deputy_specs import DEPUTY_SPECS, GOOD
 from support.harness import (
     schemaless_crd,
     wait_for,
@@ -61,6 +62,40 @@ def test_create_builds_children_with_the_planned_args(cluster):
         assert (ref["uid"], ref["kind"], ref["controller"]) == (cr["metadata"]["uid"], c.KIND, True)
     events = wait_for(lambda: cluster.events("chat"), what="the Planned Event")  # posted after the status
     assert [e["reason"] for e in events] == ["Planned"]
+
+
+def test_every_engine_pod_is_fenced_under_its_own_account_without_a_token(cluster):
+    children = cluster.create("fenced", GOOD)
+    children = wait_for(lambda: (ch := cluster.children("fenced")) and
+                        {"ServiceAccount", "NetworkPolicy"} <= set(ch) and ch, what="the fence")
+    pod = children["Deployment"]["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is False
+    assert pod["serviceAccountName"] == children["ServiceAccount"]["metadata"]["name"] == "fenced-engine"
+    assert children["ServiceAccount"]["automountServiceAccountToken"] is False
+    assert pod["securityContext"]["fsGroupChangePolicy"] == "OnRootMismatch"
+    fence = children["NetworkPolicy"]["spec"]
+    assert fence["podSelector"]["matchLabels"].items() <= \
+        children["Deployment"]["spec"]["template"]["metadata"]["labels"].items()
+    assert fence["policyTypes"] == ["Ingress", "Egress"]
+
+
+@pytest.mark.parametrize("case", DEPUTY_SPECS)
+def test_a_confused_deputy_spec_is_refused_with_a_condition_and_creates_nothing(cluster, case):
+    spec, reason = DEPUTY_SPECS[case]
+    name = f"deputy-{case}"
+    cluster.apply(name, spec)
+    planned = cluster.wait_condition(name, "Planned", "False")
+    assert planned["reason"] == reason and planned["message"].startswith("spec.")
+    events = wait_for(lambda: cluster.events(name), what="the refusal's Event")
+    assert [(e["type"], e["reason"]) for e in events] == [("Warning", reason)]
+    cluster.settle(2)
+    assert cluster.children(name) == {}  # nothing was created: no pod, no account, no Secret read
+    # a running service changed to ask for too much keeps what it runs
+    running = cluster.create(f"{name}-later", GOOD)["Deployment"]
+    cluster.apply(f"{name}-later", spec)
+    wait_for(lambda: cluster.condition(f"{name}-later", "Planned")["reason"] == reason, what="the refusal")
+    cluster.settle(2)
+    assert cluster.children(f"{name}-later")["Deployment"]["spec"] == running["spec"]
 
 
 def test_an_unchanged_service_costs_no_writes(cluster):

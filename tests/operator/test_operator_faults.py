@@ -121,8 +121,10 @@ def test_server_errors_are_retried_with_backoff(env):
               _add(env, Fault(500, path=rf"/namespaces/{ns}/inferenceservices/svc/status", user_agent=OPERATOR,
                               times=1))]
     env.create(ns, "svc")
-    # (each attempt at a child the cache does not show reads it first: a GET, then the apply)
-    _check_and_report(env, ns, mark, "500 / 503 on create and status (5 answers)", max_calls=24)
+    # (each attempt at a child the cache does not show reads it first: a GET, then the apply;
+    # the engine pods' ServiceAccount and NetworkPolicy are two children more than the
+    # Deployment, Service and claim)
+    _check_and_report(env, ns, mark, "500 / 503 on create and status (5 answers)", max_calls=28)
     assert all(f.spent for f in faults)
     assert any("HTTP 500" in m or "HTTP 503" in m for m in _degraded_reports(env, ns))
 
@@ -138,7 +140,7 @@ def test_throttling_honours_retry_after_without_a_hot_loop(env):
     gaps = [b - a for a, b in zip(fault.hit_times, fault.hit_times[1:], strict=False)]
     print(f"\n429 answers: {fault.hits}, seconds between attempts: {[round(g, 2) for g in gaps]}")
     assert 3 <= fault.hits <= 5 and min(gaps) >= 0.95  # one write per Retry-After, then it stops
-    _check_and_report(env, ns, mark, "429 Retry-After: 1 on every child write for ~3 s", max_calls=20)
+    _check_and_report(env, ns, mark, "429 Retry-After: 1 on every child write for ~3 s", max_calls=24)
 
 
 def test_dropped_watch_streams_lose_no_change(env):
@@ -167,7 +169,7 @@ def test_slow_answers_time_out_and_are_retried(env):
     wait_for(lambda: any("TimeoutError" in m for m in _degraded_reports(env, ns)), what="Degraded: timeouts")
     env.emu.run(lambda e: e.faults.clear())
     _check_and_report(env, ns, mark, "every child request answered after 1.2 s (1 s timeout) until Degraded",
-                      max_calls=16)
+                      max_calls=20)
 
 
 def test_status_tells_the_truth_when_the_deployment_apply_fails(env):

@@ -65,9 +65,11 @@ def test_scaled_to_zero_plans_one_replica_and_runs_none():
     outcome = plan_service(spec)
     assert outcome.feasible
     children = desired_children(Owner("svc", "ns"), spec, outcome.sizing, OperatorSettings(), podmonitor_api=False)
-    assert children[0].body["spec"]["replicas"] == 0
+    by_kind = {ch.kind.kind: ch for ch in children}
+    assert by_kind["Deployment"].body["spec"]["replicas"] == 0
     # the model cache claim stays: scaling up again starts from the cached weights
-    assert [ch.kind.kind for ch in children] == ["Deployment", "Service", "PersistentVolumeClaim"]
+    assert [ch.kind.kind for ch in children] == ["ServiceAccount", "Deployment", "Service", "NetworkPolicy",
+                                                 "PersistentVolumeClaim"]
 
 
 def test_outcomes():

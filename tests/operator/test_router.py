@@ -132,3 +132,28 @@ def test_the_router_accepts_its_arguments():
     assert parsed.selector == {c.LABEL_NAME: c.APP_NAME, c.LABEL_INSTANCE: "svc",
                                c.LABEL_COMPONENT: "engine"}
     assert parsed.kv_event_block_size == 16 and parsed.prometheus_port == 29000
+
+
+def _admitted_ports(policy: dict, pod_labels: dict) -> set[int]:
+    """The ports a pod of ``pod_labels`` in the policy's namespace may reach on the engine pods
+    (NetworkPolicy semantics for same-namespace pod selectors)."""
+    ports: set[int] = set()
+    for rule in policy["spec"]["ingress"]:
+        for peer in rule["from"]:
+            selector = peer.get("podSelector")
+            if selector is None or "namespaceSelector" in peer or "ipBlock" in peer:
+                continue
+            if all(pod_labels.get(k) == v for k, v in selector.get("matchLabels", {}).items()):
+                ports |= {p["port"] for p in rule["ports"]} if "ports" in rule else {-1}
+    return ports
+
+
+def test_the_engine_fence_lets_the_router_in_to_the_api_and_the_kv_events():
+    children = build(ROUTED)
+    router_pod = _by(children, "Deployment", "svc-router")["spec"]["template"]["metadata"]["labels"]
+    fence = _by(children, "NetworkPolicy", "svc")
+    assert _admitted_ports(fence, router_pod) == {8000, KV_EVENTS_PORT}
+    assert _admitted_ports(fence, {"app": "stranger"}) == set()
+    # without a router, the events port is not opened
+    plain = _by(build(SMALL), "NetworkPolicy", "svc")
+    assert KV_EVENTS_PORT not in {p["port"] for r in plain["spec"]["ingress"] for p in r.get("ports", ())}

@@ -12,12 +12,14 @@ By the tests that use them first:
 - engine: ``hf_oracle`` (HF transformers' greedy outputs, the parity oracle),
   ``fp8_checkpoints`` (FP8 copies of a checkpoint), ``one_request`` (one request's steps).
 - kernels: ``attention_helpers`` (paged caches and the reference attention).
-- offload: ``offload_helpers`` (the offload model, prompts and counters).
+- offload: ``offload_helpers`` (the offload model, prompts and counters), ``shared_disk``
+  (one engine's disk tier in a process of its own).
 - server: ``vllm_metric_names`` (vLLM's metric names, also read by the observability tests).
 - operator: ``kube_emulator`` / ``kube_emulator_api`` / ``kube_faults`` (the Kubernetes API
   emulator), ``api_calls`` and ``traffic`` (what the operator asked of it), ``crd_schema``,
   ``harness`` (the emulator thread, operator process, kubectl), ``operator_env``,
-  ``built`` (children built from a spec), ``fake_hub`` (a Hugging Face Hub stand-in).
+  ``built`` (children built from a spec), ``fake_hub`` (a Hugging Face Hub stand-in), ``deputy_specs``
+  (the confused-deputy specs the policy must refuse, shared with the chart's tests).
 - chart: ``chart`` (helm), ``manifests`` (schema checks), ``rbac`` (the chart's grants).
 - autoscaling: ``adapter_rules``, ``hpa_algorithm``, ``kubelet``, ``platforms``,
   ``prometheus_sd``.

@@ -83,6 +83,8 @@ BUILTIN_TYPES = [
     _core("secrets", "Secret"),
     _core("configmaps", "ConfigMap", short_names=["cm"]),
     _core("persistentvolumeclaims", "PersistentVolumeClaim", short_names=["pvc"], status=True),
+    _core("serviceaccounts", "ServiceAccount", short_names=["sa"]),
+    ResourceType("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy", short_names=["netpol"]),
     ResourceType("apps", "v1", "deployments", "Deployment", short_names=["deploy"], status=True,
                  scale=DEPLOYMENT_SCALE),
     ResourceType("autoscaling", "v2", "horizontalpodautoscalers", "HorizontalPodAutoscaler",

@@ -73,3 +73,16 @@ def run_measured(llm: LLM, prompt: list[int]):
 
 def delta(after, before, field: str) -> int:
     return (getattr(after, field) or 0) - (getattr(before, field) or 0)
+
+
+def exported(stats) -> dict[str, float]:
+    """The samples the server's /metrics shows for ``stats`` (prometheus_client's own exposition)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvpilot.engine.server.metrics_engine_stats import EngineStatsCollector
+
+    registry = CollectorRegistry()
+    registry.register(EngineStatsCollector(lambda: stats, "m"))
+    return {s.name: s.value for family in text_string_to_metric_families(generate_latest(registry).decode())
+            for s in family.samples}

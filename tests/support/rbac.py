@@ -69,10 +69,12 @@ def allows(grant: Grant, call: ApiCall) -> bool:
 
 
 def assert_chart_grants(calls: Iterable[ApiCall], values: Iterable = ()) -> None:
-    """Every call the operator made is granted by the chart rendered with ``values`` files."""
-    from support.chart import render
+    """Every call the operator made is granted by the chart rendered with ``values`` files
+    over cluster-wide RBAC (ci/cluster-rbac-values.yaml: the operator tests run it with
+    ``--all-namespaces``)."""
+    from support.chart import CHART, render
 
-    docs = render(values, release="kvpilot", namespace="kvpilot")
+    docs = render([CHART / "ci" / "cluster-rbac-values.yaml", *values], release="kvpilot", namespace="kvpilot")
     missing = ungranted(operator_calls(calls), grants(docs, "kvpilot", "kvpilot"))
     assert not missing, f"charts/kvpilot's RBAC does not grant these operator calls: {missing}"
 

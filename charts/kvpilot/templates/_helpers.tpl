@@ -49,10 +49,23 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- default (include "kvpilot.fullname" .) .Values.peering.name -}}
 {{- end -}}
 
+{{/* The namespaces the operator watches, as a JSON list (read it with fromJsonArray):
+     watchNamespaces, else the release's own namespace with rbac.scope=namespaces, else
+     none (the whole cluster). */}}
+{{- define "kvpilot.watchNamespaces" -}}
+{{- if .Values.watchNamespaces -}}
+{{- toJson .Values.watchNamespaces -}}
+{{- else if eq .Values.rbac.scope "namespaces" -}}
+{{- list .Release.Namespace | toJson -}}
+{{- else -}}
+[]
+{{- end -}}
+{{- end -}}
+
 {{/* kopf's peering resource: cluster-wide operators share a ClusterKopfPeering,
      namespaced ones a KopfPeering in each watched namespace. */}}
 {{- define "kvpilot.peeringResource" -}}
-{{- if empty .Values.watchNamespaces -}}clusterkopfpeerings{{- else -}}kopfpeerings{{- end -}}
+{{- if empty (fromJsonArray (include "kvpilot.watchNamespaces" .)) -}}clusterkopfpeerings{{- else -}}kopfpeerings{{- end -}}
 {{- end -}}
 
 {{/* Fails the render on combinations the schema cannot express. */}}
@@ -60,12 +73,33 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- if and (gt (int .Values.replicaCount) 1) (not .Values.peering.enabled) -}}
 {{- fail "replicaCount > 1 needs peering.enabled=true: without peering every replica would reconcile every InferenceService" -}}
 {{- end -}}
-{{- if and (eq .Values.rbac.scope "namespaces") (empty .Values.watchNamespaces) -}}
-{{- fail "rbac.scope=namespaces needs watchNamespaces: the namespaces to create a Role in" -}}
-{{- end -}}
 {{- end -}}
 
 {{/* Whether the Prometheus-operator API is served (helm template: --api-versions monitoring.coreos.com/v1). */}}
 {{- define "kvpilot.monitoringApi" -}}
 {{- if .Capabilities.APIVersions.Has "monitoring.coreos.com/v1" -}}true{{- end -}}
+{{- end -}}
+
+{{/* A label map as the operator's KVPILOT_* variables take it: "k=v,k2=v2" (sorted by key). */}}
+{{- define "kvpilot.labelList" -}}
+{{- $pairs := list -}}
+{{- range $k, $v := . -}}
+{{- $pairs = append $pairs (printf "%s=%s" $k $v) -}}
+{{- end -}}
+{{- join "," $pairs -}}
+{{- end -}}
+
+{{/* A glob (only * and ? are special) as an anchored RE2 expression: the same rule as
+     kvpilot.operator.security.glob_regex, so the admission policy and the operator agree. */}}
+{{- define "kvpilot.globRegex" -}}
+{{- printf "^%s$" (regexQuoteMeta . | replace "\\*" ".*" | replace "\\?" ".") -}}
+{{- end -}}
+
+{{/* A list of globs as a CEL list literal of regular expressions (JSON's string escapes are CEL's). */}}
+{{- define "kvpilot.globRegexList" -}}
+{{- $out := list -}}
+{{- range . -}}
+{{- $out = append $out (include "kvpilot.globRegex" .) -}}
+{{- end -}}
+{{- toJson $out -}}
 {{- end -}}

@@ -1,0 +1,96 @@
+"""Native code compiled when the engine image is built, so that the runtime image has no compiler.
+
+Two things are otherwise compiled on a serving machine at first use:
+
+- the CPU paged-decode kernel (``paged_decode_cpu``): ``build_cpu_kernels(dest)`` compiles
+  one module per ISA variant (AVX-512, AVX2, baseline) with torch's ``BuildExtension``,
+  without importing any (an AVX-512 build never runs on the builder's CPU), each with a
+  digest of its source, flags and torch version beside it. ``paged_decode_cpu.load()``
+  imports the variant for the CPU it runs on from ``$KVPILOT_PREBUILT_KERNELS`` when that
+  digest matches, and builds as before otherwise;
+- Triton's CUDA driver module: ``kvpilot.kernels.triton_cache``.
+
+``python -m kvpilot.kernels.prebuilt DEST`` does both (Dockerfile.engine's builder stage):
+the CPU kernels into ``DEST/cpu``, Triton's module into ``DEST/triton``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import os
+import platform
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+
+PREBUILT_KERNELS_ENV = "KVPILOT_PREBUILT_KERNELS"
+
+
+def kernel_digest(source: Path, flags: list[str]) -> str:
+    """What a prebuilt CPU kernel must have been built from: source, flags, torch version."""
+    import torch
+
+    h = hashlib.sha256(source.read_bytes())
+    h.update("\0".join([*flags, torch.__version__]).encode())
+    return h.hexdigest()
+
+
+def find_cpu_kernel(name: str, flags: list[str]) -> Path | None:
+    """The prebuilt module ``name`` in ``$KVPILOT_PREBUILT_KERNELS`` built from today's source
+    with ``flags``, or None."""
+    from kvpilot.kernels.paged_decode_cpu import SOURCE
+
+    folder = os.environ.get(PREBUILT_KERNELS_ENV)
+    if not folder:
+        return None
+    path = Path(folder) / f"{name}{sysconfig.get_config_var('EXT_SUFFIX')}"
+    stamp = Path(folder) / f"{name}.sha256"
+    if not path.is_file() or not stamp.is_file() or stamp.read_text().strip() != kernel_digest(SOURCE, flags):
+        return None
+    return path
+
+
+def build_cpu_kernels(dest: Path, isas: tuple[str | None, ...] | None = None) -> list[Path]:
+    """Compile the CPU paged-decode kernel into ``dest`` for each of ``isas`` (None: every
+    variant ``paged_decode_cpu.ISA_FLAGS`` knows on x86, and the baseline); returns the modules."""
+    from setuptools import setup
+    from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+    from kvpilot.kernels.paged_decode_cpu import ISA_FLAGS, SOURCE, variant
+
+    dest.mkdir(parents=True, exist_ok=True)
+    built = []
+    if isas is None:  # the ISA variants are x86's; elsewhere only the baseline
+        isas = (*ISA_FLAGS, None) if platform.machine().lower() in ("x86_64", "amd64") else (None,)
+    for isa in isas:
+        name, flags = variant(isa)
+        with tempfile.TemporaryDirectory() as tmp, contextlib.chdir(tmp):  # no project config read
+            setup(name=name, packages=[], py_modules=[],
+                  ext_modules=[CppExtension(name, [str(SOURCE)], extra_compile_args=flags, extra_link_args=["-lm"])],
+                  cmdclass={"build_ext": BuildExtension.with_options(use_ninja=False)},
+                  script_args=["-q", "build_ext", "--build-lib", str(dest.resolve()), "--build-temp", tmp])
+        (dest / f"{name}.sha256").write_text(kernel_digest(SOURCE, flags) + "\n")
+        built.append(dest / f"{name}{sysconfig.get_config_var('EXT_SUFFIX')}")
+    return built
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvpilot.kernels.prebuilt", allow_abbrev=False,
+                                     description="Compile the engine's native code into DEST (image builds).")
+    parser.add_argument("dest", type=Path)
+    parser.add_argument("--no-triton", action="store_true", help="only the CPU kernels")
+    args = parser.parse_args(argv)
+    for path in build_cpu_kernels(args.dest / "cpu"):
+        print(f"CPU kernel: {path}")
+    if not args.no_triton:
+        from kvpilot.kernels.triton_cache import build_triton_driver
+
+        print(f"Triton CUDA driver module: {build_triton_driver(args.dest)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
