@@ -155,6 +155,7 @@ async def stream_completion(http, model: str, prompt: list[int], max_tokens: int
     first = None
     gaps: list[float] = []
     usage = None
+    num_chunks = 0
     start = last = time.perf_counter()
     async with http.post("/v1/completions", json=body) as resp:
         if resp.status != 200:
@@ -170,14 +171,17 @@ async def stream_completion(http, model: str, prompt: list[int], max_tokens: int
                 usage = chunk["usage"]
             if not chunk["choices"]:
                 continue
+            num_chunks += 1
             if first is None:
                 first = now
             else:
                 gaps.append(now - last)
             last = now
     end = time.perf_counter()
-    if first is None or usage is None:
-        raise RuntimeError("the stream carried no tokens or no usage")
+    if first is None:
+        raise RuntimeError("the stream carried no tokens")
+    if usage is None:   # a server that sends no usage (some peers): a chunk per token
+        return RequestResult(first - start, end - start, gaps, num_chunks, 0)
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     return RequestResult(first - start, end - start, gaps, usage["completion_tokens"], cached)
 

@@ -19,6 +19,7 @@ BENCHMARKS: dict[str, str] = {
     "cpu-attention": "kvpilot.engine.bench.cpu_attention",
     "frontend": "kvpilot.engine.bench.frontend",
     "structured": "kvpilot.engine.bench.structured",
+    "peer": "kvpilot.engine.bench.peer",
 }
 
 
