@@ -96,7 +96,9 @@ async def measure(base_url: str, pool: list[int], w: Workload, seed: int = 0) ->
         return [rng.choice(pool) for _ in range(n)]
 
     figures: dict[str, float | None] = {}
-    async with client_session(base_url, max(w.streams) + 4) as http:
+    # a connection per request for every server alike: llama-server closes idle keep-alive
+    # connections, and reusing them would favour the others
+    async with client_session(base_url, max(w.streams) + 4, reuse_connections=False) as http:
         model = await first_model(http)
         for _ in range(2):   # warm-up, not measured (first-request costs, lazy compiles)
             await stream_completion(http, model, tokens(w.input_len), 8)

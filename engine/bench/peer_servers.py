@@ -81,7 +81,9 @@ def start(name: str, cmd: list[str], port: int, *, env: dict[str, str] | None = 
     """Start ``cmd`` (listening on loopback ``port``) and wait until /health answers 200."""
     fd, log_name = tempfile.mkstemp(prefix=f"kvpilot-peer-{name}-", suffix=".log")
     with os.fdopen(fd, "wb") as log:
-        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+        # not in the caller's folder: a checkout's top-level `operator/` would shadow the
+        # standard library for a peer's Python
+        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tempfile.gettempdir(),
                                    env={**os.environ, **(env or {})}, start_new_session=True)
     server = Running(name, process, f"http://127.0.0.1:{port}", Path(log_name))
     deadline = time.monotonic() + timeout

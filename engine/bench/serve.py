@@ -119,14 +119,18 @@ def summarize(name: str, results: list[RequestResult], duration: float) -> Summa
         mean_cached_tokens=statistics.fmean(r.cached_tokens for r in results))
 
 
-def client_session(base_url: str, max_connections: int, headers: dict[str, str] | None = None):
+def client_session(base_url: str, max_connections: int, headers: dict[str, str] | None = None,
+                   *, reuse_connections: bool = True):
     """The benchmarks' HTTP client: an aiohttp session on ``base_url`` (no timeout short of
-    10 minutes, ``max_connections`` open at once)."""
+    10 minutes, ``max_connections`` open at once). ``reuse_connections=False`` opens a
+    connection per request, for servers that close idle keep-alive connections under the
+    client's feet (llama.cpp's ``llama-server``)."""
     import aiohttp
 
     return aiohttp.ClientSession(base_url=base_url, headers=headers,
                                  timeout=aiohttp.ClientTimeout(total=600),
-                                 connector=aiohttp.TCPConnector(limit=max_connections))
+                                 connector=aiohttp.TCPConnector(limit=max_connections,
+                                                                force_close=not reuse_connections))
 
 
 async def first_model(http) -> str:
