@@ -119,14 +119,18 @@ def summarize(name: str, results: list[RequestResult], duration: float) -> Summa
         mean_cached_tokens=statistics.fmean(r.cached_tokens for r in results))
 
 
-def client_session(base_url: str, max_connections: int, headers: dict[str, str] | None = None):
+def client_session(base_url: str, max_connections: int, headers: dict[str, str] | None = None,
+                   *, reuse_connections: bool = True):
     """The benchmarks' HTTP client: an aiohttp session on ``base_url`` (no timeout short of
-    10 minutes, ``max_connections`` open at once)."""
+    10 minutes, ``max_connections`` open at once). ``reuse_connections=False`` opens a
+    connection per request, for servers that close idle keep-alive connections under the
+    client's feet (llama.cpp's ``llama-server``)."""
     import aiohttp
 
     return aiohttp.ClientSession(base_url=base_url, headers=headers,
                                  timeout=aiohttp.ClientTimeout(total=600),
-                                 connector=aiohttp.TCPConnector(limit=max_connections))
+                                 connector=aiohttp.TCPConnector(limit=max_connections,
+                                                                force_close=not reuse_connections))
 
 
 async def first_model(http) -> str:
@@ -155,6 +159,7 @@ async def stream_completion(http, model: str, prompt: list[int], max_tokens: int
     first = None
     gaps: list[float] = []
     usage = None
+    num_chunks = 0
     start = last = time.perf_counter()
     async with http.post("/v1/completions", json=body) as resp:
         if resp.status != 200:
@@ -170,14 +175,17 @@ async def stream_completion(http, model: str, prompt: list[int], max_tokens: int
                 usage = chunk["usage"]
             if not chunk["choices"]:
                 continue
+            num_chunks += 1
             if first is None:
                 first = now
             else:
                 gaps.append(now - last)
             last = now
     end = time.perf_counter()
-    if first is None or usage is None:
-        raise RuntimeError("the stream carried no tokens or no usage")
+    if first is None:
+        raise RuntimeError("the stream carried no tokens")
+    if usage is None:   # a server that sends no usage (some peers): a chunk per token
+        return RequestResult(first - start, end - start, gaps, num_chunks, 0)
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     return RequestResult(first - start, end - start, gaps, usage["completion_tokens"], cached)
 

@@ -20,6 +20,7 @@ BENCHMARKS: dict[str, str] = {
     "frontend": "kvpilot.engine.bench.frontend",
     "structured": "kvpilot.engine.bench.structured",
     "routing": "kvpilot.engine.bench.routing",
+    "peer": "kvpilot.engine.bench.peer",
 }
 
 
