@@ -78,6 +78,8 @@ class ModelSource:
     architecture: str | None = None
     credentials_secret: str | None = None
     repo_id: str | None = None       # hf
+    file: str | None = None          # hf: the one GGUF file of the repository to serve
+    tokenizer_uri: str | None = None  # hf://org/name[@rev] whose tokenizer files replace the model's
     claim: str | None = None         # pvc
     bucket: str | None = None        # s3
     sub_path: str = ""               # pvc path inside the claim / s3 prefix
@@ -226,10 +228,11 @@ def _parse_model(m: Mapping[str, Any], resource_name: str) -> ModelSource:
     cache = m.get("cache") or {}
     common = dict(uri=uri, served_name=m.get("servedName", resource_name), architecture=m.get("architecture"),
                   credentials_secret=(m.get("credentialsSecretRef") or {}).get("name"),
+                  tokenizer_uri=m.get("tokenizer"),
                   cache=ModelCacheSpec(enabled=cache.get("enabled", True), access_mode=cache.get("accessMode"),
                                        storage_class=cache.get("storageClassName"), size_gib=cache.get("sizeGiB")))
     if match := _URIS["hf"].match(uri):
-        return ModelSource(scheme="hf", repo_id=match["repo"], **common)
+        return ModelSource(scheme="hf", repo_id=match["repo"], file=match["file"], **common)
     if match := _URIS["pvc"].match(uri):
         return ModelSource(scheme="pvc", claim=match["claim"], sub_path=match["path"] or "", **common)
     if match := _URIS["s3"].match(uri):

@@ -6,9 +6,13 @@ settings become ``Overrides``, and a feasible plan becomes the builders' ``Engin
 
 Mapping rules (the planner's own rules decide everything else):
 
-- the model is a catalogue preset: ``spec.model.architecture``, else the hf:// repo id,
-  else the last one or two path parts of a pvc:// / s3:// / image path URI. The operator
-  never reads a path the spec names (``{"preset": ...}`` only);
+- the model is a catalogue preset: ``spec.model.architecture``, else the hf:// repo id
+  (a ``-GGUF`` suffix dropped), else the last one or two path parts of a pvc:// / s3:// /
+  image path URI. The operator never reads a path the spec names (``{"preset": ...}`` only);
+- a GGUF file (``hf://org/name/file.gguf``, a pvc:// path ending in ``.gguf``) is sized at the
+  weight type its name carries (llama.cpp's naming: ``Model-Q4_K_M.gguf``), embeddings and LM
+  head in the model dtype (``planner.weights.GGUF_TYPE_BYTES``); a name without a type is
+  sized as the unquantized preset (more weight bytes, never fewer);
 - ``gpu.count`` pins ``tensor_parallel_size`` (one pod per replica, that many GPUs in it);
   a count the engine cannot split the model over (heads, MLP), or combined with KV
   offloading (not implemented under tensor parallelism), is ``Unsupported``, with the
@@ -23,16 +27,18 @@ Mapping rules (the planner's own rules decide everything else):
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvpilot.engine.core.constants import MAX_TENSOR_PARALLEL_SIZE
 from kvpilot.operator.planner.catalog import model_presets, preset_key, preset_model
 from kvpilot.operator.planner.gpu import get_gpu
+from kvpilot.operator.planner.model_spec import ModelSpec
 from kvpilot.operator.planner.plan import make_plan
 from kvpilot.operator.planner.plan_request import PlanRequest
 from kvpilot.operator.planner.result import Plan
 from kvpilot.operator.planner.slo import Overrides
+from kvpilot.operator.planner.weights import gguf_file_quantization
 from kvpilot.operator.resources.sizing import EngineSizing
 from kvpilot.operator.spec import InferenceServiceSpec
 
@@ -49,6 +55,7 @@ STATUS_FIELDS = (
     "estimates", "limits", "derivation", "warnings",
 )
 _CAMEL = re.compile(r"_([a-z0-9])")
+_GGUF_REPO_SUFFIX = re.compile(r"[-_.]gguf$", re.IGNORECASE)
 
 
 def camel(name: str) -> str:
@@ -91,6 +98,7 @@ def model_preset(spec: InferenceServiceSpec) -> str:
     candidates = []
     if spec.model.repo_id:
         candidates.append(spec.model.repo_id)
+        candidates.append(_GGUF_REPO_SUFFIX.sub("", spec.model.repo_id))   # Qwen/Qwen3-8B-GGUF
     parts = (spec.model.sub_path or spec.model.image_path or "").strip("/").split("/")
     if parts and parts[-1]:
         candidates += ["/".join(parts[-2:]), parts[-1]]
@@ -119,10 +127,28 @@ def plan_overrides(spec: InferenceServiceSpec) -> Overrides:
     return Overrides(**{k: v for k, v in overrides.items() if v is not None})
 
 
+def gguf_file(spec: InferenceServiceSpec) -> str | None:
+    """The GGUF file ``spec.model`` names, if it names one."""
+    name = spec.model.file or spec.model.sub_path or spec.model.image_path or ""
+    return name if name.lower().endswith(".gguf") else None
+
+
+def planned_model(spec: InferenceServiceSpec) -> ModelSpec:
+    """The catalogue model for ``spec``, at the GGUF weight type its file name carries."""
+    model = preset_model(model_preset(spec))
+    file = gguf_file(spec)
+    quant = gguf_file_quantization(file) if file else None
+    if quant is None:
+        return model
+    return replace(model, weight_quantization=quant, weight_bytes=None,
+                   weight_source=f"{model.weight_source}; the GGUF file {file.rsplit('/', 1)[-1]}'s "
+                                 f"{quant[5:]} weights")
+
+
 def plan_request(spec: InferenceServiceSpec) -> PlanRequest:
     """The ``PlanRequest`` for ``spec``; ValueError when the model is not one the planner
     knows or a pinned value is out of the planner's range."""
-    return PlanRequest(model=preset_model(model_preset(spec)), gpu=get_gpu(spec.gpu.type), slo=spec.slo,
+    return PlanRequest(model=planned_model(spec), gpu=get_gpu(spec.gpu.type), slo=spec.slo,
                        overrides=plan_overrides(spec))
 
 

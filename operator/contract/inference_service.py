@@ -35,11 +35,15 @@ DEFAULT_KV_USAGE_TARGET = 0.7
 
 # The forms of spec.model.uri, with the parts the operator reads (spec.py matches them).
 URI_FORMS = {
-    "hf": r"hf://(?P<repo>[A-Za-z0-9][-A-Za-z0-9_.]*/[A-Za-z0-9][-A-Za-z0-9_.]*)(@(?P<rev>[-A-Za-z0-9_./]+))?",
+    "hf": (r"hf://(?P<repo>[A-Za-z0-9][-A-Za-z0-9_.]*/[A-Za-z0-9][-A-Za-z0-9_.]*)"
+           r"(/(?P<file>([-A-Za-z0-9_][-A-Za-z0-9_.]*/)*[-A-Za-z0-9_][-A-Za-z0-9_.]*\.gguf))?"   # no dot segments
+           r"(@(?P<rev>[-A-Za-z0-9_./]+))?"),
     "pvc": r"pvc://(?P<claim>[a-z0-9]([-a-z0-9]*[a-z0-9])?)(/(?P<path>\S*))?",
     "s3": r"s3://(?P<bucket>[a-z0-9][-a-z0-9.]*[a-z0-9])(/(?P<prefix>\S*))?",
     "path": r"(?P<image_path>/\S*)",
 }
+# spec.model.tokenizer: a repository (no file part), fetched for its tokenizer files only.
+TOKENIZER_URI = r"hf://(?P<repo>[A-Za-z0-9][-A-Za-z0-9_.]*/[A-Za-z0-9][-A-Za-z0-9_.]*)(@(?P<rev>[-A-Za-z0-9_./]+))?"
 _UNNAMED = re.compile(r"\(\?P<\w+>")
 
 
@@ -61,11 +65,18 @@ MODEL = Obj(required=("uri",), rules=(
     Rule(~has("cache") | f("uri").starts_with("hf://"), "model.cache is only used with hf:// URIs"),
 ), properties={
     "uri": Str(max_length=512, pattern=_any_of(URI_FORMS), expected=(
-        "hf://org/name[@revision], pvc://claim/path, s3://bucket/prefix or an absolute path in the image"),
+        "hf://org/name[/file.gguf][@revision], pvc://claim/path, s3://bucket/prefix or an absolute path "
+        "in the image"),
         description=(
-        "Where the weights come from: hf://org/name[@revision] (downloaded by an init container), "
-        "pvc://claim/path (mounted read-only), s3://bucket/prefix (downloaded by an init container) "
-        "or an absolute path inside the image.")),
+        "Where the weights come from: hf://org/name[@revision] (downloaded by an init container; "
+        "hf://org/name/path/file.gguf[@revision] downloads that one GGUF file only), "
+        "pvc://claim/path (mounted read-only; a path ending in .gguf names one GGUF file), "
+        "s3://bucket/prefix (downloaded by an init container) or an absolute path inside the image.")),
+    "tokenizer": Str(max_length=512, pattern="^" + _UNNAMED.sub("(", TOKENIZER_URI) + "$",
+                     expected="hf://org/name[@revision]", description=(
+        "A Hub repository whose tokenizer files (tokenizer.json, tokenizer_config.json, chat "
+        "template, ...) the engine uses instead of the model's own (--tokenizer); commonly the base "
+        "model's repository for a GGUF file. Fetched at each pod start (small files).")),
     "servedName": Str(max_length=128, pattern=r"^[A-Za-z0-9][-A-Za-z0-9_./:]*$", expected="a valid model name",
                       description="The model name clients send in API requests (default: the resource name)."),
     "architecture": Str(max_length=128, description=(

@@ -97,10 +97,12 @@ def disk_claim_child(policy: ReplicaPolicy, sizing: EngineSizing) -> bool:
 
 
 def engine_args(spec: InferenceServiceSpec, sizing: EngineSizing, model_path: str,
-                shutdown_timeout: int, routing_args: tuple[str, ...] = ()) -> list[str]:
+                shutdown_timeout: int, routing_args: tuple[str, ...] = (),
+                tokenizer_path: str | None = None) -> list[str]:
     """The ``kvpilot serve`` flags of the engine container (the API key is never here);
     ``engine.extraArgs`` come last, so that they win (a ``--shutdown-timeout`` included)."""
-    return ["--model", model_path, "--served-model-name", spec.model.served_name,
+    tokenizer = ["--tokenizer", tokenizer_path] if tokenizer_path else []
+    return ["--model", model_path, *tokenizer, "--served-model-name", spec.model.served_name,
             "--host", "0.0.0.0", "--port", str(spec.port), SHUTDOWN_TIMEOUT_FLAG,
             str(shutdown_timeout), *sizing.serve_args, *routing_args, *spec.engine.extra_args]
 
@@ -196,7 +198,7 @@ def build_deployment(owner: Owner, spec: InferenceServiceSpec, sizing: EngineSiz
         "image": image,
         "command": ["kvpilot", "serve"],
         "args": engine_args(spec, sizing, delivery.model_path, settings.termination_grace_seconds,
-                            routing.args),
+                            routing.args, delivery.tokenizer_path),
         "ports": [{"name": "http", "containerPort": spec.port, "protocol": "TCP"}, *routing.ports],
         "env": [*_env(spec, sizing), *routing.env],
         "resources": _resources(spec, sizing),

@@ -18,7 +18,6 @@ import yaml
 from kvpilot.engine.server import routes_misc
 from kvpilot.engine.server.args import engine_args_from_namespace, make_serve_parser
 from kvpilot.operator import constants as c
-from kvpilot.operator.model_fetch import parse_hf_uri
 from kvpilot.operator.planner.plan import make_plan
 from kvpilot.operator.resources import desired_children
 from kvpilot.operator.resources.common import Owner, decimal_quantity, gib_quantity
@@ -385,10 +384,3 @@ def test_quantities_are_canonical():
     assert [decimal_quantity(x) for x in (0.7, 8, 0.05, 1.0)] == ["700m", "8", "50m", "1"]
     with pytest.raises(ValueError):
         gib_quantity(-1)
-
-
-def test_hf_uri_parsing_for_the_download_container():
-    assert parse_hf_uri("hf://Qwen/Qwen3-0.6B") == ("Qwen/Qwen3-0.6B", None)
-    assert parse_hf_uri("hf://org/name@v1.2") == ("org/name", "v1.2")
-    with pytest.raises(ValueError, match="not an hf://"):
-        parse_hf_uri("s3://bucket/x")
