@@ -125,8 +125,9 @@ class Reserve:
 
 
 def reserve(model: ModelSpec, tp: int, activation_tokens: int, sampled_seqs: int,
-            cuda_graphs: bool = ENGINE_CUDA_GRAPHS) -> Reserve:
-    """The reserve for ``activation_tokens`` per step and ``sampled_seqs`` sampled rows."""
+            cuda_graphs: bool = ENGINE_CUDA_GRAPHS, samples: bool = True) -> Reserve:
+    """The reserve for ``activation_tokens`` per step and ``sampled_seqs`` sampled rows;
+    ``samples`` false for a pipeline stage other than the last (no LM head, no sampler)."""
     fitted = f"fitted on the public vLLM logs in {CALIBRATION_FILE}"
     runtime = ReserveTerm("cuda_runtime", CUDA_RUNTIME_BYTES, _gib(CUDA_RUNTIME_BYTES),
                           f"non-torch memory and weight-load slack, {fitted}")
@@ -140,11 +141,11 @@ def reserve(model: ModelSpec, tp: int, activation_tokens: int, sampled_seqs: int
         f"{activation_tokens:,} tokens x {FORWARD_VALUES_PER_TOKEN} x ({model.hidden_size:,} hidden + "
         f"{inter:,} intermediate/TP) x {model.dtype_bytes} B = {_gib(fwd_bytes)}",
         "slope of vLLM's reported activation peak over max_num_batched_tokens (RTX 3090 logs)")
-    sampler_bytes = math.ceil(sampled_seqs * model.vocab_size * SAMPLER_BYTES_PER_LOGIT)
+    sampler_bytes = math.ceil(sampled_seqs * model.vocab_size * SAMPLER_BYTES_PER_LOGIT) if samples else 0
     sampler = ReserveTerm(
         "sampler", sampler_bytes,
         f"{sampled_seqs:,} seqs x {model.vocab_size:,} vocab x {SAMPLER_BYTES_PER_LOGIT:g} B = "
-        f"{_gib(sampler_bytes)}",
+        f"{_gib(sampler_bytes)}" if samples else "0 (not the last pipeline stage: no sampler)",
         "mean of vLLM's reported activation peaks per sampled row and vocabulary entry "
         "where the sampler sets the peak (H100 logs)")
     graph_bytes = (CUDA_GRAPH_TP_BYTES if tp > 1 else CUDA_GRAPH_BYTES) if cuda_graphs else 0
