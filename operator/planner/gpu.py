@@ -130,8 +130,9 @@ GPU_CATALOG: dict[str, GPUSpec] = {g.name: g for g in (
          "CUDA total 79.11 GiB (github.com/vllm-project/vllm/issues/27508); 79.18 GiB in "
          "llm-d/llm-d-benchmark config_explorer/empirical-vllm-memory-results.md and 79.22 GiB in "
          "github.com/vllm-project/vllm/pull/10511; the smallest is used"),
-    _gpu("h200", _estimate(143771), 4800, 989, "NVIDIA H200 141GB HBM3e (SXM)", True,
-         "estimate: nvidia-smi 143,771 MiB (github.com/sgl-project/sglang/issues/3196) x 0.9906"),
+    _gpu("h200", 139.72, 4800, 989, "NVIDIA H200 141GB HBM3e (SXM)", True,
+         "CUDA total 139.72 GiB in vLLM's profile on 8 of them (github.com/vllm-project/vllm/issues/10702); "
+         "nvidia-smi shows 143,771 MiB (github.com/sgl-project/sglang/issues/3196)"),
     _gpu("b200", _estimate(183359), 8000, 2250, "NVIDIA B200 180GB HBM3e (HGX)", True,
          "estimate: nvidia-smi 183,359 MiB x 0.9906"),
 )}
