@@ -158,8 +158,8 @@ def _unsupported(spec: InferenceServiceSpec, request: PlanRequest) -> str | None
     """Why the engine cannot serve ``spec``'s GPU count, or None."""
     count = spec.gpu.count
     if count > MAX_TENSOR_PARALLEL_SIZE:
-        return (f"gpu.count {count}: one replica spans at most {MAX_TENSOR_PARALLEL_SIZE} GPUs of one "
-                f"node (tensor parallelism); replicas spanning nodes are not supported")
+        return (f"gpu.count {count}: one pod uses at most {MAX_TENSOR_PARALLEL_SIZE} GPUs of one node "
+                f"(tensor parallelism); a replica spans nodes with gpu.nodes (pipeline stages) instead")
     why = request.model.tensor_parallel_error(count)
     if why is not None:
         valid = request.model.valid_tensor_parallel_sizes(tuple(range(1, MAX_TENSOR_PARALLEL_SIZE + 1)))
