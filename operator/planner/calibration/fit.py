@@ -13,7 +13,9 @@ The fitted terms, ``CUDA_RUNTIME_BYTES``, ``NCCL_BYTES`` and ``NCCL_PER_RANK_BYT
 TP-dependent share: ``nccl = NCCL_BYTES + NCCL_PER_RANK_BYTES x (TP - 2)`` at TP > 1), are
 chosen on a grid (32, 64 and 32 MiB steps) to minimise the median absolute error of planned
 vs reported KV capacity after the smallest safety margin (0.5% steps) that keeps every case
-within +2%; ties go to the smaller margin, then to the smaller constants. The KV estimate is
+within +2%; medians within 0.25 points of the best count as equal, and among those the
+smaller margin wins (more KV for every plan), then the smaller worst over-prediction before
+the margin, then the smaller constants. The KV estimate is
 linear in the constants, so each case is planned once and the grid only subtracts; the
 smallest margin a case allows is solved for directly (``_Line.margin_needed``).
 """
@@ -33,6 +35,7 @@ MIB = 1 << 20
 MAX_OVER_PREDICTION = 0.02
 MARGIN_STEP = 0.005
 MAX_MARGIN = 0.10
+MEDIAN_TOLERANCE = 0.0025                    # medians this close count as equal
 RUNTIME_GRID = range(0, 1024 + 1, 32)        # MiB
 NCCL_GRID = range(0, 2048 + 1, 64)           # MiB
 NCCL_PER_RANK_GRID = range(0, 1024 + 1, 32)  # MiB
@@ -122,7 +125,7 @@ class FittedTerms:
 def fit_constants(replays: list[Replay]) -> FittedTerms:
     """The grid fit of the module docstring over the replayed cases."""
     lines = [_line(r) for r in replays]
-    best: tuple | None = None
+    found = []
     for runtime_mib in RUNTIME_GRID:
         for nccl_mib in NCCL_GRID:
             for rank_mib in NCCL_PER_RANK_GRID:
@@ -132,10 +135,13 @@ def fit_constants(replays: list[Replay]) -> FittedTerms:
                     continue
                 median = statistics.median(abs(line.ratio(runtime, nccl, per_rank, margin) - 1)
                                            for line in lines)
-                key = (round(median, 6), margin, runtime + nccl + per_rank, runtime, nccl)
-                if best is None or key < best[0]:
-                    best = (key, FittedTerms(runtime, nccl, per_rank, margin, median))
-    if best is None:
+                worst = max(line.ratio(runtime, nccl, per_rank, 0.0) for line in lines)
+                found.append((median, margin, worst, runtime + nccl + per_rank, runtime, nccl,
+                              FittedTerms(runtime, nccl, per_rank, margin, median)))
+    if not found:
         raise ValueError(f"no constants on the grid keep every case within +{MAX_OVER_PREDICTION:.0%} "
                          f"with a margin up to {MAX_MARGIN:.0%}")
-    return best[1]
+    # medians within MEDIAN_TOLERANCE of the best are equally good: the smaller margin wins
+    best = min(f[0] for f in found)
+    near = [f for f in found if f[0] <= best + MEDIAN_TOLERANCE]
+    return min(near, key=lambda f: (f[1], round(f[2], 6), f[3], f[4], f[5]))[-1]
