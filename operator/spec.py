@@ -94,6 +94,8 @@ class GpuSpec:
     type: str
     count: int = 1
     node_selector: Mapping[str, str] | None = None
+    per_node: int | None = None     # GPUs in one node (None: the planner's catalogue)
+    nodes: int | None = None        # nodes (pipeline stages) per replica (None: the planner's choice)
 
 
 @dataclass(frozen=True, slots=True)
@@ -318,7 +320,8 @@ def parse_spec(spec: Mapping[str, Any], resource_name: str) -> InferenceServiceS
     api_key = s.get("apiKeySecretRef")
     return InferenceServiceSpec(
         model=_parse_model(s["model"], resource_name),
-        gpu=GpuSpec(type=s["gpu"]["type"], count=s["gpu"]["count"], node_selector=s["gpu"].get("nodeSelector")),
+        gpu=GpuSpec(type=s["gpu"]["type"], count=s["gpu"]["count"], node_selector=s["gpu"].get("nodeSelector"),
+                    per_node=s["gpu"].get("perNode"), nodes=s["gpu"].get("nodes")),
         slo=_parse_slo(s["slo"]),
         engine=_parse_engine(s.get("engine", {})),
         offload=_parse_offload(s.get("offload", {})),

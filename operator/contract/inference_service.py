@@ -101,7 +101,15 @@ MODEL = Obj(required=("uri",), rules=(
 
 GPU = Obj(required=("type",), properties={
     "type": Str(enum=tuple(gpu_names()), description="A GPU in the planner's catalogue."),
-    "count": Int(minimum=1, maximum=8, default=1, description="GPUs per replica (tensor parallel size)."),
+    "count": Int(minimum=1, maximum=8, default=1, description=(
+        "GPUs per pod (tensor parallel size); a replica of several nodes has this many in each.")),
+    "perNode": Int(minimum=1, maximum=64, description=(
+        "GPUs in one node of this type (default: the planner's catalogue, 8 for data-centre GPUs). "
+        "Tensor parallelism stays within a node.")),
+    "nodes": Int(minimum=1, maximum=8, description=(
+        "Nodes per replica (pipeline stages, one pod each). Unset: one, unless one node cannot hold "
+        "the weights and the SLO's KV; above 1 the replica is a LeaderWorkerSet group "
+        "(leaderworkerset.x-k8s.io/v1 must be installed).")),
     "nodeSelector": Map(values=Str(max_length=63), max_properties=16, description=(
         "Node labels that mean this GPU type in your cluster (a cloud's accelerator label, say). "
         "Replaces the default match: the operator's KVPILOT_GPU_NODE_LABEL (nvidia.com/gpu.product, "
@@ -145,7 +153,7 @@ ENGINE = Obj(description="Explicit engine settings; each wins over the planner a
     "blockSize": Int(enum=BLOCK_SIZES),
     "enablePrefixCaching": Bool(),
     "kvSafetyMargin": Num(minimum=0, maximum=0.49, description=(
-        "Plan the KV cache this fraction below the planner's calibrated estimate (default 0.03).")),
+        "Plan the KV cache this fraction below the planner's calibrated estimate (default 0.025).")),
     "kvCacheMemoryBytes": Int(minimum=1, int64=True, description=(
         "Pin the KV cache size per GPU (bytes; --kv-cache-memory-bytes) instead of what the planner "
         "leaves for it: for a GPU shared with other processes, or a small cache. The planner checks "
