@@ -20,6 +20,7 @@ from kvpilot.engine.config import (
 from kvpilot.engine.core.constants import MODEL_DTYPES
 from kvpilot.engine.generation_defaults import load_generation_defaults
 from kvpilot.engine.kv_events.config import KVEventsConfig
+from kvpilot.engine.model.builtin_model import BUILTIN_MODEL_NAME, DEMO_MODEL, packaged_smollm2
 from kvpilot.engine.model.device_memory import FAKE_DEVICE_MEMORY_ENV
 from kvpilot.engine.model.gguf.files import find_gguf
 from kvpilot.engine.model.hf_config import ArchConfig, kv_cache_groups, load_arch_config
@@ -46,7 +47,7 @@ class EngineArgs:
     """What an engine is built from: vLLM's names, the defaults of ``kvpilot serve`` (its
     flags take theirs from here) and of ``LLM(...)``."""
 
-    model: str | None = None                  # None => the built-in demo model
+    model: str | None = None                  # None => the built-in model; "demo" => the demo model
     served_model_name: str | None = None
     tokenizer: str | None = None              # tokenizer directory; None => the model's
     hf_config_path: str | None = None         # a GGUF model's config.json directory; None => its metadata
@@ -105,11 +106,7 @@ class EngineArgs:
 
     def create_configs(self) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
         """Validate and resolve everything that does not need the model loaded."""
-        model_dir = self.model
-        if model_dir is None:
-            from kvpilot.engine.model.models.demo import ensure_demo_model
-
-            model_dir = str(ensure_demo_model())
+        model_dir = self.model_path()
         gguf_file = find_gguf(model_dir)
         if gguf_file is not None:
             model_dir = str(gguf_file)
@@ -126,8 +123,7 @@ class EngineArgs:
             if dtype not in MODEL_DTYPES:
                 dtype = "bfloat16"
         max_model_len = self.max_model_len or arch.max_position_embeddings
-        default_name = Path(model_dir).stem if gguf_file is not None else Path(model_dir).name
-        name = self.served_model_name or (default_name if self.model else "kvpilot-demo")
+        name = self.served_model_name or self._default_name(model_dir, gguf_file is not None)
         tokenizer = self.tokenizer
         if tokenizer is not None and not Path(tokenizer).is_dir() and find_gguf(tokenizer) is None:
             raise FileNotFoundError(f"tokenizer directory {tokenizer} does not exist")
@@ -159,6 +155,24 @@ class EngineArgs:
             enable_chunked_prefill=self.enable_chunked_prefill,
         )
         return model_config, cache_config, scheduler_config
+
+    def model_path(self) -> str:
+        """Where the model lies: ``model``, the built-in model's GGUF file for None, the
+        demo checkpoint (built on first use) for ``"demo"``."""
+        if self.model is None:
+            return str(packaged_smollm2())
+        if self.model == DEMO_MODEL:
+            from kvpilot.engine.model.models.demo import ensure_demo_model
+
+            return str(ensure_demo_model())
+        return self.model
+
+    def _default_name(self, model_dir: str, gguf: bool) -> str:
+        if self.model is None:
+            return BUILTIN_MODEL_NAME
+        if self.model == DEMO_MODEL:
+            return "kvpilot-demo"
+        return Path(model_dir).stem if gguf else Path(model_dir).name
 
     def _arch(self, model: str) -> ArchConfig:
         """The architecture of ``model``: a GGUF file's metadata (or ``hf_config_path``'s
@@ -209,7 +223,7 @@ class EngineArgs:
             raise ValueError("KV offloading extends the prefix cache: it needs "
                              "enable_prefix_caching=True")
         if self.model is not None:
-            arch = self._arch(self.model)
+            arch = self._arch(self.model_path())
             max_len = self.max_model_len or arch.max_position_embeddings
             window = arch.kv_release_window
             if window is None and kv_cache_groups(arch, max_len) is not None:

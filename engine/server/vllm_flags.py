@@ -108,7 +108,7 @@ SERVE_FLAGS: tuple[Flag, ...] = (
         "model",
         _h(POSITIONAL_MODEL, "the model directory as a positional argument, as in `vllm serve MODEL` (same as --model)"),
         _h("--model", "local Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json), or a GGUF file (or a directory holding one); `demo`: the random-weight demo model",
-           metavar="PATH", default_text="the built-in demo model"),
+           metavar="PATH", default_text="the built-in SmolLM2-135M-Instruct (Q4_1 GGUF)"),
         _h("--served-model-name", "model names accepted in requests; the first is reported in responses and in the metrics' model_name label",
            nargs="+", metavar="NAME", default_text="from --model"),
         _h("--tokenizer", "directory holding tokenizer.json / tokenizer_config.json (or a GGUF file whose vocabulary to use), when it is not --model",
