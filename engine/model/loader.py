@@ -27,13 +27,13 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from kvpilot.engine.core.gguf_contract import find_gguf
 from kvpilot.engine.core.weight_quant import Fp8WeightConfig
 from kvpilot.engine.model.checkpoint_checks import (
     check_shard_names,
     check_tensor_list,
     checkpoint_shapes,
 )
-from kvpilot.engine.model.gguf.files import find_gguf
 from kvpilot.engine.model.hf_config import ArchConfig
 from kvpilot.engine.model.layers.fp8_linear import use_fp8_weight
 from kvpilot.engine.model.layers.rotary import layer_rotaries

@@ -185,7 +185,7 @@ class Tokenizer:
             ValueError: a malformed configuration file.
         """
         path = Path(path)
-        from kvpilot.engine.model.gguf.files import find_gguf
+        from kvpilot.engine.core.gguf_contract import find_gguf
 
         gguf_file = find_gguf(path)
         if gguf_file is not None:   # the vocabulary in a GGUF file's metadata

@@ -30,7 +30,7 @@ def prompts(seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     rand = lambda n: [rng.randrange(3, VOCAB) for _ in range(n)]  # noqa: E731
     shared = rand(32)
-    return [rand(1), rand(7), rand(45), shared + rand(5), shared + rand(20)]
+    return [rand(1), rand(9), shared + rand(5), shared + rand(20)]
 
 
 @pytest.mark.parametrize("qtype", QTYPES)

@@ -49,7 +49,10 @@ def hf_greedy(path, prompts: list[list[int]], max_new: int = MAX_NEW,
 
 
 def _argmax_continuation(model, prompt: list[int], max_new: int) -> list[int]:
-    ids = list(prompt)
+    out = model(torch.tensor([prompt]), use_cache=True)
+    new = []
     for _ in range(max_new):
-        ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
+        new.append(int(out.logits[0, -1].argmax()))
+        past = {"cache": out.cache} if hasattr(out, "cache") else {"past_key_values": out.past_key_values}
+        out = model(torch.tensor([new[-1:]]), use_cache=True, **past)   # transformers 5 / 4
+    return new

@@ -1,30 +1,9 @@
-"""Finding a GGUF file and reading its metadata (torch-free: the planner reads headers too)."""
+"""Finding a GGUF file (``gguf_contract.find_gguf``) and reading its metadata (torch-free)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
-
-GGUF_SUFFIX = ".gguf"
-
-
-def find_gguf(model: str | Path) -> Path | None:
-    """The GGUF file ``model`` names: the file itself, or the one ``*.gguf`` in a directory
-    without a ``config.json`` (a directory with one is an HF checkpoint). None: not GGUF.
-
-    Raises:
-        ValueError: a directory holding several GGUF files (name the one to serve).
-    """
-    path = Path(model)
-    if path.is_file():
-        return path if path.suffix.lower() == GGUF_SUFFIX else None
-    if not path.is_dir() or (path / "config.json").is_file():
-        return None
-    files = sorted(p for p in path.iterdir() if p.suffix.lower() == GGUF_SUFFIX and p.is_file())
-    if len(files) > 1:
-        names = ", ".join(p.name for p in files)
-        raise ValueError(f"{path} holds several GGUF files ({names}): pass the one to serve as --model")
-    return files[0] if files else None
 
 
 def open_reader(path: str | Path):

@@ -14,12 +14,12 @@ Two things ``convert_hf_to_gguf.py`` changes, undone here as transformers undoes
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import numpy as np
 
-_BLOCK = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+from kvpilot.engine.core.gguf_contract import BLOCK_TENSOR
+
 _GLOBAL = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -45,8 +45,6 @@ _GEMMA3_LAYER = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
-# Tensors llama.cpp writes that the engine computes itself.
-IGNORED = frozenset({"rope_freqs.weight"})
 NORM_SHIFT = {"gemma3": 1.0}
 
 
@@ -63,7 +61,7 @@ def map_tensor(name: str, architecture: str, num_heads: int, num_kv_heads: int) 
     shift = NORM_SHIFT.get(architecture, 0.0) if name.endswith("norm.weight") else 0.0
     if name in _GLOBAL:
         return TensorMapping(_GLOBAL[name], shift=shift)
-    m = _BLOCK.match(name)
+    m = BLOCK_TENSOR.match(name)
     if m is None:
         return None
     layer, kind, suffix = m.groups()
@@ -81,3 +79,4 @@ def rotary_row_order(rows: int, heads: int) -> np.ndarray:
     llama.cpp's ``permute``: per head, GGML's interleaved pairs back to two halves)."""
     half = rows // heads // 2
     return np.arange(rows).reshape(heads, half, 2).swapaxes(1, 2).reshape(rows)
+

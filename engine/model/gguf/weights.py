@@ -21,8 +21,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from kvpilot.engine.core.gguf_contract import IGNORED
 from kvpilot.engine.model.gguf.files import open_reader
-from kvpilot.engine.model.gguf.tensor_names import IGNORED, map_tensor, rotary_row_order
+from kvpilot.engine.model.gguf.tensor_names import map_tensor, rotary_row_order
 from kvpilot.engine.model.hf_config import ArchConfig
 
 logger = logging.getLogger(__name__)
@@ -100,7 +101,8 @@ def place_tensor(module: nn.Module, param_name: str, src: GGUFWeight, shard: int
     """Put GGUF tensor ``src`` into ``module``'s ``param_name`` (part ``shard`` of a fused
     layer): dequantized to the parameter's dtype through ``load_one`` (the loader's copy of
     one tensor), for every type. THE SEAM for quantized linear layers: a layer built to
-    keep GGUF blocks takes ``src.raw`` / ``src.qtype`` here instead."""
+    keep GGUF blocks takes ``src.raw`` / ``src.qtype`` here instead, for the tensors
+    ``engine.core.gguf_contract.keeps_quantized`` names (the planner counts by that rule)."""
     load_one(module, param_name, src.dequantize(), shard)
 
 
