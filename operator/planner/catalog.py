@@ -14,6 +14,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from kvpilot.engine.core.gguf_contract import find_gguf
+from kvpilot.operator.planner.gguf_model import gguf_model
 from kvpilot.operator.planner.model_spec import ModelSpec, model_from_config
 from kvpilot.operator.planner.weights import checkpoint_weight_bytes
 
@@ -128,9 +130,14 @@ def preset_model(name: str) -> ModelSpec:
 def model_from_path(path: str | Path) -> ModelSpec:
     """A model from a config.json file or a checkpoint directory holding one.
 
-    Weight bytes come from the directory's safetensors index or headers when present.
+    Weight bytes come from the directory's safetensors index or headers when present. A
+    GGUF file (or a directory holding one) is read from its header: the config from its
+    metadata, the weight bytes as the engine holds them (``gguf_model``).
     """
     path = Path(path)
+    gguf_file = find_gguf(path)
+    if gguf_file is not None:
+        return gguf_model(gguf_file)
     config_path = path / "config.json" if path.is_dir() else path
     if not config_path.is_file():
         raise ValueError(f"{path}: no config.json found")
@@ -151,3 +158,4 @@ def resolve_model(ref: str) -> ModelSpec:
     if Path(ref).exists():
         return model_from_path(ref)
     return preset_model(ref)
+
