@@ -23,6 +23,7 @@ import yaml
 from kvpilot.operator import constants as c
 
 from support.chart import CHART, of_kind, operator_container, operator_env, render
+from support.engine_workload import LWS_CRD_PATH
 from support.harness import (
     EmulatorThread,
     Kubectl,
@@ -32,7 +33,6 @@ from support.harness import (
     wait_for,
     write_kubeconfig,
 )
-from support.engine_workload import LWS_CRD_PATH
 from support.rbac import call_key, grants, operator_calls, ungranted
 
 pytestmark = pytest.mark.slow
