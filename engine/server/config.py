@@ -123,9 +123,10 @@ class ServerConfig:
     Args:
         served_model_names: names accepted in requests' ``model`` field; empty means
             only the engine's own served model name. The first one is reported.
-        api_key: when set, ``/v1/*`` requires ``Authorization: Bearer <api_key>``.
-        max_waiting_requests: requests allowed to wait for a batch slot before new
-            ones get 429; None = unbounded.
+        api_key: when set, every path but the probes and ``/metrics`` requires
+            ``Authorization: Bearer <api_key>`` (checked before the body is read).
+        max_waiting_requests: sequences (prompts × n) allowed to wait for a batch slot
+            before new requests get 429; None = unbounded.
         log_stats_interval: seconds between periodic INFO stats lines; 0 = off.
         retry_after_seconds: value of the ``Retry-After`` header on a 429.
         enable_log_requests: an INFO line per generation request.

@@ -8,6 +8,7 @@ within 1 s.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import threading
@@ -156,3 +157,37 @@ def _complete(data: bytes) -> bool:
         if name.strip().lower() == b"content-length":
             return len(payload) >= int(value)
     return False
+
+
+async def _slow_client(host: str, port: int, period: float) -> tuple[bytes | None, float]:
+    """Dribbles a request head a byte every ``period`` s until the server answers or closes;
+    (its status line or None, seconds from the connection until then)."""
+    reader, writer = await asyncio.open_connection(host, port)
+    start = time.monotonic()
+    head = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"s" * 400 + b"\r\n\r\n"
+    answer = b""
+    try:
+        for byte in head:
+            writer.write(bytes([byte]))
+            await writer.drain()
+            try:
+                answer = await asyncio.wait_for(reader.read(4096), period)
+            except TimeoutError:
+                continue
+            break
+    except OSError:
+        pass
+    seconds = time.monotonic() - start
+    writer.close()
+    return answer.split(b"\r\n", 1)[0] or None, seconds
+
+
+def slow_clients(host: str, port: int, count: int, period: float) -> list[tuple[bytes | None, float]]:
+    """``count`` slowloris clients at once (run it in a process of its own, so that their
+    event loop does not take the GIL from the measuring threads): each one's status
+    line and seconds, as ``_slow_client``."""
+
+    async def all_of_them():
+        return await asyncio.gather(*(_slow_client(host, port, period) for _ in range(count)))
+
+    return asyncio.run(all_of_them())
