@@ -36,6 +36,7 @@ from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.stats import EngineStats, StepStats
 from kvpilot.engine.structured_output import StructuredOutputManager
 from kvpilot.engine.text.detokenizer import IncrementalDetokenizer
+from kvpilot.engine.text.stop import StopMatcher
 from kvpilot.engine.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -113,6 +114,7 @@ class LLMEngine:
         self.runner.kv_transfer = self.kv_offload
         self.runner.count_nan_logits = args.compute_nans_in_logits
         self._num_corrupted = 0
+        self._failed_requests: list[tuple[str, str]] = []   # see take_failed_requests
         structured = args.structured_outputs_config
         self.structured_output = StructuredOutputManager(
             self.tokenizer, model_config.arch.vocab_size,
@@ -280,7 +282,8 @@ class LLMEngine:
         arrival = time.time() if arrival_time is None else arrival_time
         parent = ParentState(request_id, text, ids, arrival, params.output_kind)
         max_tokens = max_len - len(ids) if params.max_tokens is None else min(params.max_tokens, max_len - len(ids))
-        max_stop_len = max((len(s) for s in params.stop or []), default=0)
+        stop_matcher = StopMatcher(params.stop) if params.stop else None
+        max_stop_len = stop_matcher.max_len if stop_matcher is not None else 0
         holdback = 0 if params.include_stop_str_in_output else max(max_stop_len - 1, 0)
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
@@ -291,22 +294,28 @@ class LLMEngine:
                                            skip_special_tokens=params.skip_special_tokens)
             logprobs = params.logprobs is not None
             parent.children.append(ChildState(request, i, parent, detok, [] if logprobs else None,
-                                              0.0 if logprobs else None, holdback, max_stop_len))
+                                              0.0 if logprobs else None, holdback, max_stop_len,
+                                              stop_matcher))
         for child in parent.children:
             self.structured_output.add_request(child.request)
             self.scheduler.add_request(child.request)
         self.output_processor.add(parent)
 
     def _check_params(self, params: SamplingParams) -> None:
-        """ValueError for parameters this engine's limits refuse."""
+        """ValueError for parameters this engine's limits refuse, or that would fail the
+        step for the whole batch (token ids outside the vocabulary, more logprobs than it
+        holds): such a request is refused before it is scheduled."""
+        vocab = self.model_config.arch.vocab_size
         limit = self.model_config.max_logprobs
-        if params.logprobs is not None and limit != -1 and params.logprobs > limit:
+        limit = vocab if limit == -1 else min(limit, vocab)
+        if params.logprobs is not None and params.logprobs > limit:
             raise ValueError(f"requested {params.logprobs} logprobs, more than this server's "
                              f"max_logprobs ({limit})")
-        vocab = self.model_config.arch.vocab_size
-        bad = [t for t in params.logit_bias or {} if t >= vocab]
-        if bad:
-            raise ValueError(f"logit_bias token ids must be in [0, {vocab}); got {bad[:5]}")
+        for name, ids in (("logit_bias", params.logit_bias or {}),
+                          ("stop_token_ids", params.stop_token_ids or ())):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"{name} token ids must be in [0, {vocab}); got {bad[:5]}")
 
     def abort_request(self, request_ids: Iterable[str]) -> None:
         """Abort requests (by the id given to add_request); unknown ids are ignored."""
@@ -356,10 +365,15 @@ class LLMEngine:
                 request.nan_in_logits = True
                 self._num_corrupted += 1
         advanced = self.scheduler.update_from_output(sched, result.sampled())
+        failed: dict[str, BaseException] = {}    # parent request id -> why it failed
         if len(structured):
             for request in advanced:
-                structured.accept(request)
-        outputs = self.output_processor.process(advanced, result.logprobs)
+                try:
+                    structured.accept(request)
+                except Exception as exc:  # noqa: BLE001 - fails this request only
+                    failed[self.output_processor.children[request.request_id].parent.request_id] = exc
+        outputs = self.output_processor.process(advanced, result.logprobs, failed)
+        self._fail_requests(failed)
         if self.kv_offload is not None and not self.scheduler.has_unfinished_requests():
             self._run_pending_kv_transfers()   # save finished requests' blocks now, not next step
         return outputs
@@ -420,6 +434,21 @@ class LLMEngine:
                         self._estimated, strict=True)) if self._cost_model is not None else {}),
             **(self.kv_offload.stats().engine_stat_fields() if self.kv_offload is not None else {}),
         )
+
+    def _fail_requests(self, failed: dict[str, BaseException]) -> None:
+        """Abort the requests a step failed for on their own (their grammar, detokenizing,
+        stop checks), keeping the rest of the batch; ``take_failed_requests`` reports them."""
+        for request_id, exc in failed.items():
+            logger.error("request %s failed in an engine step (the rest of the batch goes on)",
+                         request_id, exc_info=exc)
+            self.abort_request([request_id])
+            self._failed_requests.append((request_id, f"{type(exc).__name__}: {exc}"))
+
+    def take_failed_requests(self) -> list[tuple[str, str]]:
+        """``(request id, what failed)`` of the requests aborted since the previous call
+        because a step failed for them alone; the caller fails them, and only them."""
+        failed, self._failed_requests = self._failed_requests, []
+        return failed
 
     def take_step_stats(self) -> StepStats:
         """What the steps since the previous call did (tokens per step, sampled KV block

@@ -23,7 +23,7 @@ from kvpilot.engine.model.sampler import SampleResult
 from kvpilot.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvpilot.engine.sampling_params import RequestOutputKind
 from kvpilot.engine.text.detokenizer import IncrementalDetokenizer
-from kvpilot.engine.text.stop import check_token_stop, find_stop_string
+from kvpilot.engine.text.stop import StopMatcher, check_token_stop
 
 CUMULATIVE, DELTA, FINAL_ONLY = (RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA,
                                  RequestOutputKind.FINAL_ONLY)
@@ -41,6 +41,7 @@ class ChildState:
     cumulative_logprob: float | None
     holdback: int                # chars held back while running (a stop string may start there)
     max_stop_len: int            # longest stop string (0: none)
+    stop_matcher: StopMatcher | None = None   # the request's stop strings (None: none)
     tail: str = ""               # newest chars, kept to find stop strings spanning tokens
     final_len: int | None = None  # text length once finished (a stop string may cut it)
     num_sent_chars: int = 0      # DELTA: already returned
@@ -150,18 +151,33 @@ class OutputProcessor:
                 child.final_len = child.visible_len()
             child.parent.num_unfinished -= 1
 
-    def process(self, advanced: list[Request], logprobs: dict[str, SampleResult]) -> list[RequestOutput]:
-        """Handle one step's new tokens; returns the outputs their requests ask for."""
+    def process(self, advanced: list[Request], logprobs: dict[str, SampleResult],
+                failed: dict[str, BaseException] | None = None) -> list[RequestOutput]:
+        """Handle one step's new tokens; returns the outputs their requests ask for.
+
+        A failure while handling one sequence's token (detokenizing, a stop check) is
+        that request's alone: it is recorded in ``failed`` (parent request id ->
+        exception; children already there are skipped) and the others go on.
+        """
+        failed = {} if failed is None else failed
         touched: dict[str, ParentState] = {}
         children = self.children
         for request in advanced:
             child = children[request.request_id]
-            self._process_token(child, logprobs.get(request.request_id))
             parent = child.parent
+            if parent.request_id in failed:
+                continue
+            try:
+                self._process_token(child, logprobs.get(request.request_id))
+            except Exception as exc:  # noqa: BLE001 - fails this request only (the caller's job)
+                failed[parent.request_id] = exc
+                continue
             if parent.kind is not FINAL_ONLY or parent.finished:
                 touched[parent.request_id] = parent
         outputs = []
         for rid, parent in touched.items():
+            if rid in failed:
+                continue
             outputs.append(parent.output())
             if parent.finished:
                 self.parents.pop(rid, None)
@@ -178,10 +194,9 @@ class OutputProcessor:
             self._record_logprobs(child, result)
         delta = child.detok.add_token(request.output_token_ids[-1])
         status, stop_token = check_token_stop(request, self._max_model_len)
-        if child.max_stop_len and delta:
+        if child.stop_matcher is not None and delta:
             tail = child.tail + delta
-            stops = request.sampling_params.stop
-            hit = find_stop_string(tail, len(delta), stops)
+            hit = child.stop_matcher.find(tail, len(delta))
             if hit is not None:
                 stop, idx = hit
                 end = idx + len(stop) if request.sampling_params.include_stop_str_in_output else idx

@@ -9,19 +9,20 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from anyio import CapacityLimiter
-from fastapi import Depends, FastAPI
+from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
 from kvpilot.engine.server import routes_chat, routes_completions, routes_misc
+from kvpilot.engine.server.api_key import APIKeyGuard, open_paths
 from kvpilot.engine.server.async_engine import AsyncEngine
 from kvpilot.engine.server.body_limit import BodyLimit
+from kvpilot.engine.server.body_timeout import BodyReadTimeout
 from kvpilot.engine.server.config import ServerConfig
 from kvpilot.engine.server.core_client import CoreClient
 from kvpilot.engine.server.drain import DrainGate
 from kvpilot.engine.server.errors import install_error_handlers
 from kvpilot.engine.server.metrics import ServerMetrics
 from kvpilot.engine.server.middleware import install_middleware
-from kvpilot.engine.server.routes_common import check_api_key
 from kvpilot.engine.server.routes_misc import server_version
 from kvpilot.engine.server.state import ServerState
 from kvpilot.engine.server.stats_logger import run_stats_logger
@@ -86,7 +87,8 @@ def build_app(state: ServerState) -> FastAPI:
     background, so the port opens at once and /health answers 503 until the engine
     is ready), runs the periodic stats log line, and stops the engine at shutdown.
     Request bodies over ``--max-request-body-bytes`` get 413 (``BodyLimit``);
-    ``DrainGate`` refuses new requests once ``state.drain`` began.
+    ``DrainGate`` refuses new requests once ``state.drain`` began; with ``--api-key``,
+    ``APIKeyGuard`` answers 401 to a request without the key before its body is read.
     """
 
     @asynccontextmanager
@@ -114,10 +116,14 @@ def build_app(state: ServerState) -> FastAPI:
     app.add_middleware(DrainGate, drain=state.drain)   # inside CORS and request ids
     if config.max_request_body_bytes is not None:
         app.add_middleware(BodyLimit, max_bytes=config.max_request_body_bytes)
+    if config.body_read_timeout is not None:
+        app.add_middleware(BodyReadTimeout, timeout=config.body_read_timeout)
+    if config.api_key is not None:   # outside the body limit: no key, no body read
+        app.add_middleware(APIKeyGuard, api_key=config.api_key,
+                           unguarded=open_paths(config.metrics_require_api_key))
     install_middleware(app, config)
-    guarded = [Depends(check_api_key)]
-    app.include_router(routes_completions.router, dependencies=guarded)
-    app.include_router(routes_chat.router, dependencies=guarded)
+    app.include_router(routes_completions.router)
+    app.include_router(routes_chat.router)
     app.include_router(routes_misc.router)
     _document_400_not_422(app)
     return app

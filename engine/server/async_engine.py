@@ -179,8 +179,8 @@ class AsyncEngine(EngineClient):
                 raise EngineNotReady("the engine is still loading")
             if self.stalled:
                 raise EngineStalled(self.stalled_message())
-            self._check_queue_locked()
-            self._num_pending_adds += 1
+            self._check_queue_locked(cmd.params.n)
+            self._num_pending_adds += cmd.params.n
             self._commands.append(cmd)
             self._consumers[cmd.request_id] = cmd.live
             self._cond.notify()
@@ -284,12 +284,13 @@ class AsyncEngine(EngineClient):
                     if self._dead:
                         self._publish_stats(engine, num_adds)
                         return
+            self._fail_requests(engine.take_failed_requests())
             self._deliver(outputs, engine.take_step_stats())
             self._publish_stats(engine, num_adds)
             self._iteration_started = None
 
     def _apply(self, engine: LLMEngine, commands: list[Add | _Abort]) -> int:
-        """Applies queued commands; returns the number of adds among them."""
+        """Applies queued commands; returns the sequences of the adds among them (``n`` each)."""
         num_adds = 0
         aborts = []
         for cmd in commands:
@@ -298,7 +299,7 @@ class AsyncEngine(EngineClient):
                     aborts.append(cmd.request_id)
                     self._tracker.remove(cmd.request_id, ABORT)
                 continue
-            num_adds += 1
+            num_adds += cmd.params.n
             try:
                 engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params,
                                    arrival_time=cmd.arrival_time, cache_salt=cmd.cache_salt,
@@ -332,6 +333,14 @@ class AsyncEngine(EngineClient):
                 self._record(iteration)
             except Exception:  # noqa: BLE001 - metrics must never stop serving
                 logger.exception("recording request metrics failed")
+
+    def _fail_requests(self, failed: list[tuple[str, str]]) -> None:
+        """Fail the requests a step failed for on their own (the engine aborted them)."""
+        for request_id, text in failed:
+            live = self._live.pop(request_id, None)
+            if live is not None:
+                live.deliver(RequestFailed(f"the engine failed while serving this request: {text}"))
+                self._tracker.remove(request_id, ERROR)
 
     def _fail_step(self, engine: LLMEngine, exc: Exception, consecutive_failures: int) -> None:
         failed = list(self._live)

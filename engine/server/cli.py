@@ -65,12 +65,20 @@ def event_loop_factory():
 
 
 def uvicorn_config(ns: argparse.Namespace, app):
-    """uvicorn's settings from the serve flags: address, logging, TLS, and the root path
-    (``--root-path``: the prefix a path-routing proxy strips, for URLs the app builds)."""
+    """uvicorn's settings from the serve flags: address, logging, TLS, the root path
+    (``--root-path``: the prefix a path-routing proxy strips, for URLs the app builds),
+    and the connection bounds (``--limit-concurrency``, ``--timeout-keep-alive``,
+    ``--h11-max-incomplete-event-size``, and ``--header-read-timeout`` through the HTTP
+    protocol class of ``header_timeout``)."""
     import uvicorn
 
+    from kvpilot.engine.server.header_timeout import header_timeout_protocol
+
+    http = header_timeout_protocol(ns.header_read_timeout) if ns.header_read_timeout else "auto"
     return uvicorn.Config(
-        app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
+        app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level, http=http,
+        limit_concurrency=ns.limit_concurrency or None, timeout_keep_alive=ns.timeout_keep_alive,
+        h11_max_incomplete_event_size=ns.h11_max_incomplete_event_size,
         access_log=not ns.disable_uvicorn_access_log,
         timeout_graceful_shutdown=UVICORN_GRACEFUL_SECONDS,
         root_path=ns.root_path or "",

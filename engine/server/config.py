@@ -18,6 +18,51 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 32 << 20
 DEFAULT_TOKENIZER_THREADS = 4
 DEFAULT_ENGINE_HANG_TIMEOUT = 60.0
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
+# Connections (uvicorn's settings and the head / body read deadlines).
+DEFAULT_LIMIT_CONCURRENCY = 2048
+DEFAULT_HEADER_READ_TIMEOUT = 10.0
+DEFAULT_BODY_READ_TIMEOUT = 120.0
+DEFAULT_TIMEOUT_KEEP_ALIVE = 5
+# What one request's log line shows of each field (--max-log-len).
+DEFAULT_MAX_LOG_LEN = 2048
+DEFAULT_MAX_STOP_STRINGS = 256
+DEFAULT_MAX_STOP_STRING_CHARS = 1024
+DEFAULT_MAX_CHOICES = 1024
+DEFAULT_MAX_CONSTRAINT_BYTES = 64 << 10
+DEFAULT_MAX_TOOLS = 128
+DEFAULT_MAX_TOOLS_BYTES = 256 << 10
+DEFAULT_MAX_SEQUENCES_PER_REQUEST = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """Per-request caps, checked by ``request_limits`` before a request is tokenized,
+    compiled or queued; a request over one gets 400 naming the field and the flag.
+
+    Args:
+        max_stop_strings: stop strings per request (``--max-stop-strings``).
+        max_stop_string_chars: characters of one stop string (``--max-stop-string-chars``).
+        max_choices: entries of a ``choice`` constraint (``--max-structured-choices``).
+        max_constraint_bytes: UTF-8 bytes of a regex, grammar, JSON schema or choice
+            list (``--max-structured-output-bytes``).
+        max_tools: entries of a chat request's ``tools`` (``--max-tools``).
+        max_tools_bytes: bytes of ``tools`` as JSON (``--max-tools-bytes``).
+        max_sequences_per_request: prompts × ``n`` of one request
+            (``--max-sequences-per-request``).
+    """
+
+    max_stop_strings: int = DEFAULT_MAX_STOP_STRINGS
+    max_stop_string_chars: int = DEFAULT_MAX_STOP_STRING_CHARS
+    max_choices: int = DEFAULT_MAX_CHOICES
+    max_constraint_bytes: int = DEFAULT_MAX_CONSTRAINT_BYTES
+    max_tools: int = DEFAULT_MAX_TOOLS
+    max_tools_bytes: int = DEFAULT_MAX_TOOLS_BYTES
+    max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST
+
+    def __post_init__(self) -> None:
+        for name in self.__slots__:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,13 +123,14 @@ class ServerConfig:
     Args:
         served_model_names: names accepted in requests' ``model`` field; empty means
             only the engine's own served model name. The first one is reported.
-        api_key: when set, ``/v1/*`` requires ``Authorization: Bearer <api_key>``.
-        max_waiting_requests: requests allowed to wait for a batch slot before new
-            ones get 429; None = unbounded.
+        api_key: when set, every path but the probes and ``/metrics`` requires
+            ``Authorization: Bearer <api_key>`` (checked before the body is read).
+        max_waiting_requests: sequences (prompts × n) allowed to wait for a batch slot
+            before new requests get 429; None = unbounded.
         log_stats_interval: seconds between periodic INFO stats lines; 0 = off.
         retry_after_seconds: value of the ``Retry-After`` header on a 429.
         enable_log_requests: an INFO line per generation request.
-        max_log_len: most prompt characters / token ids in that line (None = all).
+        max_log_len: most characters / list items of each field in that line (None = all).
         disable_fastapi_docs: no /docs, /redoc, /openapi.json.
         enable_request_id_headers: an ``X-Request-Id`` header on every response.
         cors: cross-origin settings.
@@ -95,6 +141,10 @@ class ServerConfig:
         engine_hang_timeout: seconds an engine step may run, with requests waiting on it,
             before readiness fails and those requests get a 500 (None = never).
         shutdown_timeout: seconds SIGTERM waits for in-flight requests before exiting.
+        metrics_require_api_key: ``/metrics`` needs the API key too (else only the
+            probes are served without it).
+        body_read_timeout: seconds a request body may take to arrive (None = no limit).
+        limits: per-request caps (stop strings, constraints, tools, fan-out).
     """
 
     served_model_names: tuple[str, ...] = ()
@@ -103,7 +153,7 @@ class ServerConfig:
     log_stats_interval: float = 10.0
     retry_after_seconds: int = 1
     enable_log_requests: bool = False
-    max_log_len: int | None = None
+    max_log_len: int | None = DEFAULT_MAX_LOG_LEN
     disable_fastapi_docs: bool = False
     enable_request_id_headers: bool = False
     cors: CORSConfig = CORSConfig()
@@ -112,6 +162,9 @@ class ServerConfig:
     tokenizer_threads: int = DEFAULT_TOKENIZER_THREADS
     engine_hang_timeout: float | None = DEFAULT_ENGINE_HANG_TIMEOUT
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
+    metrics_require_api_key: bool = False
+    body_read_timeout: float | None = DEFAULT_BODY_READ_TIMEOUT
+    limits: RequestLimits = RequestLimits()
 
     def __post_init__(self) -> None:
         if self.max_request_body_bytes is not None and self.max_request_body_bytes < 1:
@@ -120,6 +173,8 @@ class ServerConfig:
             raise ValueError(f"tokenizer_threads must be >= 1, got {self.tokenizer_threads}")
         if self.engine_hang_timeout is not None and not self.engine_hang_timeout > 0:
             raise ValueError(f"engine_hang_timeout must be > 0, got {self.engine_hang_timeout}")
+        if self.body_read_timeout is not None and not self.body_read_timeout > 0:
+            raise ValueError(f"body_read_timeout must be > 0, got {self.body_read_timeout}")
         if not self.shutdown_timeout >= 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
@@ -169,4 +224,12 @@ def server_config_from_namespace(ns: argparse.Namespace) -> ServerConfig:
         tokenizer_threads=ns.tokenizer_threads,
         engine_hang_timeout=ns.engine_hang_timeout or None,
         shutdown_timeout=ns.shutdown_timeout,
+        metrics_require_api_key=ns.metrics_require_api_key,
+        body_read_timeout=ns.body_read_timeout or None,
+        limits=RequestLimits(
+            max_stop_strings=ns.max_stop_strings, max_stop_string_chars=ns.max_stop_string_chars,
+            max_choices=ns.max_structured_choices,
+            max_constraint_bytes=ns.max_structured_output_bytes, max_tools=ns.max_tools,
+            max_tools_bytes=ns.max_tools_bytes,
+            max_sequences_per_request=ns.max_sequences_per_request),
     )

@@ -280,8 +280,8 @@ class CoreClient(EngineClient):
                 raise EngineNotReady("the engine is still loading")
             if self.stalled:
                 raise EngineStalled(self.stalled_message())
-            self._check_queue_locked()
-            self._num_pending_adds += 1
+            self._check_queue_locked(add.params.n)
+            self._num_pending_adds += add.params.n
         if not self._live:
             self._last_progress = time.monotonic()
         self._live[add.request_id] = add.live

@@ -138,6 +138,8 @@ class EngineCore:
                     if failed is None or consecutive_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
                         self.send_dead(f"{type(exc).__name__}: {exc}")
                         return
+            # requests a step failed for on their own: reported like a failed add
+            rejected += [(rid, False, text) for rid, text in engine.take_failed_requests()]
             if stepped or num_adds or num_aborts:
                 self._results.send(pack((STEP, encode_outputs(outputs), engine.get_stats(),
                                          engine.take_step_stats(), num_adds, rejected, failed)),
@@ -152,7 +154,8 @@ class EngineCore:
                 return commands
 
     def _apply(self, commands: list[tuple]) -> tuple[int, list[tuple], int]:
-        """Adds and aborts in arrival order; returns (adds, rejected adds, aborts)."""
+        """Adds and aborts in arrival order; returns (sequences added: ``n`` per add,
+        rejected adds, aborts)."""
         engine = self.engine
         num_adds, rejected, aborts = 0, [], []
         for cmd in commands:
@@ -160,7 +163,7 @@ class EngineCore:
                 aborts.append(cmd[1])
                 continue
             _, request_id, prompt_token_ids, params, arrival_time, priority, cache_salt = cmd
-            num_adds += 1
+            num_adds += params.n
             try:
                 engine.add_request(request_id, prompt_token_ids, params, arrival_time=arrival_time,
                                    priority=priority, cache_salt=cache_salt)

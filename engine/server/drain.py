@@ -61,7 +61,7 @@ class DrainGate:
         self.drain = drain
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or _app_path(scope) in UNGATED_PATHS:
+        if scope["type"] != "http" or app_path(scope) in UNGATED_PATHS:
             await self.app(scope, receive, send)
             return
         if self.drain.draining:
@@ -79,6 +79,7 @@ class DrainGate:
             self.drain.num_in_flight -= 1
 
 
-def _app_path(scope: Scope) -> str:
+def app_path(scope: Scope) -> str:
+    """The request path below ``--root-path``."""
     path, root = scope["path"], scope.get("root_path", "")
     return path[len(root):] if root and path.startswith(root) else path

@@ -88,8 +88,9 @@ class Add:
 
 
 def num_waiting(stats: EngineStats | None, pending: int, max_num_seqs: int | None) -> int:
-    """Requests that will wait for a batch slot: the engine's waiting queue plus the
-    submissions it has not taken in yet beyond its free batch slots. A burst arrives
+    """Sequences that will wait for a batch slot: the engine's waiting queue (one entry per
+    sequence: a request with ``n`` > 1 is ``n`` of them) plus the sequences submitted that
+    it has not taken in yet beyond its free batch slots. A burst arrives
     faster than a step takes; free slots count only while nothing waits in the engine
     (else blocks are short)."""
     if stats is None:
@@ -104,8 +105,8 @@ class EngineClient(abc.ABC):
     """The shared half of an engine client: ``generate``, ``stats``, the 429 check, the
     stall rule and the failure reason.
 
-    Subclasses set ``_stats`` (under ``_cond``) as snapshots arrive, count submitted adds
-    in ``_num_pending_adds`` until a snapshot reflects them, set ``_error`` when the engine
+    Subclasses set ``_stats`` (under ``_cond``) as snapshots arrive, count the sequences
+    of submitted adds (``n`` each) in ``_num_pending_adds`` until a snapshot reflects them, set ``_error`` when the engine
     fails, and implement ``busy_seconds``, ``_submit_add`` and ``_submit_abort``.
     """
 
@@ -151,11 +152,20 @@ class EngineClient(abc.ABC):
     def _num_waiting_locked(self, extra: int = 0) -> int:
         return num_waiting(self._stats, self._num_pending_adds + extra, self._max_num_seqs)
 
-    def _check_queue_locked(self) -> None:
-        """QueueFull if one more request would have to wait beyond the bound."""
-        if self._max_waiting is not None and self._num_waiting_locked(1) > self._max_waiting:
-            raise QueueFull(f"{self._num_waiting_locked()} requests are waiting for a batch "
-                            f"slot (the limit is {self._max_waiting})")
+    def _check_queue_locked(self, num_sequences: int) -> None:
+        """QueueFull if ``num_sequences`` more sequences would have to wait beyond the bound."""
+        if (self._max_waiting is not None
+                and self._num_waiting_locked(num_sequences) > self._max_waiting):
+            raise QueueFull(f"{self._num_waiting_locked()} sequences are waiting for a batch "
+                            f"slot and this request adds {num_sequences} (the limit is "
+                            f"{self._max_waiting})")
+
+    def check_room(self, num_sequences: int) -> None:
+        """QueueFull if an API request adding ``num_sequences`` sequences (its prompts × n)
+        would pass the waiting bound: checked once for the whole request, before any of
+        its engine requests is submitted."""
+        with self._cond:
+            self._check_queue_locked(num_sequences)
 
     async def generate(
         self,

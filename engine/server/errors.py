@@ -7,6 +7,7 @@ errors, goes through here so that clients (the ``openai`` SDK) always see one sh
 from __future__ import annotations
 
 import logging
+import uuid
 from http import HTTPStatus
 
 from fastapi import FastAPI, Request
@@ -22,6 +23,8 @@ NOT_FOUND = "not_found_error"
 RATE_LIMIT = "rate_limit_error"
 SERVER_ERROR = "server_error"
 UNAVAILABLE = "service_unavailable"
+# The header carrying a request's id (the client's, with --enable-request-id-headers; a 500's).
+REQUEST_ID_HEADER = "X-Request-Id"
 # Seconds a 503 (loading, draining, a broken or stalled engine) asks clients to wait.
 UNAVAILABLE_RETRY_AFTER = "5"
 
@@ -55,6 +58,15 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(HTTPStatus.BAD_REQUEST, message, param=param, code=code)
+
+
+def internal_error(request_id: str, what: str = "internal server error",
+                   code: str = "internal_error") -> APIError:
+    """A 500 saying ``what`` failed in general terms, with the request id to find the details
+    in the server log (never the exception's text, file names or a traceback)."""
+    return APIError(HTTPStatus.INTERNAL_SERVER_ERROR,
+                    f"{what} (request id {request_id}; the server log has the details)",
+                    type=SERVER_ERROR, code=code, headers={REQUEST_ID_HEADER: request_id})
 
 
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
@@ -100,16 +112,17 @@ async def _on_http_error(_: Request, exc: StarletteHTTPException) -> JSONRespons
     status = exc.status_code
     kind = NOT_FOUND if status == HTTPStatus.NOT_FOUND else (
         INVALID_REQUEST if status < 500 else SERVER_ERROR)
-    code = "request_too_large" if status == HTTPStatus.REQUEST_ENTITY_TOO_LARGE else None
+    code = {HTTPStatus.REQUEST_ENTITY_TOO_LARGE: "request_too_large",
+            HTTPStatus.REQUEST_TIMEOUT: "request_timeout"}.get(status)
     return error_json_response(APIError(status, str(exc.detail), type=kind, code=code,
                                         headers=getattr(exc, "headers", None)))
 
 
-async def _on_unexpected(_: Request, exc: Exception) -> JSONResponse:
-    logger.exception("unhandled error while serving a request")
-    return error_json_response(APIError(HTTPStatus.INTERNAL_SERVER_ERROR,
-                                        f"internal server error: {type(exc).__name__}: {exc}",
-                                        type=SERVER_ERROR))
+async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+    request_id = request.headers.get(REQUEST_ID_HEADER) or f"http-{uuid.uuid4().hex}"
+    logger.error("request %s: unhandled error while serving %s %s", request_id, request.method,
+                 request.url.path, exc_info=exc)
+    return error_json_response(internal_error(request_id))
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -25,16 +25,20 @@ from kvpilot.engine.server.engine_client import (
     QueueFull,
     RequestFailed,
     RequestRejected,
+    StepTimeout,
 )
 from kvpilot.engine.server.errors import (
     RATE_LIMIT,
-    SERVER_ERROR,
     UNAVAILABLE,
     UNAVAILABLE_RETRY_AFTER,
     APIError,
     bad_request,
+    internal_error,
 )
+from kvpilot.engine.server.log_fields import capped, capped_repr
+from kvpilot.engine.server.prompts import check_token_ids
 from kvpilot.engine.server.protocol import SamplingRequest, UsageInfo
+from kvpilot.engine.server.request_limits import check_stop
 from kvpilot.engine.server.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -44,8 +48,13 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def to_api_error(exc: BaseException, state: ServerState) -> APIError:
-    """Maps an async-engine exception onto the HTTP error the client should see."""
+def to_api_error(exc: BaseException, state: ServerState, request_id: str) -> APIError:
+    """Maps an async-engine exception onto the HTTP error the client should see.
+
+    A 500 says what failed in general terms and carries ``request_id``; the exception's
+    own text (which may hold library messages, file names, tracebacks) goes to the log
+    under that id, never to the client.
+    """
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, QueueFull):
@@ -58,25 +67,40 @@ def to_api_error(exc: BaseException, state: ServerState) -> APIError:
         return APIError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), type=UNAVAILABLE,
                         code="engine_stalled" if isinstance(exc, EngineStalled) else None,
                         headers={"Retry-After": UNAVAILABLE_RETRY_AFTER})
+    if isinstance(exc, StepTimeout):    # the hang timeout's own words, no exception text
+        return internal_error(request_id, str(exc), code="engine_stalled")
     if isinstance(exc, RequestFailed):
-        return APIError(HTTPStatus.INTERNAL_SERVER_ERROR, str(exc), type=SERVER_ERROR)
-    return APIError(HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(exc).__name__}: {exc}",
-                    type=SERVER_ERROR)
+        logger.error("request %s failed in the engine: %s", request_id, exc)
+        return internal_error(request_id, "the engine failed while serving this request")
+    logger.error("request %s failed", request_id, exc_info=exc)
+    return internal_error(request_id)
 
 
 def check_request(body: SamplingRequest, state: ServerState, logprobs: int | None,
                   logprobs_param: str) -> None:
     """400 for what this server's settings refuse: a priority without priority scheduling,
-    more logprobs than ``--max-logprobs``."""
+    more logprobs than ``--max-logprobs`` (``-1``: the vocabulary), stop strings over the
+    request limits, and token ids (``stop_token_ids``, ``logit_bias`` keys) outside the
+    vocabulary."""
     engine = state.engine.engine
     if body.priority != 0 and engine.scheduler_config.policy != "priority":
         raise bad_request("priority is only honoured with --scheduling-policy priority "
                           f"(this server schedules {engine.scheduler_config.policy})",
                           param="priority")
-    limit = engine.model_config.max_logprobs
-    if logprobs is not None and limit != -1 and logprobs > limit:
+    vocab_size = engine.model_config.arch.vocab_size
+    limit = max_logprobs(engine.model_config.max_logprobs, vocab_size)
+    if logprobs is not None and logprobs > limit:
         raise bad_request(f"{logprobs_param} must be at most {limit} (--max-logprobs)",
                           param=logprobs_param)
+    check_stop(body.stop, state.config.limits)
+    check_token_ids(body.stop_token_ids or [], vocab_size, "stop_token_ids")
+    check_token_ids(list(_logit_bias(body.logit_bias) or ()), vocab_size, "logit_bias")
+
+
+def max_logprobs(configured: int, vocab_size: int) -> int:
+    """The most logprobs a request may ask for: ``--max-logprobs``, where ``-1`` (and any
+    larger figure) means the vocabulary, as in vLLM."""
+    return vocab_size if configured == -1 else min(configured, vocab_size)
 
 
 def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int,
@@ -168,13 +192,14 @@ def usage(outputs: list[RequestOutput]) -> UsageInfo:
 def log_request(state: ServerState, request_id: str, prompt_ids: list[int], params: SamplingParams,
                 priority: int) -> None:
     """``--enable-log-requests``: one INFO line per engine request; ``--max-log-len`` caps
-    the prompt text (characters) and ids shown."""
+    the prompt text (characters) and ids shown, and every field of the parameters (stop
+    strings, token-id lists, constraints: ``log_fields``)."""
     limit = state.config.max_log_len
     text = state.engine.engine.tokenizer.decode(prompt_ids[:limit] if limit else prompt_ids,
                                                 skip_special_tokens=False)
     logger.info("Received request %s: prompt: %r, prompt_token_ids: %s (%d tokens), priority: %d, "
-                "params: %s", request_id, text[:limit] if limit else text,
-                prompt_ids[:limit] if limit else prompt_ids, len(prompt_ids), priority, params)
+                "params: %s", request_id, capped(text, limit), capped(prompt_ids, limit),
+                len(prompt_ids), priority, capped_repr(params, limit))
 
 
 class Generation:
@@ -188,6 +213,8 @@ class Generation:
     def __init__(self, state: ServerState, request_id: str, prompts: list[list[int]],
                  params: list[SamplingParams], cache_salt: str | None, priority: int = 0) -> None:
         self._state = state
+        self.request_id = self._request_id = request_id
+        self._params = params
         if state.config.enable_log_requests:
             for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
                 log_request(state, f"{request_id}-{i}", ids, p, priority)
@@ -199,6 +226,11 @@ class Generation:
         self.first: list[RequestOutput] = []
 
     async def start(self) -> list[RequestOutput]:
+        try:
+            self._state.engine.check_room(sum(p.n for p in self._params))
+        except Exception as exc:
+            await self.close()
+            raise to_api_error(exc, self._state, self._request_id) from exc
         tasks = [asyncio.ensure_future(anext(s)) for s in self._streams]
         try:
             self.first = list(await asyncio.gather(*tasks))
@@ -208,7 +240,7 @@ class Generation:
             await asyncio.gather(*tasks, return_exceptions=True)
             await self.close()
             if isinstance(exc, Exception):
-                raise to_api_error(exc, self._state) from exc
+                raise to_api_error(exc, self._state, self._request_id) from exc
             raise
         return self.first
 
@@ -226,7 +258,7 @@ class Generation:
                                                zip(self.first, self._streams, strict=True))))
         except Exception as exc:
             await self.close()
-            raise to_api_error(exc, self._state) from exc
+            raise to_api_error(exc, self._state, self._request_id) from exc
 
     async def stream(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Yields ``(prompt_index, delta)``: the first outputs, then the rest as they come."""

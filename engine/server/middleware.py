@@ -8,8 +8,7 @@ from fastapi import FastAPI, Request
 from starlette.middleware.cors import CORSMiddleware
 
 from kvpilot.engine.server.config import ServerConfig
-
-REQUEST_ID_HEADER = "X-Request-Id"
+from kvpilot.engine.server.errors import REQUEST_ID_HEADER
 
 
 def install_middleware(app: FastAPI, config: ServerConfig) -> None:
@@ -29,5 +28,5 @@ def install_middleware(app: FastAPI, config: ServerConfig) -> None:
     async def add_request_id(request: Request, call_next):
         request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
         response = await call_next(request)
-        response.headers[REQUEST_ID_HEADER] = request_id
+        response.headers.setdefault(REQUEST_ID_HEADER, request_id)   # a 500 carries its own
         return response

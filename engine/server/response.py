@@ -142,7 +142,7 @@ async def stream_events(generation: Generation, state: ServerState, encode: Chun
             totals = progress.totals
             yield encode([], usage([totals[i] for i in sorted(totals)]))
     except Exception as exc:  # noqa: BLE001 - reported in-band: the status line is already sent
-        yield sse.sse_event(to_api_error(exc, state).body())
+        yield sse.sse_event(to_api_error(exc, state, generation.request_id).body())
     finally:
         await generation.close()
     yield sse.DONE

@@ -38,6 +38,7 @@ from kvpilot.engine.server.protocol import (
     ChatResponseMessage,
     ToolCall,
 )
+from kvpilot.engine.server.request_limits import check_fan_out, check_tools
 from kvpilot.engine.server.response import (
     ChoiceDelta,
     ChunkEncoder,
@@ -54,6 +55,8 @@ router = APIRouter()
 
 def _check_request(body: ChatCompletionRequest, state: ServerState) -> None:
     check_request(body, state, body.top_logprobs if body.logprobs else None, "top_logprobs")
+    check_tools(body.tools, state.config.limits)
+    check_fan_out(1, body.n, state.config.limits)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs=true", param="top_logprobs")
 
@@ -67,7 +70,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     engine = state.engine.engine
     chat = state.config.chat
     plan = plan_tools(body, chat)
-    constraint, param = requested_constraint(body)
+    constraint, param = requested_constraint(body, state.config.limits)
     if plan.constraint is not None:
         if constraint is not None:
             raise bad_request(f"{param} cannot be combined with tool_choice "

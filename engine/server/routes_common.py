@@ -1,14 +1,10 @@
-"""Pieces every router uses: documented responses and the API-key check."""
+"""Pieces every router uses: documented responses."""
 
 from __future__ import annotations
 
-import secrets
 from http import HTTPStatus
 
-from fastapi import Request
-
 from kvpilot.engine.server import sse
-from kvpilot.engine.server.errors import INVALID_REQUEST, APIError
 from kvpilot.engine.server.protocol import ErrorResponse
 
 # nginx's "client closed request": logged for requests whose client went away.
@@ -28,18 +24,3 @@ def generation_responses(description: str) -> dict[int | str, dict]:
     """The documented responses of a generation route: ``description`` of its 200 (JSON,
     or an event stream with ``stream=true``) and the error responses."""
     return {**ERROR_RESPONSES, 200: {"content": {sse.MEDIA_TYPE: {}}, "description": description}}
-
-
-def check_api_key(request: Request) -> None:
-    """FastAPI dependency: 401 unless ``Authorization: Bearer <key>`` matches ``--api-key``."""
-    expected = request.app.state.server.config.api_key
-    if expected is None:
-        return
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(),
-                                                                 expected.encode()):
-        raise APIError(HTTPStatus.UNAUTHORIZED,
-                       "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
-                       type=INVALID_REQUEST, code="invalid_api_key",
-                       headers={"WWW-Authenticate": "Bearer"})

@@ -25,6 +25,7 @@ from kvpilot.engine.server.protocol import (
     CompletionResponse,
     CompletionStreamResponse,
 )
+from kvpilot.engine.server.request_limits import check_fan_out, num_prompts
 from kvpilot.engine.server.response import (
     ChoiceDelta,
     ChunkEncoder,
@@ -41,6 +42,7 @@ router = APIRouter()
 
 def _check_request(body: CompletionRequest, state: ServerState) -> None:
     check_request(body, state, body.logprobs, "logprobs")
+    check_fan_out(num_prompts(body.prompt), body.n, state.config.limits)
     if body.echo:
         raise bad_request("echo is not supported", param="echo")
     if body.suffix is not None:
@@ -61,7 +63,7 @@ async def create_completion(body: CompletionRequest, request: Request,
     requested = body.max_tokens if body.max_tokens is not None else defaults.get("max_tokens")
     prompts = await state.run_blocking(completion_prompt_ids, body.prompt, engine.tokenizer,
                                        engine.model_config.arch.vocab_size, state.length_limit)
-    constraint, param = requested_constraint(body)
+    constraint, param = requested_constraint(body, state.config.limits)
     if constraint is not None:
         await check_constraint(state, constraint, param)
     params = [sampling_params(body, logprobs=body.logprobs, defaults=defaults,

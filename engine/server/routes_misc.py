@@ -29,7 +29,7 @@ from kvpilot.engine.server.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
-from kvpilot.engine.server.routes_common import ERROR_RESPONSES, check_api_key
+from kvpilot.engine.server.routes_common import ERROR_RESPONSES
 from kvpilot.engine.server.state import ServerState, not_serving_message, ready_state, server_state
 
 router = APIRouter()
@@ -83,8 +83,7 @@ async def metrics(state: ServerState = Depends(server_state)) -> Response:
                     headers={"Content-Type": CONTENT_TYPE_PLAIN_0_0_4})
 
 
-@router.get("/v1/models", response_model=ModelList, responses=ERROR_RESPONSES,
-            dependencies=[Depends(check_api_key)])
+@router.get("/v1/models", response_model=ModelList, responses=ERROR_RESPONSES)
 async def list_models(state: ServerState = Depends(ready_state)) -> ModelList:
     config = state.engine.engine.model_config
     cards = [ModelCard(id=name, created=state.created, root=config.model,

@@ -9,16 +9,19 @@ import asyncio
 from kvpilot.engine.sampling_params import StructuredOutputsParams
 from kvpilot.engine.server.errors import bad_request
 from kvpilot.engine.server.protocol import SamplingRequest
+from kvpilot.engine.server.request_limits import RequestLimits, check_constraint_size
 from kvpilot.engine.server.state import ServerState
 
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                  "guided_grammar": "grammar"}
 
 
-def requested_constraint(body: SamplingRequest) -> tuple[StructuredOutputsParams | None, str | None]:
+def requested_constraint(body: SamplingRequest, limits: RequestLimits
+                         ) -> tuple[StructuredOutputsParams | None, str | None]:
     """``(constraint, the request field it came from)``; (None, None) for free text.
 
-    400 when several fields ask for constraints, or one asks for several at once.
+    400 when several fields ask for constraints, one asks for several at once, or the
+    constraint is larger than ``limits`` allow.
     """
     found: list[tuple[str, dict]] = []
     fmt = body.response_format
@@ -42,6 +45,7 @@ def requested_constraint(body: SamplingRequest) -> tuple[StructuredOutputsParams
         raise bad_request(f"give one output constraint, not {' and '.join(p for p, _ in found)}",
                           param=found[1][0])
     param, fields = found[0]
+    check_constraint_size(fields, param, limits)
     try:
         return StructuredOutputsParams(**fields), param
     except ValueError as exc:
