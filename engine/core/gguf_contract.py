@@ -122,7 +122,7 @@ def gguf_config_dict(meta: dict[str, Any], tensor_names: set[str], vocab_len: in
 # other tensor is dequantized at load to the model dtype. Empty: no quantized linear layer
 # yet (``engine.model.gguf.weights.place_tensor`` is where one plugs in). The planner counts by the same rule.
 KEPT_QUANTIZED: frozenset[str] = frozenset()
-_LINEAR_KINDS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+LINEAR_KINDS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 # Tensors llama.cpp writes that the engine computes itself.
 IGNORED = frozenset({"rope_freqs.weight"})
 BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
@@ -132,7 +132,7 @@ def keeps_quantized(gguf_name: str, qtype_name: str) -> bool:
     """Whether the engine holds GGUF tensor ``gguf_name`` (of GGML type ``qtype_name``) in
     its stored blocks rather than dequantized (a decoder linear weight of a kept type)."""
     m = BLOCK_TENSOR.match(gguf_name)
-    return (qtype_name in KEPT_QUANTIZED and m is not None and m.group(2) in _LINEAR_KINDS
+    return (qtype_name in KEPT_QUANTIZED and m is not None and m.group(2) in LINEAR_KINDS
             and m.group(3) == "weight")
 
 

@@ -50,3 +50,13 @@ def test_hf_config_path_replaces_the_metadata(gguf_dir, tmp_path):
         EngineArgs(str(tmp_path), hf_config_path=str(tmp_path)).create_configs()
     with pytest.raises(FileNotFoundError, match="has no config.json"):
         EngineArgs(str(gguf_dir), hf_config_path=str(gguf_dir)).create_configs()
+
+
+def test_linear_types_name_each_fused_layers_ggml_types(gguf_dir):
+    from kvpilot.engine.model.gguf.arch import load_gguf_arch_config
+    from kvpilot.engine.model.gguf.weights import GGUFCheckpoint
+
+    file = gguf_dir / "tiny-qwen3.Q8_0.gguf"
+    types = GGUFCheckpoint(file, load_gguf_arch_config(file)).linear_types()
+    assert types == {f"layers.{i}.{name}": {"Q8_0"} for i in range(2)
+                     for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")}

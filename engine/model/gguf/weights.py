@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from kvpilot.engine.core.gguf_contract import IGNORED
+from kvpilot.engine.core.gguf_contract import BLOCK_TENSOR, IGNORED, LINEAR_KINDS
 from kvpilot.engine.model.gguf.files import open_reader
 from kvpilot.engine.model.gguf.tensor_names import map_tensor, rotary_row_order
 from kvpilot.engine.model.hf_config import ArchConfig
@@ -90,6 +90,20 @@ class GGUFCheckpoint:
             if mapping.rotary_heads is not None:
                 raw = raw[rotary_row_order(shape[0], mapping.rotary_heads)]
             yield mapping.hf_name, GGUFWeight(tensor.name, tensor.tensor_type, shape, raw, mapping.shift)
+
+    def linear_types(self) -> dict[str, set[str]]:
+        """Engine linear layer (``layers.0.self_attn.qkv_proj``, ...) -> the GGML type names
+        of the GGUF weights fused into it: where there is one type the layer can hold them
+        quantized (``use_gguf_weight`` on the meta-device model, before loading)."""
+        from kvpilot.engine.model.loader import _target
+
+        types: dict[str, set[str]] = {}
+        for tensor, mapping in self._mapped():
+            m = BLOCK_TENSOR.match(tensor.name)
+            if mapping is not None and m is not None and m.group(2) in LINEAR_KINDS and m.group(3) == "weight":
+                target, _ = _target(mapping.hf_name)
+                types.setdefault(target.removesuffix(".weight"), set()).add(tensor.tensor_type.name)
+        return types
 
     def file_tensor_bytes(self) -> int:
         """Bytes of all tensor data in the file."""
