@@ -18,8 +18,10 @@ from kvpilot.engine.config import (
     StructuredOutputsConfig,
 )
 from kvpilot.engine.core.constants import MODEL_DTYPES
+from kvpilot.engine.core.gguf_contract import find_gguf
 from kvpilot.engine.generation_defaults import load_generation_defaults
 from kvpilot.engine.kv_events.config import KVEventsConfig
+from kvpilot.engine.model.builtin_model import BUILTIN_MODEL_NAME, DEMO_MODEL, packaged_smollm2
 from kvpilot.engine.model.device_memory import FAKE_DEVICE_MEMORY_ENV
 from kvpilot.engine.model.hf_config import ArchConfig, kv_cache_groups, load_arch_config
 
@@ -45,9 +47,10 @@ class EngineArgs:
     """What an engine is built from: vLLM's names, the defaults of ``kvpilot serve`` (its
     flags take theirs from here) and of ``LLM(...)``."""
 
-    model: str | None = None                  # None => the built-in demo model
+    model: str | None = None                  # None => the built-in model; "demo" => the demo model
     served_model_name: str | None = None
     tokenizer: str | None = None              # tokenizer directory; None => the model's
+    hf_config_path: str | None = None         # a GGUF model's config.json directory; None => its metadata
     architecture: str | None = None           # override config.json's architectures[0]
     dtype: str = "auto"
     seed: int = _default(ModelConfig, "seed")
@@ -103,14 +106,15 @@ class EngineArgs:
 
     def create_configs(self) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
         """Validate and resolve everything that does not need the model loaded."""
-        model_dir = self.model
-        if model_dir is None:
-            from kvpilot.engine.model.models.demo import ensure_demo_model
-
-            model_dir = str(ensure_demo_model())
-        if not Path(model_dir).is_dir():
+        model_dir = self.model_path()
+        gguf_file = find_gguf(model_dir)
+        if gguf_file is not None:
+            model_dir = str(gguf_file)
+        elif not Path(model_dir).is_dir():
             raise FileNotFoundError(f"model directory {model_dir} does not exist")
-        arch = load_arch_config(model_dir, self.architecture)
+        elif self.hf_config_path is not None:
+            raise ValueError("--hf-config-path applies to a GGUF model; an HF checkpoint has its own config.json")
+        arch = self._arch(model_dir)
         device = self.resolve_device()
         dtype = self.dtype
         if dtype == "auto":
@@ -119,9 +123,9 @@ class EngineArgs:
             if dtype not in MODEL_DTYPES:
                 dtype = "bfloat16"
         max_model_len = self.max_model_len or arch.max_position_embeddings
-        name = self.served_model_name or (Path(model_dir).name if self.model else "kvpilot-demo")
+        name = self.served_model_name or self._default_name(model_dir, gguf_file is not None)
         tokenizer = self.tokenizer
-        if tokenizer is not None and not Path(tokenizer).is_dir():
+        if tokenizer is not None and not Path(tokenizer).is_dir() and find_gguf(tokenizer) is None:
             raise FileNotFoundError(f"tokenizer directory {tokenizer} does not exist")
         defaults = load_generation_defaults(self.generation_config, model_dir,
                                             self.override_generation_config)
@@ -151,6 +155,34 @@ class EngineArgs:
             enable_chunked_prefill=self.enable_chunked_prefill,
         )
         return model_config, cache_config, scheduler_config
+
+    def model_path(self) -> str:
+        """Where the model lies: ``model``, the built-in model's GGUF file for None, the
+        demo checkpoint (built on first use) for ``"demo"``."""
+        if self.model is None:
+            return str(packaged_smollm2())
+        if self.model == DEMO_MODEL:
+            from kvpilot.engine.model.models.demo import ensure_demo_model
+
+            return str(ensure_demo_model())
+        return self.model
+
+    def _default_name(self, model_dir: str, gguf: bool) -> str:
+        if self.model is None:
+            return BUILTIN_MODEL_NAME
+        if self.model == DEMO_MODEL:
+            return "kvpilot-demo"
+        return Path(model_dir).stem if gguf else Path(model_dir).name
+
+    def _arch(self, model: str) -> ArchConfig:
+        """The architecture of ``model``: a GGUF file's metadata (or ``hf_config_path``'s
+        config.json), else the checkpoint's config.json."""
+        gguf_file = find_gguf(model)
+        if gguf_file is not None:
+            from kvpilot.engine.model.gguf.arch import load_gguf_arch_config
+
+            return load_gguf_arch_config(gguf_file, self.architecture, self.hf_config_path)
+        return load_arch_config(model, self.architecture)
 
     def create_parallel_config(self, arch: ArchConfig) -> ParallelConfig:
         """The ranks' devices; ValueError when the model cannot be split over
@@ -191,7 +223,7 @@ class EngineArgs:
             raise ValueError("KV offloading extends the prefix cache: it needs "
                              "enable_prefix_caching=True")
         if self.model is not None:
-            arch = load_arch_config(self.model, self.architecture)
+            arch = self._arch(self.model_path())
             max_len = self.max_model_len or arch.max_position_embeddings
             window = arch.kv_release_window
             if window is None and kv_cache_groups(arch, max_len) is not None:
@@ -220,13 +252,21 @@ def model_fingerprint(model_dir: str) -> str:
     so their KV blocks never match on a shared offload tier.
     """
     h = hashlib.sha256()
+    if Path(model_dir).is_file():   # a GGUF file: its metadata lies in its first MiB
+        _hash_ends(h, Path(model_dir))
+        return h.hexdigest()
     config = Path(model_dir) / "config.json"
     h.update(json.dumps(json.loads(config.read_text()), sort_keys=True).encode())
     for path in sorted(Path(model_dir).glob("*.safetensors")):
-        size = path.stat().st_size
-        h.update(f"{path.name}:{size}".encode())
-        with path.open("rb") as f:
-            h.update(f.read(1 << 20))
-            f.seek(max(0, size - (1 << 20)))
-            h.update(f.read(1 << 20))
+        _hash_ends(h, path)
     return h.hexdigest()
+
+
+def _hash_ends(h: Any, path: Path) -> None:
+    """A file's name, size and first and last MiB into digest ``h``."""
+    size = path.stat().st_size
+    h.update(f"{path.name}:{size}".encode())
+    with path.open("rb") as f:
+        h.update(f.read(1 << 20))
+        f.seek(max(0, size - (1 << 20)))
+        h.update(f.read(1 << 20))

@@ -20,7 +20,7 @@ Prompt = str | list[int]
 class LLM:
     """``LLM(model=path, block_size=16, max_num_seqs=..., kv_cache_memory_bytes=..., ...)``.
 
-    Keyword arguments are ``EngineArgs`` fields; ``model=None`` uses the built-in demo model.
+    Keyword arguments are ``EngineArgs`` fields; ``model=None`` uses the built-in model (SmolLM2-135M-Instruct), ``model="demo"`` the random-weight demo model.
     """
 
     def __init__(self, model: str | None = None, **kwargs) -> None:

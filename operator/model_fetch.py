@@ -1,5 +1,10 @@
 """Init-container entry point: put an ``hf://org/name[@revision]`` model into a cache directory.
 
+``hf://org/name/path/file.gguf[@revision]`` fetches that one GGUF file of the repository
+(the engine serves it with ``--model DIR/path/file.gguf``); ``--tokenizer-only`` fetches a
+repository's tokenizer files only (``spec.model.tokenizer``, for a GGUF file whose own
+tokenizer should be replaced).
+
 Runs in the engine image before the engine starts, so that the engine only ever reads a
 local directory: ``python -m kvpilot.operator.model_fetch --uri hf://Qwen/Qwen3-0.6B --dest
 /models/model``. The directory is usually on the service's cache claim, so it outlives the
@@ -37,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from kvpilot.operator.contract.inference_service import URI_FORMS
 from kvpilot.operator.model_cache import (
     CachedFile,
     Marker,
@@ -49,10 +55,12 @@ from kvpilot.operator.model_cache import (
     write_marker,
 )
 
-HF_URI = re.compile(r"^hf://(?P<repo>[^/@\s]+/[^/@\s]+)(@(?P<rev>\S+))?$")
+HF_URI = re.compile(URI_FORMS["hf"] + "$")
 COMMIT = re.compile(r"^[0-9a-f]{40}$")
 DEFAULT_REVISION = "main"
-ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
+ALLOW_PATTERNS = ("*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja")
+TOKENIZER_PATTERNS = ("tokenizer*", "special_tokens_map.json", "vocab.*", "merges.txt", "*.model",
+                      "*.tiktoken", "*.jinja", "chat_template*", "added_tokens.json")
 
 logger = logging.getLogger("kvpilot.model_fetch")
 
@@ -61,12 +69,27 @@ class FetchError(RuntimeError):
     """The model could not be put into the cache; the cache is left without a marker."""
 
 
-def parse_hf_uri(uri: str) -> tuple[str, str | None]:
-    """``hf://org/name[@rev]`` -> ``("org/name", rev or None)``; ValueError otherwise."""
+@dataclass(frozen=True, slots=True)
+class HfUri:
+    """A parsed ``hf://org/name[/path/file.gguf][@revision]``."""
+
+    repo_id: str
+    revision: str | None = None
+    file: str | None = None
+
+    def patterns(self, tokenizer_only: bool = False) -> tuple[str, ...]:
+        """The repository files to fetch (``huggingface_hub`` allow-patterns)."""
+        if tokenizer_only:
+            return TOKENIZER_PATTERNS
+        return (self.file,) if self.file else ALLOW_PATTERNS   # a GGUF file holds config and tokenizer
+
+
+def parse_hf_uri(uri: str) -> HfUri:
+    """``hf://org/name[/file.gguf][@rev]`` -> ``HfUri``; ValueError otherwise."""
     match = HF_URI.match(uri)
     if match is None:
-        raise ValueError(f"not an hf://org/name[@revision] URI: {uri!r}")
-    return match["repo"], match["rev"]
+        raise ValueError(f"not an hf://org/name[/path/file.gguf][@revision] URI: {uri!r}")
+    return HfUri(match["repo"], match["rev"], match["file"])
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,10 +124,12 @@ class HubSource:
     Args:
         endpoint: the Hub's URL (None: ``HF_ENDPOINT`` or huggingface.co).
         token: an access token (None: ``HF_TOKEN``).
+        patterns: the files wanted (allow-patterns; default: weights, configs, tokenizer).
     """
 
-    def __init__(self, endpoint: str | None = None, token: str | None = None) -> None:
-        self.endpoint, self.token = endpoint, token
+    def __init__(self, endpoint: str | None = None, token: str | None = None,
+                 patterns: tuple[str, ...] = ALLOW_PATTERNS) -> None:
+        self.endpoint, self.token, self.patterns = endpoint, token, list(patterns)
 
     def snapshot(self, repo_id: str, revision: str) -> Snapshot:
         from huggingface_hub import HfApi  # lazy: only the init container needs it
@@ -114,13 +139,13 @@ class HubSource:
             repo_id, revision=revision, files_metadata=True)
         files = [CachedFile(s.rfilename, int(s.size or 0), s.lfs.sha256 if s.lfs else (s.blob_id or ""))
                  for s in info.siblings or ()]
-        wanted = filter_repo_objects(files, allow_patterns=ALLOW_PATTERNS, key=lambda f: f.path)
+        wanted = filter_repo_objects(files, allow_patterns=self.patterns, key=lambda f: f.path)
         return Snapshot(info.sha, tuple(wanted))
 
     def download(self, repo_id: str, commit: str, dest: Path) -> None:
         from huggingface_hub import snapshot_download
 
-        snapshot_download(repo_id, revision=commit, local_dir=dest, allow_patterns=ALLOW_PATTERNS,
+        snapshot_download(repo_id, revision=commit, local_dir=dest, allow_patterns=self.patterns,
                           endpoint=self.endpoint, token=self.token)
 
 
@@ -219,16 +244,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(allow_abbrev=False, prog="python -m kvpilot.operator.model_fetch",
                                      description="Download a Hugging Face model into a cache directory "
                                                  "(nothing when the cache already holds it).")
-    parser.add_argument("--uri", required=True, help="hf://org/name[@revision]")
+    parser.add_argument("--uri", required=True, help="hf://org/name[/path/file.gguf][@revision]")
     parser.add_argument("--dest", required=True, help="the cache directory")
+    parser.add_argument("--tokenizer-only", action="store_true",
+                        help="fetch the repository's tokenizer files only")
     args = parser.parse_args(argv)
     try:
-        repo_id, revision = parse_hf_uri(args.uri)
+        uri = parse_hf_uri(args.uri)
     except ValueError as exc:
         parser.error(str(exc))
+    if uri.file and args.tokenizer_only:
+        parser.error("--tokenizer-only takes a repository, not a file")
+    repo_id, revision = uri.repo_id, uri.revision
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     try:
-        result = fetch(HubSource(), repo_id, revision, Path(args.dest))
+        result = fetch(HubSource(patterns=uri.patterns(args.tokenizer_only)), repo_id, revision,
+                       Path(args.dest))
     except FetchError as exc:
         print(f"model fetch failed: {exc}", file=sys.stderr, flush=True)
         return 1

@@ -21,6 +21,10 @@ happen only where the server's state differs from the desired one.
   says what failed; the caller retries (``ReconcileResult.retry``).
 - Status tells what exists: when applying the Deployment fails, replicas and readiness
   come from the Deployment as last seen, not from "missing".
+- A plan whose replicas span nodes runs as a LeaderWorkerSet (``resources.leader_worker_set``);
+  where the cluster does not serve ``leaderworkerset.x-k8s.io/v1`` nothing is written (no
+  half-built service: no Deployment in its place either) and ``Degraded`` says
+  ``MissingAPI``, naming the API; installing its CRD reconciles the service again.
 """
 
 from __future__ import annotations
@@ -40,8 +44,15 @@ from kvpilot.operator.engine_observer import EngineObserver, engine_pods
 from kvpilot.operator.kube_api import FOREIGN_CONTROLLER, KubeError
 from kvpilot.operator.merge_patch import diff
 from kvpilot.operator.replica_handover import inherited_replicas
-from kvpilot.operator.resources import DEPLOYMENT, Child, desired_children, possible_children
-from kvpilot.operator.resources.common import Owner
+from kvpilot.operator.resources import (
+    WORKLOADS,
+    Child,
+    desired_children,
+    possible_children,
+    workload_kind,
+    workload_name,
+)
+from kvpilot.operator.resources.common import LWS_API, Owner
 from kvpilot.operator.resources.inference_pool import INFERENCE_POOL_API
 from kvpilot.operator.resources.monitoring import PODMONITOR_API
 from kvpilot.operator.resources.placement import describe as describe_placement
@@ -119,6 +130,7 @@ class ReconcileResult:
     failures: list[Failure] = field(default_factory=list)
     sizing: SizingObservation | None = None  # planned vs observed KV capacity (observer on)
     figures: ServiceFigures | None = None
+    missing_api: str | None = None           # the API the plan needs that the cluster does not serve
 
     @property
     def retry(self) -> bool:
@@ -253,7 +265,7 @@ async def reconcile(children: Children, discovery: Discovery, body: Mapping[str,
         desired["planError"] = _plan_error(outcome, generation)
 
     # what exists, whether or not this pass managed to write it
-    state = DeploymentState.read(children.get(DEPLOYMENT, owner.namespace, owner.name))
+    state = DeploymentState.read(_workload(children, owner, sizing))
     desired["replicas"] = state.replicas if state.exists else 0
     desired["readyReplicas"] = state.ready if state.exists else 0
     apply_error = "; ".join(str(f) for f in result.failures) or None
@@ -261,7 +273,7 @@ async def reconcile(children: Children, discovery: Discovery, body: Mapping[str,
     scheduling = None
     if sizing is not None and state.exists and state.ready < state.desired:
         scheduling = scheduling_problem(pods, describe_placement(spec, sizing.gpu, settings))
-    conditions = [planned, *workload_conditions(state, apply_error, scheduling)]
+    conditions = [planned, *workload_conditions(state, apply_error, scheduling, result.missing_api)]
     if observer is not None:
         result.sizing = await _observe_engines(observer, owner, desired.get("plan"), pods, settings)
         desired["observed"] = result.sizing.observed
@@ -286,13 +298,16 @@ async def _apply_all(children: Children, discovery: Discovery, body: Mapping[str
                      desired: dict[str, Any], result: ReconcileResult) -> None:
     """Apply every desired child and remove the unwanted ones, recording failures."""
     apis = {}
-    for api in (PODMONITOR_API, INFERENCE_POOL_API):
+    for api in (PODMONITOR_API, INFERENCE_POOL_API, LWS_API):
         try:
             apis[api] = await discovery.has_api(*api)
         except KubeError as exc:
             result.failures.append(Failure("discovery of " + "/".join(api), exc))
             return
-    inherited = inherited_replicas(children.get(DEPLOYMENT, owner.namespace, owner.name), spec.autoscaling.enabled)
+    if sizing.nodes > 1 and not apis[LWS_API]:
+        result.missing_api = "/".join(LWS_API)
+        return
+    inherited = inherited_replicas(_workload(children, owner, sizing), spec.autoscaling.enabled)
     wanted = desired_children(owner, spec, sizing, settings, podmonitor_api=apis[PODMONITOR_API],
                               inherited_replicas=inherited, inference_pool_api=apis[INFERENCE_POOL_API])
     for child in wanted:
@@ -307,10 +322,21 @@ async def _apply_all(children: Children, discovery: Discovery, body: Mapping[str
             if exc.status == 429:  # the server asks us to slow down: no more writes this pass
                 return
             continue
-        if child.kind is DEPLOYMENT:
+        if child.kind in WORKLOADS:
             desired["plan"] = {**sizing.status, "generation": desired["observedGeneration"]}
     absent = {group for (group, _), served in apis.items() if not served}
     await _remove_unwanted(children, owner, {(ch.kind.kind, ch.name) for ch in wanted}, absent, result)
+
+
+def _workload(children: Children, owner: Owner, sizing: EngineSizing | None) -> Mapping[str, Any] | None:
+    """The engine pods' owner as last seen: the plan's kind (a LeaderWorkerSet for replicas of
+    several nodes, else the Deployment); without a plan whichever exists."""
+    kinds = [workload_kind(sizing.nodes)] if sizing is not None else list(WORKLOADS)
+    for kind in kinds:
+        obj = children.get(kind, owner.namespace, workload_name(owner, kind))
+        if obj is not None:
+            return obj
+    return None
 
 
 async def _observe_engines(observer: EngineObserver, owner: Owner, plan: Mapping[str, Any] | None,

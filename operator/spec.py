@@ -78,6 +78,8 @@ class ModelSource:
     architecture: str | None = None
     credentials_secret: str | None = None
     repo_id: str | None = None       # hf
+    file: str | None = None          # hf: the one GGUF file of the repository to serve
+    tokenizer_uri: str | None = None  # hf://org/name[@rev] whose tokenizer files replace the model's
     claim: str | None = None         # pvc
     bucket: str | None = None        # s3
     sub_path: str = ""               # pvc path inside the claim / s3 prefix
@@ -92,6 +94,8 @@ class GpuSpec:
     type: str
     count: int = 1
     node_selector: Mapping[str, str] | None = None
+    per_node: int | None = None     # GPUs in one node (None: the planner's catalogue)
+    nodes: int | None = None        # nodes (pipeline stages) per replica (None: the planner's choice)
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,10 +230,11 @@ def _parse_model(m: Mapping[str, Any], resource_name: str) -> ModelSource:
     cache = m.get("cache") or {}
     common = dict(uri=uri, served_name=m.get("servedName", resource_name), architecture=m.get("architecture"),
                   credentials_secret=(m.get("credentialsSecretRef") or {}).get("name"),
+                  tokenizer_uri=m.get("tokenizer"),
                   cache=ModelCacheSpec(enabled=cache.get("enabled", True), access_mode=cache.get("accessMode"),
                                        storage_class=cache.get("storageClassName"), size_gib=cache.get("sizeGiB")))
     if match := _URIS["hf"].match(uri):
-        return ModelSource(scheme="hf", repo_id=match["repo"], **common)
+        return ModelSource(scheme="hf", repo_id=match["repo"], file=match["file"], **common)
     if match := _URIS["pvc"].match(uri):
         return ModelSource(scheme="pvc", claim=match["claim"], sub_path=match["path"] or "", **common)
     if match := _URIS["s3"].match(uri):
@@ -315,7 +320,8 @@ def parse_spec(spec: Mapping[str, Any], resource_name: str) -> InferenceServiceS
     api_key = s.get("apiKeySecretRef")
     return InferenceServiceSpec(
         model=_parse_model(s["model"], resource_name),
-        gpu=GpuSpec(type=s["gpu"]["type"], count=s["gpu"]["count"], node_selector=s["gpu"].get("nodeSelector")),
+        gpu=GpuSpec(type=s["gpu"]["type"], count=s["gpu"]["count"], node_selector=s["gpu"].get("nodeSelector"),
+                    per_node=s["gpu"].get("perNode"), nodes=s["gpu"].get("nodes")),
         slo=_parse_slo(s["slo"]),
         engine=_parse_engine(s.get("engine", {})),
         offload=_parse_offload(s.get("offload", {})),

@@ -6,10 +6,17 @@ settings become ``Overrides``, and a feasible plan becomes the builders' ``Engin
 
 Mapping rules (the planner's own rules decide everything else):
 
-- the model is a catalogue preset: ``spec.model.architecture``, else the hf:// repo id,
-  else the last one or two path parts of a pvc:// / s3:// / image path URI. The operator
-  never reads a path the spec names (``{"preset": ...}`` only);
-- ``gpu.count`` pins ``tensor_parallel_size`` (one pod per replica, that many GPUs in it);
+- the model is a catalogue preset: ``spec.model.architecture``, else the hf:// repo id
+  (a ``-GGUF`` suffix dropped), else the last one or two path parts of a pvc:// / s3:// /
+  image path URI. The operator never reads a path the spec names (``{"preset": ...}`` only);
+- a GGUF file (``hf://org/name/file.gguf``, a pvc:// path ending in ``.gguf``) is sized at the
+  weight type its name carries (llama.cpp's naming: ``Model-Q4_K_M.gguf``), embeddings and LM
+  head in the model dtype (``planner.weights.GGUF_TYPE_BYTES``); a name without a type is
+  sized as the unquantized preset (more weight bytes, never fewer);
+- ``gpu.count`` pins ``tensor_parallel_size`` (GPUs per pod); ``gpu.perNode`` is the
+  planner's ``gpus_per_node`` and ``gpu.nodes`` pins ``pipeline_parallel_size`` (pods per
+  replica, one a node; unset, the planner adds nodes only when one cannot hold the weights
+  and the SLO's KV);
   a count the engine cannot split the model over (heads, MLP), or combined with KV
   offloading (not implemented under tensor parallelism), is ``Unsupported``, with the
   reason; ``spec.replicas`` pins replicas while
@@ -23,16 +30,18 @@ Mapping rules (the planner's own rules decide everything else):
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvpilot.engine.core.constants import MAX_TENSOR_PARALLEL_SIZE
 from kvpilot.operator.planner.catalog import model_presets, preset_key, preset_model
 from kvpilot.operator.planner.gpu import get_gpu
+from kvpilot.operator.planner.model_spec import ModelSpec
 from kvpilot.operator.planner.plan import make_plan
 from kvpilot.operator.planner.plan_request import PlanRequest
 from kvpilot.operator.planner.result import Plan
 from kvpilot.operator.planner.slo import Overrides
+from kvpilot.operator.planner.weights import gguf_file_quantization
 from kvpilot.operator.resources.sizing import EngineSizing
 from kvpilot.operator.spec import InferenceServiceSpec
 
@@ -41,7 +50,7 @@ from kvpilot.operator.spec import InferenceServiceSpec
 
 # Plan fields copied into status.plan (camelCase there); the CRD's status schema lists them.
 STATUS_FIELDS = (
-    "model", "gpu", "tensor_parallel_size", "replicas", "kv_cache_dtype", "kv_dtype_bytes",
+    "model", "gpu", "tensor_parallel_size", "pipeline_parallel_size", "gpus_per_node", "replicas", "kv_cache_dtype", "kv_dtype_bytes",
     "kv_bytes_per_token", "gpu_memory_utilization", "kv_cache_memory_bytes", "num_gpu_blocks",
     "block_size", "kv_token_capacity", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
     "enable_prefix_caching", "resident_prefix_tokens", "cpu_offload_gib", "disk_offload_gib",
@@ -49,6 +58,7 @@ STATUS_FIELDS = (
     "estimates", "limits", "derivation", "warnings",
 )
 _CAMEL = re.compile(r"_([a-z0-9])")
+_GGUF_REPO_SUFFIX = re.compile(r"[-_.]gguf$", re.IGNORECASE)
 
 
 def camel(name: str) -> str:
@@ -91,6 +101,7 @@ def model_preset(spec: InferenceServiceSpec) -> str:
     candidates = []
     if spec.model.repo_id:
         candidates.append(spec.model.repo_id)
+        candidates.append(_GGUF_REPO_SUFFIX.sub("", spec.model.repo_id))   # Qwen/Qwen3-8B-GGUF
     parts = (spec.model.sub_path or spec.model.image_path or "").strip("/").split("/")
     if parts and parts[-1]:
         candidates += ["/".join(parts[-2:]), parts[-1]]
@@ -106,6 +117,8 @@ def plan_overrides(spec: InferenceServiceSpec) -> Overrides:
     offload = spec.offload
     overrides = {
         "tensor_parallel_size": spec.gpu.count,
+        "gpus_per_node": spec.gpu.per_node,
+        "pipeline_parallel_size": spec.gpu.nodes,
         # 0 (scaled to zero) is not a size to plan for: plan one replica's worth
         "replicas": spec.replicas if spec.replicas and not spec.autoscaling.enabled else None,
         **spec.engine.pinned,
@@ -119,10 +132,28 @@ def plan_overrides(spec: InferenceServiceSpec) -> Overrides:
     return Overrides(**{k: v for k, v in overrides.items() if v is not None})
 
 
+def gguf_file(spec: InferenceServiceSpec) -> str | None:
+    """The GGUF file ``spec.model`` names, if it names one."""
+    name = spec.model.file or spec.model.sub_path or spec.model.image_path or ""
+    return name if name.lower().endswith(".gguf") else None
+
+
+def planned_model(spec: InferenceServiceSpec) -> ModelSpec:
+    """The catalogue model for ``spec``, at the GGUF weight type its file name carries."""
+    model = preset_model(model_preset(spec))
+    file = gguf_file(spec)
+    quant = gguf_file_quantization(file) if file else None
+    if quant is None:
+        return model
+    return replace(model, weight_quantization=quant, weight_bytes=None,
+                   weight_source=f"{model.weight_source}; the GGUF file {file.rsplit('/', 1)[-1]}'s "
+                                 f"{quant[5:]} weights")
+
+
 def plan_request(spec: InferenceServiceSpec) -> PlanRequest:
     """The ``PlanRequest`` for ``spec``; ValueError when the model is not one the planner
     knows or a pinned value is out of the planner's range."""
-    return PlanRequest(model=preset_model(model_preset(spec)), gpu=get_gpu(spec.gpu.type), slo=spec.slo,
+    return PlanRequest(model=planned_model(spec), gpu=get_gpu(spec.gpu.type), slo=spec.slo,
                        overrides=plan_overrides(spec))
 
 
@@ -146,20 +177,23 @@ def sizing_of(plan: Plan) -> EngineSizing:
         cpu_offload_gib=float(plan.cpu_offload_gib), disk_offload_gib=float(plan.disk_offload_gib),
         offload_backend=plan.offload_backend, disk_path=plan.offload_disk_path,
         shm_gib=float(plan.shm_gib), memory_gib=float(plan.pod_memory_gib), gpu=plan.gpu,
-        weight_bytes=plan.memory.get("weight_bytes_total"), status=status)
+        weight_bytes=plan.memory.get("weight_bytes_total"), nodes=plan.pipeline_parallel_size, status=status)
 
 
 def _unsupported(spec: InferenceServiceSpec, request: PlanRequest) -> str | None:
     """Why the engine cannot serve ``spec``'s GPU count, or None."""
     count = spec.gpu.count
     if count > MAX_TENSOR_PARALLEL_SIZE:
-        return (f"gpu.count {count}: one replica spans at most {MAX_TENSOR_PARALLEL_SIZE} GPUs of one "
-                f"node (tensor parallelism); replicas spanning nodes are not supported")
+        return (f"gpu.count {count}: one pod uses at most {MAX_TENSOR_PARALLEL_SIZE} GPUs of one node "
+                f"(tensor parallelism); a replica spans nodes with gpu.nodes (pipeline stages) instead")
     why = request.model.tensor_parallel_error(count)
     if why is not None:
         valid = request.model.valid_tensor_parallel_sizes(tuple(range(1, MAX_TENSOR_PARALLEL_SIZE + 1)))
         return (f"gpu.count {count} cannot split {request.model.name} for tensor parallelism: {why}; "
                 f"counts that work: {', '.join(map(str, valid))}")
+    if spec.gpu.per_node is not None and count > spec.gpu.per_node:
+        return (f"gpu.count {count} is more than gpu.perNode {spec.gpu.per_node}: one pod's GPUs are in one "
+                "node (tensor parallelism); use more gpu.nodes instead")
     if count > 1 and spec.offload.enabled:
         return (f"gpu.count {count} with KV offloading: the engine does not offload KV under tensor "
                 f"parallelism yet; disable offload or use gpu.count 1")
@@ -185,7 +219,8 @@ def plan_service(spec: InferenceServiceSpec) -> PlanOutcome:
         return PlanOutcome("Infeasible",
                            f"no feasible plan: {plan.binding_constraint}: {plan.binding_detail}.{hint}",
                            plan.binding_constraint, suggestions)
-    summary = (f"{plan.model} on {plan.tensor_parallel_size}x {plan.gpu}: KV {plan.kv_cache_dtype}, "
+    nodes = f"{plan.pipeline_parallel_size} nodes x " if plan.pipeline_parallel_size > 1 else ""
+    summary = (f"{plan.model} on {nodes}{plan.tensor_parallel_size}x {plan.gpu}: KV {plan.kv_cache_dtype}, "
                f"{plan.kv_token_capacity:,} tokens, max_num_seqs {plan.max_num_seqs}, "
                f"{plan.replicas} replica(s); bound by {plan.binding_constraint}")
     return PlanOutcome("Planned", summary, plan.binding_constraint, sizing=sizing_of(plan))

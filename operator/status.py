@@ -154,9 +154,11 @@ def scheduling_problem(pods: Iterable[Mapping[str, Any]], placement: str = "") -
 
 
 def workload_conditions(state: DeploymentState, apply_error: str | None = None,
-                        scheduling: SchedulingProblem | None = None) -> list[Condition]:
-    """Ready, Progressing and Degraded from the Deployment, the last apply's error and
-    pods the scheduler cannot place."""
+                        scheduling: SchedulingProblem | None = None,
+                        missing_api: str | None = None) -> list[Condition]:
+    """Ready, Progressing and Degraded from the Deployment (or LeaderWorkerSet), the last
+    apply's error, pods the scheduler cannot place and an API the plan needs that the
+    cluster does not serve (``missing_api``: nothing was built)."""
     counts = f"{state.ready}/{state.desired} replicas ready"
     if not state.exists:
         ready = Condition(c.READY, "False", "DeploymentMissing", "the engine Deployment does not exist")
@@ -175,7 +177,12 @@ def workload_conditions(state: DeploymentState, apply_error: str | None = None,
         progressing = Condition(c.PROGRESSING, "False", "RolloutComplete" if state.exists else "NoDeployment",
                                 counts if state.exists else "")
 
-    if apply_error:
+    if missing_api:
+        degraded = Condition(c.DEGRADED, "True", "MissingAPI", (
+            f"the plan's replicas span nodes (pipeline parallelism), which run as a LeaderWorkerSet, but the "
+            f"cluster does not serve {missing_api}: install LeaderWorkerSet (kubernetes-sigs/lws) or plan "
+            "one node per replica (spec.gpu.nodes: 1); nothing was created"))
+    elif apply_error:
         degraded = Condition(c.DEGRADED, "True", "ApplyFailed", apply_error)
     elif scheduling is not None:
         degraded = Condition(c.DEGRADED, "True", scheduling.reason, scheduling.message)

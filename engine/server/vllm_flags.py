@@ -77,7 +77,7 @@ __all__ = ["HONOURED", "REFUSED", "SERVE_FLAGS", "VLLM_FLAGS", "Flag", "honoured
            "refused", "render_markdown", "render_serve_flags"]
 
 _SERVER = ServerConfig()     # the server's defaults, stated once there
-LOAD_FORMATS = ("auto", "safetensors")
+LOAD_FORMATS = ("auto", "safetensors", "gguf")
 TOKENIZER_MODES = ("auto", "hf")
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -111,16 +111,18 @@ SERVE_FLAGS: tuple[Flag, ...] = (
     *section(
         "model",
         _h(POSITIONAL_MODEL, "the model directory as a positional argument, as in `vllm serve MODEL` (same as --model)"),
-        _h("--model", "local Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json)",
-           metavar="PATH", default_text="the built-in demo model"),
+        _h("--model", "local Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json), or a GGUF file (or a directory holding one); `demo`: the random-weight demo model",
+           metavar="PATH", default_text="the built-in SmolLM2-135M-Instruct (Q4_1 GGUF)"),
         _h("--served-model-name", "model names accepted in requests; the first is reported in responses and in the metrics' model_name label",
            nargs="+", metavar="NAME", default_text="from --model"),
-        _h("--tokenizer", "directory holding tokenizer.json / tokenizer_config.json, when it is not --model",
+        _h("--tokenizer", "directory holding tokenizer.json / tokenizer_config.json (or a GGUF file whose vocabulary to use), when it is not --model",
            engine="tokenizer", metavar="PATH", default_text="--model"),
+        _h("--hf-config-path", "directory whose config.json describes a GGUF model instead of the file's metadata",
+           engine="hf_config_path", metavar="PATH", default_text="the GGUF metadata"),
         _h("--tokenizer-mode", "`auto` and `hf` both read the fast tokenizer (tokenizer.json), the only kind kvpilot reads",
            choices=TOKENIZER_MODES, default="auto"),
         _h("--trust-remote-code", "accepted: kvpilot never runs code from a checkpoint (built-in architectures only), so there is nothing to trust", **_on),
-        _h("--load-format", "weight format: kvpilot loads safetensors only (pickled weights are refused)",
+        _h("--load-format", "weight format: safetensors checkpoints and GGUF files are told apart by --model (pickled weights are refused)",
            choices=LOAD_FORMATS, default="auto"),
         _h("--dtype", "weight and activation dtype: `auto` is the checkpoint's dtype (float32 on CPU); vLLM's `half` / `float` are accepted",
            engine="dtype", type=dtype, choices=MODEL_DTYPES),
@@ -140,7 +142,6 @@ SERVE_FLAGS: tuple[Flag, ...] = (
         _r("--tokenizer-revision", _HUB),
         _r("--download-dir", _HUB),
         _r("--hf-token", _HUB),
-        _r("--hf-config-path", _HUB),
         _r("--hf-overrides", "config.json overrides are not implemented; edit the checkpoint's config.json"),
         _r("--rope-scaling", "config.json overrides are not implemented; set rope_scaling in config.json"),
         _r("--rope-theta", "config.json overrides are not implemented; set rope_theta in config.json"),

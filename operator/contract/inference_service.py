@@ -35,11 +35,15 @@ DEFAULT_KV_USAGE_TARGET = 0.7
 
 # The forms of spec.model.uri, with the parts the operator reads (spec.py matches them).
 URI_FORMS = {
-    "hf": r"hf://(?P<repo>[A-Za-z0-9][-A-Za-z0-9_.]*/[A-Za-z0-9][-A-Za-z0-9_.]*)(@(?P<rev>[-A-Za-z0-9_./]+))?",
+    "hf": (r"hf://(?P<repo>[A-Za-z0-9][-A-Za-z0-9_.]*/[A-Za-z0-9][-A-Za-z0-9_.]*)"
+           r"(/(?P<file>([-A-Za-z0-9_][-A-Za-z0-9_.]*/)*[-A-Za-z0-9_][-A-Za-z0-9_.]*\.gguf))?"   # no dot segments
+           r"(@(?P<rev>[-A-Za-z0-9_./]+))?"),
     "pvc": r"pvc://(?P<claim>[a-z0-9]([-a-z0-9]*[a-z0-9])?)(/(?P<path>\S*))?",
     "s3": r"s3://(?P<bucket>[a-z0-9][-a-z0-9.]*[a-z0-9])(/(?P<prefix>\S*))?",
     "path": r"(?P<image_path>/\S*)",
 }
+# spec.model.tokenizer: a repository (no file part), fetched for its tokenizer files only.
+TOKENIZER_URI = r"hf://(?P<repo>[A-Za-z0-9][-A-Za-z0-9_.]*/[A-Za-z0-9][-A-Za-z0-9_.]*)(@(?P<rev>[-A-Za-z0-9_./]+))?"
 _UNNAMED = re.compile(r"\(\?P<\w+>")
 
 
@@ -61,11 +65,18 @@ MODEL = Obj(required=("uri",), rules=(
     Rule(~has("cache") | f("uri").starts_with("hf://"), "model.cache is only used with hf:// URIs"),
 ), properties={
     "uri": Str(max_length=512, pattern=_any_of(URI_FORMS), expected=(
-        "hf://org/name[@revision], pvc://claim/path, s3://bucket/prefix or an absolute path in the image"),
+        "hf://org/name[/file.gguf][@revision], pvc://claim/path, s3://bucket/prefix or an absolute path "
+        "in the image"),
         description=(
-        "Where the weights come from: hf://org/name[@revision] (downloaded by an init container), "
-        "pvc://claim/path (mounted read-only), s3://bucket/prefix (downloaded by an init container) "
-        "or an absolute path inside the image.")),
+        "Where the weights come from: hf://org/name[@revision] (downloaded by an init container; "
+        "hf://org/name/path/file.gguf[@revision] downloads that one GGUF file only), "
+        "pvc://claim/path (mounted read-only; a path ending in .gguf names one GGUF file), "
+        "s3://bucket/prefix (downloaded by an init container) or an absolute path inside the image.")),
+    "tokenizer": Str(max_length=512, pattern="^" + _UNNAMED.sub("(", TOKENIZER_URI) + "$",
+                     expected="hf://org/name[@revision]", description=(
+        "A Hub repository whose tokenizer files (tokenizer.json, tokenizer_config.json, chat "
+        "template, ...) the engine uses instead of the model's own (--tokenizer); commonly the base "
+        "model's repository for a GGUF file. Fetched at each pod start (small files).")),
     "servedName": Str(max_length=128, pattern=r"^[A-Za-z0-9][-A-Za-z0-9_./:]*$", expected="a valid model name",
                       description="The model name clients send in API requests (default: the resource name)."),
     "architecture": Str(max_length=128, description=(
@@ -90,7 +101,15 @@ MODEL = Obj(required=("uri",), rules=(
 
 GPU = Obj(required=("type",), properties={
     "type": Str(enum=tuple(gpu_names()), description="A GPU in the planner's catalogue."),
-    "count": Int(minimum=1, maximum=8, default=1, description="GPUs per replica (tensor parallel size)."),
+    "count": Int(minimum=1, maximum=8, default=1, description=(
+        "GPUs per pod (tensor parallel size); a replica of several nodes has this many in each.")),
+    "perNode": Int(minimum=1, maximum=64, description=(
+        "GPUs in one node of this type (default: the planner's catalogue, 8 for data-centre GPUs). "
+        "Tensor parallelism stays within a node.")),
+    "nodes": Int(minimum=1, maximum=8, description=(
+        "Nodes per replica (pipeline stages, one pod each). Unset: one, unless one node cannot hold "
+        "the weights and the SLO's KV; above 1 the replica is a LeaderWorkerSet group "
+        "(leaderworkerset.x-k8s.io/v1 must be installed).")),
     "nodeSelector": Map(values=Str(max_length=63), max_properties=16, description=(
         "Node labels that mean this GPU type in your cluster (a cloud's accelerator label, say). "
         "Replaces the default match: the operator's KVPILOT_GPU_NODE_LABEL (nvidia.com/gpu.product, "
@@ -134,7 +153,7 @@ ENGINE = Obj(description="Explicit engine settings; each wins over the planner a
     "blockSize": Int(enum=BLOCK_SIZES),
     "enablePrefixCaching": Bool(),
     "kvSafetyMargin": Num(minimum=0, maximum=0.49, description=(
-        "Plan the KV cache this fraction below the planner's calibrated estimate (default 0.03).")),
+        "Plan the KV cache this fraction below the planner's calibrated estimate (default 0.025).")),
     "kvCacheMemoryBytes": Int(minimum=1, int64=True, description=(
         "Pin the KV cache size per GPU (bytes; --kv-cache-memory-bytes) instead of what the planner "
         "leaves for it: for a GPU shared with other processes, or a small cache. The planner checks "

@@ -54,6 +54,8 @@ PLAN = Obj(description="What the running pods were given, with the planner's der
     "model": Str(),
     "gpu": Str(),
     "tensorParallelSize": Int(),
+    "pipelineParallelSize": Int(description="Nodes (pipeline stages) per replica; above 1 a LeaderWorkerSet group."),
+    "gpusPerNode": Int(),
     "replicas": Int(),
     "kvCacheDtype": Str(),
     "kvDtypeBytes": Int(),

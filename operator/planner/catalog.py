@@ -14,6 +14,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from kvpilot.engine.core.gguf_contract import find_gguf
+from kvpilot.operator.planner.gguf_model import gguf_model
 from kvpilot.operator.planner.model_spec import ModelSpec, model_from_config
 from kvpilot.operator.planner.weights import checkpoint_weight_bytes
 
@@ -64,6 +66,22 @@ MODEL_PRESETS: dict[str, tuple[str, dict[str, Any], int]] = {
     "llama-3.1-70b": ("meta-llama/Llama-3.1-70B-Instruct",
                       _cfg("llama", 80, 8192, 28672, 64, 8, 128256, 131072, 5e5, rope_scaling=_LLAMA31_ROPE),
                       70_553_706_496),
+    # 126 layers x 3,187,703,808 + 2 x 128,256 x 16,384 embedding / LM head + 16,384 = the
+    # published 405,853,388,800 (its safetensors index: 811,706,777,600 bytes in bfloat16)
+    "llama-3.1-405b": ("meta-llama/Llama-3.1-405B-Instruct",
+                       _cfg("llama", 126, 16384, 53248, 128, 8, 128256, 131072, 5e5, rope_scaling=_LLAMA31_ROPE),
+                       405_853_388_800),
+    # the same weights in compressed-tensors FP8 (llm-compressor; Linear layers in float 8-bit,
+    # the LM head and embeddings in bfloat16), which the engine serves. Meta's own
+    # meta-llama/Llama-3.1-405B-Instruct-FP8 is fbgemm_fp8, which it does not.
+    "llama-3.1-405b-fp8": ("RedHatAI/Meta-Llama-3.1-405B-Instruct-FP8",
+                           _cfg("llama", 126, 16384, 53248, 128, 8, 128256, 131072, 5e5,
+                                rope_scaling=_LLAMA31_ROPE, quantization_config={
+                                    "quant_method": "compressed-tensors", "format": "float-quantized",
+                                    "ignore": ["lm_head"], "config_groups": {"group_0": {
+                                        "targets": ["Linear"],
+                                        "weights": {"type": "float", "num_bits": 8, "strategy": "channel"}}}}),
+                           405_853_388_800),
     "llama-2-7b": ("meta-llama/Llama-2-7b-hf",
                    _cfg("llama", 32, 4096, 11008, 32, 32, 32000, 4096, 1e4, dtype="float16"),
                    6_738_415_616),
@@ -112,9 +130,14 @@ def preset_model(name: str) -> ModelSpec:
 def model_from_path(path: str | Path) -> ModelSpec:
     """A model from a config.json file or a checkpoint directory holding one.
 
-    Weight bytes come from the directory's safetensors index or headers when present.
+    Weight bytes come from the directory's safetensors index or headers when present. A
+    GGUF file (or a directory holding one) is read from its header: the config from its
+    metadata, the weight bytes as the engine holds them (``gguf_model``).
     """
     path = Path(path)
+    gguf_file = find_gguf(path)
+    if gguf_file is not None:
+        return gguf_model(gguf_file)
     config_path = path / "config.json" if path.is_dir() else path
     if not config_path.is_file():
         raise ValueError(f"{path}: no config.json found")
@@ -135,3 +158,4 @@ def resolve_model(ref: str) -> ModelSpec:
     if Path(ref).exists():
         return model_from_path(ref)
     return preset_model(ref)
+

@@ -61,6 +61,11 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     m.add_argument("--gpu", help=f"GPU name ({', '.join(GPU_CATALOG)}) or 'custom'")
     m.add_argument("--gpus", metavar="N", type=int, dest="tensor_parallel_size",
                    help="GPUs per replica (tensor parallel); default: smallest of 1, 2, 4, 8 that works")
+    m.add_argument("--gpus-per-node", metavar="N", type=int, dest="gpus_per_node",
+                   help="GPUs in one node (default: the GPU catalogue's); tensor parallelism stays within a node")
+    m.add_argument("--nodes", metavar="N", type=int, dest="pipeline_parallel_size",
+                   help="nodes (pipeline stages) per replica; default: one, more only when one node cannot "
+                        "hold the weights and the SLO's KV")
     m.add_argument("--gpu-memory-gib", metavar="GIB", type=float, help="GPU memory, GiB (overrides the catalogue)")
     m.add_argument("--gpu-bandwidth-gbps", metavar="GB_S", type=float, help="GPU memory bandwidth, GB/s")
     m.add_argument("--gpu-tflops", metavar="TFLOPS", type=float, help="GPU dense BF16 TFLOP/s")

@@ -49,6 +49,7 @@ from kvpilot.operator.planner.memory import (
 )
 from kvpilot.operator.planner.plan_request import PlanRequest
 from kvpilot.operator.planner.reserve import DEFAULT_KV_SAFETY_MARGIN, ENGINE_CUDA_GRAPHS, reserve
+from kvpilot.operator.planner.stages import StageShape, stage_shapes
 from kvpilot.operator.planner.weights import quantized_weight_bytes
 
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.90
@@ -70,8 +71,19 @@ class Throughput:
 
 
 @dataclass(frozen=True, slots=True)
+class StageBudget:
+    """One pipeline stage: its layers and weights (``shape``), its GPUs' memory split and
+    the KV blocks it could hold alone (its own layers only)."""
+
+    shape: StageShape
+    budget: Budget
+    num_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
 class Evaluation:
-    """Everything computed for one (tensor_parallel_size, kv_cache_dtype) candidate."""
+    """Everything computed for one (tensor_parallel_size, pipeline_parallel_size,
+    kv_cache_dtype) candidate; ``budget`` is the stage with the least KV room."""
 
     tp: int
     kv_cache_dtype: str
@@ -98,6 +110,13 @@ class Evaluation:
     replicas_needed: int
     replicas_source: str
     checks: tuple[Check, ...] = field(default_factory=tuple)
+    pp: int = 1
+    stages: tuple[StageBudget, ...] = ()
+
+    @property
+    def gpus(self) -> int:
+        """GPUs of one replica (all its stages)."""
+        return self.tp * self.pp
 
     @property
     def feasible(self) -> bool:
@@ -149,13 +168,14 @@ def _target(req: PlanRequest) -> tuple[int, str]:
 
 
 def kv_layout_for(req: PlanRequest, tp: int, kv_cache_dtype: str, block_size: int, max_num_seqs: int,
-                  max_num_batched_tokens: int) -> KVLayout | HybridKVLayout:
+                  max_num_batched_tokens: int, num_layers: int | None = None) -> KVLayout | HybridKVLayout:
     """One GPU's KV layout as the engine builds it: a hybrid model's two pools (the sliding
-    pool sized for ``max_num_seqs`` and ``max_num_batched_tokens``), else one."""
+    pool sized for ``max_num_seqs`` and ``max_num_batched_tokens``), else one; ``num_layers``
+    is a pipeline stage's share of the layers (None: all of them)."""
     model = req.model
     heads, dtype_bytes = kv_heads_per_rank(model.num_kv_heads, tp), kv_dtype.dtype_bytes(model, kv_cache_dtype)
-    if not model.hybrid_kv(req.slo.max_context):
-        return KVLayout(model.num_layers, heads, model.head_dim, dtype_bytes, block_size)
+    if num_layers is not None or not model.hybrid_kv(req.slo.max_context):
+        return KVLayout(num_layers or model.num_layers, heads, model.head_dim, dtype_bytes, block_size)
     return HybridKVLayout(
         KVLayout(model.num_full_layers, heads, model.head_dim, dtype_bytes, block_size),
         KVLayout(model.num_sliding_layers, heads, model.head_dim, dtype_bytes, block_size),
@@ -165,15 +185,16 @@ def kv_layout_for(req: PlanRequest, tp: int, kv_cache_dtype: str, block_size: in
 
 
 def _kv_capacity(req: PlanRequest, tp: int, kv_cache_dtype: str, block_size: int, kv_bytes: int, target: int,
-                 max_num_batched_tokens: int, ctx_blocks: int,
-                 seq_blocks: int) -> tuple[int, KVLayout | HybridKVLayout, int]:
+                 max_num_batched_tokens: int, ctx_blocks: int, seq_blocks: int,
+                 stage_layers: int | None = None) -> tuple[int, KVLayout | HybridKVLayout, int]:
     """(sequences that fit without preemption, layout, blocks). A hybrid model's windowed
     pool grows with ``max_num_seqs`` (and ``max_num_batched_tokens``, taken at the most the
     plan can pick), so its limit is the largest ``m <= target`` that still fits when the
     pool is sized for ``m`` sequences (the full pool only shrinks as ``m`` grows)."""
 
     def sized(num_seqs: int) -> tuple[int, KVLayout | HybridKVLayout, int]:
-        layout = kv_layout_for(req, tp, kv_cache_dtype, block_size, num_seqs, max_num_batched_tokens)
+        layout = kv_layout_for(req, tp, kv_cache_dtype, block_size, num_seqs, max_num_batched_tokens,
+                               stage_layers)
         num_blocks = layout.num_blocks(max(0, kv_bytes))
         return kv_seq_limit(num_blocks, ctx_blocks, seq_blocks), layout, num_blocks
 
@@ -187,24 +208,45 @@ def _kv_capacity(req: PlanRequest, tp: int, kv_cache_dtype: str, block_size: int
     return best, layout, num_blocks
 
 
-def evaluate(req: PlanRequest, tp: int, kv_cache_dtype: str) -> Evaluation:
-    """Size one replica of ``tp`` GPUs with ``kv_cache_dtype`` KV; see module docstring."""
+def _stage_budgets(req: PlanRequest, tp: int, pp: int, kv_cache_dtype: str, block_size: int,
+                   weight_total: int, activation_tokens: int, target: int) -> tuple[StageBudget, ...]:
+    """Each stage's memory split: its weights, its reserve (the sampler on the last stage
+    only) and the KV blocks of its own layers that would fit."""
+    gpu, ov = req.gpu, req.overrides
+    graphs = ov.cuda_graphs if ov.cuda_graphs is not None else ENGINE_CUDA_GRAPHS
+    margin = ov.kv_safety_margin if ov.kv_safety_margin is not None else DEFAULT_KV_SAFETY_MARGIN
+    out = []
+    for shape in stage_shapes(req.model, weight_total, tp, pp):
+        budget = Budget(gpu.memory_bytes, ov.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION,
+                        shape.weight_bytes,
+                        reserve(req.model, tp, activation_tokens, target, graphs, samples=shape.lm_head),
+                        margin, ov.kv_cache_memory_bytes)
+        layout = kv_layout_for(req, tp, kv_cache_dtype, block_size, 1, 1, shape.num_layers)
+        out.append(StageBudget(shape, budget, layout.num_blocks(max(0, budget.kv_bytes))))
+    return tuple(out)
+
+
+def evaluate(req: PlanRequest, tp: int, kv_cache_dtype: str, pp: int = 1) -> Evaluation:
+    """Size one replica of ``pp`` stages of ``tp`` GPUs with ``kv_cache_dtype`` KV; see the
+    module docstring. With stages, every GPU is given the same KV bytes
+    (``--kv-cache-memory-bytes``), the least any stage has room for, and the replica's blocks
+    are those of the stage with the most layers (the engine takes the minimum over ranks)."""
     model, gpu, slo, ov = req.model, req.gpu, req.slo, req.overrides
     block_size = ov.block_size or DEFAULT_BLOCK_SIZE
     weight_total, weight_source = _weights(req)
     target, target_source = _target(req)
     mnbt_cap = ov.max_num_batched_tokens or gpu.default_max_num_batched_tokens
-    graphs = ov.cuda_graphs if ov.cuda_graphs is not None else ENGINE_CUDA_GRAPHS
-    margin = ov.kv_safety_margin if ov.kv_safety_margin is not None else DEFAULT_KV_SAFETY_MARGIN
-    budget = Budget(gpu.memory_bytes, ov.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION,
-                    math.ceil(weight_total / tp), reserve(model, tp, mnbt_cap, target, graphs), margin,
-                    ov.kv_cache_memory_bytes)
+    stages = _stage_budgets(req, tp, pp, kv_cache_dtype, block_size, weight_total, mnbt_cap, target)
+    budget = min(stages, key=lambda s: s.budget.kv_bytes).budget
+    stage_layers = max(s.shape.num_layers for s in stages) if pp > 1 else None
     seq_blocks = blocks_for(model, slo.seq_tokens_p95, block_size)
     ctx_blocks = blocks_for(model, slo.max_context, block_size)
     kv_limit, layout, num_blocks = _kv_capacity(
         req, tp, kv_cache_dtype, block_size, budget.kv_bytes, target,
-        ov.max_num_batched_tokens or max(mnbt_cap, target + block_size), ctx_blocks, seq_blocks)
-    cost = step_cost_model(model, layout.bytes_per_token, tp, weight_total)
+        ov.max_num_batched_tokens or max(mnbt_cap, target + block_size), ctx_blocks, seq_blocks, stage_layers)
+    # the step's cost is one pass through every stage in turn: all the layers' KV per TP rank
+    full_kv = layout.bytes_per_token * model.num_layers // stage_layers if stage_layers else layout.bytes_per_token
+    cost = step_cost_model(model, full_kv, tp, weight_total)
     roof = Roofline.of(cost, gpu.memory_bandwidth_bytes_per_s, gpu.bf16_flops * tp, slo.seq_tokens_p95,
                        slo.p95_prompt_tokens)
 
@@ -255,7 +297,7 @@ def evaluate(req: PlanRequest, tp: int, kv_cache_dtype: str) -> Evaluation:
     replicas, need, replicas_source = _replicas(req, msq, throughput)
     ev = Evaluation(tp, kv_cache_dtype, weight_total, weight_source, budget, layout, num_blocks, seq_blocks,
                     ctx_blocks, target, target_source, limits, msq, mnbt, mnbt_source, roof, prompt_u,
-                    factor, caching, prefixes, throughput, replicas, need, replicas_source)
+                    factor, caching, prefixes, throughput, replicas, need, replicas_source, pp=pp, stages=stages)
     return replace(ev, checks=run_checks(req, ev))
 
 

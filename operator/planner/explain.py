@@ -50,7 +50,35 @@ def _model_lines(req: PlanRequest, ev: Evaluation) -> list[str]:
                      f"= {_g(ev.weight_bytes_total)} ({ev.weight_source}).")
     else:
         lines.append(f"Weights: {ev.weight_bytes_total:,} B = {_g(ev.weight_bytes_total)} ({ev.weight_source}).")
-    lines[-1] += f" Over {ev.tp} GPU(s): {_g(ev.budget.weight_bytes)} per GPU."
+    if ev.pp > 1:
+        lines[-1] += (f" Over {ev.pp} pipeline stages of {ev.tp} GPU(s): {ev.gpus} GPUs, per GPU by stage "
+                      + ", ".join(f"{_g(s.shape.weight_bytes)} (stage {s.shape.index})" for s in ev.stages) + ".")
+    else:
+        lines[-1] += f" Over {ev.tp} GPU(s): {_g(ev.budget.weight_bytes)} per GPU."
+    return lines
+
+
+def _stage_lines(req: PlanRequest, ev: Evaluation) -> list[str]:
+    """Per pipeline stage: layers, what else it holds, its GPUs' weights, reserve and KV."""
+    if ev.pp == 1:
+        return []
+    lay, binding = ev.layout, min(ev.stages, key=lambda s: s.budget.kv_bytes)
+    lines = []
+    for s in ev.stages:
+        sh, b = s.shape, s.budget
+        per_token = lay.bytes_per_token * sh.num_layers // lay.num_layers
+        lines.append(
+            f"Stage {sh.index} (node {sh.index + 1} of {ev.pp}): layers {sh.first_layer}-"
+            f"{sh.first_layer + sh.num_layers - 1} ({sh.num_layers}; {sh.role}); per GPU weights "
+            f"{_g(sh.weight_bytes)} + reserve {_g(b.reserve.total_bytes)}"
+            f"{'' if sh.lm_head else ' (no sampler)'}; KV room {_g(b.budget_bytes)} - those = "
+            f"{_g(b.kv_estimate_bytes)}, less the margin {_g(b.kv_available_bytes)}; KV "
+            f"{per_token:,} B/token per GPU ({sh.num_layers} layers) -> {s.num_blocks:,} blocks alone.")
+    lines.append(
+        f"Stages together: every GPU gets the same KV bytes, the least room of any stage (stage "
+        f"{binding.shape.index}: {_g(max(0, binding.budget.kv_bytes))}); the engine's blocks are the minimum "
+        f"over its ranks, those of a stage of {lay.num_layers} layers: {ev.num_blocks:,} blocks "
+        f"({ev.num_blocks * lay.block_size:,} tokens) = {_g(lay.memory_for_blocks(ev.num_blocks))} of KV per GPU.")
     return lines
 
 
@@ -215,6 +243,7 @@ def _host_lines(req: PlanRequest, ev: Evaluation) -> list[str]:
 
 def derivation(req: PlanRequest, ev: Evaluation, dtype_notes: list[str], shape_notes: list[str]) -> list[str]:
     """Numbered derivation lines for the chosen candidate."""
-    lines = (_model_lines(req, ev) + _memory_lines(req, ev, dtype_notes) + _sequence_lines(req, ev)
+    lines = (_model_lines(req, ev) + _memory_lines(req, ev, dtype_notes) + _stage_lines(req, ev)
+             + _sequence_lines(req, ev)
              + _latency_lines(req, ev) + _host_lines(req, ev) + shape_notes)
     return [f"{i}. {line}" for i, line in enumerate(lines, 1)]

@@ -15,6 +15,13 @@ Each entry carries the three numbers the planner's roofline needs:
 - ``bf16_flops``: peak *dense* BF16 tensor-core FLOP/s (data sheets quote the
   2:4-sparse figure first; dense is half of it; GeForce figures with FP32 accumulate).
 
+``gpus_per_node``: GPUs one node of this type usually has (the most one pod can use
+for tensor parallelism; a replica that needs more spans nodes with pipeline
+parallelism). Data-centre parts come on 8-GPU boards (NVIDIA HGX / DGX H100, H200,
+B200, A100; AWS p4d / p5 / p5e / p6); AWS's largest L4 and A10G instances, g6.48xlarge
+and g5.48xlarge, have 8; GeForce cards are counted 4 to a workstation. A cluster
+whose nodes differ says so with the ``gpus_per_node`` override (``spec.gpu.perNode``).
+
 ``large_defaults`` mirrors vLLM's choice of scheduler defaults: on GPUs with
 >= 70 GiB that are not A100s it uses max_num_batched_tokens 8192 and
 max_num_seqs 1024 for its OpenAI server, elsewhere 2048 and 256. The planner
@@ -45,6 +52,7 @@ class GPUSpec:
         description: human name for reports.
         large_defaults: use vLLM's large-GPU scheduler defaults (see module doc).
         memory_source: where ``memory_bytes`` comes from (for the derivation).
+        gpus_per_node: GPUs of this type in one node (see module doc).
     """
 
     name: str
@@ -54,8 +62,12 @@ class GPUSpec:
     description: str = ""
     large_defaults: bool = False
     memory_source: str = ""
+    gpus_per_node: int = 8
 
     def __post_init__(self) -> None:
+        if not isinstance(self.gpus_per_node, int) or isinstance(self.gpus_per_node, bool) \
+                or not 1 <= self.gpus_per_node <= 64:
+            raise ValueError(f"gpus_per_node must be an integer in [1, 64], got {self.gpus_per_node!r}")
         if self.memory_bytes < GIB // 4:
             raise ValueError(f"GPU memory must be at least 0.25 GiB, got {self.memory_bytes} bytes")
         if self.memory_bandwidth_bytes_per_s <= 0:
@@ -81,9 +93,9 @@ class GPUSpec:
 
 
 def _gpu(name: str, cuda_gib: float, bandwidth_gb_s: float, bf16_tflops: float,
-         description: str, large: bool, source: str) -> GPUSpec:
+         description: str, large: bool, source: str, per_node: int = 8) -> GPUSpec:
     return GPUSpec(name, int(cuda_gib * GIB), bandwidth_gb_s * 1e9, bf16_tflops * 1e12, description, large,
-                   source)
+                   source, per_node)
 
 
 def _estimate(nvidia_smi_mib: int) -> float:
@@ -104,10 +116,10 @@ GPU_CATALOG: dict[str, GPUSpec] = {g.name: g for g in (
     _gpu("rtx-4090", 23.55, 1008, 165, "NVIDIA GeForce RTX 4090 24GB GDDR6X", False,
          "vLLM's breakdown in github.com/vllm-project/vllm/issues/13061 (0.98 x total = 13.95 weights "
          "+ 0.25 non-torch + 0.19 activations + 8.69 KV GiB -> 23.55 GiB); out-of-memory reports show "
-         "23.64 GiB (github.com/3DTopia/Phidias-Diffusion/issues/8); the smaller is used"),
+         "23.64 GiB (github.com/3DTopia/Phidias-Diffusion/issues/8); the smaller is used", per_node=4),
     _gpu("rtx-3090", 23.58, 936, 71, "NVIDIA GeForce RTX 3090 24GB GDDR6X", False,
          "vLLM's total_gpu_memory=23.58GiB (github.com/vllm-project/vllm/issues/10517, "
-         "github.com/vllm-project/vllm/pull/14447)"),
+         "github.com/vllm-project/vllm/pull/14447)", per_node=4),
     _gpu("a100-40gb", 39.50, 1555, 312, "NVIDIA A100-SXM4-40GB HBM2", False,
          "CUDA total 39.50 GiB (github.com/TianheWu/CoSeR/issues/10); 39.59 GiB elsewhere "
          "(github.com/raoyongming/DenseCLIP/issues/52); the smaller is used"),
@@ -118,8 +130,9 @@ GPU_CATALOG: dict[str, GPUSpec] = {g.name: g for g in (
          "CUDA total 79.11 GiB (github.com/vllm-project/vllm/issues/27508); 79.18 GiB in "
          "llm-d/llm-d-benchmark config_explorer/empirical-vllm-memory-results.md and 79.22 GiB in "
          "github.com/vllm-project/vllm/pull/10511; the smallest is used"),
-    _gpu("h200", _estimate(143771), 4800, 989, "NVIDIA H200 141GB HBM3e (SXM)", True,
-         "estimate: nvidia-smi 143,771 MiB (github.com/sgl-project/sglang/issues/3196) x 0.9906"),
+    _gpu("h200", 139.72, 4800, 989, "NVIDIA H200 141GB HBM3e (SXM)", True,
+         "CUDA total 139.72 GiB in vLLM's profile on 8 of them (github.com/vllm-project/vllm/issues/10702); "
+         "nvidia-smi shows 143,771 MiB (github.com/sgl-project/sglang/issues/3196)"),
     _gpu("b200", _estimate(183359), 8000, 2250, "NVIDIA B200 180GB HBM3e (HGX)", True,
          "estimate: nvidia-smi 183,359 MiB x 0.9906"),
 )}
@@ -165,14 +178,14 @@ def get_gpu(name: str) -> GPUSpec:
 
 
 def custom_gpu(memory_gib: float, memory_bandwidth_gb_s: float, bf16_tflops: float,
-               description: str = "custom GPU") -> GPUSpec:
+               description: str = "custom GPU", gpus_per_node: int = 8) -> GPUSpec:
     """A GPU not in the catalogue, from its memory (GiB), bandwidth (GB/s) and dense BF16 TFLOP/s."""
     for label, value in (("memory_gib", memory_gib), ("memory_bandwidth_gbps", memory_bandwidth_gb_s),
                          ("bf16_tflops", bf16_tflops)):
         if value is None or value <= 0:
             raise ValueError(f"a custom GPU needs {label} > 0")
     return GPUSpec("custom", int(memory_gib * GIB), memory_bandwidth_gb_s * 1e9, bf16_tflops * 1e12,
-                   description, False, f"{memory_gib:g} GiB given")
+                   description, False, f"{memory_gib:g} GiB given", gpus_per_node)
 
 
 def gpu_node_products(name: str) -> tuple[str, ...]:

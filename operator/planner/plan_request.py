@@ -7,7 +7,7 @@ patch (``Suggestion.apply``)::
               | {"preset": "qwen3-8b"} | {"path": "/models/x"}
               | {"config": {...config.json...}, "name": "x", "weight_bytes": N}
               | {...ModelSpec fields...},
-     "gpu": "h100-80gb" | {"name": "h100-80gb", "memory_gib": 94}
+     "gpu": "h100-80gb" | {"name": "h100-80gb", "memory_gib": 94, "gpus_per_node": 4}
               | {"name": "custom", "memory_gib": 48, "memory_bandwidth_gbps": 864, "bf16_tflops": 362}
               | {...GPUSpec fields...},
      "slo": {...ServiceLevel fields...},
@@ -86,13 +86,17 @@ def gpu_from_dict(data: str | dict[str, Any]) -> GPUSpec:
         raise ValueError("gpu must be a name or a mapping with a 'name'")
     if "memory_bytes" in data:
         return build(GPUSpec, data, "gpu")
-    extra = sorted(set(data) - {"name", "memory_gib", "memory_bandwidth_gbps", "bf16_tflops"})
+    extra = sorted(set(data) - {"name", "memory_gib", "memory_bandwidth_gbps", "bf16_tflops", "gpus_per_node"})
     if extra:
         raise ValueError(f"unknown gpu field(s): {', '.join(extra)}; "
-                         "known: name, memory_gib, memory_bandwidth_gbps, bf16_tflops")
+                         "known: name, memory_gib, memory_bandwidth_gbps, bf16_tflops, gpus_per_node")
+    per_node = data.get("gpus_per_node")
     if str(data["name"]).lower() == "custom":
-        return custom_gpu(data.get("memory_gib"), data.get("memory_bandwidth_gbps"), data.get("bf16_tflops"))
+        return custom_gpu(data.get("memory_gib"), data.get("memory_bandwidth_gbps"), data.get("bf16_tflops"),
+                          **({"gpus_per_node": per_node} if per_node is not None else {}))
     gpu = get_gpu(str(data["name"]))
+    if per_node is not None:
+        gpu = replace(gpu, gpus_per_node=per_node)
     if data.get("memory_bandwidth_gbps") or data.get("bf16_tflops"):
         gpu = replace(gpu, memory_bandwidth_bytes_per_s=float(data.get("memory_bandwidth_gbps") or
                                                               gpu.memory_bandwidth_bytes_per_s / 1e9) * 1e9,

@@ -41,7 +41,8 @@ def to_text(plan: Plan) -> str:
     est = plan.estimates
     verdict = ("FEASIBLE" if plan.feasible else "INFEASIBLE") + f" (binding constraint: {plan.binding_constraint})"
     kv_label = f"{plan.kv_cache_dtype} ({plan.kv_dtype_name}, {plan.kv_dtype_bytes} B)"
-    out = [f"kvpilot plan: {plan.model} on {plan.tensor_parallel_size} x {plan.gpu} per replica, "
+    nodes = f"{plan.pipeline_parallel_size} nodes x " if plan.pipeline_parallel_size > 1 else ""
+    out = [f"kvpilot plan: {plan.model} on {nodes}{plan.tensor_parallel_size} x {plan.gpu} per replica, "
            f"{plan.replicas} replica(s)",
            f"Result: {verdict}"]
     out += _wrap(plan.binding_detail, "  ", "  ")
@@ -51,6 +52,8 @@ def to_text(plan: Plan) -> str:
     out += ["", "Engine settings (per replica; memory figures per GPU)"]
     out += _rows([
         ("tensor_parallel_size", str(plan.tensor_parallel_size)),
+        *([("pipeline_parallel_size", f"{plan.pipeline_parallel_size} (one node each)")]
+          if plan.pipeline_parallel_size > 1 else []),
         ("max_model_len", f"{plan.max_model_len:,}"),
         ("max_num_seqs", f"{plan.max_num_seqs:,}"),
         ("max_num_batched_tokens", f"{plan.max_num_batched_tokens:,}"),
@@ -66,7 +69,7 @@ def to_text(plan: Plan) -> str:
     out += ["", "Deployment"]
     out += _rows([
         ("replicas", str(plan.replicas)),
-        ("GPUs in total", str(plan.replicas * plan.tensor_parallel_size)),
+        ("GPUs in total", str(plan.replicas * plan.tensor_parallel_size * plan.pipeline_parallel_size)),
         ("cpu_offload_gib", f"{plan.cpu_offload_gib:g}"
          + (f" ({plan.offload_backend})" if plan.offload_backend else "")),
         ("disk_offload_gib", f"{plan.disk_offload_gib:g}"

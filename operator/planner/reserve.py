@@ -10,7 +10,10 @@ prints the replay and the fit):
 
 - ``cuda_runtime``: non-torch memory the engine adds after it starts (cuBLAS and
   attention workspaces, kernel modules) and the slack of loading weights. Fitted.
-- ``nccl``: communicator and all-reduce buffers, only when TP > 1. Fitted.
+- ``nccl``: communicator and all-reduce buffers, only when TP > 1: a base for the first
+  peer and a share for each further rank (NCCL keeps buffers per peer and channel, the
+  custom all-reduce registers an IPC buffer per peer), ``NCCL_BYTES + NCCL_PER_RANK_BYTES x
+  (TP - 2)``. Both fitted; the per-rank share is what the TP 8 logs add over TP 2.
 - activation peak = max(``forward``, ``sampler``): the profile step's torch peak.
   The forward pass of ``max_num_batched_tokens`` tokens holds about
   ``3 x (hidden + intermediate / TP)`` values per token (the MLP's gate+up output and its
@@ -23,7 +26,7 @@ prints the replay and the fit):
 - ``cuda_graphs``: the graph pool when the engine captures CUDA graphs (the largest
   pool in the logs). kvpilot serve captures none yet, so it is off unless asked for.
 
-The fit chooses ``cuda_runtime`` and ``nccl`` (the terms vLLM's logs report least
+The fit chooses ``cuda_runtime`` and the two ``nccl`` constants (the terms vLLM's logs report least
 consistently across versions) to minimise the median absolute error of planned vs
 reported KV capacity after the smallest safety margin that keeps every case within +2%
 (``calibration.fit``); the other constants are measured terms, computed from the logs'
@@ -43,17 +46,18 @@ MIB = 1 << 20
 CALIBRATION_FILE = "operator/planner/calibration/vllm_startup_logs.yaml"
 
 # Fitted on the replay (calibration.fit); see the module docstring.
-CUDA_RUNTIME_BYTES = 256 * MIB
-NCCL_BYTES = 256 * MIB
+CUDA_RUNTIME_BYTES = 320 * MIB
+NCCL_BYTES = 576 * MIB
+NCCL_PER_RANK_BYTES = 0 * MIB         # each rank beyond the second
 # Measured terms (calibration.measured_terms recomputes them from the logs).
 FORWARD_VALUES_PER_TOKEN = 3          # x (hidden + intermediate / TP)
-SAMPLER_BYTES_PER_LOGIT = 39.7        # per sampled row and vocabulary entry
+SAMPLER_BYTES_PER_LOGIT = 39.6        # per sampled row and vocabulary entry
 CUDA_GRAPH_BYTES = int(0.50 * GIB)    # largest graph pool at TP 1 in the logs
 CUDA_GRAPH_TP_BYTES = int(0.65 * GIB)  # ... and at TP > 1
 # kvpilot serve captures no CUDA graphs yet (the engine-speed work adds them).
 ENGINE_CUDA_GRAPHS = False
 # Plan this fraction below the calibrated KV estimate.
-DEFAULT_KV_SAFETY_MARGIN = 0.03
+DEFAULT_KV_SAFETY_MARGIN = 0.025
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,8 +71,8 @@ class FitSummary:
     worst_over_prediction_after_margin: float
 
 
-FIT = FitSummary(cases=14, median_abs_error=0.038, worst_over_prediction=0.051,
-                 median_abs_error_after_margin=0.038, worst_over_prediction_after_margin=0.020)
+FIT = FitSummary(cases=16, median_abs_error=0.033, worst_over_prediction=0.045,
+                 median_abs_error_after_margin=0.036, worst_over_prediction_after_margin=0.019)
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,15 +128,22 @@ class Reserve:
                 for t in (self.cuda_runtime, self.nccl, self.forward, self.sampler, self.cuda_graphs)}
 
 
+def nccl_reserve_bytes(tp: int, base: int = NCCL_BYTES, per_rank: int = NCCL_PER_RANK_BYTES) -> int:
+    """The ``nccl`` term at ``tp`` GPUs (0 on one GPU)."""
+    return base + per_rank * (tp - 2) if tp > 1 else 0
+
+
 def reserve(model: ModelSpec, tp: int, activation_tokens: int, sampled_seqs: int,
-            cuda_graphs: bool = ENGINE_CUDA_GRAPHS) -> Reserve:
-    """The reserve for ``activation_tokens`` per step and ``sampled_seqs`` sampled rows."""
+            cuda_graphs: bool = ENGINE_CUDA_GRAPHS, samples: bool = True) -> Reserve:
+    """The reserve for ``activation_tokens`` per step and ``sampled_seqs`` sampled rows;
+    ``samples`` false for a pipeline stage other than the last (no LM head, no sampler)."""
     fitted = f"fitted on the public vLLM logs in {CALIBRATION_FILE}"
     runtime = ReserveTerm("cuda_runtime", CUDA_RUNTIME_BYTES, _gib(CUDA_RUNTIME_BYTES),
                           f"non-torch memory and weight-load slack, {fitted}")
-    nccl_bytes = NCCL_BYTES if tp > 1 else 0
-    nccl = ReserveTerm("nccl", nccl_bytes, _gib(nccl_bytes) if tp > 1 else "0 (one GPU)",
-                       f"NCCL buffers at TP > 1, {fitted}")
+    nccl_bytes = nccl_reserve_bytes(tp)
+    formula = (f"{_gib(NCCL_BYTES)} + {NCCL_PER_RANK_BYTES / MIB:,.0f} MiB x ({tp} - 2) further ranks = "
+               f"{_gib(nccl_bytes)}" if tp > 2 else _gib(nccl_bytes) if tp > 1 else "0 (one GPU)")
+    nccl = ReserveTerm("nccl", nccl_bytes, formula, f"NCCL and custom all-reduce buffers at TP > 1, {fitted}")
     inter = math.ceil(model.intermediate_size / tp)
     fwd_bytes = activation_tokens * FORWARD_VALUES_PER_TOKEN * (model.hidden_size + inter) * model.dtype_bytes
     forward = ReserveTerm(
@@ -140,11 +151,11 @@ def reserve(model: ModelSpec, tp: int, activation_tokens: int, sampled_seqs: int
         f"{activation_tokens:,} tokens x {FORWARD_VALUES_PER_TOKEN} x ({model.hidden_size:,} hidden + "
         f"{inter:,} intermediate/TP) x {model.dtype_bytes} B = {_gib(fwd_bytes)}",
         "slope of vLLM's reported activation peak over max_num_batched_tokens (RTX 3090 logs)")
-    sampler_bytes = math.ceil(sampled_seqs * model.vocab_size * SAMPLER_BYTES_PER_LOGIT)
+    sampler_bytes = math.ceil(sampled_seqs * model.vocab_size * SAMPLER_BYTES_PER_LOGIT) if samples else 0
     sampler = ReserveTerm(
         "sampler", sampler_bytes,
         f"{sampled_seqs:,} seqs x {model.vocab_size:,} vocab x {SAMPLER_BYTES_PER_LOGIT:g} B = "
-        f"{_gib(sampler_bytes)}",
+        f"{_gib(sampler_bytes)}" if samples else "0 (not the last pipeline stage: no sampler)",
         "mean of vLLM's reported activation peaks per sampled row and vocabulary entry "
         "where the sampler sets the peak (H100 logs)")
     graph_bytes = (CUDA_GRAPH_TP_BYTES if tp > 1 else CUDA_GRAPH_BYTES) if cuda_graphs else 0

@@ -52,7 +52,7 @@ class Plan:
     ``kv_cache_memory_bytes`` / ``num_gpu_blocks`` / ``kv_token_capacity`` are per GPU
     too (every rank holds the same number of blocks, each for its share of the heads).
     ``cpu_offload_gib``, ``disk_offload_gib``, ``pod_memory_gib`` and ``shm_gib`` are per
-    replica (one pod). ``limits`` maps each bound on ``max_num_seqs`` to its value;
+    replica (one pod; per pod of a replica of several pipeline stages, one pod a node). ``limits`` maps each bound on ``max_num_seqs`` to its value;
     ``memory`` and ``estimates`` hold the intermediate numbers of the derivation.
     ``derivation`` and ``warnings`` are tuples of sentences (JSON lists in ``to_dict``).
     """
@@ -100,6 +100,13 @@ class Plan:
     num_sliding_pool_layers: int = 0
     sliding_window: int | None = None
     sliding_pool_blocks: int = 0
+    # Pipeline parallelism: nodes (stages) per replica, each of ``tensor_parallel_size`` GPUs;
+    # ``stages`` says per stage its layers, what it holds besides them (embedding, LM head)
+    # and its GPUs' weight / reserve / KV bytes (empty with one stage). Per-GPU figures above
+    # are then the stage with the most layers' (every GPU gets ``kv_cache_memory_bytes``).
+    pipeline_parallel_size: int = 1
+    gpus_per_node: int = 8
+    stages: tuple[dict[str, Any], ...] = ()
 
     @property
     def kv_layout(self) -> KVLayout | HybridKVLayout:
@@ -129,6 +136,8 @@ class Plan:
                 "--enable-prefix-caching" if self.enable_prefix_caching else "--no-enable-prefix-caching"]
         if self.tensor_parallel_size > 1:
             args += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
+        if self.pipeline_parallel_size > 1:
+            args += ["--pipeline-parallel-size", str(self.pipeline_parallel_size)]
         if self.wants_offload:
             if self.cpu_offload_gib > 0:
                 args += ["--kv-offloading-size", _num(self.cpu_offload_gib)]

@@ -109,6 +109,10 @@ class Overrides:
         cuda_graphs: reserve a CUDA-graph pool (default: whether kvpilot serve captures graphs).
         kv_cache_memory_bytes: pin the KV cache per GPU (bytes) instead of what the GPU leaves
             for it (a GPU shared with other processes, a small cache); it must fit in that.
+        gpus_per_node: GPUs in one node (default: the GPU catalogue's ``gpus_per_node``); tensor
+            parallelism stays within a node.
+        pipeline_parallel_size: nodes (pipeline stages) per replica (None = one node, more only
+            when one node cannot hold the weights and the SLO's KV; see ``plan``).
     """
 
     tensor_parallel_size: int | None = None
@@ -126,10 +130,12 @@ class Overrides:
     kv_safety_margin: float | None = None
     cuda_graphs: bool | None = None
     kv_cache_memory_bytes: int | None = None
+    gpus_per_node: int | None = None
+    pipeline_parallel_size: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "replicas", "max_num_seqs", "max_num_batched_tokens",
-                     "kv_cache_memory_bytes"):
+                     "kv_cache_memory_bytes", "gpus_per_node", "pipeline_parallel_size"):
             _positive(name, getattr(self, name))
         util = self.gpu_memory_utilization
         _positive("gpu_memory_utilization", util, integer=False)

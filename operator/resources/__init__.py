@@ -4,7 +4,8 @@
 
 | child                   | when                                                        |
 |-------------------------|-------------------------------------------------------------|
-| Deployment, Service     | always (once the spec is planned)                           |
+| Deployment, Service     | always (once the spec is planned); a replica of several nodes: |
+| LeaderWorkerSet + its headless Service instead of the Deployment (``leader_worker_set.py``) |
 | PersistentVolumeClaim   | a disk KV tier and at most one replica (else per-pod claims) |
 | PersistentVolumeClaim   | the hf:// model cache: ReadWriteMany, or at most one replica |
 | HorizontalPodAutoscaler | autoscaling.mode = hpa                                       |
@@ -22,10 +23,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvpilot.operator.resources.autoscaling import KEDA_API, build_hpa, build_scaledobject
-from kvpilot.operator.resources.common import Owner
+from kvpilot.operator.resources.common import LWS_API_VERSION, Owner
 from kvpilot.operator.resources.deployment import ReplicaPolicy, build_deployment, disk_claim_child
 from kvpilot.operator.resources.disruption import build_pdb
 from kvpilot.operator.resources.inference_pool import INFERENCE_POOL_API, build_inference_pool
+from kvpilot.operator.resources.leader_worker_set import (
+    WORKER_COMPONENT,
+    build_group_service,
+    build_leader_worker_set,
+)
 from kvpilot.operator.resources.monitoring import (
     PODMONITOR_API,
     build_podmonitor,
@@ -78,9 +84,21 @@ SERVICE_ACCOUNT = ChildKind("v1", "ServiceAccount", "serviceaccounts")
 ROLE = ChildKind("rbac.authorization.k8s.io/v1", "Role", "roles")
 ROLE_BINDING = ChildKind("rbac.authorization.k8s.io/v1", "RoleBinding", "rolebindings")
 NETWORK_POLICY = ChildKind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies")
+LEADER_WORKER_SET = ChildKind(LWS_API_VERSION, "LeaderWorkerSet", "leaderworkersets")
 KINDS: dict[str, ChildKind] = {k.kind: k for k in (DEPLOYMENT, SERVICE, PVC, HPA, SCALED_OBJECT,
                                                    POD_MONITOR, PROMETHEUS_RULE, PDB, INFERENCE_POOL,
-                                                   SERVICE_ACCOUNT, ROLE, ROLE_BINDING, NETWORK_POLICY)}
+                                                   SERVICE_ACCOUNT, ROLE, ROLE_BINDING, NETWORK_POLICY,
+                                                   LEADER_WORKER_SET)}
+WORKLOADS = (DEPLOYMENT, LEADER_WORKER_SET)   # the engine pods' owner: one or the other
+
+
+def workload_name(owner: Owner, kind: ChildKind) -> str:
+    return owner.group_name if kind is LEADER_WORKER_SET else owner.name
+
+
+def workload_kind(nodes: int) -> ChildKind:
+    """The engine pods' owner for replicas of ``nodes`` pods."""
+    return LEADER_WORKER_SET if nodes > 1 else DEPLOYMENT
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +123,8 @@ class Child:
 
 def possible_children(owner: Owner) -> list[tuple[ChildKind, str]]:
     """Every (kind, name) this owner may have: those not desired are removed if present."""
-    return [(DEPLOYMENT, owner.name), (SERVICE, owner.name), (PVC, owner.kv_disk_claim),
+    return [(DEPLOYMENT, owner.name), (SERVICE, owner.name), (LEADER_WORKER_SET, owner.group_name),
+            (SERVICE, owner.group_name), (PVC, owner.kv_disk_claim),
             (PVC, owner.model_cache_claim),
             (HPA, owner.name), (SCALED_OBJECT, owner.name), (POD_MONITOR, owner.name),
             (PROMETHEUS_RULE, owner.name), (PDB, owner.name), (INFERENCE_POOL, owner.name),
@@ -131,22 +150,30 @@ def desired_children(owner: Owner, spec: InferenceServiceSpec, sizing: EngineSiz
         inference_pool_api: whether it serves inference.networking.k8s.io/v1 InferencePools.
     """
     policy = ReplicaPolicy.of(spec, sizing, inherited_replicas)
-    deployment = Child(DEPLOYMENT, build_deployment(owner, spec, sizing, settings, policy),
-                       create_only=("spec.replicas",) if policy.autoscaled else ())
-    children = [Child(SERVICE_ACCOUNT, build_service_account(owner)), deployment,
-                Child(SERVICE, build_service(owner))]
+    replicas_owned = ("spec.replicas",) if policy.autoscaled else ()
+    children = [Child(SERVICE_ACCOUNT, build_service_account(owner))]
+    if sizing.nodes > 1:
+        children += [Child(LEADER_WORKER_SET, build_leader_worker_set(owner, spec, sizing, settings, policy),
+                           create_only=replicas_owned),
+                     Child(SERVICE, build_group_service(owner))]
+    else:
+        children.append(Child(DEPLOYMENT, build_deployment(owner, spec, sizing, settings, policy),
+                              create_only=replicas_owned))
+    children.append(Child(SERVICE, build_service(owner)))
     if settings.fence.enabled:
-        children.append(Child(NETWORK_POLICY, build_network_policy(owner, spec, settings.fence)))
+        workers = (WORKER_COMPONENT,) if sizing.nodes > 1 else ()
+        children.append(Child(NETWORK_POLICY, build_network_policy(owner, spec, settings.fence, workers)))
     if disk_claim_child(policy, sizing):
         children.append(Child(PVC, build_kv_disk_claim(owner, spec, sizing)))
-    if model_cache_claim_child(spec, settings, policy.max_replicas):
+    # every pod of a group loads its stage's weights: a ReadWriteOnce cache cannot follow them
+    if model_cache_claim_child(spec, settings, policy.max_replicas * sizing.nodes):
         # A claim's size and access mode are fixed once bound (it cannot shrink): set at creation.
         children.append(Child(PVC, build_model_cache_claim(owner, spec, sizing, settings),
                               create_only=("spec",)))
     if spec.autoscaling.mode == "hpa":
-        children.append(Child(HPA, build_hpa(owner, spec, settings)))
+        children.append(Child(HPA, build_hpa(owner, spec, settings, sizing.nodes)))
     elif spec.autoscaling.mode == "keda":
-        children.append(Child(SCALED_OBJECT, build_scaledobject(owner, spec)))
+        children.append(Child(SCALED_OBJECT, build_scaledobject(owner, spec, sizing.nodes)))
     if podmonitor_api:
         children.append(Child(POD_MONITOR, build_podmonitor(owner)))
         slo_rule = build_slo_prometheusrule(owner, spec.model.served_name,

@@ -23,7 +23,7 @@ Both target the Deployment; while one exists the operator leaves ``spec.replicas
 
 from __future__ import annotations
 
-from kvpilot.operator.resources.common import Owner, decimal_quantity
+from kvpilot.operator.resources.common import LWS_API_VERSION, Owner, decimal_quantity
 from kvpilot.operator.settings import OperatorSettings
 from kvpilot.operator.spec import InferenceServiceSpec
 
@@ -51,7 +51,11 @@ SCALE_DOWN_BEHAVIOR = {
 BEHAVIOR = {"scaleUp": SCALE_UP_BEHAVIOR, "scaleDown": SCALE_DOWN_BEHAVIOR}
 
 
-def _target(owner: Owner) -> dict:
+def workload_ref(owner: Owner, nodes: int = 1) -> dict:
+    """The object whose replicas are the service's: its Deployment, or with replicas of
+    several nodes its LeaderWorkerSet (whose scale subresource counts groups)."""
+    if nodes > 1:
+        return {"apiVersion": LWS_API_VERSION, "kind": "LeaderWorkerSet", "name": owner.group_name}
     return {"apiVersion": "apps/v1", "kind": "Deployment", "name": owner.name}
 
 
@@ -63,7 +67,7 @@ def _pods_metric(name: str, per_pod: float) -> dict:
     }}
 
 
-def build_hpa(owner: Owner, spec: InferenceServiceSpec, settings: OperatorSettings) -> dict:
+def build_hpa(owner: Owner, spec: InferenceServiceSpec, settings: OperatorSettings, nodes: int = 1) -> dict:
     """An autoscaling/v2 HPA on the three per-pod signals (KV usage, queue, preemptions)."""
     auto = spec.autoscaling
     metrics = [_pods_metric(settings.hpa_kv_usage_metric, auto.kv_cache_usage_target),
@@ -74,7 +78,7 @@ def build_hpa(owner: Owner, spec: InferenceServiceSpec, settings: OperatorSettin
         "kind": "HorizontalPodAutoscaler",
         "metadata": owner.metadata("autoscaler"),
         "spec": {
-            "scaleTargetRef": _target(owner),
+            "scaleTargetRef": workload_ref(owner, nodes),
             "minReplicas": auto.min_replicas,
             "maxReplicas": auto.ceiling,
             "metrics": metrics,
@@ -92,7 +96,7 @@ def keda_queries(owner: Owner, spec: InferenceServiceSpec) -> list[tuple[str, fl
             (f"sum(rate({PREEMPTIONS_SERIES}{match}[{RATE_WINDOW}]))", auto.preemption_rate_target)]
 
 
-def build_scaledobject(owner: Owner, spec: InferenceServiceSpec) -> dict:
+def build_scaledobject(owner: Owner, spec: InferenceServiceSpec, nodes: int = 1) -> dict:
     """A KEDA ScaledObject with Prometheus triggers on the engine's vLLM-named series."""
     auto = spec.autoscaling
     triggers = [{"type": "prometheus", "metricType": "AverageValue",
@@ -104,7 +108,7 @@ def build_scaledobject(owner: Owner, spec: InferenceServiceSpec) -> dict:
         "kind": "ScaledObject",
         "metadata": owner.metadata("autoscaler"),
         "spec": {
-            "scaleTargetRef": _target(owner),
+            "scaleTargetRef": workload_ref(owner, nodes),
             "minReplicaCount": auto.min_replicas,   # 0 = scale to zero when every trigger is idle
             "maxReplicaCount": auto.ceiling,
             "pollingInterval": 15,

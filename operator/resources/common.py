@@ -7,6 +7,10 @@ from dataclasses import dataclass
 
 from kvpilot.operator import constants as c
 
+# LeaderWorkerSet (kubernetes-sigs/lws): a replica of several pods, one a node.
+LWS_API = ("leaderworkerset.x-k8s.io", "v1")
+LWS_API_VERSION = "/".join(LWS_API)
+
 
 @dataclass(frozen=True, slots=True)
 class Owner:
@@ -40,6 +44,12 @@ class Owner:
         """``metadata`` of a child named after the owner (or ``name``)."""
         return {"name": name or self.name, "namespace": self.namespace,
                 "labels": self.labels(component)}
+
+    @property
+    def group_name(self) -> str:
+        """The LeaderWorkerSet of a replica spanning nodes, and its headless Service: not the
+        owner's name, which the client Service has (LWS names its headless Service after itself)."""
+        return f"{self.name}-group"
 
     @property
     def kv_disk_claim(self) -> str:

@@ -65,6 +65,7 @@ class ReplicaPolicy:
         replicas: the Deployment's count at creation (and always, when not autoscaled).
         autoscaled: an HPA/ScaledObject owns the count after creation.
         max_replicas: the most replicas there can be (decides PDB and disk-claim layout).
+            Times ``EngineSizing.nodes``: the pods there can be (a LeaderWorkerSet group has several).
         inherited: the count the operator took over from an autoscaler (``replica_handover``),
             kept as a floor while ``spec.replicas`` is unset; None when there is none.
     """
@@ -93,14 +94,16 @@ class ReplicaPolicy:
 def disk_claim_child(policy: ReplicaPolicy, sizing: EngineSizing) -> bool:
     """True when the disk KV tier is the PVC child: a disk tier and one replica at most (a
     ReadWriteOnce claim cannot follow several pods; those get per-pod claims instead)."""
-    return sizing.disk_offload_gib > 0 and policy.max_replicas <= 1
+    return sizing.disk_offload_gib > 0 and policy.max_replicas * sizing.nodes <= 1
 
 
 def engine_args(spec: InferenceServiceSpec, sizing: EngineSizing, model_path: str,
-                shutdown_timeout: int, routing_args: tuple[str, ...] = ()) -> list[str]:
+                shutdown_timeout: int, routing_args: tuple[str, ...] = (),
+                tokenizer_path: str | None = None) -> list[str]:
     """The ``kvpilot serve`` flags of the engine container (the API key is never here);
     ``engine.extraArgs`` come last, so that they win (a ``--shutdown-timeout`` included)."""
-    return ["--model", model_path, "--served-model-name", spec.model.served_name,
+    tokenizer = ["--tokenizer", tokenizer_path] if tokenizer_path else []
+    return ["--model", model_path, *tokenizer, "--served-model-name", spec.model.served_name,
             "--host", "0.0.0.0", "--port", str(spec.port), SHUTDOWN_TIMEOUT_FLAG,
             str(shutdown_timeout), *sizing.serve_args, *routing_args, *spec.engine.extra_args]
 
@@ -166,21 +169,34 @@ def _disk_volume(owner: Owner, spec: InferenceServiceSpec, sizing: EngineSizing,
         "metadata": {"labels": owner.labels("kv-disk")}, "spec": disk_claim_spec(spec, sizing)}}}
 
 
-def build_deployment(owner: Owner, spec: InferenceServiceSpec, sizing: EngineSizing,
-                     settings: OperatorSettings, policy: ReplicaPolicy | None = None) -> dict:
-    """The engine Deployment for one InferenceService.
+@dataclass(frozen=True, slots=True)
+class PodRole:
+    """Which pod of a replica a template is for.
 
     Args:
-        owner: the InferenceService's name/namespace.
-        spec: its parsed spec.
-        sizing: the plan's flags and sizes (with spec overrides already applied).
-        settings: operator settings (default image, metric names, grace period).
-        policy: the replica policy (default: ``ReplicaPolicy.of(spec, sizing)``).
+        component: the pods' ``app.kubernetes.io/component`` label: ``engine`` for the pods
+            clients reach (the Service, InferencePool, PDB and PodMonitor select it), else
+            ``engine-worker`` (a LeaderWorkerSet's workers: pipeline stages past the first).
+        serves: runs the API server: its port, the routing labels and env, the probes and
+            the preStop drain.
+        extra_ports: further container ports (the group's rendezvous port on a leader).
     """
-    policy = policy or ReplicaPolicy.of(spec, sizing)
+
+    component: str = "engine"
+    serves: bool = True
+    extra_ports: tuple[dict, ...] = ()
+
+
+LEADER = PodRole()
+
+
+def engine_pod_template(owner: Owner, spec: InferenceServiceSpec, sizing: EngineSizing,
+                        settings: OperatorSettings, policy: ReplicaPolicy, role: PodRole = LEADER) -> dict:
+    """The engine pod template (``metadata`` and ``spec``) of ``role``."""
     image = spec.image or settings.engine_image
     delivery = model_delivery(spec.model, image, settings.s3_fetch_image, CONTAINER_SECURITY_CONTEXT,
-                              TMP_MOUNT, model_cache_volume(owner, spec, sizing, settings, policy.max_replicas))
+                              TMP_MOUNT, model_cache_volume(owner, spec, sizing, settings,
+                                                            policy.max_replicas * sizing.nodes))
     volumes = [*delivery.volumes,
                {"name": "dshm", "emptyDir": {"medium": "Memory",
                                              "sizeLimit": gib_quantity(sizing.shm_gib)}},
@@ -191,24 +207,30 @@ def build_deployment(owner: Owner, spec: InferenceServiceSpec, sizing: EngineSiz
         mounts.append({"name": "kv-disk", "mountPath": sizing.disk_path or c.KV_DISK_MOUNT})
 
     routing = engine_routing(owner, spec.router.kind, spec.model.served_name)
+    ports = [{"name": "http", "containerPort": spec.port, "protocol": "TCP"}, *routing.ports] if role.serves else []
     container = {
         "name": c.ENGINE_CONTAINER,
         "image": image,
         "command": ["kvpilot", "serve"],
         "args": engine_args(spec, sizing, delivery.model_path, settings.termination_grace_seconds,
-                            routing.args),
-        "ports": [{"name": "http", "containerPort": spec.port, "protocol": "TCP"}, *routing.ports],
-        "env": [*_env(spec, sizing), *routing.env],
+                            routing.args if role.serves else (), delivery.tokenizer_path),
+        "ports": [*ports, *role.extra_ports],
+        "env": [*_env(spec, sizing), *(routing.env if role.serves else ())],
         "resources": _resources(spec, sizing),
         "volumeMounts": mounts,
-        # Loading weights can take minutes: the startup probe (readiness' path, 200 once
-        # loaded) allows 30 of them before liveness takes over; readiness gates traffic.
-        "startupProbe": _probe(READINESS_PATH, period=10, failures=180, timeout=5),
-        "readinessProbe": _probe(READINESS_PATH, period=5, failures=3, timeout=3),
-        "livenessProbe": _probe(LIVENESS_PATH, period=10, failures=6, timeout=5),
-        "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_SECONDS}}},
         "securityContext": CONTAINER_SECURITY_CONTEXT,
     }
+    if not container["ports"]:
+        del container["ports"]
+    if role.serves:
+        # Loading weights can take minutes: the startup probe (readiness' path, 200 once
+        # loaded) allows 30 of them before liveness takes over; readiness gates traffic.
+        container.update({
+            "startupProbe": _probe(READINESS_PATH, period=10, failures=180, timeout=5),
+            "readinessProbe": _probe(READINESS_PATH, period=5, failures=3, timeout=3),
+            "livenessProbe": _probe(LIVENESS_PATH, period=10, failures=6, timeout=5),
+            "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_SECONDS}}},
+        })
     if spec.image_pull_policy:
         container["imagePullPolicy"] = spec.image_pull_policy
 
@@ -229,6 +251,29 @@ def build_deployment(owner: Owner, spec: InferenceServiceSpec, sizing: EngineSiz
         pod_spec["nodeSelector"] = selector
     if affinity := placement.affinity(spec, sizing.gpu, settings):
         pod_spec["affinity"] = affinity
+    labels = owner.labels(role.component)
+    metadata: dict = {"labels": labels}
+    if role.serves:
+        # the engine type tells Gateway API inference routing which metrics to read
+        labels.update({ENGINE_TYPE_LABEL: ENGINE_TYPE, **routing.labels})
+        metadata["annotations"] = {"prometheus.io/scrape": "true", "prometheus.io/port": str(spec.port),
+                                   "prometheus.io/path": "/metrics"}
+    return {"metadata": metadata, "spec": pod_spec}
+
+
+def build_deployment(owner: Owner, spec: InferenceServiceSpec, sizing: EngineSizing,
+                     settings: OperatorSettings, policy: ReplicaPolicy | None = None) -> dict:
+    """The engine Deployment for one InferenceService.
+
+    Args:
+        owner: the InferenceService's name/namespace.
+        spec: its parsed spec.
+        sizing: the plan's flags and sizes (with spec overrides already applied).
+        settings: operator settings (default image, metric names, grace period).
+        policy: the replica policy (default: ``ReplicaPolicy.of(spec, sizing)``).
+    """
+    policy = policy or ReplicaPolicy.of(spec, sizing)
+    template = engine_pod_template(owner, spec, sizing, settings, policy)
 
     # A single replica on a ReadWriteOnce claim (disk tier, model cache) cannot surge (the new
     # pod could land on another node and wait forever for the volume): replace it instead.
@@ -249,16 +294,6 @@ def build_deployment(owner: Owner, spec: InferenceServiceSpec, sizing: EngineSiz
             "strategy": strategy,
             "revisionHistoryLimit": 3,
             "progressDeadlineSeconds": 3600,
-            "template": {
-                "metadata": {
-                    # the engine type tells Gateway API inference routing which metrics to read
-                    "labels": {**owner.labels("engine"), ENGINE_TYPE_LABEL: ENGINE_TYPE,
-                               **routing.labels},
-                    "annotations": {"prometheus.io/scrape": "true",
-                                    "prometheus.io/port": str(spec.port),
-                                    "prometheus.io/path": "/metrics"},
-                },
-                "spec": pod_spec,
-            },
+            "template": template,
         },
     }

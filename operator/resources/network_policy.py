@@ -13,6 +13,7 @@ NetworkPolicy selecting a pod denies whatever no rule allows, in both directions
 
 from __future__ import annotations
 
+from kvpilot.operator.constants import LABEL_COMPONENT
 from kvpilot.operator.resources.common import Owner
 from kvpilot.operator.resources.router import KV_EVENTS_PORT, router_selector
 from kvpilot.operator.security import NetworkFence
@@ -41,8 +42,21 @@ def _egress_ports(spec: InferenceServiceSpec, fence: NetworkFence) -> list[int]:
     return sorted(set(ports))
 
 
-def build_network_policy(owner: Owner, spec: InferenceServiceSpec, fence: NetworkFence) -> dict:
-    """The engine pods' NetworkPolicy (see the module docstring for what it allows)."""
+def _engine_pods(owner: Owner, more_components: tuple[str, ...]) -> dict:
+    """The fenced pods: the engine pods, and a group's workers (``more_components``)."""
+    if not more_components:
+        return {"matchLabels": owner.selector_labels}
+    labels = {k: v for k, v in owner.selector_labels.items() if k != LABEL_COMPONENT}
+    engine = owner.selector_labels[LABEL_COMPONENT]
+    return {"matchLabels": labels, "matchExpressions": [
+        {"key": LABEL_COMPONENT, "operator": "In", "values": [engine, *more_components]}]}
+
+
+def build_network_policy(owner: Owner, spec: InferenceServiceSpec, fence: NetworkFence,
+                         more_components: tuple[str, ...] = ()) -> dict:
+    """The engine pods' NetworkPolicy (see the module docstring for what it allows);
+    ``more_components``: further pods of the service fenced with them and peers of them
+    (a LeaderWorkerSet's workers)."""
     clients: dict = {"podSelector": {"matchLabels": dict(fence.client_pod_labels)}}
     if fence.client_namespace_labels is not None:
         clients["namespaceSelector"] = {"matchLabels": dict(fence.client_namespace_labels)}
@@ -56,7 +70,8 @@ def build_network_policy(owner: Owner, spec: InferenceServiceSpec, fence: Networ
         ingress_ports.append(KV_EVENTS_PORT)
     if spec.router.kind == "vllm-router":   # the operator's own router, whatever the client labels
         sources.append({"podSelector": {"matchLabels": router_selector(owner)}})
-    peers = {"podSelector": {"matchLabels": owner.selector_labels}}
+    pods = _engine_pods(owner, more_components)
+    peers = {"podSelector": pods}
     egress = [
         {"to": [{"namespaceSelector": {}, "podSelector": {"matchLabels": dict(fence.dns_pod_labels)}}],
          "ports": [{"protocol": "UDP", "port": DNS_PORT}, {"protocol": "TCP", "port": DNS_PORT}]},
@@ -70,7 +85,7 @@ def build_network_policy(owner: Owner, spec: InferenceServiceSpec, fence: Networ
         "kind": "NetworkPolicy",
         "metadata": owner.metadata("network-policy"),
         "spec": {
-            "podSelector": {"matchLabels": owner.selector_labels},
+            "podSelector": pods,
             "policyTypes": ["Ingress", "Egress"],
             "ingress": [{"from": sources, "ports": [{"protocol": "TCP", "port": p} for p in ingress_ports]},
                         {"from": [peers]}],

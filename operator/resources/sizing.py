@@ -28,6 +28,7 @@ class EngineSizing:
         memory_gib: container memory request and limit (None = leave unset).
         gpu: the catalogue GPU type the plan is exact for (pods are pinned to it).
         weight_bytes: the checkpoint's size as the planner estimates it (sizes the model cache).
+        nodes: pods per replica, one a node (pipeline stages); above 1 a LeaderWorkerSet group.
         status: what goes into ``status.plan`` (camelCase keys).
     """
 
@@ -41,9 +42,12 @@ class EngineSizing:
     memory_gib: float | None = None
     gpu: str | None = None
     weight_bytes: int | None = None
+    nodes: int = 1
     status: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.nodes < 1:
+            raise ValueError(f"nodes must be >= 1, got {self.nodes}")
         if self.replicas < 0:
             raise ValueError(f"replicas must be >= 0, got {self.replicas}")
         for name in ("cpu_offload_gib", "disk_offload_gib", "shm_gib"):

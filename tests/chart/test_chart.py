@@ -307,12 +307,14 @@ def test_router_off_takes_away_what_only_the_router_needs():
 
     on, off = render(), render([CHART / "ci" / "router-off-values.yaml"])
     only_on = rules(on) - rules(off)
-    # the engine pods' own ServiceAccount is created and patched whether or not the router is on
+    # the engine pods' own ServiceAccount is created and patched whether or not the router is on;
+    # Services are deleted without the router too (a LeaderWorkerSet group's headless Service)
     assert only_on == {(g, r, v) for g, r in (("rbac.authorization.k8s.io", "roles"),
                                                ("rbac.authorization.k8s.io", "rolebindings"))
                        for v in ("get", "create", "patch", "delete")} | {
-        ("", "serviceaccounts", "delete"), ("apps", "deployments", "delete"), ("", "services", "delete"),
+        ("", "serviceaccounts", "delete"), ("apps", "deployments", "delete"),
         ("monitoring.coreos.com", "podmonitors", "delete"), ("", "pods", "get")}
+    assert ("", "services", "delete") in rules(off)
     assert rules(off) <= rules(on)
     assert operator_env(on)["KVPILOT_ROUTER_IMAGE"] == "ghcr.io/kvpilot/router:0.1.17"
     assert "KVPILOT_ROUTER_IMAGE" not in operator_env(off)

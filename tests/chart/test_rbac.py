@@ -23,6 +23,7 @@ import yaml
 from kvpilot.operator import constants as c
 
 from support.chart import CHART, of_kind, operator_container, operator_env, render
+from support.engine_workload import LWS_CRD_PATH
 from support.harness import (
     EmulatorThread,
     Kubectl,
@@ -58,6 +59,10 @@ AUTOSCALED = {**SMALL, "slo": {**SMALL["slo"], "ttftP95Ms": 800, "itlP95Ms": 60}
 ROUTED = {**SMALL, "replicas": 2, "routing": {"router": "vllm-router"}}
 ROUTER_KINDS = {"Deployment", "Service", "ServiceAccount", "Role", "RoleBinding",
                 "PodDisruptionBudget", "PodMonitor"}
+# replicas spanning nodes: a LeaderWorkerSet and its headless Service (crds/examples/llama-405b-fp8-two-nodes)
+GROUPED = {"model": {"uri": "hf://RedHatAI/Meta-Llama-3.1-405B-Instruct-FP8", "architecture": "llama-3.1-405b-fp8"},
+           "gpu": {"type": "h100-80gb", "count": 8},
+           "slo": {"maxContext": 131072, "p95PromptTokens": 8192, "p95OutputTokens": 1024, "concurrency": 64}}
 
 
 def _inference_pool_crd() -> dict:
@@ -165,13 +170,15 @@ def test_cluster_rbac_grants_exactly_what_the_operator_calls(tmp_path):
                             schemaless_crd("monitoring.coreos.com", "v1", "PodMonitor", "podmonitors"),
                             schemaless_crd("monitoring.coreos.com", "v1", "PrometheusRule",
                                            "prometheusrules"),
-                            _inference_pool_crd()]
+                            _inference_pool_crd(), yaml.safe_load(LWS_CRD_PATH.read_text())]
     with EmulatorThread(crds) as emu:
         s = Scenario(emu, docs, tmp_path)
         with s.operator:
             s.service("cached", OFFLOAD)
             s.service("scaled", AUTOSCALED)
             s.service("routed", ROUTED)
+            s.service("grouped", GROUPED)
+            s.wait_children("grouped", {*FENCE, "LeaderWorkerSet", "Service", "PodMonitor", "InferencePool"})
             s.wait_children("cached", {*FENCE, "Deployment", "Service", "PersistentVolumeClaim", "PodMonitor",
                                        "InferencePool"})
             scaled = s.wait_children("scaled", {*FENCE, "Deployment", "Service", "HorizontalPodAutoscaler",
@@ -187,11 +194,19 @@ def test_cluster_rbac_grants_exactly_what_the_operator_calls(tmp_path):
                                                 "verbs": ["get", "list", "watch"]}]
             assert router["Deployment"]["spec"]["template"]["spec"]["containers"][0]["image"] == \
                 operator_env(docs)["KVPILOT_ROUTER_IMAGE"]
-            for name in ("cached", "scaled", "routed"):  # every child kind patched back
+            for name in ("cached", "scaled", "routed", "grouped"):  # every child kind patched back
                 s.tamper(name)
             s.tamper_router("routed", ROUTER_KINDS)
             wait_for(lambda: s.untampered("cached") and s.untampered("scaled") and s.untampered("routed")
-                     and s.router_untampered("routed", ROUTER_KINDS), 20, 0.1, "drift repaired")
+                     and s.untampered("grouped") and s.router_untampered("routed", ROUTER_KINDS), 20, 0.1,
+                     "drift repaired")
+            # one node holds 16 sequences: a Deployment again, the group and its headless Service go
+            s.service("grouped", {**GROUPED, "slo": {**GROUPED["slo"], "concurrency": 16}})
+            s.wait_children("grouped", {*FENCE, "Deployment", "Service", "PodMonitor", "InferencePool",
+                                        "PersistentVolumeClaim"})   # one pod: the model cache is a claim
+            wait_for(lambda: s.emu.run(lambda e: ("", "services", "team-a", "grouped-group") not in e.objects),
+                     20, 0.1, "the group's headless Service deleted")
+            s.delete("grouped")
             s.service("routed", {**SMALL, "replicas": 2})     # router off: its children go
             wait_for(lambda: not s.router_children("routed"), 20, 0.1, "the router's children deleted")
             s.delete("routed")
@@ -226,13 +241,14 @@ def test_cluster_rbac_grants_exactly_what_the_operator_calls(tmp_path):
     # child the cache did not show) and, where droppable, delete
     for kind in ("deployments", "services", "persistentvolumeclaims", "horizontalpodautoscalers",
                  "scaledobjects", "podmonitors", "prometheusrules", "poddisruptionbudgets",
-                 "inferencepools", "serviceaccounts", "roles", "rolebindings", "networkpolicies"):
+                 "inferencepools", "serviceaccounts", "roles", "rolebindings", "networkpolicies",
+                 "leaderworkersets"):
         assert {v for v, g, r in used if r == kind} >= {"list", "watch", "get", "create", "patch"}, kind
     assert {v for v, g, r in used if r == "pods"} == {"list", "watch"}
     assert {r for v, g, r in used if v == "delete"} == {
         "persistentvolumeclaims", "horizontalpodautoscalers", "scaledobjects", "poddisruptionbudgets",
         "inferencepools", "prometheusrules", "deployments", "services", "serviceaccounts", "roles",
-        "rolebindings", "podmonitors"}
+        "rolebindings", "podmonitors", "leaderworkersets"}
     assert ("patch", "kopf.dev", "clusterkopfpeerings") in used
     # the check can fail: without one rule, the calls that need it are reported
     (role,) = [r for r in of_kind(docs, "ClusterRole") if r["metadata"]["name"] == RELEASE]

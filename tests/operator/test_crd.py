@@ -114,6 +114,10 @@ def test_examples_cover_the_issue_cases():
     assert offload["enabled"] and "disk" in offload
     assert specs["autoscaled-kv-usage"]["autoscaling"]["kvCacheUsageTarget"] == 0.7
     assert specs["llama-70b-tensor-parallel"]["gpu"]["count"] == 4
+    # issue 31: 405B in FP8 on two nodes of eight H100s (the planner chooses the two nodes)
+    grouped = specs["llama-405b-fp8-two-nodes"]
+    assert grouped["gpu"] == {"type": "h100-80gb", "count": 8} and "nodes" not in grouped["gpu"]
+    assert plan_service(parse_spec(grouped, "llama-405b")).sizing.nodes == 2
 
 
 @pytest.mark.parametrize("case,obj,phrase", BAD, ids=[b[0] for b in BAD])

@@ -21,6 +21,7 @@ from kvpilot.operator.spec import SpecError, parse_spec
 
 from support import crd_schema
 from support.built import SETTINGS, build
+from support.engine_workload import leader_template, templates, workload
 
 POOL_CRD = yaml.safe_load((Path(__file__).resolve().parent / "inferencepool_crd.yaml").read_text())
 POOL_SCHEMA = crd_schema.version_schema(POOL_CRD)
@@ -45,13 +46,17 @@ def test_every_example_gets_a_valid_pool_over_its_engine_pods(path):
     cr = yaml.safe_load(path.read_text())
     children = _children(cr["spec"], name=cr["metadata"]["name"])
     pool = _admitted(children["InferencePool"])
-    template = children["Deployment"]["spec"]["template"]
+    template = leader_template(children)          # a group's leaders only, where replicas span nodes
     selector = pool["spec"]["selector"]["matchLabels"]
-    assert selector == children["Service"]["spec"]["selector"] == children["Deployment"]["spec"]["selector"][
-        "matchLabels"]
+    assert selector == children["Service"]["spec"]["selector"]
+    if "Deployment" in children:
+        assert selector == children["Deployment"]["spec"]["selector"]["matchLabels"]
+    else:
+        worker = templates(workload(children))[1]
+        assert not selector.items() <= worker["metadata"]["labels"].items()
     assert selector.items() <= template["metadata"]["labels"].items()
     assert template["metadata"]["labels"][ENGINE_TYPE_LABEL] == "vllm"  # the EPP's metric names
-    (port,) = template["spec"]["containers"][0]["ports"]
+    port = template["spec"]["containers"][0]["ports"][0]
     assert pool["spec"]["targetPorts"] == [{"number": port["containerPort"]}]
     assert pool["spec"]["endpointPickerRef"] == {"group": "", "kind": "Service",
                                                  "name": f"{cr['metadata']['name']}-epp",

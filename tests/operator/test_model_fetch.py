@@ -20,7 +20,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from kvpilot.operator.model_cache import MARKER, read_marker
-from kvpilot.operator.model_fetch import FetchError, HubSource, fetch, parse_hf_uri
+from kvpilot.operator.model_fetch import FetchError, HfUri, HubSource, fetch, parse_hf_uri
 
 from support.fake_hub import HubFile as FakeHubFile
 from support.fake_hub import HubServer
@@ -242,8 +242,10 @@ def test_repository_code_is_never_fetched(hub, tmp_path):
 
 
 def test_uri_parsing_and_errors():
-    assert parse_hf_uri("hf://Qwen/Qwen3-0.6B") == ("Qwen/Qwen3-0.6B", None)
-    assert parse_hf_uri("hf://org/name@v1.2") == ("org/name", "v1.2")
-    with pytest.raises(ValueError, match="not an hf://"):
-        parse_hf_uri("s3://bucket/x")
+    assert parse_hf_uri("hf://Qwen/Qwen3-0.6B") == HfUri("Qwen/Qwen3-0.6B", None)
+    assert parse_hf_uri("hf://org/name@v1.2") == HfUri("org/name", "v1.2")
+    assert parse_hf_uri("hf://org/name/q/m-Q4_0.gguf@v1.2") == HfUri("org/name", "v1.2", "q/m-Q4_0.gguf")
+    for bad in ("s3://bucket/x", "hf://org/name/config.json", "hf://org/name/../m.gguf"):
+        with pytest.raises(ValueError, match="not an hf://"):
+            parse_hf_uri(bad)
     assert issubclass(FetchError, RuntimeError)

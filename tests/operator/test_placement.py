@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 
-import kubernetes_validate
 import pytest
 import yaml
 
@@ -25,8 +24,8 @@ from kvpilot.operator.status import scheduling_problem, workload_conditions
 
 from support import crd_schema
 from support.built import SETTINGS, build
+from support.engine_workload import assert_valid_workload, templates, workload
 
-K8S_VERSION = "1.33"
 PRODUCT = "nvidia.com/gpu.product"
 BASE = {"model": {"uri": "hf://Qwen/Qwen3-0.6B"}, "gpu": {"type": "l4"},
         "slo": {"maxContext": 8192, "p95PromptTokens": 2048, "p95OutputTokens": 512, "concurrency": 8}}
@@ -77,9 +76,11 @@ def node_matches(pod: dict, labels: dict[str, str]) -> bool:
 def _pod(cr: dict, settings: OperatorSettings = SETTINGS) -> tuple[dict, dict]:
     """(the Deployment, its pod spec) as the operator builds them."""
     children = build(cr["spec"], settings, cr["metadata"]["name"])
-    deployment = next(ch.body for ch in children if ch.kind.kind == "Deployment")
-    assert kubernetes_validate.validate(deployment, K8S_VERSION, strict=True) == K8S_VERSION
-    return deployment, deployment["spec"]["template"]["spec"]
+    owner = workload({ch.kind.kind: ch.body for ch in children})   # a Deployment or a LeaderWorkerSet
+    assert_valid_workload(owner)
+    pods = [t["spec"] for t in templates(owner)]
+    assert all(p.get("affinity") == pods[0].get("affinity") for p in pods)   # a group's pods all land on its GPU
+    return owner, pods[0]
 
 
 def _cr(spec: dict, name: str = "svc") -> dict:

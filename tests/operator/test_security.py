@@ -31,6 +31,7 @@ from kvpilot.operator.spec_to_plan import plan_service
 
 from support import crd_schema
 from support.deputy_specs import DEPUTY_SPECS, FOREIGN_ACCOUNT, FOREIGN_IMAGE, GOOD
+from support.engine_workload import assert_valid_workload, leader_template, templates, workload
 
 K8S_VERSION = "1.33"
 ENGINE = OperatorSettings().engine_image
@@ -97,21 +98,25 @@ def _children(spec: dict, settings: OperatorSettings = OperatorSettings(), name:
 def test_every_engine_pod_is_fenced_and_has_no_token(path):
     obj = yaml.safe_load(path.read_text())
     children = _children(obj["spec"], name=obj["metadata"]["name"])
-    pod = children["Deployment"].body["spec"]["template"]["spec"]
-    assert pod["automountServiceAccountToken"] is False
-    assert pod["serviceAccountName"] == engine_service_account(obj["metadata"]["name"])
-    assert pod["securityContext"]["fsGroupChangePolicy"] == "OnRootMismatch"
     account = children["ServiceAccount"]
     assert account.kind is SERVICE_ACCOUNT and account.body["automountServiceAccountToken"] is False
-    assert account.name == pod["serviceAccountName"]
     policy = children["NetworkPolicy"]
     assert policy.kind is NETWORK_POLICY
-    for child in (account, policy, children["Deployment"]):
+    for child in (account, policy):
         assert kubernetes_validate.validate(child.body, K8S_VERSION, strict=True) == K8S_VERSION
-    # the policy selects exactly the pods the Deployment makes
-    template_labels = children["Deployment"].body["spec"]["template"]["metadata"]["labels"]
-    selector = policy.body["spec"]["podSelector"]["matchLabels"]
-    assert selector.items() <= template_labels.items()
+    assert_valid_workload(workload(children))
+    # every pod the workload makes (a group's leader and workers too): no token, and fenced
+    for template in templates(workload(children)):
+        pod = template["spec"]
+        assert pod["automountServiceAccountToken"] is False
+        assert pod["serviceAccountName"] == engine_service_account(obj["metadata"]["name"]) == account.name
+        assert pod["securityContext"]["fsGroupChangePolicy"] == "OnRootMismatch"
+        template_labels = template["metadata"]["labels"]
+        selector = policy.body["spec"]["podSelector"]
+        assert selector["matchLabels"].items() <= template_labels.items()
+        for expr in selector.get("matchExpressions", ()):
+            assert (expr["operator"], template_labels[expr["key"]] in expr["values"]) == ("In", True)
+    pod = leader_template(children)["spec"]
     assert policy.body["spec"]["policyTypes"] == ["Ingress", "Egress"]
     port = pod["containers"][0]["ports"][0]["containerPort"]
     assert policy.body["spec"]["ingress"][0]["ports"] == [{"protocol": "TCP", "port": port}]

@@ -37,7 +37,7 @@ def test_two_gpu_engine_allocates_the_planned_per_gpu_blocks(demo_model_dir):
     of an engine started with them allocates exactly the plan's blocks."""
     request = PlanRequest.from_dict({
         "model": str(demo_model_dir / "config.json"),
-        "gpu": {"name": "l4", "memory_gib": 1.0},
+        "gpu": {"name": "l4", "memory_gib": 1.5},
         "slo": {"max_context": 4096, "p95_prompt_tokens": 1024, "p95_output_tokens": 256, "concurrency": 4},
         "overrides": {"tensor_parallel_size": 2, "kv_cache_dtype": "fp8", "block_size": 16},
     })

@@ -41,6 +41,7 @@ MAX_MODEL_LEN, MAX_NUM_SEQS, MAX_WAITING = SETTINGS.max_model_len, SETTINGS.max_
 KV_CACHE_BYTES = SETTINGS.kv_cache_bytes
 
 SERVER_FLAGS = [
+    "--model", "demo",
     "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
     "--max-model-len", str(MAX_MODEL_LEN),
     "--max-num-seqs", str(MAX_NUM_SEQS),
@@ -91,7 +92,7 @@ def offline_llm():
     """The engine in-process, configured like the server: the oracle for its outputs."""
     from kvpilot.engine import LLM
 
-    return LLM(kv_cache_memory_bytes=KV_CACHE_BYTES, max_model_len=MAX_MODEL_LEN,
+    return LLM("demo", kv_cache_memory_bytes=KV_CACHE_BYTES, max_model_len=MAX_MODEL_LEN,
                max_num_seqs=MAX_NUM_SEQS)
 
 

@@ -25,13 +25,13 @@ pytestmark = pytest.mark.slow
 NUM_STREAMS = 50
 MAX_TOKENS = 16
 SHUTDOWN_TIMEOUT_S = 60
-ENGINE = {"max_model_len": 512, "kv_cache_memory_bytes": 64 << 20, "max_num_seqs": 64}
+ENGINE = {"model": "demo", "max_model_len": 512, "kv_cache_memory_bytes": 64 << 20, "max_num_seqs": 64}
 PROMPTS = [f"Story {i}: once upon a time" for i in range(NUM_STREAMS)]
 
 
 @pytest.fixture
 def server(tmp_path):
-    flags = ["--max-model-len", str(ENGINE["max_model_len"]),
+    flags = ["--model", "demo", "--max-model-len", str(ENGINE["max_model_len"]),
              "--kv-cache-memory-bytes", str(ENGINE["kv_cache_memory_bytes"]),
              "--max-num-seqs", str(ENGINE["max_num_seqs"]),
              "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), "--uvicorn-log-level", "warning"]

@@ -21,7 +21,7 @@ from kvpilot.engine.server.core_wire import decode_output, encode_outputs, pack,
 from kvpilot.engine.server.launch import launch_server
 
 DETECTION_LIMIT_S = 5.0
-SMALL = ["--device", "cpu", "--kv-cache-memory-bytes", "8Mi", "--max-model-len", "1024",
+SMALL = ["--model", "demo", "--device", "cpu", "--kv-cache-memory-bytes", "8Mi", "--max-model-len", "1024",
          "--max-num-seqs", "4", "--served-model-name", "core", "--uvicorn-log-level", "warning"]
 
 

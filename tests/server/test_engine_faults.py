@@ -68,7 +68,7 @@ class FaultyExecute:
 def llm():
     from kvpilot.engine import LLM
 
-    return LLM(kv_cache_memory_bytes=16 << 20, max_model_len=1024, max_num_seqs=4)
+    return LLM("demo", kv_cache_memory_bytes=16 << 20, max_model_len=1024, max_num_seqs=4)
 
 
 @pytest.fixture
@@ -216,7 +216,7 @@ def test_hung_step_fails_readiness_and_requests_then_recovers(llm, faulty):
 def test_stopped_core_process_fails_readiness_and_requests_then_recovers(tmp_path):
     """A real ``kvpilot serve`` (engine core in its own process, the default) whose core
     process is stopped with SIGSTOP mid-generation, then continued with SIGCONT."""
-    flags = ["--max-model-len", "1024", "--kv-cache-memory-bytes", "16Mi", "--max-num-seqs", "4",
+    flags = ["--model", "demo", "--max-model-len", "1024", "--kv-cache-memory-bytes", "16Mi", "--max-num-seqs", "4",
              "--engine-hang-timeout", str(HANG_TIMEOUT_S), "--uvicorn-log-level", "warning"]
     with launch_server(flags, log_path=tmp_path / "serve.log", timeout=300) as server:
         (core,) = psutil.Process(server.process.pid).children()
@@ -301,7 +301,7 @@ def test_raising_steps_in_the_core_process_fail_requests_then_readiness_and_live
     (hook / "sitecustomize.py").write_text(RAISING_RUNNER)
     flag = tmp_path / "raise"
     env = {"PYTHONPATH": str(hook), "KVPILOT_TEST_RAISE_FLAG": str(flag)}
-    flags = ["--max-model-len", "1024", "--kv-cache-memory-bytes", "16Mi", "--max-num-seqs", "4",
+    flags = ["--model", "demo", "--max-model-len", "1024", "--kv-cache-memory-bytes", "16Mi", "--max-num-seqs", "4",
              "--uvicorn-log-level", "warning"]
     with launch_server(flags, log_path=tmp_path / "serve.log", env=env, timeout=300) as server:
         def arm() -> float:

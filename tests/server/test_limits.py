@@ -57,7 +57,7 @@ class ProbePoller(threading.Thread):
 
 @pytest.fixture
 def server(tmp_path):
-    flags = ["--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory-bytes", "16Mi",
+    flags = ["--model", "demo", "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory-bytes", "16Mi",
              "--max-num-seqs", "4", "--max-request-body-bytes", str(BODY_LIMIT),
              "--uvicorn-log-level", "warning"]
     with launch_server(flags, log_path=tmp_path / "serve.log", timeout=300) as launched:

@@ -36,7 +36,7 @@ RSS_TOLERANCE = 0.05
 
 @pytest.fixture
 def server(tmp_path):
-    flags = ["--max-model-len", "256", "--kv-cache-memory-bytes", "32Mi",
+    flags = ["--model", "demo", "--max-model-len", "256", "--kv-cache-memory-bytes", "32Mi",
              "--max-num-seqs", str(MAX_NUM_SEQS), "--max-waiting-requests", str(MAX_WAITING),
              "--disable-log-stats", "--uvicorn-log-level", "warning",
              "--disable-uvicorn-access-log"]

@@ -35,7 +35,7 @@ def test_too_small_kv_cache_fails_at_start_with_the_largest_length_that_fits():
     assert fits < 8192
     proc = subprocess.run(
         [sys.executable, "-m", "kvpilot.engine.cli.main", "serve", "--host", "127.0.0.1",
-         "--port", str(free_port()), "--device", "cpu", "--max-model-len", "8192",
+         "--port", str(free_port()), "--model", "demo", "--device", "cpu", "--max-model-len", "8192",
          "--kv-cache-memory-bytes", str(kv_bytes)],
         capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
@@ -48,7 +48,7 @@ def test_too_small_kv_cache_fails_at_start_with_the_largest_length_that_fits():
 FAKE_GPU = {"KVPILOT_FAKE_DEVICE_MEMORY": json.dumps({"total_gib": 4, "free_gib": 4, "weights_gib": 1,
                                                       "activation_gib": 0.5})}
 PROFILED = int(int(4 * 2**30) * 0.9) - 2**30 - 2**29
-SMALL_ENGINE = ["--device", "cpu", "--max-model-len", "64", "--max-num-batched-tokens", "64",
+SMALL_ENGINE = ["--model", "demo", "--device", "cpu", "--max-model-len", "64", "--max-num-batched-tokens", "64",
                 "--max-num-seqs", "4"]
 
 

@@ -48,7 +48,7 @@ ASK = [{"role": "user", "content": "Tell me about a pet, and the weather."}]
 
 @pytest.fixture(scope="module")
 def engine():
-    engine = LLMEngine(EngineArgs(kv_cache_memory_bytes=96 << 20, max_model_len=1024,
+    engine = LLMEngine(EngineArgs("demo", kv_cache_memory_bytes=96 << 20, max_model_len=1024,
                                   max_num_seqs=64))
     yield engine
     assert not engine.has_unfinished_requests()

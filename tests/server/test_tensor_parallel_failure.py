@@ -28,7 +28,7 @@ def _worker_pid(server) -> int:
 
 @pytest.mark.slow
 def test_killing_a_worker_fails_requests_and_health_within_seconds(tmp_path, kill_mid_generation):
-    flags = ["--tensor-parallel-size", "2", "--kv-cache-memory-bytes", "16Mi", "--max-model-len", "1024",
+    flags = ["--model", "demo", "--tensor-parallel-size", "2", "--kv-cache-memory-bytes", "16Mi", "--max-model-len", "1024",
              "--max-num-seqs", "4", "--served-model-name", "tp", "--uvicorn-log-level", "warning"]
     with launch_server(flags, log_path=tmp_path / "serve.log", timeout=300) as server, \
             httpx.Client(base_url=server.base_url, timeout=60) as http:

@@ -63,6 +63,7 @@ HONOURED_CASES = {
                             lambda ns, ea, sc: ea.served_model_name == "a"
                             and sc.served_model_names == ("a", "b")),
     "--tokenizer": (["--tokenizer", "/tok"], lambda ns, ea, sc: ea.tokenizer == "/tok"),
+    "--hf-config-path": (["--hf-config-path", "/cfg"], lambda ns, ea, sc: ea.hf_config_path == "/cfg"),
     "--tokenizer-mode": (["--tokenizer-mode", "hf"], lambda ns, ea, sc: ns.tokenizer_mode == "hf"),
     "--trust-remote-code": (["--trust-remote-code"], lambda ns, ea, sc: ns.trust_remote_code),
     "--load-format": (["--load-format", "safetensors"],

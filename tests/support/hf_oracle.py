@@ -25,15 +25,34 @@ def make_prompts(vocab: int, seed: int = 0) -> list[list[int]]:
     return prompts
 
 
-def hf_greedy(path, prompts: list[list[int]], max_new: int = MAX_NEW) -> list[list[int]]:
+def hf_greedy(path, prompts: list[list[int]], max_new: int = MAX_NEW,
+              gguf_file: str | None = None) -> list[list[int]]:
+    """transformers' greedy continuations (float32) of ``prompts`` on the checkpoint in
+    ``path``. ``gguf_file``: the GGUF file in that directory, through transformers' GGUF
+    loader; then EOS is an ordinary token, as under the engine's ``ignore_eos`` (``generate``
+    would ban it until ``max_new`` tokens), by argmax over full forward passes."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    extra = {"gguf_file": gguf_file} if gguf_file else {}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **extra).eval()
     outs = []
     with torch.no_grad():
         for p in prompts:
             ids = torch.tensor([p])
+            if gguf_file:
+                outs.append(_argmax_continuation(model, p, max_new))
+                continue
             gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
                                  min_new_tokens=max_new, do_sample=False, pad_token_id=0)
             outs.append(gen[0, len(p):].tolist())
     return outs
+
+
+def _argmax_continuation(model, prompt: list[int], max_new: int) -> list[int]:
+    out = model(torch.tensor([prompt]), use_cache=True)
+    new = []
+    for _ in range(max_new):
+        new.append(int(out.logits[0, -1].argmax()))
+        past = {"cache": out.cache} if hasattr(out, "cache") else {"past_key_values": out.past_key_values}
+        out = model(torch.tensor([new[-1:]]), use_cache=True, **past)   # transformers 5 / 4
+    return new

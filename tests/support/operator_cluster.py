@@ -26,7 +26,7 @@ from support.rbac import assert_chart_grants
 NS = "team-a"
 CHILD_PLURALS = ("deployments", "services", "persistentvolumeclaims", "horizontalpodautoscalers",
                  "poddisruptionbudgets", "podmonitors", "scaledobjects", "prometheusrules",
-                 "serviceaccounts", "networkpolicies")
+                 "serviceaccounts", "networkpolicies", "leaderworkersets")
 SMALL = {"model": {"uri": "hf://Qwen/Qwen3-0.6B"}, "gpu": {"type": "l4"},
          "slo": {"maxContext": 8192, "p95PromptTokens": 2048, "p95OutputTokens": 512, "concurrency": 8}}
 INFEASIBLE = {"model": {"uri": "hf://Qwen/Qwen3-32B"}, "gpu": {"type": "l4"},

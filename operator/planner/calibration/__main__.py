@@ -29,6 +29,8 @@ def main() -> None:
     print(f"  cuda_runtime                 {fitted.cuda_runtime_bytes / MIB:,.0f} MiB "
           f"[{reserve.CUDA_RUNTIME_BYTES / MIB:,.0f}]")
     print(f"  nccl                         {fitted.nccl_bytes / MIB:,.0f} MiB [{reserve.NCCL_BYTES / MIB:,.0f}]")
+    print(f"  nccl per rank beyond two     {fitted.nccl_per_rank_bytes / MIB:,.0f} MiB "
+          f"[{reserve.NCCL_PER_RANK_BYTES / MIB:,.0f}]")
     print(f"  kv_safety_margin             {fitted.kv_safety_margin:.1%} [{reserve.DEFAULT_KV_SAFETY_MARGIN:.1%}]")
 
 

@@ -47,7 +47,7 @@ class Case:
         CUDA graphs are off: vLLM sizes its KV cache before capturing them.
         """
         overrides: dict[str, Any] = {
-            "tensor_parallel_size": self.tensor_parallel_size,
+            "tensor_parallel_size": self.tensor_parallel_size, "pipeline_parallel_size": 1,
             "gpu_memory_utilization": self.gpu_memory_utilization,
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "max_num_seqs": self.max_num_seqs, "block_size": VLLM_BLOCK_SIZE,

@@ -1,0 +1,36 @@
+"""A GGUF file as a planner model, from its header (torch-free; the ``gguf`` package reads
+it, imported only when a GGUF file is planned for).
+
+The config is the engine's reading of the metadata (``engine.core.gguf_contract``), in
+bfloat16 as the engine serves it on a GPU (``--dtype auto``); the weight bytes are what
+the engine holds, tensor by tensor, by the engine's rule (``resident_tensor_bytes``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvpilot.engine.core.gguf_contract import (
+    TOKENIZER_ARRAYS,
+    gguf_config_dict,
+    resident_tensor_bytes,
+)
+from kvpilot.operator.planner.model_spec import ModelSpec, model_from_config
+from kvpilot.operator.planner.weights import DTYPE_BYTES
+
+
+def gguf_model(path: Path) -> ModelSpec:
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        raise ValueError(f"{path}: reading a GGUF file needs the `gguf` package (pip install gguf)") from None
+    reader = GGUFReader(str(path))
+    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.") and k not in TOKENIZER_ARRAYS}
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    cfg = gguf_config_dict(meta, {t.name for t in reader.tensors}, len(tokens.data) if tokens else None)
+    dtype_bytes = DTYPE_BYTES[cfg["torch_dtype"]]
+    resident = sum(resident_tensor_bytes(t.name, t.tensor_type.name, int(t.n_elements), int(t.n_bytes), dtype_bytes)
+                   for t in reader.tensors)
+    stored = sum(int(t.n_bytes) for t in reader.tensors)
+    return model_from_config(cfg, path.stem, weight_bytes=resident,
+                             weight_source=f"GGUF header: {stored:,} B stored, counted as the engine holds them")

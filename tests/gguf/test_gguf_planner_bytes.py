@@ -1,0 +1,36 @@
+"""The planner's weight bytes for a GGUF file (its header, torch-free) match what the
+engine holds once it has loaded the file (within 2%; the rule is shared:
+``engine.core.gguf_contract.resident_tensor_bytes``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpilot.engine import LLM
+from kvpilot.engine.model.builtin_model import packaged_smollm2
+from kvpilot.engine.model.gguf.weights import resident_weight_bytes
+from kvpilot.operator.planner.catalog import model_from_path
+
+from support.gguf_files import write_gguf
+
+
+def engine_resident(path) -> int:
+    llm = LLM(str(path), dtype="bfloat16", num_gpu_blocks=8, max_model_len=64)
+    return resident_weight_bytes(llm.llm_engine.runner.model)
+
+
+@pytest.mark.slow
+def test_smollm2_planner_bytes_match_the_engine():
+    path = packaged_smollm2()
+    planned = model_from_path(path)
+    resident = engine_resident(path)
+    print(f"\nSmolLM2 GGUF: planner {planned.weight_bytes:,} B, engine resident {resident:,} B "
+          f"(bfloat16), file {path.stat().st_size:,} B")
+    assert abs(planned.weight_bytes - resident) <= 0.02 * resident
+    assert planned.num_layers == 30 and planned.num_kv_heads == 3
+
+
+def test_tiny_qwen2_planner_bytes_match_the_engine(tmp_path):
+    write_gguf(tmp_path / "m.gguf", "qwen2", "Q4_K")
+    planned = model_from_path(tmp_path)          # the directory holding it
+    assert abs(planned.weight_bytes - engine_resident(tmp_path / "m.gguf")) <= 0.02 * planned.weight_bytes

