@@ -35,7 +35,7 @@ from kvpilot.engine.server.errors import (
     bad_request,
     internal_error,
 )
-from kvpilot.engine.server.log_fields import capped, capped_repr
+from kvpilot.engine.server.log_fields import capped_repr
 from kvpilot.engine.server.prompts import check_token_ids
 from kvpilot.engine.server.protocol import SamplingRequest, UsageInfo
 from kvpilot.engine.server.request_limits import check_stop
@@ -198,8 +198,9 @@ def log_request(state: ServerState, request_id: str, prompt_ids: list[int], para
     text = state.engine.engine.tokenizer.decode(prompt_ids[:limit] if limit else prompt_ids,
                                                 skip_special_tokens=False)
     logger.info("Received request %s: prompt: %r, prompt_token_ids: %s (%d tokens), priority: %d, "
-                "params: %s", request_id, capped(text, limit), capped(prompt_ids, limit),
-                len(prompt_ids), priority, capped_repr(params, limit))
+                "params: %s", request_id, text[:limit] if limit else text,
+                prompt_ids[:limit] if limit else prompt_ids, len(prompt_ids), priority,
+                capped_repr(params, limit))
 
 
 class Generation:

@@ -19,7 +19,8 @@ def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
     """400 (naming ``param``) unless every id is in ``[0, vocab_size)``."""
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
-        raise bad_request(f"token ids must be in [0, {vocab_size}); got {bad[:5]}", param=param)
+        raise bad_request(f"{param} token ids must be in [0, {vocab_size}); got {bad[:5]}",
+                          param=param)
 
 
 @dataclass(frozen=True, slots=True)

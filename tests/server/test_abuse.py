@@ -1,6 +1,6 @@
 """What one request can do to a replica (issue 26, server items 1-8).
 
-One real ``kvpilot serve`` on the random-weight demo model (named with ``--model``), with
+One real ``kvpilot serve`` on the random-weight demo model (``--model demo``), with
 an API key. For each attack a victim stream runs beside it: its largest gap between
 chunks must stay under 0.5 s, and the attack must be answered (401 / 400 / 408 / 413 /
 429, OpenAI error JSON naming the limit) within 1 s. Where an attack used to break the
@@ -287,7 +287,7 @@ def test_a_step_failure_of_one_request_fails_it_alone():
     that request and reports it; the others in the batch go on as if it had not been."""
     from kvpilot.engine import LLM, SamplingParams
 
-    llm = LLM(model=demo_model_flags()[1], kv_cache_memory_bytes=16 << 20, max_model_len=512)
+    llm = LLM(model="demo", kv_cache_memory_bytes=16 << 20, max_model_len=512)
     engine = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     alone = llm.generate(["The good one"], params)[0].outputs[0].text

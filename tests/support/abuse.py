@@ -20,11 +20,9 @@ import httpx
 
 
 def demo_model_flags(name: str = "kvpilot-demo") -> list[str]:
-    """``--model DIR --served-model-name NAME`` for the built-in random-weight demo model,
-    named explicitly (whatever ``kvpilot serve`` serves without ``--model``)."""
-    from kvpilot.engine.model.models.demo import ensure_demo_model
-
-    return ["--model", str(ensure_demo_model()), "--served-model-name", name]
+    """``--model demo --served-model-name NAME``: the built-in random-weight demo model,
+    named explicitly (``kvpilot serve`` without ``--model`` serves a real one)."""
+    return ["--model", "demo", "--served-model-name", name]
 
 
 class VictimStream(threading.Thread):
