@@ -109,6 +109,8 @@ class KVCacheManager:
                 extend_block_hashes(
                     request.block_hashes, request.token_ids_slice(start * bs, num_full * bs),
                     bs, self.hash_root, request.cache_salt, first_token=start * bs,
+                    lora_key=(request.lora_request.hash_extra_key
+                              if request.lora_request is not None else None),
                 )
 
     def find_prefix_hit(self, request: Request, max_blocks: int | None = None) -> PrefixHit:
