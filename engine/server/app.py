@@ -12,7 +12,7 @@ from anyio import CapacityLimiter
 from fastapi import Depends, FastAPI
 from prometheus_client import CollectorRegistry
 
-from kvpilot.engine.server import routes_chat, routes_completions, routes_misc
+from kvpilot.engine.server import routes_chat, routes_completions, routes_lora, routes_misc
 from kvpilot.engine.server.async_engine import AsyncEngine
 from kvpilot.engine.server.body_limit import BodyLimit
 from kvpilot.engine.server.config import ServerConfig
@@ -42,7 +42,17 @@ def _metrics_recorder(config: ServerConfig, registry: CollectorRegistry,
         metrics = ServerMetrics(registry, model_name, engine.cache_info,
                                 engine.model_config.max_model_len, stats,
                                 kv_cache_metrics=engine.args.kv_cache_metrics)
-        return metrics.record
+        if not engine.args.enable_lora:
+            return metrics.record
+        from kvpilot.engine.server.metrics_lora import LoRAMetrics
+
+        lora = LoRAMetrics(registry, model_name, engine.args.max_loras, stats)
+
+        def record(iteration) -> None:
+            metrics.record(iteration)
+            lora.update()
+
+        return record
 
     return on_ready
 
@@ -118,6 +128,7 @@ def build_app(state: ServerState) -> FastAPI:
     guarded = [Depends(check_api_key)]
     app.include_router(routes_completions.router, dependencies=guarded)
     app.include_router(routes_chat.router, dependencies=guarded)
+    app.include_router(routes_lora.router, dependencies=guarded)
     app.include_router(routes_misc.router)
     _document_400_not_422(app)
     return app

@@ -19,6 +19,7 @@ from typing import Any
 from kvpilot.engine.outputs import RequestOutput
 from kvpilot.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from kvpilot.engine.server.engine_client import (
+    AdapterNotFound,
     EngineDead,
     EngineNotReady,
     EngineStalled,
@@ -27,6 +28,7 @@ from kvpilot.engine.server.engine_client import (
     RequestRejected,
 )
 from kvpilot.engine.server.errors import (
+    NOT_FOUND,
     RATE_LIMIT,
     SERVER_ERROR,
     UNAVAILABLE,
@@ -52,6 +54,9 @@ def to_api_error(exc: BaseException, state: ServerState) -> APIError:
         seconds = str(state.config.retry_after_seconds)
         return APIError(HTTPStatus.TOO_MANY_REQUESTS, f"server overloaded: {exc}; retry later",
                         type=RATE_LIMIT, code="rate_limit_exceeded", headers={"Retry-After": seconds})
+    if isinstance(exc, AdapterNotFound):   # unloaded while the request was on its way
+        return APIError(HTTPStatus.NOT_FOUND, str(exc), type=NOT_FOUND, param="model",
+                        code="model_not_found")
     if isinstance(exc, RequestRejected):
         return bad_request(str(exc))
     if isinstance(exc, EngineNotReady | EngineDead | EngineStalled):
@@ -186,14 +191,15 @@ class Generation:
     """
 
     def __init__(self, state: ServerState, request_id: str, prompts: list[list[int]],
-                 params: list[SamplingParams], cache_salt: str | None, priority: int = 0) -> None:
+                 params: list[SamplingParams], cache_salt: str | None, priority: int = 0,
+                 lora_name: str | None = None) -> None:
         self._state = state
         if state.config.enable_log_requests:
             for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
                 log_request(state, f"{request_id}-{i}", ids, p, priority)
         self._streams = [
             state.engine.generate(f"{request_id}-{i}", ids, p, cache_salt=cache_salt,
-                                  priority=priority)
+                                  priority=priority, lora_name=lora_name)
             for i, (ids, p) in enumerate(zip(prompts, params, strict=True))
         ]
         self.first: list[RequestOutput] = []
