@@ -41,18 +41,9 @@ def _metrics_recorder(config: ServerConfig, registry: CollectorRegistry,
         model_name = config.reported_model_name(engine.model_config.served_model_name)
         metrics = ServerMetrics(registry, model_name, engine.cache_info,
                                 engine.model_config.max_model_len, stats,
-                                kv_cache_metrics=engine.args.kv_cache_metrics)
-        if not engine.args.enable_lora:
-            return metrics.record
-        from kvpilot.engine.server.metrics_lora import LoRAMetrics
-
-        lora = LoRAMetrics(registry, model_name, engine.args.max_loras, stats)
-
-        def record(iteration) -> None:
-            metrics.record(iteration)
-            lora.update()
-
-        return record
+                                kv_cache_metrics=engine.args.kv_cache_metrics,
+                                max_loras=engine.args.max_loras if engine.args.enable_lora else None)
+        return metrics.record
 
     return on_ready
 
