@@ -23,10 +23,14 @@ from kvpilot.engine.lora.config import RUNTIME_LORA_UPDATING_ENV
 from kvpilot.engine.server.engine_client import AdapterNotFound
 from kvpilot.engine.server.errors import NOT_FOUND, APIError
 from kvpilot.engine.server.generation import to_api_error
+from kvpilot.engine.server.protocol import ErrorResponse
 from kvpilot.engine.server.routes_common import ERROR_RESPONSES
 from kvpilot.engine.server.state import ServerState, ready_state
 
 router = APIRouter()
+RESPONSES = {**ERROR_RESPONSES, 200: {"content": {"text/plain": {}}, "description": "done"},
+             int(HTTPStatus.NOT_FOUND): {"model": ErrorResponse,
+                                         "description": "runtime updating is off, or no such adapter"}}
 
 
 class LoadLoRAAdapterRequest(BaseModel):
@@ -55,7 +59,7 @@ def _check_enabled(state: ServerState) -> None:
                        param="lora_name")
 
 
-@router.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=ERROR_RESPONSES)
+@router.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=RESPONSES)
 async def load_lora_adapter(body: LoadLoRAAdapterRequest,
                             state: ServerState = Depends(ready_state)) -> PlainTextResponse:
     _check_enabled(state)
@@ -73,7 +77,7 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest,
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
 
-@router.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=ERROR_RESPONSES)
+@router.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=RESPONSES)
 async def unload_lora_adapter(body: UnloadLoRAAdapterRequest,
                               state: ServerState = Depends(ready_state)) -> PlainTextResponse:
     _check_enabled(state)

@@ -30,7 +30,7 @@ BASE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_la
             rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=0, eos_token_id=2)
 
 
-def _save_tokenizer(path: Path, vocab_size: int) -> None:
+def save_tokenizer(path: Path, vocab_size: int) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -67,5 +67,5 @@ def build_checkpoint(path: Path, kind: str, seed: int = 0, dtype=torch.float32, 
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(8.0)
     model.save_pretrained(path, safe_serialization=True)
-    _save_tokenizer(path, kwargs["vocab_size"])
+    save_tokenizer(path, kwargs["vocab_size"])
     return path
