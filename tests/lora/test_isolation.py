@@ -164,3 +164,21 @@ def test_kv_budget_shrinks_by_the_adapter_slots(lora_case, monkeypatch):
     assert (plain.cache_info.profiled_available_bytes - lora.cache_info.profiled_available_bytes
             == formula)
     assert lora.cache_info.num_gpu_blocks < plain.cache_info.num_gpu_blocks
+
+
+def test_kv_events_carry_the_adapter_name_in_every_blocks_extra_keys(lora_case):
+    """As vLLM's extra keys: the adapter name on each stored block, the salt after it on
+    a chain's first block."""
+    from kvpilot.engine.core.kv_event_log import STORED, KVEventLog
+
+    base, adapters = lora_case("qwen3")
+    engine = _llm(base, adapters).llm_engine
+    log = KVEventLog({0: ("full_attention", None)})
+    engine.kv_cache_manager.pool.attach_events(log, 0)
+    engine.add_request("a", PROMPT, GREEDY, lora_name="sql", cache_salt="t")
+    engine.add_request("b", [t + 1 for t in PROMPT], GREEDY)
+    while engine.has_unfinished_requests():
+        engine.step()
+    keys = [k for r in log.take() if r[0] == STORED for k in r[7]]
+    assert keys.count(("sql", "t")) == 1 and keys.count(("sql",)) == 3   # 4 blocks, salt on the first
+    assert keys.count(None) == 4                                         # the base request's blocks
