@@ -2,7 +2,8 @@
 
 All tokens of a step are one flat batch ``[num_tokens, in]``; each token row belongs to
 one request, so to one adapter or to none (the base model). ``LoRASlots`` holds, per
-layer and targeted module, every slot's A stacked as ``[slots * max_rank, in]`` and B^T
+layer and targeted module, every slot's A stacked as ``[slots * max_rank, in]`` (those of
+a fused projection's parts stacked once more, so one product serves q, k and v) and B^T
 as ``[slots * max_rank, out]`` (a smaller rank is zero-padded, an untargeted module is
 zero). One step's delta is then two dense products over all slots with the rank-space
 activations of each row multiplied by a per-row, per-slot factor, the adapter's scaling
@@ -20,8 +21,6 @@ classes stay as they are; fused q/k/v and gate/up projections get one delta per 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 import torch
 from torch import nn
@@ -35,6 +34,7 @@ FUSED_PROJECTIONS = {
     ("mlp", "gate_up_proj"): ("gate_proj", "up_proj"),
     ("mlp", "down_proj"): ("down_proj",),
 }
+_MODULES_OF = {proj: modules for (_, proj), modules in FUSED_PROJECTIONS.items()}
 
 
 class LoRASlots:
@@ -48,13 +48,16 @@ class LoRASlots:
                  max_rank: int, dtype: torch.dtype, device: torch.device) -> None:
         self.num_slots, self.max_rank, self.dtype, self.device = num_slots, max_rank, dtype, device
         width = num_slots * max_rank
-        self.a = {(layer, m): torch.zeros(width, fan_in, dtype=dtype, device=device)
-                  for layer in range(num_layers) for m, (fan_in, _) in shapes.items()}
+        # A of a fused projection's parts stacked, so one product serves them all:
+        # a[(layer, proj)] is [parts * slots * rank, in]; b[(layer, module)] is [slots * rank, out].
+        self.a = {(layer, proj): torch.zeros(len(modules) * width, shapes[modules[0]][0],
+                                             dtype=dtype, device=device)
+                  for layer in range(num_layers) for (_, proj), modules in FUSED_PROJECTIONS.items()}
         self.b = {(layer, m): torch.zeros(width, fan_out, dtype=dtype, device=device)
                   for layer in range(num_layers) for m, (_, fan_out) in shapes.items()}
         self.scaling = [0.0] * num_slots
-        # [num_tokens, num_slots, 1]: this step's factor per row and slot; None: no row of
-        # the step has an adapter (the projections run as the base model's).
+        # [num_tokens, 1, num_slots, 1]: this step's factor per row and slot; None: no row
+        # of the step has an adapter (the projections run as the base model's).
         self.mask: torch.Tensor | None = None
 
     @property
@@ -63,16 +66,18 @@ class LoRASlots:
 
     def load(self, slot: int, weights: LoRAWeights) -> None:
         """Copy an adapter into ``slot`` (zeroing what it does not target)."""
-        rows = slice(slot * self.max_rank, slot * self.max_rank + weights.rank)
-        whole = slice(slot * self.max_rank, (slot + 1) * self.max_rank)
-        for key, a in self.a.items():
-            b = self.b[key]
-            a[whole].zero_()
-            b[whole].zero_()
-            pair = weights.weights.get(key)
-            if pair is not None:
-                a[rows].copy_(pair[0], non_blocking=True)
-                b[rows].copy_(pair[1], non_blocking=True)
+        width, rank = self.num_slots * self.max_rank, weights.rank
+        start = slot * self.max_rank
+        for (layer, proj), a in self.a.items():
+            for part, module in enumerate(_MODULES_OF[proj]):
+                base = part * width + start
+                b = self.b[(layer, module)]
+                a[base:base + self.max_rank].zero_()
+                b[start:start + self.max_rank].zero_()
+                pair = weights.weights.get((layer, module))
+                if pair is not None:
+                    a[base:base + rank].copy_(pair[0], non_blocking=True)
+                    b[start:start + rank].copy_(pair[1], non_blocking=True)
         self.scaling[slot] = weights.scaling
 
     def set_token_slots(self, token_slots: np.ndarray | None) -> None:
@@ -85,46 +90,46 @@ class LoRASlots:
         rows = np.flatnonzero(token_slots >= 0)
         slots = token_slots[rows]
         factors[rows, slots] = np.asarray(self.scaling, dtype=np.float32)[slots]
-        self.mask = torch.from_numpy(factors).to(self.device, self.dtype).unsqueeze(-1)
+        self.mask = torch.from_numpy(factors).to(self.device, self.dtype)[:, None, :, None]
 
-    def delta(self, x: torch.Tensor, layer: int, module: str) -> torch.Tensor:
-        """The adapters' output of ``module`` for every row of ``x`` ``[num_tokens, in]``."""
-        mask = self.mask
-        xa = x @ self.a[(layer, module)].t()                     # [tokens, slots * rank]
-        xa = (xa.view(x.shape[0], self.num_slots, self.max_rank) * mask).flatten(1)
-        return xa @ self.b[(layer, module)]                      # [tokens, out]
+    def delta(self, x: torch.Tensor, layer: int, proj: str) -> torch.Tensor:
+        """The adapters' output of projection ``proj`` (its parts concatenated, as the fused
+        projection's output) for every row of ``x`` ``[num_tokens, in]``."""
+        modules = _MODULES_OF[proj]
+        num_tokens = x.shape[0]
+        xa = x @ self.a[(layer, proj)].t()                       # [tokens, parts * slots * rank]
+        xa = xa.view(num_tokens, len(modules), self.num_slots, self.max_rank) * self.mask
+        parts = [xa[:, p].reshape(num_tokens, -1) @ self.b[(layer, m)] for p, m in enumerate(modules)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
 
 class LoRALinear(nn.Module):
-    """``base(x)`` plus the delta of each PEFT module whose output it holds (``modules``:
-    one, or the parts of a fused projection in their order)."""
+    """``base(x)`` plus the adapters' delta of projection ``proj`` (one PEFT module, or the
+    parts of a fused projection in their order)."""
 
-    def __init__(self, base: nn.Module, slots: LoRASlots, layer: int, modules: Sequence[str]) -> None:
+    def __init__(self, base: nn.Module, slots: LoRASlots, layer: int, proj: str) -> None:
         super().__init__()
         self.base = base
         self.slots = slots
         self.layer = layer
-        self.modules_out = tuple(modules)
+        self.proj = proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         slots = self.slots
         if slots.mask is None:
             return y
-        xs = x.to(slots.dtype)
-        parts = [slots.delta(xs, self.layer, m) for m in self.modules_out]
-        delta = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
-        return y + delta.to(y.dtype)
+        return y + slots.delta(x.to(slots.dtype), self.layer, self.proj).to(y.dtype)
 
 
 def apply_lora(model: nn.Module, slots: LoRASlots) -> None:
     """Wrap every targeted projection of ``model``'s decoder layers (Llama family, Gemma 3)."""
     for i, layer in enumerate(model.layers):
-        for (block_name, proj), modules in FUSED_PROJECTIONS.items():
+        for block_name, proj in FUSED_PROJECTIONS:
             block = getattr(layer, block_name, None)
             base = getattr(block, proj, None)
             if base is None:
                 raise ValueError(f"LoRA is not implemented for {type(model).__name__}: layer {i} "
                                  f"has no {block_name}.{proj}")
             if not isinstance(base, LoRALinear):
-                setattr(block, proj, LoRALinear(base, slots, i, modules))
+                setattr(block, proj, LoRALinear(base, slots, i, proj))
