@@ -1,6 +1,6 @@
 """Throughput with four adapters in every batch against the base model alone, side by
 side in one run, on one engine (and the base model on an engine without LoRA): the same
-64 requests, greedy, outputs checked against each other's counts. Prints the figures;
+32 requests, greedy, outputs checked against each other's counts. Prints the figures;
 asserts only that the LoRA batch keeps a sane fraction of the base throughput (timings on
 a shared CPU vary)."""
 
@@ -19,7 +19,7 @@ from support.tiny_checkpoints import build_checkpoint
 
 pytestmark = pytest.mark.slow
 
-NUM_REQUESTS, PROMPT_LEN, MAX_NEW = 64, 32, 32
+NUM_REQUESTS, PROMPT_LEN, MAX_NEW, ROUNDS = 32, 32, 16, 3
 
 
 def _run(llm, prompts, lora_names) -> float:
@@ -45,11 +45,14 @@ def test_four_adapters_in_a_batch_vs_the_base_model(tmp_path):
                lora_modules=tuple(LoRAModule(n, str(p)) for n, p in adapters.items()), **kwargs)
     for llm, loras in ((plain, None), (lora, None), (lora, names * (NUM_REQUESTS // 4))):
         _run(llm, prompts[:8], loras[:8] if loras else None)    # warm-up
-    base_plain = _run(plain, prompts, None)
-    base_lora_engine = _run(lora, prompts, None)
-    mixed = _run(lora, prompts, names * (NUM_REQUESTS // 4))
+    best = [0.0, 0.0, 0.0]
+    for _ in range(ROUNDS):   # interleaved, best of each: the machine's other load varies
+        for i, (llm, loras) in enumerate(((plain, None), (lora, None), (lora, names * (NUM_REQUESTS // 4)))):
+            best[i] = max(best[i], _run(llm, prompts, loras))
+    base_plain, base_lora_engine, mixed = best
     load = os.getloadavg()[0]
     print(f"\n{NUM_REQUESTS} requests x {MAX_NEW} tokens (prompt {PROMPT_LEN}), load {load:.1f}: "
           f"base model, LoRA off {base_plain:.0f} tok/s | base model, LoRA on {base_lora_engine:.0f} "
-          f"tok/s | 4 adapters in every batch {mixed:.0f} tok/s ({mixed / base_plain:.0%} of base)")
+          f"tok/s | 4 adapters in every batch {mixed:.0f} tok/s ({mixed / base_plain:.0%} of base; "
+          f"best of {ROUNDS} interleaved rounds)")
     assert mixed > 0.2 * base_plain
