@@ -20,6 +20,8 @@ Layout, by the path a request takes (each sub-package's docstring says what it m
 - ``text/`` (no torch): tokens <-> text: tokenizer, tiktoken conversion, detokenizer, stop
   checks, chat templates.
 - ``offload/``: KV offload tiers (host memory, disk, LMCache).
+- ``lora/``: LoRA adapters: PEFT checkpoints, the adapter registry (device slots, host
+  LRU), the batched low-rank delta in the model's projections.
 - ``server/``: the OpenAI-compatible HTTP server; ``cli/``: the ``kvpilot`` command;
   ``bench/``: benchmarks.
 """

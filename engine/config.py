@@ -85,6 +85,8 @@ class SchedulerConfig:
     max_model_len: int = 2048
     policy: str = "fcfs"
     enable_chunked_prefill: bool = True
+    # Distinct LoRA adapters in one batch (--max-loras); None: LoRA is off.
+    max_loras: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -22,6 +22,7 @@ from kvpilot.engine.core.gguf_contract import find_gguf
 from kvpilot.engine.generation_defaults import load_generation_defaults
 from kvpilot.engine.kv_events.config import KVEventsConfig
 from kvpilot.engine.model.builtin_model import BUILTIN_MODEL_NAME, DEMO_MODEL, packaged_smollm2
+from kvpilot.engine.lora.config import LoRAConfig, LoRAModule
 from kvpilot.engine.model.device_memory import FAKE_DEVICE_MEMORY_ENV
 from kvpilot.engine.model.hf_config import ArchConfig, kv_cache_groups, load_arch_config
 
@@ -96,6 +97,15 @@ class EngineArgs:
     structured_outputs_config: StructuredOutputsConfig = StructuredOutputsConfig()
     # vLLM's --kv-events-config: publish KV-cache events over ZeroMQ (None = off).
     kv_events_config: KVEventsConfig | None = None
+    # LoRA adapters (vLLM's names): off unless enable_lora; see kvpilot.engine.lora.
+    enable_lora: bool = False
+    max_loras: int = _default(LoRAConfig, "max_loras")
+    max_lora_rank: int = _default(LoRAConfig, "max_lora_rank")
+    max_cpu_loras: int | None = None          # None: max_loras
+    lora_dtype: str = _default(LoRAConfig, "lora_dtype")
+    lora_modules: tuple[LoRAModule, ...] | None = None
+    # /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM: VLLM_ALLOW_RUNTIME_LORA_UPDATING)
+    allow_runtime_lora_updating: bool = False
 
     def resolve_device(self) -> str:
         if self.device != "auto":
@@ -153,6 +163,7 @@ class EngineArgs:
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched,
             max_model_len=max_model_len, policy=self.scheduling_policy,
             enable_chunked_prefill=self.enable_chunked_prefill,
+            max_loras=self.max_loras if self.enable_lora else None,
         )
         return model_config, cache_config, scheduler_config
 
@@ -183,6 +194,23 @@ class EngineArgs:
 
             return load_gguf_arch_config(gguf_file, self.architecture, self.hf_config_path)
         return load_arch_config(model, self.architecture)
+
+    def create_lora_config(self) -> LoRAConfig | None:
+        """The ``LoRAConfig``, or None when LoRA is off; ValueError for what cannot be served."""
+        if not self.enable_lora:
+            if self.lora_modules:
+                raise ValueError("--lora-modules needs --enable-lora")
+            return None
+        if self.tensor_parallel_size > 1:
+            raise ValueError("LoRA adapters are not implemented with tensor parallelism; use "
+                             "--tensor-parallel-size 1 or turn --enable-lora off")
+        if self.kv_offloading_size is not None and self.kv_offloading_backend == "lmcache":
+            raise ValueError("LoRA adapters with the lmcache offload backend would share KV across "
+                             "adapters (LMCache keys by tokens); use --kv-offloading-backend native")
+        return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
+                          max_cpu_loras=self.max_cpu_loras, lora_dtype=self.lora_dtype,
+                          modules=tuple(self.lora_modules or ()),
+                          allow_runtime_updates=self.allow_runtime_lora_updating)
 
     def create_parallel_config(self, arch: ArchConfig) -> ParallelConfig:
         """The ranks' devices; ValueError when the model cannot be split over

@@ -42,10 +42,13 @@ class LLM:
         use_tqdm: bool = False,
         priority: Sequence[int] | None = None,
         cache_salt: str | Sequence[str | None] | None = None,
+        lora_name: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order.
 
         A prompt is a string or a list of token ids (a single list of ints is one prompt).
+        ``lora_name``: the loaded LoRA adapter to run every prompt (or each prompt) under;
+        None is the base model.
         """
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -55,6 +58,9 @@ class LLM:
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
         salts = [cache_salt] * len(prompts) if cache_salt is None or isinstance(cache_salt, str) else list(cache_salt)
+        loras = [lora_name] * len(prompts) if lora_name is None or isinstance(lora_name, str) else list(lora_name)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} lora names for {len(prompts)} prompts")
         # Only finished requests are collected: no per-step output is built for them.
         final_only = {id(p): dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
                       for p in params_list}
@@ -63,7 +69,7 @@ class LLM:
         for i, (prompt, p) in enumerate(zip(prompts, params_list, strict=True)):
             rid = f"offline-{next(self._ids)}"
             self.llm_engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0,
-                                        cache_salt=salts[i])
+                                        cache_salt=salts[i], lora_name=loras[i])
             ids.append(rid)
         return self._run(ids, use_tqdm)
 

@@ -54,6 +54,7 @@ class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         model_config, cache_config, scheduler_config = args.create_configs()
         offload_config = args.create_offload_config()   # validated before the model loads
+        self.lora_config = args.create_lora_config()
         parallel_config = args.create_parallel_config(model_config.arch)
         self.args = args
         self.model_config = model_config
@@ -87,6 +88,7 @@ class LLMEngine:
                                   channel=workers.channel if workers else None)
         layout = self._kv_layout()
         sizing = self._size_kv_cache(layout)
+        self.lora = self._start_lora(device)    # its slots before the KV cache takes the rest
         self.cache_info = self._allocate_kv_cache(layout, sizing)
         num_blocks = sizing.num_blocks
         # The prefix hash chain's root: stable across restarts and processes (the offload
@@ -176,6 +178,62 @@ class LLMEngine:
             sched.max_num_seqs, sched.max_num_batched_tokens, self.model_config.max_model_len,
             cache.block_size, arch.sliding_window))
 
+    def _lora_device_bytes(self) -> int:
+        if self.lora_config is None:
+            return 0
+        from kvpilot.engine.lora.memory import lora_device_bytes
+
+        return lora_device_bytes(self.model_config.arch, self.lora_config, self.model_config.dtype)
+
+    def _start_lora(self, device: torch.device):
+        """The adapter registry over ``max_loras`` device slots, the ``--lora-modules``
+        loaded (a bad one stops start-up); None when LoRA is off."""
+        config = self.lora_config
+        if config is None:
+            return None
+        from kvpilot.engine.lora.checkpoint import read_peft_adapter
+        from kvpilot.engine.lora.config import projection_shapes
+        from kvpilot.engine.lora.counters import LoRACounters
+        from kvpilot.engine.lora.layers import LoRASlots
+        from kvpilot.engine.lora.registry import LoRARegistry
+        from kvpilot.engine.model.runner import TORCH_DTYPES
+
+        arch = self.model_config.arch
+        shapes = projection_shapes(arch)
+        dtype = TORCH_DTYPES[config.dtype_name(self.model_config.dtype)]
+        slots = LoRASlots(shapes, arch.num_hidden_layers, config.max_loras, config.max_lora_rank,
+                          dtype, device)
+        registry = LoRARegistry(
+            lambda path: read_peft_adapter(path, shapes, arch.num_hidden_layers,
+                                           config.max_lora_rank, dtype),
+            slots, config.host_capacity)
+        for module in config.modules:
+            registry.add(module.name, module.path, module.base_model_name)
+        self.runner.enable_lora(registry)
+        self._lora_counters = LoRACounters()
+        logger.info("LoRA: %d device slots of rank %d (%.1f MiB), %d adapters in host memory at most",
+                    config.max_loras, config.max_lora_rank, slots.num_bytes / (1 << 20),
+                    config.host_capacity)
+        return registry
+
+    # ---- adapters -------------------------------------------------------------
+    def add_lora(self, name: str, path: str, base_model_name: str | None = None):
+        """Load a PEFT adapter under ``name``; ValueError (``LoRACheckpointError``,
+        ``LoRAExistsError``) when it cannot be served. Returns its ``LoRARequest``."""
+        if self.lora is None:
+            raise ValueError("LoRA is not enabled (start the engine with enable_lora)")
+        return self.lora.add(name, path, base_model_name)
+
+    def remove_lora(self, name: str) -> None:
+        """Unload ``name``: new requests for it fail; those running finish with it."""
+        if self.lora is None:
+            raise ValueError("LoRA is not enabled (start the engine with enable_lora)")
+        self.lora.remove(name)
+
+    def list_loras(self) -> list:
+        """The loaded adapters (``registry.AdapterInfo``)."""
+        return [] if self.lora is None else self.lora.adapters()
+
     def _release_window(self) -> int | None:
         """The sliding window outside which blocks are released (all layers slide and a
         sequence can outgrow the window), else None."""
@@ -187,7 +245,8 @@ class LLMEngine:
         profiling); must hold one ``max_model_len`` sequence (on a model whose layers all
         slide: its window, one block, and a full prefill chunk)."""
         sizing = determine_num_blocks(layout, self.cache_config, self.runner, self.scheduler_config,
-                                      self.device_memory, self._memory_baseline)
+                                      self.device_memory, self._memory_baseline,
+                                      lora_bytes=self._lora_device_bytes())
         num_blocks = sizing.num_blocks
         capacity = layout.token_capacity(num_blocks)
         max_len = self.model_config.max_model_len
@@ -261,8 +320,11 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
                     arrival_time: float | None = None, priority: int = 0,
-                    cache_salt: str | None = None) -> None:
-        """Queue a request; raises ValueError for input that can never be served."""
+                    cache_salt: str | None = None, lora_name: str | None = None) -> None:
+        """Queue a request; raises ValueError for input that can never be served.
+
+        ``lora_name``: the adapter to run it under (None: the base model);
+        ``LoRANotFoundError`` (a ValueError) when no adapter of that name is loaded."""
         if request_id in self.output_processor.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self._prompt_ids(prompt)
@@ -276,6 +338,12 @@ class LLMEngine:
         if len(ids) + 1 > capacity:
             raise ValueError(f"prompt of {len(ids)} tokens can never fit the KV cache ({capacity} tokens)")
         self._check_params(params)
+        if lora_name is not None and self.lora is None:
+            raise ValueError(f"the request names LoRA adapter {lora_name!r} but LoRA is not enabled")
+        if lora_name is not None and lora_name not in self.lora:
+            from kvpilot.engine.lora.registry import LoRANotFoundError
+
+            raise LoRANotFoundError(f"The model `{lora_name}` does not exist.")
         if params.structured_outputs is not None:   # a bad constraint fails before anything is queued
             self.structured_output.backend.compile(params.structured_outputs)
         params = params.with_stop_ids(self.eos_token_ids)
@@ -297,6 +365,9 @@ class LLMEngine:
                                               0.0 if logprobs else None, holdback, max_stop_len,
                                               stop_matcher))
         for child in parent.children:
+            if lora_name is not None:   # a reference per request, dropped when it finishes
+                child.request.lora_request = self.lora.acquire(lora_name)
+                self._lora_counters.added(lora_name)
             self.structured_output.add_request(child.request)
             self.scheduler.add_request(child.request)
         self.output_processor.add(parent)
@@ -331,6 +402,10 @@ class LLMEngine:
         rid = child.request.request_id
         self.scheduler.finish_request(rid, status)
         self.runner.release(rid)
+        lora = child.request.lora_request
+        if lora is not None:
+            self.lora.release(lora)
+            self._lora_counters.finished(child.request)
         self.structured_output.remove(rid)
         self.output_processor.mark_finished(child, status)
 
@@ -433,6 +508,7 @@ class LLMEngine:
             **(dict(zip(("estimated_flops", "estimated_read_bytes", "estimated_write_bytes"),
                         self._estimated, strict=True)) if self._cost_model is not None else {}),
             **(self.kv_offload.stats().engine_stat_fields() if self.kv_offload is not None else {}),
+            lora=self._lora_stats() if self.lora is not None else None,
         )
 
     def _fail_requests(self, failed: dict[str, BaseException]) -> None:
@@ -449,6 +525,14 @@ class LLMEngine:
         because a step failed for them alone; the caller fails them, and only them."""
         failed, self._failed_requests = self._failed_requests, []
         return failed
+
+    def _lora_stats(self):
+        from kvpilot.engine.lora.stats import LoRAStats, adapter_names
+
+        lora = self.lora
+        return LoRAStats(self.lora_config.max_loras, adapter_names(self.scheduler.running),
+                         adapter_names(self.scheduler.waiting), self._lora_counters.snapshot(),
+                         len(lora.adapters()), lora.num_device_resident, lora.num_host_resident)
 
     def take_step_stats(self) -> StepStats:
         """What the steps since the previous call did (tokens per step, sampled KV block

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvpilot.engine.core.kv_residency import BlockResidency
+from kvpilot.engine.lora.stats import LoRAStats
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +48,8 @@ class EngineStats:
     estimated_flops: int | None = None
     estimated_read_bytes: int | None = None
     estimated_write_bytes: int | None = None
+    # LoRA adapters: running / waiting ones, counters per adapter (None when LoRA is off).
+    lora: LoRAStats | None = None
 
     @property
     def prompt_tokens_cached(self) -> int:

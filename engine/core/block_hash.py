@@ -4,7 +4,10 @@ The hash of full block ``i`` of a request covers everything the KV in that block
 depends on: the hash of block ``i - 1`` (so equal hashes mean equal prefixes, not
 just equal blocks), the block's token ids, and extra keys. The first block also
 carries the request's ``cache_salt``, which therefore separates whole chains: two
-tenants with different salts never share a block. The chain's root is derived from a
+tenants with different salts never share a block. Every block of a request run under a
+LoRA adapter carries the adapter's key (its name and checkpoint digest, as vLLM puts the
+adapter name in each block's extra keys), so the same prompt under two adapters, or under
+an adapter and the base model, never shares KV. The chain's root is derived from a
 configurable seed plus a fingerprint of everything that changes the bytes in a block
 (model, KV dtype, block size), so that hashes stay stable across restarts (the disk
 and LMCache tiers rely on that) yet never match KV of another model or layout.
@@ -48,13 +51,15 @@ def extend_block_hashes(
     cache_salt: str | None = None,
     *,
     first_token: int = 0,
+    lora_key: str | None = None,
 ) -> None:
     """Append the hashes of newly full blocks of ``token_ids`` to ``block_hashes`` in place.
 
     ``token_ids[0]`` is the sequence's token number ``first_token`` (a block boundary no
     later than the first unhashed block), so a caller can pass just the tokens of the
     blocks still to hash: hashing a growing sequence then costs O(new tokens), not
-    O(sequence) per filled block.
+    O(sequence) per filled block. ``lora_key``: the adapter's extra key for every block
+    (``LoRARequest.hash_extra_key``), None for the base model.
     """
     start = len(block_hashes)
     if first_token % block_size or first_token > start * block_size:
@@ -64,5 +69,7 @@ def extend_block_hashes(
     for i in range(start, num_full):
         parent = block_hashes[i - 1] if i > 0 else root
         extra = ("salt:" + cache_salt,) if (i == 0 and cache_salt) else ()
+        if lora_key is not None:
+            extra += (lora_key,)
         lo = i * block_size - first_token
         block_hashes.append(hash_block_tokens(parent, token_ids[lo:lo + block_size], extra))

@@ -109,6 +109,8 @@ class KVCacheManager:
                 extend_block_hashes(
                     request.block_hashes, request.token_ids_slice(start * bs, num_full * bs),
                     bs, self.hash_root, request.cache_salt, first_token=start * bs,
+                    lora_key=(request.lora_request.hash_extra_key
+                              if request.lora_request is not None else None),
                 )
 
     def find_prefix_hit(self, request: Request, max_blocks: int | None = None) -> PrefixHit:
@@ -273,8 +275,10 @@ class KVCacheManager:
                     run_start = i
                 continue
             if run_start is not None:
-                # vLLM's extra keys: the cache salt on a chain's first block, else None.
-                extra = [(request.cache_salt,) if j == 0 and request.cache_salt else None
+                # vLLM's extra keys: the adapter's name on every block of a LoRA request,
+                # then the cache salt on a chain's first block; None when neither.
+                lora = (request.lora_request.lora_name,) if request.lora_request is not None else ()
+                extra = [(*lora, request.cache_salt) if j == 0 and request.cache_salt else (lora or None)
                          for j in range(run_start, i)]
                 events.append((STORED, group, MEDIUM_GPU, run_start,
                                hashes[run_start - 1] if run_start else None,

@@ -10,8 +10,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvpilot.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvpilot.engine.lora.request import LoRARequest
 
 
 class RequestStatus(enum.Enum):
@@ -41,6 +45,7 @@ class Request:
     priority: int = 0
     cache_salt: str | None = None
     max_tokens: int = 16                 # resolved: never beyond max_model_len
+    lora_request: LoRARequest | None = None   # its adapter (None: the base model)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission

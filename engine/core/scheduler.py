@@ -8,7 +8,9 @@ the lowest-priority / newest running request is preempted: its blocks are freed 
 cached hashes survive, so resuming is often a prefix hit) and it goes back to the front
 of the waiting queue to be recomputed. Under the priority policy a waiting request that
 outranks a running one, and finds no batch slot or blocks, preempts the lowest-priority
-running request first (vLLM's priority scheduling).
+running request first (vLLM's priority scheduling). With LoRA on, at most ``max_loras``
+distinct adapters run at a time (one device slot each): a waiting request whose adapter
+would be one too many is passed over, in its place in the queue, until a slot frees.
 """
 
 from __future__ import annotations
@@ -202,8 +204,29 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        adapters = self._running_adapters()
+        passed_over: list[Request] = []
+        try:
+            self._admit_waiting(out, budget, adapters, passed_over)
+        finally:
+            for request in reversed(passed_over):   # back in their places at the front
+                self.waiting.add_preempted(request)
+
+    def _running_adapters(self) -> set[int] | None:
+        """The LoRA adapters of the running requests; None when LoRA is off."""
+        if self.config.max_loras is None:
+            return None
+        return {r.lora_request.lora_id for r in self.running if r.lora_request is not None}
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, adapters: set[int] | None,
+                       passed_over: list[Request]) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
+            lora = request.lora_request
+            if (adapters is not None and lora is not None and lora.lora_id not in adapters
+                    and len(adapters) >= self.config.max_loras):
+                passed_over.append(self.waiting.pop())
+                continue
             hit = self.kv.find_prefix_hit(request)
             if self._transfers is not None:
                 self._transfers.add_evicted(self.kv.pool.drain_evicted())
@@ -232,6 +255,8 @@ class Scheduler:
             self.running.append(request)
             out.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
+            if adapters is not None and lora is not None:
+                adapters.add(lora.lora_id)
 
     def _count_prompt_sources(self, request: Request, hit: PrefixHit) -> None:
         sources = self.prompt_token_sources

@@ -6,10 +6,12 @@ always profiles: after loading the weights it runs one worst-case step (a forwar
 cache may use::
 
     available = gpu_memory_utilization x total - weights - activation peak - non-torch growth
+                - LoRA slots
 
 measured from a baseline taken when the engine started, as vLLM does: the CUDA context and
 whatever other processes hold lie outside the budget (and free memory at start must cover
-it). Order of precedence for the block count: an explicit ``num_gpu_blocks``; a pinned
+it). The LoRA adapter slots (``--max-loras`` of ``--max-lora-rank``, allocated after the
+profile) are counted by their formula (``kvpilot.engine.lora.memory``). Order of precedence for the block count: an explicit ``num_gpu_blocks``; a pinned
 ``kv_cache_memory_bytes``, which must fit in ``available`` (else start-up fails naming both
 figures, or with ``clamp_kv_cache_memory`` the cache shrinks to ``available`` with a
 warning); else ``available``. On CPU without the hook nothing is profiled and the size must
@@ -49,6 +51,7 @@ class MemoryProfile:
     weights_bytes: int
     activation_peak_bytes: int
     non_torch_bytes: int
+    lora_bytes: int = 0           # the LoRA adapter slots, allocated after profiling
 
     @property
     def requested_bytes(self) -> int:
@@ -56,12 +59,14 @@ class MemoryProfile:
 
     @property
     def available_kv_bytes(self) -> int:
-        return self.requested_bytes - self.weights_bytes - self.activation_peak_bytes - self.non_torch_bytes
+        return (self.requested_bytes - self.weights_bytes - self.activation_peak_bytes
+                - self.non_torch_bytes - self.lora_bytes)
 
     def describe(self) -> str:
+        lora = f" - LoRA slots {self.lora_bytes / GIB:.2f} GiB" if self.lora_bytes else ""
         return (f"{self.gpu_memory_utilization:g} x {self.total_bytes / GIB:.2f} GiB total - weights "
                 f"{self.weights_bytes / GIB:.2f} GiB - activation peak {self.activation_peak_bytes / GIB:.2f} GiB "
-                f"- non-torch {self.non_torch_bytes / GIB:.2f} GiB")
+                f"- non-torch {self.non_torch_bytes / GIB:.2f} GiB{lora}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,8 +79,9 @@ class KVCacheSizing:
 
 
 def profile_memory(device_memory: DeviceMemory, baseline: MemorySnapshot, runner,
-                   cache: CacheConfig, scheduler: SchedulerConfig) -> MemoryProfile:
-    """Run the worst-case step and measure it against ``baseline`` (taken at engine start)."""
+                   cache: CacheConfig, scheduler: SchedulerConfig, lora_bytes: int = 0) -> MemoryProfile:
+    """Run the worst-case step and measure it against ``baseline`` (taken at engine start);
+    ``lora_bytes``: the LoRA slots still to allocate."""
     requested = int(baseline.total_bytes * cache.gpu_memory_utilization)
     if baseline.free_bytes < requested:
         raise ValueError(
@@ -91,7 +97,8 @@ def profile_memory(device_memory: DeviceMemory, baseline: MemorySnapshot, runner
         total_bytes=baseline.total_bytes, gpu_memory_utilization=cache.gpu_memory_utilization,
         weights_bytes=loaded.torch_allocated_bytes - baseline.torch_allocated_bytes,
         activation_peak_bytes=max(0, after.torch_peak_bytes - loaded.torch_allocated_bytes),
-        non_torch_bytes=max(0, after.non_torch_bytes - baseline.non_torch_bytes))
+        non_torch_bytes=max(0, after.non_torch_bytes - baseline.non_torch_bytes),
+        lora_bytes=lora_bytes)
     if runner.tp.world_size > 1:
         profile = _smallest_across_ranks(runner.tp, profile)
     logger.info("memory profile: %s -> %.2f GiB for the KV cache", profile.describe(),
@@ -105,7 +112,8 @@ def _smallest_across_ranks(tp, profile: MemoryProfile) -> MemoryProfile:
     mine = torch.tensor([profile.total_bytes, profile.weights_bytes, profile.activation_peak_bytes,
                          profile.non_torch_bytes], dtype=torch.int64)
     rows = tp.all_gather_cpu(mine).tolist()
-    profiles = [MemoryProfile(total, profile.gpu_memory_utilization, weights, activation, non_torch)
+    profiles = [MemoryProfile(total, profile.gpu_memory_utilization, weights, activation, non_torch,
+                              profile.lora_bytes)
                 for total, weights, activation, non_torch in rows]
     smallest = min(profiles, key=lambda p: p.available_kv_bytes)
     if smallest.available_kv_bytes < profile.available_kv_bytes:
@@ -140,13 +148,13 @@ def _pinned_blocks(layout: KVLayout, cache: CacheConfig, profile: MemoryProfile 
 
 def determine_num_blocks(layout: KVLayout, cache: CacheConfig, runner, scheduler: SchedulerConfig,
                          device_memory: DeviceMemory | None = None,
-                         baseline: MemorySnapshot | None = None) -> KVCacheSizing:
+                         baseline: MemorySnapshot | None = None, lora_bytes: int = 0) -> KVCacheSizing:
     """The KV block count (see the module docstring for the precedence)."""
     if cache.num_gpu_blocks is not None:
         return KVCacheSizing(cache.num_gpu_blocks)
     profile = None
     if device_memory is not None and baseline is not None:
-        profile = profile_memory(device_memory, baseline, runner, cache, scheduler)
+        profile = profile_memory(device_memory, baseline, runner, cache, scheduler, lora_bytes)
     if cache.kv_cache_memory_bytes is not None:
         return _pinned_blocks(layout, cache, profile)
     if profile is None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvpilot.engine.config import CacheConfig, ModelConfig, SchedulerConfig
@@ -159,6 +160,16 @@ class ModelRunner:
         self.count_nan_logits = False
         # Calibrate fp8 scales on the first batch unless the checkpoint brought its own.
         self._calibrate_pending = cache_config.calculate_kv_scales and not self.model.loaded_kv_scales
+        # The LoRA adapters (kvpilot.engine.lora.registry), None when LoRA is off.
+        self.lora = None
+
+    def enable_lora(self, registry) -> None:
+        """Serve LoRA adapters from ``registry``'s device slots: wraps the model's
+        targeted projections (each step then sets which rows run which adapter)."""
+        from kvpilot.engine.lora.layers import apply_lora
+
+        apply_lora(self.model, registry.slots)
+        self.lora = registry
 
     def allocate_kv_cache(self, num_blocks: int, num_sliding_blocks: int | None = None) -> None:
         """Allocate the cache (on every rank: ``num_blocks`` each, checked); a hybrid model's
@@ -202,9 +213,10 @@ class ModelRunner:
         """Capture decode graphs over the allocated cache: CUDA with the Triton backend,
         unless ``enforce_eager``. Call once, after ``allocate_kv_cache``."""
         if (self.device.type != "cuda" or self.model_config.enforce_eager
-                or self.backend.name != "triton" or self.tp.world_size > 1):
+                or self.backend.name != "triton" or self.tp.world_size > 1 or self.lora is not None):
             # NOTE: under tensor parallelism every step runs eagerly (graphs would have to
-            # be captured and replayed in lockstep on every rank, collectives included).
+            # be captured and replayed in lockstep on every rank, collectives included);
+            # so does every step with LoRA on (the rows' adapter factors are per step).
             return
         sizes = [s for s in capture_sizes(self.input_batch.max_num_seqs)
                  if s <= self.inputs.input_ids.cpu.shape[0]]
@@ -273,6 +285,8 @@ class ModelRunner:
         calibrate, self._calibrate_pending = self._calibrate_pending, False
         graphs = self.graphs if not calibrate else None
         step = self.inputs.build(out.scheduled, graphs.size_for if graphs is not None else None)
+        if self.lora is not None:
+            self._set_lora_rows(out.scheduled)
         if self.channel is None:
             logits = self.forward_step(step, calibrate)
         else:
@@ -292,6 +306,18 @@ class ModelRunner:
         self.input_batch.append_sampled(step.sample_rows, sampled.token_ids)
         logprobs = {req_ids[i]: r for i, r in sampled.logprobs.items()}
         return ModelRunnerOutput(req_ids, sampled.token_ids, logprobs, nan_req_ids)
+
+    def _set_lora_rows(self, scheduled) -> None:
+        """Put the step's adapters in device slots and give each token row its slot (the
+        rows follow ``scheduled``'s order, as the step's inputs do)."""
+        loras = [s.request.lora_request for s in scheduled]
+        if all(lora is None for lora in loras):
+            self.lora.slots.set_token_slots(None)
+            return
+        slot_of = self.lora.slots_for(lora.lora_id for lora in loras if lora is not None)
+        slots = np.array([-1 if lora is None else slot_of[lora.lora_id] for lora in loras], dtype=np.int64)
+        counts = np.array([s.num_new_tokens for s in scheduled], dtype=np.int64)
+        self.lora.slots.set_token_slots(np.repeat(slots, counts))
 
     def layer_metadata(self, step: StepInputs) -> AttentionMetadata | list[AttentionMetadata]:
         """The step's metadata for the model: one for all layers, or (a hybrid model) each

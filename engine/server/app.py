@@ -12,7 +12,7 @@ from anyio import CapacityLimiter
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
-from kvpilot.engine.server import routes_chat, routes_completions, routes_misc
+from kvpilot.engine.server import routes_chat, routes_completions, routes_lora, routes_misc
 from kvpilot.engine.server.api_key import APIKeyGuard, open_paths
 from kvpilot.engine.server.async_engine import AsyncEngine
 from kvpilot.engine.server.body_limit import BodyLimit
@@ -42,7 +42,8 @@ def _metrics_recorder(config: ServerConfig, registry: CollectorRegistry,
         model_name = config.reported_model_name(engine.model_config.served_model_name)
         metrics = ServerMetrics(registry, model_name, engine.cache_info,
                                 engine.model_config.max_model_len, stats,
-                                kv_cache_metrics=engine.args.kv_cache_metrics)
+                                kv_cache_metrics=engine.args.kv_cache_metrics,
+                                max_loras=engine.args.max_loras if engine.args.enable_lora else None)
         return metrics.record
 
     return on_ready
@@ -124,6 +125,7 @@ def build_app(state: ServerState) -> FastAPI:
     install_middleware(app, config)
     app.include_router(routes_completions.router)
     app.include_router(routes_chat.router)
+    app.include_router(routes_lora.router)
     app.include_router(routes_misc.router)
     _document_400_not_422(app)
     return app

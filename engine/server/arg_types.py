@@ -119,3 +119,13 @@ def kv_events_config(text: str):
         return KVEventsConfig.from_json(text)
     except (TypeError, ValueError) as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def lora_module(text: str):
+    """``--lora-modules`` entry: ``name=path`` or ``{"name", "path", "base_model_name"}``."""
+    from kvpilot.engine.lora.config import LoRAModule
+
+    try:
+        return LoRAModule.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

@@ -16,6 +16,7 @@ from kvpilot.engine.cli.parser import ArgumentParser
 from kvpilot.engine.config import StructuredOutputsConfig
 from kvpilot.engine.core.constants import MAX_TENSOR_PARALLEL_SIZE
 from kvpilot.engine.engine_args import EngineArgs
+from kvpilot.engine.lora.config import RUNTIME_LORA_UPDATING_ENV
 from kvpilot.engine.server.arg_types import parse_size
 from kvpilot.engine.server.flag_table import Flag, add_flags
 from kvpilot.engine.server.vllm_flags import SERVE_FLAGS
@@ -95,5 +96,9 @@ def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
         # vLLM's switch for the NaN check (an environment variable there too)
         compute_nans_in_logits=os.environ.get("VLLM_COMPUTE_NANS_IN_LOGITS", "0").lower()
         not in ("", "0", "false"),
+        # vLLM's switch for the runtime adapter routes (an environment variable there)
+        allow_runtime_lora_updating=ns.allow_runtime_lora_updating
+        or os.environ.get(RUNTIME_LORA_UPDATING_ENV, "").lower() in ("1", "true"),
+        lora_modules=tuple(ns.lora_modules) if ns.lora_modules else None,
     )
     return EngineArgs(**kwargs)

@@ -38,6 +38,7 @@ NOTE (threading invariants):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -47,8 +48,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvpilot.engine.exceptions import EngineDeadError
+from kvpilot.engine.lora.registry import LoRANotFoundError
 from kvpilot.engine.server.engine_client import (
     MAX_CONSECUTIVE_STEP_FAILURES,
+    AdapterNotFound,
     Add,
     EngineClient,
     EngineDead,
@@ -72,6 +75,30 @@ logger = logging.getLogger(__name__)
 @dataclass(slots=True)
 class _Abort:
     request_id: str
+
+
+@dataclass(slots=True)
+class _LoRACommand:
+    """Load or unload an adapter; the outcome resolves ``future`` on ``loop``."""
+
+    op: str                    # "load" | "unload"
+    name: str
+    path: str | None
+    base_model_name: str | None
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+
+    def resolve(self, result=None, error: BaseException | None = None) -> None:
+        def settle() -> None:
+            if self.future.done():
+                return
+            if error is not None:
+                self.future.set_exception(error)
+            else:
+                self.future.set_result(result)
+
+        with contextlib.suppress(RuntimeError):   # the loop is closed: nobody waits
+            self.loop.call_soon_threadsafe(settle)
 
 
 class AsyncEngine(EngineClient):
@@ -190,6 +217,16 @@ class AsyncEngine(EngineClient):
             self._commands.append(_Abort(request_id))
             self._cond.notify()
 
+    def _submit_lora(self, op, name, path, base_model_name, future) -> None:
+        with self._cond:
+            if self._dead or self._stopping:
+                raise EngineDead(f"the engine is not serving: {self._error or 'shutting down'}")
+            if not self._ready.is_set():
+                raise EngineNotReady("the engine is still loading")
+            self._commands.append(_LoRACommand(op, name, path, base_model_name, future,
+                                               asyncio.get_running_loop()))
+            self._cond.notify()
+
     # ------------------------------------------------------------ watchdog thread
 
     def _watch(self) -> None:
@@ -230,6 +267,9 @@ class AsyncEngine(EngineClient):
         if on_dead is not None:
             on_dead(self._declare_dead)
         self._stats = engine.get_stats()
+        list_loras = getattr(engine, "list_loras", None)
+        if list_loras is not None:
+            self._adapters = {a.name: a for a in list_loras()}
         self._ready.set()
         self._done.set()
         try:
@@ -299,11 +339,20 @@ class AsyncEngine(EngineClient):
                     aborts.append(cmd.request_id)
                     self._tracker.remove(cmd.request_id, ABORT)
                 continue
+            if isinstance(cmd, _LoRACommand):
+                if aborts:   # in order: what was aborted before it goes first
+                    engine.abort_request(aborts)
+                    aborts = []
+                _apply_lora(engine, cmd)
+                continue
             num_adds += cmd.params.n
             try:
                 engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params,
                                    arrival_time=cmd.arrival_time, cache_salt=cmd.cache_salt,
-                                   priority=cmd.priority)
+                                   priority=cmd.priority, lora_name=cmd.lora_name)
+            except LoRANotFoundError as exc:
+                cmd.live.deliver(AdapterNotFound(str(exc)))
+                continue
             except ValueError as exc:
                 cmd.live.deliver(RequestRejected(str(exc)))
                 continue
@@ -386,3 +435,11 @@ class AsyncEngine(EngineClient):
         for live in self._live.values():
             live.deliver(error)
         self._live.clear()
+
+
+def _apply_lora(engine: LLMEngine, cmd: _LoRACommand) -> None:
+    """Run a load / unload on the engine thread and hand its outcome to the event loop."""
+    from kvpilot.engine.server.lora_commands import run_lora_command
+
+    result, error = run_lora_command(engine, cmd.op, cmd.name, cmd.path, cmd.base_model_name)
+    cmd.resolve(result, error)

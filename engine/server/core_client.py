@@ -41,6 +41,9 @@ from kvpilot.engine.server.core_wire import (
     ABORT,
     ADD,
     DEAD,
+    LORA,
+    LORA_DONE,
+    LORA_NOT_FOUND,
     READY,
     START_FAILED,
     STEP,
@@ -50,6 +53,7 @@ from kvpilot.engine.server.core_wire import (
     unpack,
 )
 from kvpilot.engine.server.engine_client import (
+    AdapterNotFound,
     Add,
     EngineClient,
     EngineDead,
@@ -149,6 +153,8 @@ class CoreClient(EngineClient):
         self._live: dict[str, Live] = {}
         self._tracker = RequestStatsTracker()
         self._record: Callable[[IterationStats], None] | None = None
+        self._lora_ops: dict[int, asyncio.Future] = {}   # LoRA load / unload awaiting the core
+        self._next_lora_op = 0
 
     # ------------------------------------------------------------ life cycle
 
@@ -287,7 +293,16 @@ class CoreClient(EngineClient):
         self._live[add.request_id] = add.live
         self._tracker.add(add.request_id, add.params.n, add.arrival_time, add.params.max_tokens)
         self._send((ADD, add.request_id, add.prompt_token_ids, add.params, add.arrival_time,
-                    add.priority, add.cache_salt))
+                    add.priority, add.cache_salt, add.lora_name))
+
+    def _submit_lora(self, op, name, path, base_model_name, future) -> None:
+        if self._dead or self._stopping:
+            raise EngineDead(f"the engine is not serving: {self._error or 'shutting down'}")
+        if not self._ready:
+            raise EngineNotReady("the engine is still loading")
+        self._next_lora_op += 1
+        self._lora_ops[self._next_lora_op] = future
+        self._send((LORA, self._next_lora_op, op, name, path, base_model_name))
 
     def _submit_abort(self, request_id: str) -> None:
         if self._live.pop(request_id, None) is None:
@@ -332,6 +347,14 @@ class CoreClient(EngineClient):
                                           else RuntimeError(f"{type_name}: {text}"))
                 elif kind == DEAD:
                     self._declare_dead(EngineDeadError(message[1]))
+                elif kind == LORA_DONE:
+                    _, op_id, info, error = message
+                    future = self._lora_ops.pop(op_id, None)
+                    if future is not None and not future.done():
+                        if error is not None:
+                            future.set_exception(error)
+                        else:
+                            future.set_result(info)
             except Exception:  # noqa: BLE001 - one bad message must not stop the reader
                 logger.exception("handling a %s message from the engine core failed", kind)
 
@@ -344,6 +367,7 @@ class CoreClient(EngineClient):
             return
         self._view, self._record = view, record
         self._max_num_seqs = info.scheduler_config.max_num_seqs
+        self._adapters = {a.name: a for a in info.lora_adapters}
         with self._cond:
             self._stats = stats
         self._ready = True
@@ -364,8 +388,9 @@ class CoreClient(EngineClient):
             consumer = live.pop(request_id, None)
             tracker.discard(request_id)
             if consumer is not None:
-                consumer.queue.put_nowait(RequestRejected(text) if is_value_error
-                                          else RequestFailed(text))
+                consumer.queue.put_nowait(
+                    AdapterNotFound(text) if is_value_error == LORA_NOT_FOUND
+                    else RequestRejected(text) if is_value_error else RequestFailed(text))
         if failed is not None:
             request_ids, text = failed
             error = RequestFailed(f"the engine failed while serving this request: {text}")
@@ -429,6 +454,10 @@ class CoreClient(EngineClient):
             self._tracker.remove(request_id, ERROR)
 
     def _fail_all(self, error: BaseException) -> None:
+        ops, self._lora_ops = self._lora_ops, {}
+        for future in ops.values():
+            if not future.done():
+                future.set_exception(EngineDead(str(error)))
         live, self._live = self._live, {}
         for request_id, consumer in live.items():
             consumer.queue.put_nowait(error)

@@ -36,9 +36,13 @@ from typing import TYPE_CHECKING
 import zmq
 
 from kvpilot.engine.exceptions import EngineDeadError
+from kvpilot.engine.lora.registry import LoRANotFoundError
 from kvpilot.engine.server.core_wire import (
     ABORT,
     DEAD,
+    LORA,
+    LORA_DONE,
+    LORA_NOT_FOUND,
     READY,
     START_FAILED,
     STEP,
@@ -162,11 +166,19 @@ class EngineCore:
             if cmd[0] == ABORT:
                 aborts.append(cmd[1])
                 continue
-            _, request_id, prompt_token_ids, params, arrival_time, priority, cache_salt = cmd
+            if cmd[0] == LORA:
+                if aborts:   # in order: what was aborted before it goes first
+                    engine.abort_request(aborts)
+                    aborts = []
+                self._lora(*cmd[1:])
+                continue
+            _, request_id, prompt_token_ids, params, arrival_time, priority, cache_salt, lora_name = cmd
             num_adds += params.n
             try:
                 engine.add_request(request_id, prompt_token_ids, params, arrival_time=arrival_time,
-                                   priority=priority, cache_salt=cache_salt)
+                                   priority=priority, cache_salt=cache_salt, lora_name=lora_name)
+            except LoRANotFoundError as exc:
+                rejected.append((request_id, LORA_NOT_FOUND, str(exc)))
             except ValueError as exc:
                 rejected.append((request_id, True, str(exc)))
             except Exception as exc:  # noqa: BLE001 - a broken add fails only this request
@@ -175,6 +187,13 @@ class EngineCore:
         if aborts:
             engine.abort_request(aborts)
         return num_adds, rejected, len(aborts)
+
+    def _lora(self, op_id: int, op: str, name: str, path: str | None, base_model_name: str | None) -> None:
+        """Apply a LoRA load / unload and report its outcome at once."""
+        from kvpilot.engine.server.lora_commands import run_lora_command
+
+        info, error = run_lora_command(self.engine, op, name, path, base_model_name)
+        self._results.send(pack((LORA_DONE, op_id, info, error)))
 
     def _fail_step(self, exc: Exception) -> tuple[list[str], str] | None:
         """Abort every request after a failed step; None if even that fails."""
@@ -229,7 +248,8 @@ def main() -> int:
         context.destroy(linger=LINGER_MS)
         return 1
     engine.on_dead(_report_death_at_once(context, spec.output_address))
-    info = CoreInfo(engine.model_config, engine.scheduler_config, engine.cache_info, os.getpid())
+    info = CoreInfo(engine.model_config, engine.scheduler_config, engine.cache_info, os.getpid(),
+                    tuple(engine.list_loras()))
     results.send(pack((READY, info, engine.get_stats())))
     try:
         EngineCore(engine, commands, results, parent_fd).run()

@@ -24,14 +24,19 @@ if TYPE_CHECKING:
     from kvpilot.engine.config import KVCacheInfo, ModelConfig, SchedulerConfig
 
 # API process -> core: each item of a command list
-ADD = "add"        # (ADD, request_id, prompt_token_ids, params, arrival_time, priority, cache_salt)
+ADD = "add"        # (ADD, request_id, prompt_token_ids, params, arrival_time, priority, cache_salt,
+                   #  lora_name)
 ABORT = "abort"    # (ABORT, request_id)
+LORA = "lora"      # (LORA, op_id, "load" | "unload", name, path, base_model_name)
 
 # core -> API process
 READY = "ready"              # (READY, CoreInfo, EngineStats)
 START_FAILED = "start_failed"  # (START_FAILED, exception type name, message, is ValueError)
 STEP = "step"                # (STEP, rows, EngineStats, StepStats, num_adds, rejected, failed)
 DEAD = "dead"                # (DEAD, message): the engine can never serve again
+LORA_DONE = "lora_done"      # (LORA_DONE, op_id, AdapterInfo or None, exception or None)
+# In a rejected row's second field: the request named an adapter the engine does not serve.
+LORA_NOT_FOUND = "lora_not_found"
 
 # rejected: [(request_id, is ValueError, message)]; failed: None or (request_ids, message)
 
@@ -44,6 +49,7 @@ class CoreInfo:
     scheduler_config: SchedulerConfig
     cache_info: KVCacheInfo
     pid: int
+    lora_adapters: tuple = ()     # the adapters loaded at start-up (AdapterInfo)
 
 
 def pack(message: Any) -> bytes:

@@ -48,6 +48,10 @@ class RequestRejected(ValueError):
     """The engine refused the request (``add_request`` raised ValueError)."""
 
 
+class AdapterNotFound(RequestRejected):
+    """The request names a LoRA adapter the engine does not serve (any more)."""
+
+
 class RequestFailed(RuntimeError):
     """The engine raised while serving the request."""
 
@@ -85,6 +89,7 @@ class Add:
     arrival_time: float
     live: Live
     priority: int = 0
+    lora_name: str | None = None
 
 
 def num_waiting(stats: EngineStats | None, pending: int, max_num_seqs: int | None) -> int:
@@ -118,6 +123,49 @@ class EngineClient(abc.ABC):
         self._num_pending_adds = 0
         self._max_num_seqs: int | None = None
         self._error: BaseException | None = None
+        # The LoRA adapters as the engine last confirmed them (name -> AdapterInfo); a
+        # name leaves at once when its unload is submitted (then new requests get 404).
+        self._adapters: dict = {}
+        self._unloaded: set[str] = set()   # adapters unloaded since (their requests get 404)
+
+    @property
+    def lora_adapters(self) -> dict:
+        """The served LoRA adapters by name (``kvpilot.engine.lora.registry.AdapterInfo``)."""
+        return self._adapters
+
+    async def load_lora(self, name: str, path: str, base_model_name: str | None = None):
+        """Load a PEFT adapter in the engine; returns its ``AdapterInfo``. Raises
+        RequestRejected (bad checkpoint, name taken, LoRA off), EngineNotReady / EngineDead."""
+        info = await self._lora_command("load", name, path, base_model_name)
+        self._adapters[name] = info
+        self._unloaded.discard(name)
+        return info
+
+    def was_unloaded(self, name: str) -> bool:
+        """Whether ``name`` is an adapter unloaded (and not loaded again) since start-up."""
+        return name in self._unloaded
+
+    async def unload_lora(self, name: str) -> None:
+        """Unload an adapter: new requests for it fail at once (``AdapterNotFound``), those
+        already submitted finish with it. Raises AdapterNotFound for an unknown name."""
+        if name not in self._adapters:
+            raise AdapterNotFound(f"The lora adapter '{name}' cannot be found.")
+        del self._adapters[name]
+        self._unloaded.add(name)
+        await self._lora_command("unload", name, None, None)
+
+    async def _lora_command(self, op: str, name: str, path: str | None,
+                            base_model_name: str | None):
+        """Send a load / unload to the engine, in order with the requests; its result."""
+        future = asyncio.get_running_loop().create_future()
+        self._submit_lora(op, name, path, base_model_name, future)
+        return await future
+
+    def _submit_lora(self, op: str, name: str, path: str | None, base_model_name: str | None,
+                     future: asyncio.Future) -> None:
+        """Hand a LoRA load / unload to the engine (from the event loop); its outcome (an
+        ``AdapterInfo``, None, or an exception) resolves ``future``."""
+        raise EngineNotReady("this engine client does not serve LoRA adapters")
 
     @property
     @abc.abstractmethod
@@ -176,6 +224,7 @@ class EngineClient(abc.ABC):
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_name: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Submits a request and yields its outputs as deltas until it finishes.
 
@@ -193,7 +242,8 @@ class EngineClient(abc.ABC):
         if params.output_kind is not RequestOutputKind.DELTA:
             params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
         self._submit_add(Add(request_id, prompt_token_ids, params, cache_salt,
-                             time.time() if arrival_time is None else arrival_time, live, priority))
+                             time.time() if arrival_time is None else arrival_time, live, priority,
+                             lora_name))
         finished = False
         try:
             while True:

@@ -19,6 +19,7 @@ from typing import Any
 from kvpilot.engine.outputs import RequestOutput
 from kvpilot.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from kvpilot.engine.server.engine_client import (
+    AdapterNotFound,
     EngineDead,
     EngineNotReady,
     EngineStalled,
@@ -28,6 +29,7 @@ from kvpilot.engine.server.engine_client import (
     StepTimeout,
 )
 from kvpilot.engine.server.errors import (
+    NOT_FOUND,
     RATE_LIMIT,
     UNAVAILABLE,
     UNAVAILABLE_RETRY_AFTER,
@@ -61,6 +63,9 @@ def to_api_error(exc: BaseException, state: ServerState, request_id: str) -> API
         seconds = str(state.config.retry_after_seconds)
         return APIError(HTTPStatus.TOO_MANY_REQUESTS, f"server overloaded: {exc}; retry later",
                         type=RATE_LIMIT, code="rate_limit_exceeded", headers={"Retry-After": seconds})
+    if isinstance(exc, AdapterNotFound):   # unloaded while the request was on its way
+        return APIError(HTTPStatus.NOT_FOUND, str(exc), type=NOT_FOUND, param="model",
+                        code="model_not_found")
     if isinstance(exc, RequestRejected):
         return bad_request(str(exc))
     if isinstance(exc, EngineNotReady | EngineDead | EngineStalled):
@@ -212,7 +217,8 @@ class Generation:
     """
 
     def __init__(self, state: ServerState, request_id: str, prompts: list[list[int]],
-                 params: list[SamplingParams], cache_salt: str | None, priority: int = 0) -> None:
+                 params: list[SamplingParams], cache_salt: str | None, priority: int = 0,
+                 lora_name: str | None = None) -> None:
         self._state = state
         self.request_id = self._request_id = request_id
         self._params = params
@@ -221,7 +227,7 @@ class Generation:
                 log_request(state, f"{request_id}-{i}", ids, p, priority)
         self._streams = [
             state.engine.generate(f"{request_id}-{i}", ids, p, cache_salt=cache_salt,
-                                  priority=priority)
+                                  priority=priority, lora_name=lora_name)
             for i, (ids, p) in enumerate(zip(prompts, params, strict=True))
         ]
         self.first: list[RequestOutput] = []

@@ -30,6 +30,7 @@ from prometheus_client import (
 
 from kvpilot.engine.server.latency_tracker import ABORT, ERROR, IterationStats
 from kvpilot.engine.server.metrics_engine_stats import EngineStatsCollector
+from kvpilot.engine.server.metrics_lora import LoRAMetrics
 
 FINISHED_REASONS = ("stop", "length", ABORT, ERROR)
 
@@ -96,11 +97,12 @@ class ServerMetrics:
         stats_source: returns the newest ``EngineStats`` snapshot (or None).
         kv_cache_metrics: export the sampled KV block residency histograms
             (``--kv-cache-metrics``).
+        max_loras: ``--max-loras`` with LoRA on (``metrics_lora``), else None.
     """
 
     def __init__(self, registry: CollectorRegistry, model_name: str, cache_info,
                  max_model_len: int, stats_source: Callable[[], object | None],
-                 kv_cache_metrics: bool = False) -> None:
+                 kv_cache_metrics: bool = False, max_loras: int | None = None) -> None:
         labels = ["model_name"]
         self.model_name = model_name
         registry.register(EngineStatsCollector(stats_source, model_name))
@@ -187,6 +189,8 @@ class ServerMetrics:
                  "Times a finished request's sequences were preempted (all n together).",
                  PREEMPTIONS_BUCKETS, "num_preemptions")
 
+        self._lora = (LoRAMetrics(registry, model_name, max_loras, stats_source)
+                      if max_loras is not None else None)
         self._residency = None
         if kv_cache_metrics:
             self._residency = tuple(histogram(name, documentation, KV_RESIDENCY_BUCKETS) for name, documentation in (
@@ -216,6 +220,8 @@ class ServerMetrics:
                 value = getattr(finished, field)
                 if value is not None:
                     metric.observe(value)
+        if self._lora is not None:
+            self._lora.update()
         if self._residency is not None:
             lifetime, idle, reuse = self._residency
             for event in iteration.kv_block_residency:

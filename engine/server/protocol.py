@@ -323,6 +323,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "kvpilot"
     root: str | None = None
+    parent: str | None = None      # a LoRA adapter's base model (as vLLM lists adapters)
     max_model_len: int
 
 

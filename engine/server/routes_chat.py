@@ -47,7 +47,7 @@ from kvpilot.engine.server.response import (
     stream_events,
 )
 from kvpilot.engine.server.routes_common import generation_responses
-from kvpilot.engine.server.state import ServerState, ready_state
+from kvpilot.engine.server.state import ServerState, lora_name, ready_state
 from kvpilot.engine.server.structured import check_constraint, requested_constraint
 
 router = APIRouter()
@@ -66,6 +66,7 @@ def _check_request(body: ChatCompletionRequest, state: ServerState) -> None:
 async def create_chat_completion(body: ChatCompletionRequest, request: Request,
                                  state: ServerState = Depends(ready_state)):
     model = state.check_model(body.model)
+    lora = lora_name(state, body.model)   # now: an unload may come while we await
     _check_request(body, state)
     engine = state.engine.engine
     chat = state.config.chat
@@ -98,7 +99,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
                              structured_outputs=constraint)
     request_id = random_id("chatcmpl")
     created = int(time.time())
-    generation = Generation(state, request_id, [prompt], [params], body.cache_salt, body.priority)
+    generation = Generation(state, request_id, [prompt], [params], body.cache_salt, body.priority,
+                            lora_name=lora)
     decode = engine.tokenizer.decode
     parsed = chat.reasoning_parser is not None or plan.make_extractor is not None
 

@@ -34,7 +34,7 @@ from kvpilot.engine.server.response import (
     stream_events,
 )
 from kvpilot.engine.server.routes_common import generation_responses
-from kvpilot.engine.server.state import ServerState, ready_state
+from kvpilot.engine.server.state import ServerState, lora_name, ready_state
 from kvpilot.engine.server.structured import check_constraint, requested_constraint
 
 router = APIRouter()
@@ -56,6 +56,7 @@ def _check_request(body: CompletionRequest, state: ServerState) -> None:
 async def create_completion(body: CompletionRequest, request: Request,
                             state: ServerState = Depends(ready_state)):
     model = state.check_model(body.model)
+    lora = lora_name(state, body.model)   # now: an unload may come while we await
     _check_request(body, state)
     engine = state.engine.engine
     max_model_len = engine.model_config.max_model_len
@@ -73,7 +74,8 @@ async def create_completion(body: CompletionRequest, request: Request,
               for ids in prompts]
     request_id = random_id("cmpl")
     created = int(time.time())
-    generation = Generation(state, request_id, prompts, params, body.cache_salt, body.priority)
+    generation = Generation(state, request_id, prompts, params, body.cache_salt, body.priority,
+                            lora_name=lora)
     decode = engine.tokenizer.decode
 
     def events():

@@ -88,6 +88,10 @@ async def list_models(state: ServerState = Depends(ready_state)) -> ModelList:
     config = state.engine.engine.model_config
     cards = [ModelCard(id=name, created=state.created, root=config.model,
                        max_model_len=config.max_model_len) for name in state.model_names]
+    cards += [ModelCard(id=a.name, created=state.created, root=a.path,
+                        parent=a.base_model_name or state.model_name,
+                        max_model_len=config.max_model_len)
+              for a in state.engine.lora_adapters.values()]
     return ModelList(data=cards)
 
 

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 from kvpilot.engine.server.config import ServerConfig
 from kvpilot.engine.server.drain import Drain
 from kvpilot.engine.server.engine_client import EngineClient
-from kvpilot.engine.server.errors import UNAVAILABLE, UNAVAILABLE_RETRY_AFTER, APIError
+from kvpilot.engine.server.errors import NOT_FOUND, UNAVAILABLE, UNAVAILABLE_RETRY_AFTER, APIError
 from kvpilot.engine.server.prompts import LengthLimit
 
 T = TypeVar("T")
@@ -69,14 +69,27 @@ class ServerState:
         """Returns the name to report; raises 400 for a model this server does not serve.
 
         400, not OpenAI's 404: kvpilot's API contract (issue 4) files an unknown model
-        with the other invalid request parameters; the code stays ``model_not_found``.
+        with the other invalid request parameters; the code stays ``model_not_found``. A
+        LoRA adapter's name is served under its own name; one unloaded at run time is 404
+        (OpenAI's and vLLM's answer for a model that went away).
         """
+        adapters = self.engine.lora_adapters
+        if name is not None and name in adapters:
+            return name
+        if name is not None and self.engine.was_unloaded(name):
+            raise APIError(HTTPStatus.NOT_FOUND, f"The model `{name}` does not exist.",
+                           type=NOT_FOUND, param="model", code="model_not_found")
         if name is not None and name not in self.model_names:
-            served = ", ".join(self.model_names)
+            served = ", ".join((*self.model_names, *adapters))
             raise APIError(HTTPStatus.BAD_REQUEST,
                            f"The model `{name}` does not exist; this server serves: {served}",
                            param="model", code="model_not_found")
         return self.model_name
+
+
+def lora_name(state: ServerState, model: str | None) -> str | None:
+    """The LoRA adapter a request's ``model`` names, None for the base model."""
+    return model if model is not None and model in state.engine.lora_adapters else None
 
 
 def not_serving_message(error: BaseException) -> str:

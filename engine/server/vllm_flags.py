@@ -34,12 +34,14 @@ from kvpilot.engine.core.constants import (
 )
 from kvpilot.engine.core.request_queue import SCHEDULING_POLICIES
 from kvpilot.engine.engine_args import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_MAX_NUM_BATCHED_TOKENS
+from kvpilot.engine.lora.config import LORA_DTYPES, RUNTIME_LORA_UPDATING_ENV
 from kvpilot.engine.server.arg_types import (
     dtype,
     fraction,
     json_object,
     json_string_list,
     kv_events_config,
+    lora_module,
     max_logprobs,
     non_negative_float,
     non_negative_int,
@@ -98,7 +100,6 @@ def _r(name: str, why: str, *aliases: str) -> Flag:
 
 
 _on = {"action": "store_true"}
-_LORA = "LoRA adapters are not implemented"
 _SPEC = "speculative decoding is not implemented"
 _PARALLEL = "a replica is one node's tensor-parallel GPUs (no pipeline, data or expert parallelism); scale with replicas"
 _MM = "kvpilot serves text-only models (no multimodal inputs)"
@@ -234,19 +235,30 @@ SERVE_FLAGS: tuple[Flag, ...] = (
         _r("--compilation-config", "the model runs eagerly (no torch.compile / CUDA graph settings)", "-O"),
         _r("--enable-sleep-mode", _RUNTIME),
         _r("--config", "read flags from the command line (or the InferenceService resource) instead of a YAML file"),
-        _r("--enable-lora", _LORA),
-        _r("--lora-modules", _LORA),
-        _r("--max-loras", _LORA),
-        _r("--max-lora-rank", _LORA),
-        _r("--max-cpu-loras", _LORA),
-        _r("--lora-dtype", _LORA),
-        _r("--fully-sharded-loras", _LORA),
         _r("--speculative-config", _SPEC),
         _r("--limit-mm-per-prompt", _MM),
         _r("--mm-processor-kwargs", _MM),
         _r("--mm-processor-cache-gb", _MM),
         _r("--disable-mm-preprocessor-cache", _MM),
         _r("--allowed-local-media-path", _MM),
+    ),
+    *section(
+        "LoRA adapters",
+        _h("--enable-lora", "serve PEFT LoRA adapters (on q/k/v/o and the MLP projections) beside the base model: a request's `model` names its adapter, and requests of different adapters and of the base model share a batch",
+           engine="enable_lora", **_on),
+        _h("--lora-modules", "adapters loaded at start-up, each `name=path` or `{\"name\": ..., \"path\": ..., \"base_model_name\": ...}` (a PEFT directory: adapter_config.json + adapter_model.safetensors); a bad one stops start-up",
+           engine="lora_modules", type=lora_module, nargs="+", metavar="NAME=PATH"),
+        _h("--max-loras", "most distinct adapters in one batch (device slots; others wait)", engine="max_loras",
+           type=positive_int, metavar="N"),
+        _h("--max-lora-rank", "the largest adapter rank served (every slot is this wide; a larger adapter is refused)",
+           engine="max_lora_rank", type=positive_int, metavar="RANK"),
+        _h("--max-cpu-loras", "adapters whose weights stay in host memory (least recently used out first; read from disk again when needed); at least --max-loras",
+           engine="max_cpu_loras", type=positive_int, metavar="N", default_text="--max-loras"),
+        _h("--lora-dtype", "dtype of the adapter slots (`auto`: the model's)", engine="lora_dtype",
+           choices=LORA_DTYPES),
+        _k("--allow-runtime-lora-updating", f"serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind --api-key), as ${RUNTIME_LORA_UPDATING_ENV}=true does",
+           engine="allow_runtime_lora_updating", **_on),
+        _r("--fully-sharded-loras", "LoRA adapters are not implemented under tensor parallelism"),
     ),
     *section(
         "structured outputs, tools and reasoning",

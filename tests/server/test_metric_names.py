@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry
 
 from kvpilot.engine.config import KVCacheInfo
 from kvpilot.engine.core.kv_residency import BlockResidency
+from kvpilot.engine.lora.stats import AdapterCounters, LoRAStats
 from kvpilot.engine.server.latency_tracker import FinishedRequestStats, IterationStats
 from kvpilot.engine.server.metrics import ServerMetrics, token_buckets
 from kvpilot.engine.stats import EngineStats
@@ -31,7 +32,9 @@ class Exposed:
 def _full_stats() -> EngineStats:
     """A real snapshot with every optional figure present (offload on, MFU on)."""
     values = {f.name: 1 for f in dataclasses.fields(EngineStats)}
-    values.update(kv_cache_usage=0.5, num_gpu_blocks=64, num_free_blocks=32)
+    values.update(kv_cache_usage=0.5, num_gpu_blocks=64, num_free_blocks=32,
+                  lora=LoRAStats(4, ("sql", "chat"), ("chat",), (AdapterCounters("sql", 3, 30, 12),),
+                                 2, 2, 2))
     return EngineStats(**values)
 
 
@@ -43,7 +46,8 @@ def registry_metrics() -> dict[str, Exposed]:
                        bytes_per_block=1024, kv_cache_memory_bytes=65536,
                        enable_prefix_caching=True, gpu_memory_utilization=0.9,
                        profiled_available_bytes=1 << 20)
-    metrics = ServerMetrics(registry, "m", info, MAX_MODEL_LEN, _full_stats, kv_cache_metrics=True)
+    metrics = ServerMetrics(registry, "m", info, MAX_MODEL_LEN, _full_stats, kv_cache_metrics=True,
+                            max_loras=4)
     finished = FinishedRequestStats(("stop",), 1.0, 0.1, 5, 3, prefill_time=0.2, decode_time=0.7,
                                     inference_time=0.9, time_per_output_token=0.35, n=1,
                                     max_tokens=3, max_num_generation_tokens=3, num_preemptions=1,
@@ -93,7 +97,7 @@ def test_every_applicable_vllm_name_is_exported():
     assert {n for n in exposed if n.startswith("vllm:")} <= set(VLLM_METRICS)
     print(f"kvpilot exports {len(exported)} of vLLM's {len(VLLM_METRICS)} metric names "
           f"({len(exported)} of the {len(applicable)} that apply to a text-only engine "
-          "without LoRA, speculative decoding or sleep mode)")
+          "without speculative decoding or sleep mode)")
 
 
 def test_a_finished_request_splits_into_vllms_phases():

@@ -162,6 +162,16 @@ HONOURED_CASES = {
     "--kv-cache-metrics-sample": (["--kv-cache-metrics-sample", "0.5"],
                                   lambda ns, ea, sc: ea.kv_cache_metrics_sample == 0.5),
     "--enable-mfu-metrics": (["--enable-mfu-metrics"], lambda ns, ea, sc: ea.enable_mfu_metrics),
+    "--enable-lora": (["--enable-lora"], lambda ns, ea, sc: ea.create_lora_config() is not None),
+    "--lora-modules": (["--enable-lora", "--lora-modules", "sql=/a/sql",
+                        '{"name": "chat", "path": "/a/chat", "base_model_name": "base"}'],
+                       lambda ns, ea, sc: [(m.name, m.path, m.base_model_name)
+                                           for m in ea.lora_modules or ()]
+                       == [("sql", "/a/sql", None), ("chat", "/a/chat", "base")]),
+    "--max-loras": (["--max-loras", "4"], lambda ns, ea, sc: ea.max_loras == 4),
+    "--max-lora-rank": (["--max-lora-rank", "64"], lambda ns, ea, sc: ea.max_lora_rank == 64),
+    "--max-cpu-loras": (["--max-cpu-loras", "8"], lambda ns, ea, sc: ea.max_cpu_loras == 8),
+    "--lora-dtype": (["--lora-dtype", "bfloat16"], lambda ns, ea, sc: ea.lora_dtype == "bfloat16"),
 }
 
 
@@ -218,7 +228,9 @@ def test_bad_values_of_honoured_flags_are_clear(capsys):
                          (["--structured-outputs-config", '{"backend": "outlines"}'], "outlines"),
                          (["--structured-outputs-config", '{"nope": 1}'], "nope"),
                          (["--load-format", "pt"], "--load-format"),
-                         (["--override-generation-config", "[1]"], "JSON object")):
+                         (["--override-generation-config", "[1]"], "JSON object"),
+                         (["--lora-modules", "no-path"], "name=path"),
+                         (["--lora-modules", '{"name": "x"}'], "JSON object with name, path")):
         with pytest.raises(SystemExit):
             make_serve_parser().parse_args(argv)
         assert needle in capsys.readouterr().err

@@ -31,6 +31,7 @@ VLLM_METRICS: dict[str, tuple[str, tuple[str, ...], tuple | str | None]] = {
     "vllm:engine_sleep_state": ("gauge", ("sleep_state",), None),
     "vllm:kv_cache_usage_perc": ("gauge", (), None),
     "vllm:cache_config_info": ("gauge", None, None),   # labels: the cache config's fields
+    # no model_name: vLLM's labels are exactly these (tests/lora/test_server.py checks them)
     "vllm:lora_requests_info": ("gauge", None, None),
     "vllm:prefix_cache_queries_total": ("counter", (), None),
     "vllm:prefix_cache_hits_total": ("counter", (), None),
@@ -75,11 +76,10 @@ VLLM_METRICS: dict[str, tuple[str, tuple[str, ...], tuple | str | None]] = {
     "vllm:spec_decode_num_accepted_tokens_per_pos_total": ("counter", ("position",), None),
 }
 
-# vLLM's names that do not apply to kvpilot's engine (text-only, no LoRA, no speculative
+# vLLM's names that do not apply to kvpilot's engine (text-only, no speculative
 # decoding, no sleep mode), and applicable names kvpilot does not export, with why (none).
 NOT_APPLICABLE = {
     "vllm:engine_sleep_state": "sleep mode",
-    "vllm:lora_requests_info": "LoRA",
     "vllm:mm_cache_queries_total": "multimodal inputs",
     "vllm:mm_cache_hits_total": "multimodal inputs",
     "vllm:spec_decode_num_drafts_total": "speculative decoding",
