@@ -21,8 +21,8 @@ from kvpilot.engine.core.constants import MODEL_DTYPES
 from kvpilot.engine.core.gguf_contract import find_gguf
 from kvpilot.engine.generation_defaults import load_generation_defaults
 from kvpilot.engine.kv_events.config import KVEventsConfig
-from kvpilot.engine.model.builtin_model import BUILTIN_MODEL_NAME, DEMO_MODEL, packaged_smollm2
 from kvpilot.engine.lora.config import LoRAConfig, LoRAModule
+from kvpilot.engine.model.builtin_model import BUILTIN_MODEL_NAME, DEMO_MODEL, packaged_smollm2
 from kvpilot.engine.model.device_memory import FAKE_DEVICE_MEMORY_ENV
 from kvpilot.engine.model.hf_config import ArchConfig, kv_cache_groups, load_arch_config
 
