@@ -38,17 +38,18 @@ def kernel_digest(source: Path, flags: list[str]) -> str:
     return h.hexdigest()
 
 
-def find_cpu_kernel(name: str, flags: list[str]) -> Path | None:
-    """The prebuilt module ``name`` in ``$KVPILOT_PREBUILT_KERNELS`` built from today's source
-    with ``flags``, or None."""
+def find_cpu_kernel(name: str, flags: list[str], source: Path | None = None) -> Path | None:
+    """The prebuilt module ``name`` in ``$KVPILOT_PREBUILT_KERNELS`` built from today's
+    ``source`` (by default the paged-decode kernel's) with ``flags``, or None."""
     from kvpilot.kernels.paged_decode_cpu import SOURCE
 
+    source = source or SOURCE
     folder = os.environ.get(PREBUILT_KERNELS_ENV)
     if not folder:
         return None
     path = Path(folder) / f"{name}{sysconfig.get_config_var('EXT_SUFFIX')}"
     stamp = Path(folder) / f"{name}.sha256"
-    if not path.is_file() or not stamp.is_file() or stamp.read_text().strip() != kernel_digest(SOURCE, flags):
+    if not path.is_file() or not stamp.is_file() or stamp.read_text().strip() != kernel_digest(source, flags):
         return None
     return path
 
