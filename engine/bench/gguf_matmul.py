@@ -19,6 +19,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from kvpilot.engine.bench.cpu_attention import add_kernel_bench_args
+
 DEFAULT_SHAPES = "576x576,192x576,1536x576,576x1536"
 DEFAULT_TYPES = "Q8_0,Q4_0,Q4_1,Q4_K,Q5_K,Q6_K"
 
@@ -32,10 +34,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--act-dtype", choices=("bfloat16", "float32"), default="bfloat16",
                    help="activations of the quantized layers (default: %(default)s)")
     p.add_argument("--copies", type=int, default=30, help="weights cycled through (default: %(default)s)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
-    p.add_argument("--repeats", type=int, default=3, help="rounds; the fastest is reported")
-    p.add_argument("--json-out", default=None, help="also write the results to this JSON file")
-    p.set_defaults(func=run)
+    add_kernel_bench_args(p, run)
 
 
 @dataclass(frozen=True, slots=True)
