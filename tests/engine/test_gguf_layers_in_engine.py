@@ -1,5 +1,5 @@
-"""GGUF block weights inside a running engine: every decoder linear layer of a tiny Llama
-given GGUF storage (``layers.gguf_linear``) generates the same greedy tokens as the same
+"""GGUF block weights inside a running engine: every decoder linear layer, the token
+embedding and the LM head of a tiny Llama given GGUF storage (``layers.gguf_linear``) generates the same greedy tokens as the same
 engine holding the ``gguf`` package's dequantization of those blocks as float32 weights,
 through prefill (the tiled path), decode (the kernel) and prefix hits."""
 
@@ -15,6 +15,7 @@ from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.model.layers.gguf_linear import (
     load_gguf_weight,
     resident_bytes,
+    use_gguf_embedding,
     use_gguf_weight,
 )
 from kvpilot.kernels import gguf_matmul_cpu
@@ -55,6 +56,16 @@ def _swap_in_gguf(quantized: LLM, dense: LLM, qtypes: tuple[T, ...], rng: np.ran
             total += sum(r.nbytes for r in raws)
             with torch.no_grad():
                 d.weight.copy_(torch.cat([torch.from_numpy(dequantize(r, t)) for t, r in zip(types, raws, strict=True)]))
+    for name in ("embed_tokens", "lm_head"):      # the embedding, and the untied LM head
+        q, d = (llm.llm_engine.runner.model.get_submodule(name) for llm in (quantized, dense))
+        raw = _blocks(qtypes[0], d.weight.detach(), rng)
+        assert use_gguf_embedding(q, int(qtypes[0])) is None
+        load_gguf_weight(q, raw, int(qtypes[0]))
+        assert resident_bytes(q) == raw.nbytes
+        total += raw.nbytes
+        with torch.no_grad():
+            d.weight.copy_(torch.from_numpy(dequantize(raw, qtypes[0])))
+    dense.llm_engine.runner.model.use_transposed_output_weight()    # the CPU head's copy, renewed
     return total
 
 
@@ -65,11 +76,13 @@ def test_gguf_layers_generate_like_their_dequantized_weights(tiny_checkpoint, qt
     kw = dict(dtype="float32", num_gpu_blocks=64, max_model_len=256, max_num_batched_tokens=48)
     quantized, dense = LLM(path, **kw), LLM(path, **kw)
     before = resident_bytes(quantized.llm_engine.runner.model)
-    linears = sum(resident_bytes(layer.get_submodule(name)) for layer in quantized.llm_engine.runner.model.layers
-                  for name in LINEARS)
+    model = quantized.llm_engine.runner.model
+    assert model.lm_head is not None
+    linears = sum(resident_bytes(layer.get_submodule(name)) for layer in model.layers for name in LINEARS)
+    linears += resident_bytes(model.embed_tokens) + resident_bytes(model.lm_head)
     blocks = _swap_in_gguf(quantized, dense, qtypes, np.random.default_rng(0))
     assert blocks < linears * 0.3       # at most 8.5 bits a weight against float32's 32
-    assert resident_bytes(quantized.llm_engine.runner.model) == before - linears + blocks
+    assert resident_bytes(model) == before - linears + blocks
     rng = np.random.default_rng(1)
     shared = rng.integers(3, 512, 40).tolist()
     prompts = [rng.integers(3, 512, n).tolist() for n in (1, 7, 90)] + [shared + [5], shared + [6, 7]]

@@ -153,3 +153,26 @@ def test_a_tensor_that_does_not_fit_is_refused():
         assert "not a whole number of Q4_K blocks" in use_gguf_weight(odd, int(T.Q4_K))
         with pytest.raises(ValueError, match="2 ggml types for a layer of 1 parts"):
             use_gguf_weight(odd, [int(T.Q4_K)] * 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_1, T.Q6_K], ids=lambda t: t.name)
+def test_embedding_decodes_only_the_rows_it_reads(qtype, dtype):
+    """The token embedding (and a tied LM head) kept as blocks: lookups equal
+    ``F.embedding`` over the dequantized table in the model dtype."""
+    from kvpilot.engine.model.layers.gguf_linear import use_gguf_embedding
+    from kvpilot.engine.model.parallel.linear import VocabParallelEmbedding
+
+    vocab, hidden = 300, 256
+    raw = random_blocks(qtype, vocab, hidden, np.random.default_rng(21))
+    with torch.device("meta"):
+        emb = VocabParallelEmbedding(vocab, hidden, TPGroup()).to(dtype)
+        assert use_gguf_embedding(emb, int(qtype)) is None
+    emb = emb.to_empty(device="cpu")
+    load_gguf_weight(emb, raw, int(qtype))
+    assert resident_bytes(emb) == raw.nbytes
+    table = torch.from_numpy(reference_dequantize(raw, qtype))
+    ids = torch.tensor([[0, 299, 5], [17, 17, 42]])
+    got = emb(ids)
+    assert got.dtype == dtype and got.shape == (2, 3, hidden)
+    torch.testing.assert_close(got, F.embedding(ids, table).to(dtype), rtol=0, atol=0)

@@ -147,6 +147,36 @@ def use_gguf_weight(linear: nn.Module, qtype: int | Sequence[int],
     return None
 
 
+def use_gguf_embedding(embedding: nn.Module, qtype: int, device: torch.device | str = "cpu") -> str | None:
+    """GGUF storage for a (meta-device) ``VocabParallelEmbedding`` (the token embedding,
+    and the LM head when the two are tied): a lookup decodes only the rows it reads
+    (``gguf_embedding``), the LM head multiplies through ``gguf_linear``. None when it
+    did, else why not (logged; the weight stays in the model dtype)."""
+    rows, columns = embedding.weight.shape
+    reason = fast_path_reason(embedding, [qtype], device)
+    if reason is None:
+        try:
+            layout = build_layout(columns, [rows], [qtype])
+        except ValueError as exc:
+            reason = str(exc)
+    if reason is not None:
+        logger.info("GGUF %s embedding [%d, %d] dequantized at load: %s", qtype_name(qtype), rows, columns, reason)
+        return reason
+    embedding.gguf_dtype = embedding.weight.dtype      # what a lookup returns
+    embedding.weight = nn.Parameter(torch.empty(layout.num_bytes, dtype=torch.uint8, device=embedding.weight.device),
+                                    requires_grad=False)
+    embedding.gguf = layout
+    return None
+
+
+def gguf_embedding(input_ids: torch.Tensor, weight: torch.Tensor, layout: GgufLayout,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """The embeddings of ``input_ids`` in ``dtype``, decoding only their rows."""
+    (part,) = layout.parts
+    rows = weight.view(part.rows, part.bytes_per_row).index_select(0, input_ids.reshape(-1))
+    return gguf_matmul_cpu.dequantize(rows, part.qtype).to(dtype).reshape(*input_ids.shape, layout.columns)
+
+
 def _as_tensor(raw: np.ndarray | torch.Tensor) -> torch.Tensor:
     if isinstance(raw, torch.Tensor):
         return raw

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvpilot.engine.model.layers.fp8_linear import fp8_linear
-from kvpilot.engine.model.layers.gguf_linear import gguf_linear
+from kvpilot.engine.model.layers.gguf_linear import gguf_embedding, gguf_linear
 from kvpilot.engine.model.parallel.group import TPGroup
 from kvpilot.engine.model.parallel.sharding import (
     Shard,
@@ -156,6 +156,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_size = vocab_size
         self.shard = padded_shard(vocab_size, tp.rank, tp.world_size)
         self.weight = nn.Parameter(torch.empty(self.shard.size, hidden_size))
+        self.gguf = None   # a GgufLayout once ``use_gguf_embedding`` gave it GGUF blocks
 
     def load_weight(self, name: str, src: Any, shard_id: int | None) -> None:
         check_shape(src, (self.vocab_size, self.weight.shape[1]))
@@ -164,6 +165,8 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.data[rows.shape[0]:].zero_()     # padding rows: logits 0, sliced off
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.gguf is not None:         # one rank only (use_gguf_embedding)
+            return gguf_embedding(input_ids, self.weight, self.gguf, self.gguf_dtype)
         if self.tp.world_size == 1:
             return F.embedding(input_ids, self.weight)
         local = input_ids - self.shard.start
