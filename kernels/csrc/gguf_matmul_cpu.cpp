@@ -246,8 +246,9 @@ int64_t check_weight(const torch::Tensor& w, int type_size, int block) {
   return w.size(1) / type_size * block;   // columns
 }
 
-// Rows per task: enough bytes for a thread's start to pay off.
-int64_t grain_rows(int64_t bytes_per_row) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(bytes_per_row, 1)); }
+// Rows per task: enough weight bytes (256 KiB) for waking another thread to pay off;
+// a smaller layer runs on the calling thread without an OpenMP region.
+int64_t grain_rows(int64_t bytes_per_row) { return std::max<int64_t>(1, (256 << 10) / std::max<int64_t>(bytes_per_row, 1)); }
 
 template <typename F>
 torch::Tensor dequantize_as(const torch::Tensor& w) {
