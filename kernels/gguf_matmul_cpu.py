@@ -35,6 +35,7 @@ QTYPES = {
 MAX_VECTOR_BATCH = 16
 # -fopenmp: ATen's parallel_for is an inline OpenMP region in torch's CPU builds.
 CFLAGS = ["-O3", "-ffast-math", "-fopenmp"]
+LDFLAGS = ("-lm", "-fopenmp")
 
 
 def variant(isa: str | None) -> tuple[str, list[str]]:
@@ -48,7 +49,7 @@ def load() -> ModuleType | None:
     """The compiled kernel module, or None if it cannot be built."""
     name, flags = variant(torch.backends.cpu.get_cpu_capability())
     return load_cpu_extension(name, SOURCE, flags, "CPU GGUF matmul kernel",
-                              "GGUF weights are dequantized when they load", ldflags=("-lm", "-fopenmp"))
+                              "GGUF weights are dequantized when they load", LDFLAGS)
 
 
 def _module() -> ModuleType:

@@ -31,6 +31,7 @@ DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 # -ffast-math lets the exp loop vectorize through glibc's vector math (libmvec) and the
 # sums reassociate (results stay within float32 rounding of the reference).
 CFLAGS = ["-O3", "-ffast-math", "-fopenmp-simd"]
+LDFLAGS = ("-lm",)
 # Vector units by torch's reading of this CPU; the build is cached under a name that
 # includes it, so a cache shared by different machines never runs AVX-512 code on an
 # AVX2-only one.
@@ -52,7 +53,7 @@ def load() -> ModuleType | None:
     cannot be built (decode attention then runs on the pure-torch path)."""
     name, flags = variant(torch.backends.cpu.get_cpu_capability())
     return load_cpu_extension(name, SOURCE, flags, "CPU paged-decode kernel",
-                              "decode attention runs on the pure-torch path")
+                              "decode attention runs on the pure-torch path", LDFLAGS)
 
 
 def supports(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
