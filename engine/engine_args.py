@@ -17,11 +17,11 @@ from kvpilot.engine.config import (
     SchedulerConfig,
     StructuredOutputsConfig,
 )
-from kvpilot.engine.core.constants import MODEL_DTYPES
 from kvpilot.engine.core.gguf_contract import find_gguf
 from kvpilot.engine.generation_defaults import load_generation_defaults
 from kvpilot.engine.kv_events.config import KVEventsConfig
 from kvpilot.engine.lora.config import LoRAConfig, LoRAModule
+from kvpilot.engine.model.auto_dtype import resolve_auto_dtype
 from kvpilot.engine.model.builtin_model import BUILTIN_MODEL_NAME, DEMO_MODEL, packaged_smollm2
 from kvpilot.engine.model.device_memory import FAKE_DEVICE_MEMORY_ENV
 from kvpilot.engine.model.hf_config import ArchConfig, kv_cache_groups, load_arch_config
@@ -128,10 +128,8 @@ class EngineArgs:
         device = self.resolve_device()
         dtype = self.dtype
         if dtype == "auto":
-            # 16-bit matmuls are slow on most CPUs: compute in float32 there.
-            dtype = arch.dtype if device != "cpu" else "float32"
-            if dtype not in MODEL_DTYPES:
-                dtype = "bfloat16"
+            dtype, why = resolve_auto_dtype(arch.dtype, device)
+            logger.info("--dtype auto: computing in %s (%s)", dtype, why)
         max_model_len = self.max_model_len or arch.max_position_embeddings
         name = self.served_model_name or self._default_name(model_dir, gguf_file is not None)
         tokenizer = self.tokenizer

@@ -19,22 +19,19 @@ pure-torch path. fp8 caches are not handled here (the torch path dequantizes the
 from __future__ import annotations
 
 import functools
-import importlib.util
-import logging
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
-from kvpilot.kernels.prebuilt import find_cpu_kernel
-
-logger = logging.getLogger(__name__)
+from kvpilot.kernels.cpu_extension import load_cpu_extension
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 # -ffast-math lets the exp loop vectorize through glibc's vector math (libmvec) and the
 # sums reassociate (results stay within float32 rounding of the reference).
 CFLAGS = ["-O3", "-ffast-math", "-fopenmp-simd"]
+LDFLAGS = ("-lm",)
 # Vector units by torch's reading of this CPU; the build is cached under a name that
 # includes it, so a cache shared by different machines never runs AVX-512 code on an
 # AVX2-only one.
@@ -53,23 +50,10 @@ def variant(isa: str | None) -> tuple[str, list[str]]:
 @functools.cache
 def load() -> ModuleType | None:
     """The compiled kernel module (prebuilt, or built on the first call), or None if it
-    cannot be built."""
+    cannot be built (decode attention then runs on the pure-torch path)."""
     name, flags = variant(torch.backends.cpu.get_cpu_capability())
-    prebuilt = find_cpu_kernel(name, flags)   # the engine image's (kvpilot.kernels.prebuilt)
-    if prebuilt is not None:
-        spec = importlib.util.spec_from_file_location(name, prebuilt)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    try:
-        from torch.utils.cpp_extension import load as build
-
-        logger.info("loading the CPU paged-decode kernel (built on its first use on a machine, about 30 s; cached after)")
-        return build(name, [str(SOURCE)], extra_cflags=flags, extra_ldflags=["-lm"], verbose=False)
-    except Exception as exc:  # noqa: BLE001 - no compiler, no headers: the torch path serves
-        logger.warning("the CPU paged-decode kernel could not be built (%s: %s); decode attention "
-                       "runs on the pure-torch path", type(exc).__name__, str(exc).strip()[-500:])
-        return None
+    return load_cpu_extension(name, SOURCE, flags, "CPU paged-decode kernel",
+                              "decode attention runs on the pure-torch path", LDFLAGS)
 
 
 def supports(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:

@@ -2,10 +2,11 @@
 
 Two things are otherwise compiled on a serving machine at first use:
 
-- the CPU paged-decode kernel (``paged_decode_cpu``): ``build_cpu_kernels(dest)`` compiles
-  one module per ISA variant (AVX-512, AVX2, baseline) with torch's ``BuildExtension``,
+- the CPU kernels (``CPU_KERNELS``: the paged-decode kernel ``paged_decode_cpu`` and the
+  GGUF matmul ``gguf_matmul_cpu``): ``build_cpu_kernels(dest)`` compiles each as one
+  module per ISA variant (AVX-512, AVX2, baseline) with torch's ``BuildExtension``,
   without importing any (an AVX-512 build never runs on the builder's CPU), each with a
-  digest of its source, flags and torch version beside it. ``paged_decode_cpu.load()``
+  digest of its source, flags and torch version beside it. The kernel's ``load()``
   imports the variant for the CPU it runs on from ``$KVPILOT_PREBUILT_KERNELS`` when that
   digest matches, and builds as before otherwise;
 - Triton's CUDA driver module: ``kvpilot.kernels.triton_cache``.
@@ -38,42 +39,52 @@ def kernel_digest(source: Path, flags: list[str]) -> str:
     return h.hexdigest()
 
 
-def find_cpu_kernel(name: str, flags: list[str]) -> Path | None:
-    """The prebuilt module ``name`` in ``$KVPILOT_PREBUILT_KERNELS`` built from today's source
-    with ``flags``, or None."""
+def find_cpu_kernel(name: str, flags: list[str], source: Path | None = None) -> Path | None:
+    """The prebuilt module ``name`` in ``$KVPILOT_PREBUILT_KERNELS`` built from today's
+    ``source`` (by default the paged-decode kernel's) with ``flags``, or None."""
     from kvpilot.kernels.paged_decode_cpu import SOURCE
 
+    source = source or SOURCE
     folder = os.environ.get(PREBUILT_KERNELS_ENV)
     if not folder:
         return None
     path = Path(folder) / f"{name}{sysconfig.get_config_var('EXT_SUFFIX')}"
     stamp = Path(folder) / f"{name}.sha256"
-    if not path.is_file() or not stamp.is_file() or stamp.read_text().strip() != kernel_digest(SOURCE, flags):
+    if not path.is_file() or not stamp.is_file() or stamp.read_text().strip() != kernel_digest(source, flags):
         return None
     return path
 
 
-def build_cpu_kernels(dest: Path, isas: tuple[str | None, ...] | None = None) -> list[Path]:
-    """Compile the CPU paged-decode kernel into ``dest`` for each of ``isas`` (None: every
-    variant ``paged_decode_cpu.ISA_FLAGS`` knows on x86, and the baseline); returns the modules."""
+# the CPU kernel modules (each defines SOURCE, LDFLAGS and variant(isa) -> (name, flags))
+CPU_KERNELS = ("kvpilot.kernels.paged_decode_cpu", "kvpilot.kernels.gguf_matmul_cpu")
+
+
+def build_cpu_kernels(dest: Path, isas: tuple[str | None, ...] | None = None,
+                      kernels: tuple[str, ...] = CPU_KERNELS) -> list[Path]:
+    """Compile each of ``kernels`` into ``dest`` for each of ``isas`` (None: every variant
+    ``paged_decode_cpu.ISA_FLAGS`` knows on x86, and the baseline); returns the modules."""
+    from importlib import import_module
+
     from setuptools import setup
     from torch.utils.cpp_extension import BuildExtension, CppExtension
 
-    from kvpilot.kernels.paged_decode_cpu import ISA_FLAGS, SOURCE, variant
+    from kvpilot.kernels.paged_decode_cpu import ISA_FLAGS
 
     dest.mkdir(parents=True, exist_ok=True)
     built = []
     if isas is None:  # the ISA variants are x86's; elsewhere only the baseline
         isas = (*ISA_FLAGS, None) if platform.machine().lower() in ("x86_64", "amd64") else (None,)
-    for isa in isas:
-        name, flags = variant(isa)
-        with tempfile.TemporaryDirectory() as tmp, contextlib.chdir(tmp):  # no project config read
-            setup(name=name, packages=[], py_modules=[],
-                  ext_modules=[CppExtension(name, [str(SOURCE)], extra_compile_args=flags, extra_link_args=["-lm"])],
-                  cmdclass={"build_ext": BuildExtension.with_options(use_ninja=False)},
-                  script_args=["-q", "build_ext", "--build-lib", str(dest.resolve()), "--build-temp", tmp])
-        (dest / f"{name}.sha256").write_text(kernel_digest(SOURCE, flags) + "\n")
-        built.append(dest / f"{name}{sysconfig.get_config_var('EXT_SUFFIX')}")
+    for kernel in map(import_module, kernels):
+        for isa in isas:
+            name, flags = kernel.variant(isa)
+            with tempfile.TemporaryDirectory() as tmp, contextlib.chdir(tmp):  # no project config read
+                setup(name=name, packages=[], py_modules=[],
+                      ext_modules=[CppExtension(name, [str(kernel.SOURCE)], extra_compile_args=flags,
+                                                extra_link_args=list(kernel.LDFLAGS))],
+                      cmdclass={"build_ext": BuildExtension.with_options(use_ninja=False)},
+                      script_args=["-q", "build_ext", "--build-lib", str(dest.resolve()), "--build-temp", tmp])
+            (dest / f"{name}.sha256").write_text(kernel_digest(kernel.SOURCE, flags) + "\n")
+            built.append(dest / f"{name}{sysconfig.get_config_var('EXT_SUFFIX')}")
     return built
 
 

@@ -57,4 +57,8 @@ fi
 # warns and runs the pure-torch path.
 "$venv/bin/python" -I -c "from kvpilot.kernels import paged_decode_cpu; paged_decode_cpu.load()" \
   || echo "WARNING: the CPU decode kernel was not built; the engine will use the pure-torch path" >&2
+# The same for the GGUF matmul kernel (GGUF weights kept as blocks; without it they are
+# dequantized at load).
+"$venv/bin/python" -I -c "from kvpilot.kernels import gguf_matmul_cpu; gguf_matmul_cpu.load()" \
+  || echo "WARNING: the CPU GGUF kernel was not built; GGUF weights will be dequantized at load" >&2
 touch "$stamp"

@@ -30,6 +30,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--shapes", default=DEFAULT_SHAPES,
                    help="comma-separated SEQSxHEADS/KV_HEADSxHEAD_SIZExCONTEXT (default: %(default)s)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    add_kernel_bench_args(p, run)
+
+
+def add_kernel_bench_args(p: argparse.ArgumentParser, run) -> None:
+    """The options every CPU kernel benchmark shares (``run`` is its command)."""
     p.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=3, help="rounds; the fastest is reported")
     p.add_argument("--json-out", default=None, help="also write the results to this JSON file")

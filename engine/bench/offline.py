@@ -14,6 +14,10 @@ worker processes on CPU) on the same workload, right after the one-rank engine, 
 prints both throughputs, the time per engine step of each and the share of requests
 whose tokens agree (greedy float32: the ranks' all-reduces sum in another order, which
 can flip a near-tie late in a long random-weight generation).
+
+``--dtypes bfloat16,float32`` runs the engine once per dtype (``auto`` included: the
+engine's own choice for this CPU) on the same workload and prints their throughputs and
+ratio side by side; the first dtype is the one compared with HF and used for the rest.
 """
 
 from __future__ import annotations
@@ -42,6 +46,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtypes", default="float32",
+                   help="comma-separated engine dtypes run side by side, e.g. bfloat16,float32 "
+                        "(default: %(default)s); HF runs float32")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="also run the engine over N tensor-parallel ranks and compare with one rank")
     p.set_defaults(func=run)
@@ -86,7 +93,8 @@ class EngineRun:
     token_ids: dict[str, list[int]]
 
 
-def run_engine(model_dir: str, wl: Workload, args, tensor_parallel_size: int = 1) -> EngineRun:
+def run_engine(model_dir: str, wl: Workload, args, tensor_parallel_size: int = 1,
+               dtype: str = "float32") -> EngineRun:
     """Every request of ``wl`` through one engine, timed from the first step to the last."""
     from kvpilot.engine import LLMEngine, SamplingParams
     from kvpilot.engine.engine_args import EngineArgs
@@ -94,7 +102,7 @@ def run_engine(model_dir: str, wl: Workload, args, tensor_parallel_size: int = 1
 
     engine = LLMEngine(EngineArgs(model=model_dir, max_model_len=args.max_model_len,
                                   max_num_seqs=args.max_num_seqs, enable_prefix_caching=False,
-                                  dtype="float32", tensor_parallel_size=tensor_parallel_size))
+                                  dtype=dtype, tensor_parallel_size=tensor_parallel_size))
     try:
         block = engine.cache_info.block_size
         for i, (p, n) in enumerate(zip(wl.prompts, wl.output_lens, strict=True)):
@@ -155,12 +163,19 @@ def run(args: argparse.Namespace) -> int:
     print(f"workload ({args.workload}): {len(wl.prompts)} prompts of {plens[0]}-{plens[-1]} tokens "
           f"(median {plens[len(plens) // 2]}), outputs of {olens[0]}-{olens[-1]} tokens "
           f"(median {olens[len(olens) // 2]}, {wl.total_output} in total); threads={torch.get_num_threads()}")
-    one = run_engine(model_dir, wl, args)
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()] or ["float32"]
+    runs = {d: run_engine(model_dir, wl, args, dtype=d) for d in dtypes}
+    for d, r in runs.items():
+        print(f"kvpilot engine {d:>9}: {r.seconds:7.2f} s  {wl.total_output / r.seconds:8.1f} output tok/s  "
+              f"({1000 * r.seconds / r.num_steps:.1f} ms/step)")
+    one = runs[dtypes[0]]
     eng_tps = wl.total_output / one.seconds
-    print(f"kvpilot engine      : {one.seconds:7.2f} s  {eng_tps:8.1f} output tok/s  "
-          f"({1000 * one.seconds / one.num_steps:.1f} ms/step)")
+    for d in dtypes[1:]:
+        same = sum(runs[d].token_ids.get(rid) == ids for rid, ids in one.token_ids.items())
+        print(f"throughput ratio ({dtypes[0]} / {d}): {runs[d].seconds / one.seconds:.2f}x; identical "
+              f"outputs: {same}/{len(one.token_ids)} requests")
     if args.tensor_parallel_size > 1:
-        _compare_tensor_parallel(model_dir, wl, args, one)
+        _compare_tensor_parallel(model_dir, wl, args, one, dtypes[0])
     best = None
     for bs in [int(x) for x in args.hf_batch_sizes.split(",") if x.strip()]:
         hf_s = run_hf(model_dir, wl, bs)
@@ -174,9 +189,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _compare_tensor_parallel(model_dir: str, wl: Workload, args, one: EngineRun) -> None:
+def _compare_tensor_parallel(model_dir: str, wl: Workload, args, one: EngineRun, dtype: str) -> None:
     tp = args.tensor_parallel_size
-    split = run_engine(model_dir, wl, args, tp)
+    split = run_engine(model_dir, wl, args, tp, dtype)
     tps, one_tps = wl.total_output / split.seconds, wl.total_output / one.seconds
     same = sum(split.token_ids.get(rid) == ids for rid, ids in one.token_ids.items())
     print(f"kvpilot engine TP={tp} : {split.seconds:7.2f} s  {tps:8.1f} output tok/s  "

@@ -17,6 +17,7 @@ BENCHMARKS: dict[str, str] = {
     "offload": "kvpilot.engine.bench.offload",
     "overhead": "kvpilot.engine.bench.overhead",
     "cpu-attention": "kvpilot.engine.bench.cpu_attention",
+    "gguf-matmul": "kvpilot.engine.bench.gguf_matmul",
     "frontend": "kvpilot.engine.bench.frontend",
     "structured": "kvpilot.engine.bench.structured",
     "routing": "kvpilot.engine.bench.routing",

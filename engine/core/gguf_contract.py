@@ -11,9 +11,9 @@ planner shares it; reading the file is the caller's, with the ``gguf`` package).
   ``MistralForCausalLM`` (as transformers reads it), with full attention (llama.cpp
   applies no window to it).
 - ``resident_tensor_bytes``: what one tensor costs in the engine's memory: its stored
-  bytes where the engine keeps it quantized (``keeps_quantized``), else its elements x
-  the model dtype's bytes (dequantized at load); tensors the engine does not hold
-  (``IGNORED``) cost nothing.
+  bytes where the engine keeps it quantized (``keeps_quantized``: the CPU kernel's types,
+  served on CPU by one rank), else its elements x the model dtype's bytes (dequantized at
+  load); tensors the engine does not hold (``IGNORED``) cost nothing.
 """
 
 from __future__ import annotations
@@ -118,10 +118,13 @@ def gguf_config_dict(meta: dict[str, Any], tensor_names: set[str], vocab_len: in
     return cfg
 
 
-# GGML type names whose linear-layer weights the engine keeps quantized in memory; every
-# other tensor is dequantized at load to the model dtype. Empty: no quantized linear layer
-# yet (``engine.model.gguf.weights.place_tensor`` is where one plugs in). The planner counts by the same rule.
-KEPT_QUANTIZED: frozenset[str] = frozenset()
+# GGML type names the engine keeps in their stored blocks on CPU (the types the CPU GGUF
+# matmul kernel decodes: ``kvpilot.kernels.gguf_matmul_cpu.QTYPES``, a test holds the two
+# equal), for the decoder's linear weights, the token embedding and the LM head; every
+# other tensor is dequantized at load to the model dtype. The planner counts by the same rule.
+KEPT_QUANTIZED: frozenset[str] = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"})
+# Whole-model tensors kept as blocks too (``layers.gguf_linear.use_gguf_embedding``).
+KEPT_WHOLE = frozenset({"token_embd.weight", "output.weight"})
 LINEAR_KINDS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 # Tensors llama.cpp writes that the engine computes itself.
 IGNORED = frozenset({"rope_freqs.weight"})
@@ -130,10 +133,14 @@ BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 def keeps_quantized(gguf_name: str, qtype_name: str) -> bool:
     """Whether the engine holds GGUF tensor ``gguf_name`` (of GGML type ``qtype_name``) in
-    its stored blocks rather than dequantized (a decoder linear weight of a kept type)."""
+    its stored blocks rather than dequantized (a decoder linear weight, the token
+    embedding or the LM head, of a kept type; on CPU, one rank)."""
+    if qtype_name not in KEPT_QUANTIZED:
+        return False
+    if gguf_name in KEPT_WHOLE:
+        return True
     m = BLOCK_TENSOR.match(gguf_name)
-    return (qtype_name in KEPT_QUANTIZED and m is not None and m.group(2) in LINEAR_KINDS
-            and m.group(3) == "weight")
+    return m is not None and m.group(2) in LINEAR_KINDS and m.group(3) == "weight"
 
 
 def resident_tensor_bytes(gguf_name: str, qtype_name: str, numel: int, stored: int, dtype_bytes: int) -> int:

@@ -147,6 +147,7 @@ def load_model(model_dir: str | Path, cfg: ArchConfig, max_model_len: int,
         model = model_class(cfg.architecture)(cfg, max_model_len, tp).to(dtype)
         if cfg.quantization is not None:
             _use_fp8_weights(model, cfg.quantization)
+        kept = _use_gguf_weights(model, checkpoint, device) if gguf_file is not None else None
     model = model.to_empty(device=device)
     modules = dict(model.named_modules())
     params = dict(model.named_parameters())
@@ -192,21 +193,67 @@ def load_model(model_dir: str | Path, cfg: ArchConfig, max_model_len: int,
         getattr(model.layers[layer].self_attn, f"{kind}_scale").fill_(value)
     model.loaded_kv_scales = bool(kv_scales)
     if gguf_file is not None:
-        _log_gguf_bytes(checkpoint, model, shapes)
+        _log_gguf_bytes(checkpoint, model, shapes, kept)
     return model.eval()
 
 
-def _log_gguf_bytes(checkpoint: Any, model: nn.Module, shapes: dict[str, tuple[int, ...]]) -> None:
+def _use_gguf_weights(model: LlamaForCausalLM, checkpoint: Any, device: torch.device) -> dict[str, int]:
+    """GGUF block storage (``layers.gguf_linear``) for every linear layer, the token
+    embedding and the LM head whose GGML types the CPU kernel multiplies; the rest keep
+    the model dtype and are dequantized as they load (logged, with why). Returns the
+    modules kept per type combination (``Q4_K`` or ``Q4_K/Q6_K``: a fused layer's parts)."""
+    from kvpilot.engine.model.layers.gguf_linear import (
+        qtype_name,
+        use_gguf_embedding,
+        use_gguf_weight,
+    )
+
+    part_types = checkpoint.layer_part_types()
+    if model.tp.world_size > 1:
+        logger.info("GGUF %s: every weight dequantized at load to the model dtype: the quantized "
+                    "layers run on one rank only (tensor parallelism %d splits them)",
+                    checkpoint.path.name, model.tp.world_size)
+        return {}
+    if device.type != "cpu":
+        logger.info("GGUF %s: every weight dequantized at load to the model dtype: the GGUF matmul "
+                    "kernel is CPU-only (device %s)", checkpoint.path.name, device)
+        return {}
+    modules = dict(model.named_modules())
+    kept: dict[str, int] = {}
+    dequantized: dict[str, list[str]] = {}
+    for name, parts in part_types.items():
+        module = modules.get(name)
+        if module is None or not hasattr(module, "gguf"):
+            continue
+        qtypes = [parts[k] for k in sorted(parts, key=lambda k: -1 if k is None else k)]
+        label = "/".join(dict.fromkeys(qtype_name(q) for q in qtypes))
+        if name in ("embed_tokens", "lm_head"):
+            reason = use_gguf_embedding(module, qtypes[0], device)
+        else:
+            reason = use_gguf_weight(module, qtypes[0] if len(set(qtypes)) == 1 else qtypes, device)
+        if reason is None:
+            kept[label] = kept.get(label, 0) + 1
+        else:
+            dequantized.setdefault(f"{label} ({reason})", []).append(name)
+    for why, names in dequantized.items():
+        logger.info("GGUF %s: %d weight(s) dequantized at load: %s, e.g. %s",
+                    checkpoint.path.name, len(names), why, ", ".join(names[:3]))
+    return kept
+
+
+def _log_gguf_bytes(checkpoint: Any, model: nn.Module, shapes: dict[str, tuple[int, ...]],
+                    kept: dict[str, int]) -> None:
     """The load log's weight bytes: resident vs the file's tensor bytes vs a float32 load."""
     from kvpilot.engine.model.gguf.weights import resident_weight_bytes
 
     resident = resident_weight_bytes(model)
     float32 = 4 * sum(math.prod(s) for s in shapes.values())
     file_bytes = checkpoint.file_tensor_bytes()
-    logger.info("GGUF %s: resident weights %.1f MB (every tensor dequantized at load: no "
-                "quantized linear layer) = %.2fx the file's tensor bytes (%.1f MB); a float32 "
-                "load holds %.1f MB", checkpoint.path.name, resident / 1e6, resident / file_bytes,
-                file_bytes / 1e6, float32 / 1e6)
+    held = ", ".join(f"{n} {label}" for label, n in sorted(kept.items())) or "none"
+    logger.info("GGUF %s: resident weights %.1f MB = %.2fx the file's tensor bytes (%.1f MB); a float32 "
+                "load holds %.1f MB (%.2fx). Kept as GGUF blocks: %s", checkpoint.path.name,
+                resident / 1e6, resident / file_bytes, file_bytes / 1e6, float32 / 1e6,
+                float32 / file_bytes, held)
 
 
 def _use_fp8_weights(model: LlamaForCausalLM, config: Fp8WeightConfig) -> None:

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from kvpilot.kernels import paged_decode_cpu
+from kvpilot.kernels import gguf_matmul_cpu, paged_decode_cpu
 
 needs_kernel = pytest.mark.skipif(paged_decode_cpu.load() is None,
                                   reason="the CPU decode kernel cannot be built here (no C++ compiler)")
@@ -64,3 +64,27 @@ def test_overhead_rows_show_an_unmeasured_share_as_a_dash():
     cpu = format_row(OverheadResult(256, "cpu", 120, 8.0, 6.0, 0.25, 30000.0))
     assert cuda.split() == ["256", "triton", "3.50", "0.00", "-", "70000"]
     assert cpu.split() == ["256", "cpu", "8.00", "6.00", "25%", "30000"]
+
+
+@pytest.mark.skipif(gguf_matmul_cpu.load() is None, reason="the CPU GGUF kernel cannot be built here")
+def test_gguf_matmul_bench_shows_each_type_beside_f32_and_bf16(tmp_path):
+    """Resident bytes are the GGUF block bytes (ggml's block sizes, read from the gguf
+    package); a type whose blocks do not tile the columns is shown as not applicable."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    out = tmp_path / "gguf.json"
+    proc = _bench("gguf-matmul", "--shapes", "64x512,32x96", "--types", "Q8_0,Q4_K", "--batches", "1,3",
+                  "--copies", "2", "--repeats", "1", "--json-out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = {(r["shape"], r["method"]): r for r in json.loads(out.read_text())}
+    for shape, rows, columns in (("64x512", 64, 512), ("32x96", 32, 96)):
+        assert results[(shape, "float32")]["resident_bytes"] == rows * columns * 4
+        assert results[(shape, "bfloat16")]["resident_bytes"] == rows * columns * 2
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType.Q8_0]
+        assert results[(shape, "Q8_0")]["resident_bytes"] == rows * columns // block * size
+        assert set(results[(shape, "Q8_0")]["us_per_call"]) == {"1", "3"}
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType.Q4_K]
+    assert results[("64x512", "Q4_K")]["resident_bytes"] == 64 * 512 // block * size
+    assert results[("32x96", "Q4_K")]["us_per_call"] == {}
+    assert "96 columns are not whole blocks of this type" in proc.stdout
+    assert "CPU: " in proc.stdout

@@ -34,9 +34,9 @@ def split_checkpoint(tiny_checkpoint, tmp_path_factory) -> tuple[Path, Path]:
 def test_tokenizer_from_another_directory(split_checkpoint):
     model, tokenizer = split_checkpoint
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
-        LLM(str(model), num_gpu_blocks=32, max_model_len=128)
-    llm = LLM(str(model), tokenizer=str(tokenizer), num_gpu_blocks=32, max_model_len=128)
-    reference = LLM(str(tokenizer), num_gpu_blocks=32, max_model_len=128)
+        LLM(str(model), dtype="float32", num_gpu_blocks=32, max_model_len=128)
+    llm = LLM(str(model), dtype="float32", tokenizer=str(tokenizer), num_gpu_blocks=32, max_model_len=128)
+    reference = LLM(str(tokenizer), dtype="float32", num_gpu_blocks=32, max_model_len=128)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     assert (llm.generate("The quick brown fox", params)[0].outputs[0].text
             == reference.generate("The quick brown fox", params)[0].outputs[0].text)
@@ -44,7 +44,7 @@ def test_tokenizer_from_another_directory(split_checkpoint):
 
 def test_generation_config_defaults_apply_to_requests(split_checkpoint):
     model, tokenizer = split_checkpoint
-    auto = LLM(str(model), tokenizer=str(tokenizer), num_gpu_blocks=32, max_model_len=128)
+    auto = LLM(str(model), dtype="float32", tokenizer=str(tokenizer), num_gpu_blocks=32, max_model_len=128)
     assert auto.llm_engine.model_config.default_sampling == {
         "temperature": 0.0, "top_k": 7, "max_tokens": 5}
     # temperature 0 from the file: unseeded default requests are greedy, 5 tokens long
@@ -54,7 +54,7 @@ def test_generation_config_defaults_apply_to_requests(split_checkpoint):
     greedy = auto.generate("Paged attention", SamplingParams(temperature=0, max_tokens=5))
     assert texts == {greedy[0].outputs[0].text}
     # vllm: the file is ignored; the override still applies
-    plain = LLM(str(model), tokenizer=str(tokenizer), num_gpu_blocks=32, max_model_len=128,
+    plain = LLM(str(model), dtype="float32", tokenizer=str(tokenizer), num_gpu_blocks=32, max_model_len=128,
                 generation_config="vllm", override_generation_config={"top_p": 0.5})
     assert plain.llm_engine.model_config.default_sampling == {"top_p": 0.5}
     assert plain.get_default_sampling_params().temperature == 1.0
@@ -74,7 +74,7 @@ def test_generation_config_directory_and_errors(split_checkpoint, tmp_path):
 
 
 def test_max_logprobs_limits_requests(tiny_checkpoint):
-    llm = LLM(str(tiny_checkpoint("qwen3")), num_gpu_blocks=32, max_model_len=128, max_logprobs=2)
+    llm = LLM(str(tiny_checkpoint("qwen3")), dtype="float32", num_gpu_blocks=32, max_model_len=128, max_logprobs=2)
     ok = llm.generate([[3, 4]], SamplingParams(max_tokens=1, logprobs=2))
     assert len(ok[0].outputs[0].logprobs[0]) >= 2
     with pytest.raises(ValueError, match=r"max_logprobs \(2\)"):
@@ -86,7 +86,7 @@ def test_without_chunked_prefill_a_prompt_waits_to_fit_whole(tiny_checkpoint):
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
 
     def first_step_tokens(chunked: bool) -> list[int]:
-        engine = LLMEngine(EngineArgs(path, num_gpu_blocks=64, max_model_len=128,
+        engine = LLMEngine(EngineArgs(path, dtype="float32", num_gpu_blocks=64, max_model_len=128,
                                       max_num_batched_tokens=128, enable_chunked_prefill=chunked))
         engine.add_request("a", [7] * 100, params)
         engine.add_request("b", [8] * 100, params)
@@ -98,5 +98,5 @@ def test_without_chunked_prefill_a_prompt_waits_to_fit_whole(tiny_checkpoint):
 
 
 def test_num_gpu_blocks_override_sizes_the_cache(tiny_checkpoint):
-    llm = LLM(str(tiny_checkpoint("qwen3")), num_gpu_blocks=40, max_model_len=128)
+    llm = LLM(str(tiny_checkpoint("qwen3")), dtype="float32", num_gpu_blocks=40, max_model_len=128)
     assert llm.llm_engine.cache_info.num_gpu_blocks == 40

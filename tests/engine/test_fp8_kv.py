@@ -26,7 +26,7 @@ def test_fp8_doubles_the_blocks_of_bf16(tiny_checkpoint, fp8):
 def test_calculate_kv_scales_uses_the_first_batch_amax(tiny_checkpoint, fp8, fp8_max):
     path = str(tiny_checkpoint("qwen3"))
     prompt = [[random.Random(1).randrange(3, 512) for _ in range(40)]]
-    llm = LLM(path, num_gpu_blocks=64, max_model_len=512, kv_cache_dtype=fp8, calculate_kv_scales=True)
+    llm = LLM(path, dtype="float32", num_gpu_blocks=64, max_model_len=512, kv_cache_dtype=fp8, calculate_kv_scales=True)
     # Record the K/V each layer hands to the attention backend in the first step.
     runner = llm.llm_engine.runner
     seen: list[tuple[float, float]] = []
@@ -46,14 +46,14 @@ def test_calculate_kv_scales_uses_the_first_batch_amax(tiny_checkpoint, fp8, fp8
         assert v_scale == pytest.approx(v_amax / fp8_max, rel=1e-6)
     # Independent oracle for layer 0 (same input either way): a float32 cache after the
     # same single prefill step; the cache starts zeroed, so its abs-max is the batch's.
-    ref = LLM(path, num_gpu_blocks=64, max_model_len=512)
+    ref = LLM(path, dtype="float32", num_gpu_blocks=64, max_model_len=512)
     ref.generate(prompt, SamplingParams(temperature=0, max_tokens=1))
     cache = ref.llm_engine.runner.kv_caches
     assert scales[0][0] == pytest.approx(cache[0, 0].abs().max().item() / fp8_max, rel=1e-6)
     assert scales[0][1] == pytest.approx(cache[0, 1].abs().max().item() / fp8_max, rel=1e-6)
     llm.generate([[7] * 30], SamplingParams(temperature=0, max_tokens=2))   # later batches keep them
     assert [(a.k_scale.item(), a.v_scale.item()) for a in layers] == scales
-    default = LLM(path, num_gpu_blocks=64, max_model_len=512, kv_cache_dtype=fp8)
+    default = LLM(path, dtype="float32", num_gpu_blocks=64, max_model_len=512, kv_cache_dtype=fp8)
     default.generate(prompt, SamplingParams(temperature=0, max_tokens=1))
     assert all(layer.self_attn.k_scale.item() == 1.0 for layer in default.llm_engine.runner.model.layers)
 
@@ -114,7 +114,7 @@ def test_checkpoint_kv_scales_are_loaded_and_win(tiny_checkpoint, tmp_path):
     tensors["model.layers.1.self_attn.k_scale"] = torch.tensor(0.125)
     tensors["model.layers.1.self_attn.v_scale"] = torch.tensor(2.0)
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    llm = LLM(str(path), num_gpu_blocks=64, max_model_len=256, kv_cache_dtype="fp8",
+    llm = LLM(str(path), dtype="float32", num_gpu_blocks=64, max_model_len=256, kv_cache_dtype="fp8",
               calculate_kv_scales=True)
     llm.generate([[5, 6, 7, 8, 9]], SamplingParams(temperature=0, max_tokens=2))
     layers = [layer.self_attn for layer in llm.llm_engine.runner.model.layers]
@@ -127,7 +127,7 @@ def test_sliding_window_layers_can_keep_the_model_dtype(tiny_checkpoint):
     # Qwen2 convention: layers from max_window_layers on use the sliding window.
     path = str(tiny_checkpoint("qwen2", use_sliding_window=True, sliding_window=512, max_window_layers=1))
     budget = 2_000_000
-    mixed = LLM(path, kv_cache_memory_bytes=budget, max_model_len=512, kv_cache_dtype="fp8",
+    mixed = LLM(path, dtype="float32", kv_cache_memory_bytes=budget, max_model_len=512, kv_cache_dtype="fp8",
                 kv_cache_dtype_skip_sliding_window=True)
     runner = mixed.llm_engine.runner
     assert runner.layer_kv_dtypes == [torch.float8_e4m3fn, torch.float32]
@@ -137,13 +137,13 @@ def test_sliding_window_layers_can_keep_the_model_dtype(tiny_checkpoint):
     assert mixed.llm_engine.cache_info.num_gpu_blocks == budget // (per_token * 16)
     out = mixed.generate([[5, 6, 7, 8, 9] * 5], SamplingParams(temperature=0, max_tokens=4))[0]
     assert len(out.outputs[0].token_ids) == 4
-    uniform = LLM(path, kv_cache_memory_bytes=budget, max_model_len=512, kv_cache_dtype="fp8")
+    uniform = LLM(path, dtype="float32", kv_cache_memory_bytes=budget, max_model_len=512, kv_cache_dtype="fp8")
     assert uniform.llm_engine.runner.layer_kv_dtypes == [torch.float8_e4m3fn] * 2
     # longer than the window: a hybrid KV cache (layer 0 in an fp8 pool, the windowed
     # layer 1 in a float32 pool of its own, each with its own block tables and scales)
     from kvpilot.engine.core.hybrid_kv_cache_manager import HybridKVCacheManager
 
-    longer = LLM(path, kv_cache_memory_bytes=budget, max_model_len=1024, kv_cache_dtype="fp8",
+    longer = LLM(path, dtype="float32", kv_cache_memory_bytes=budget, max_model_len=1024, kv_cache_dtype="fp8",
                  kv_cache_dtype_skip_sliding_window=True, max_num_seqs=8, max_num_batched_tokens=256)
     kv = longer.llm_engine.kv_cache_manager
     assert isinstance(kv, HybridKVCacheManager) and kv.release_window == 512

@@ -37,7 +37,7 @@ def test_fp8_checkpoint_matches_hf_on_dequantized_weights(fmt, bf16_checkpoint, 
     path, oracle = quantize(bf16_checkpoint, tmp_path / fmt, fmt)
     prompts = _prompts()
     expected = hf_greedy(oracle, prompts)
-    llm = LLM(str(path), num_gpu_blocks=64, max_model_len=256, max_num_batched_tokens=32)
+    llm = LLM(str(path), dtype="float32", num_gpu_blocks=64, max_model_len=256, max_num_batched_tokens=32)
     model = llm.llm_engine.runner.model
     attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
     assert {attn.qkv_proj.weight.dtype, attn.o_proj.weight.dtype, mlp.gate_up_proj.weight.dtype,
@@ -45,7 +45,7 @@ def test_fp8_checkpoint_matches_hf_on_dequantized_weights(fmt, bf16_checkpoint, 
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == expected
     assert llm.get_stats().prefix_cache_hits > 0
     if fmt == "fp8-block":       # each rank reads its slices of the weights and of the scales
-        tp = LLM(str(path), num_gpu_blocks=64, max_model_len=256, tensor_parallel_size=2)
+        tp = LLM(str(path), dtype="float32", num_gpu_blocks=64, max_model_len=256, tensor_parallel_size=2)
         try:
             assert [o.outputs[0].token_ids for o in tp.generate(prompts, GREEDY)] == expected
         finally:
@@ -73,12 +73,12 @@ def test_unsupported_quantization_fails_at_load_naming_the_method(bf16_checkpoin
     config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128}
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="unsupported quantization method 'awq'"):
-        LLM(str(path), num_gpu_blocks=16, max_model_len=64)
+        LLM(str(path), dtype="float32", num_gpu_blocks=16, max_model_len=64)
     config["quantization_config"] = {"quant_method": "compressed-tensors", "config_groups": {
         "g": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group"}}}}
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="int 4-bit"):
-        LLM(str(path), num_gpu_blocks=16, max_model_len=64)
+        LLM(str(path), dtype="float32", num_gpu_blocks=16, max_model_len=64)
 
 
 def test_a_16_bit_weight_under_an_fp8_config_is_refused(bf16_checkpoint, tmp_path):
@@ -90,4 +90,4 @@ def test_a_16_bit_weight_under_an_fp8_config_is_refused(bf16_checkpoint, tmp_pat
     config["quantization_config"] = FORMATS["ct-tensor"][0]
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="declares FP8"):
-        LLM(str(path), num_gpu_blocks=16, max_model_len=64)
+        LLM(str(path), dtype="float32", num_gpu_blocks=16, max_model_len=64)

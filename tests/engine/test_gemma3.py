@@ -85,7 +85,7 @@ def case(gemma3):
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
 def test_plain_and_prefix_hits(case, backend, capsys):
     path, prompts, expected = case
-    llm = LLM(str(path), attention_backend=backend, num_gpu_blocks=128, max_model_len=256)
+    llm = LLM(str(path), dtype="float32", attention_backend=backend, num_gpu_blocks=128, max_model_len=256)
     kv = llm.llm_engine.kv_cache_manager
     assert isinstance(kv, HybridKVCacheManager)
     assert llm.llm_engine.runner.layer_kv_groups == (1, 1, 1, 1, 1, 0)
@@ -104,7 +104,7 @@ def test_chunks_small_pools_and_preemption(case, capsys):
     at a time, 24-token chunks, a 14-block full pool (the 150-token prompt preempts its
     neighbour) and a 10-block windowed pool (released blocks reused)."""
     path, prompts, expected = case
-    llm = LLM(str(path), num_gpu_blocks=14, max_model_len=160, max_num_seqs=2,
+    llm = LLM(str(path), dtype="float32", num_gpu_blocks=14, max_model_len=160, max_num_seqs=2,
               max_num_batched_tokens=24)
     kv = llm.llm_engine.kv_cache_manager
     assert kv.sliding.pool.num_blocks == sliding_pool_blocks(2, 24, 160, BLOCK, WINDOW) == 10
@@ -128,7 +128,7 @@ def test_triton_backend(gemma3, capsys):
     path = gemma3()
     prompts = _prompts(3, lengths=(70,), shared_len=40, tails=(9, 30))
     expected = hf_greedy(path, prompts, max_new=4)
-    llm = LLM(str(path), attention_backend="triton", num_gpu_blocks=8, max_model_len=128, max_num_seqs=2,
+    llm = LLM(str(path), dtype="float32", attention_backend="triton", num_gpu_blocks=8, max_model_len=128, max_num_seqs=2,
               max_num_batched_tokens=16)
     assert _generate(llm, prompts, 4) == expected
     stats = llm.get_stats()
@@ -142,7 +142,7 @@ def test_two_tensor_parallel_ranks(case, capsys):
     """Two ranks (gloo): one query head each, the single KV head replicated, the tied
     vocabulary split (the soft-capped logits gathered), both KV pools on every rank."""
     path, prompts, expected = case
-    llm = LLM(str(path), tensor_parallel_size=2, num_gpu_blocks=14, max_model_len=160, max_num_seqs=2,
+    llm = LLM(str(path), dtype="float32", tensor_parallel_size=2, num_gpu_blocks=14, max_model_len=160, max_num_seqs=2,
               max_num_batched_tokens=24)
     try:
         runner = llm.llm_engine.runner
@@ -169,7 +169,7 @@ def test_hub_config_layout_with_global_rope_scaling(gemma3, capsys):
     assert hf_greedy(gemma3("4.x", None, rope_parameters={
         "full_attention": {"rope_type": "default", "rope_theta": 10_000.0},
         "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}), prompts) != expected
-    llm = LLM(str(path), max_model_len=256, max_num_batched_tokens=32)
+    llm = LLM(str(path), dtype="float32", max_model_len=256, max_num_batched_tokens=32)
     arch = llm.llm_engine.model_config.arch
     assert (arch.rope.rope_type, arch.rope.factor, arch.rope.theta) == ("linear", 8.0, 10_000.0)
     assert (arch.sliding_rope.rope_type, arch.sliding_rope.theta) == ("default", 100.0)
@@ -187,7 +187,7 @@ def test_final_logit_softcapping_in_the_logprobs(gemma3, capsys):
     cap = 2.0
     path = gemma3(final_logit_softcapping=cap, attn_logit_softcapping=5.0)
     prompts = _prompts(7, lengths=(12, 90), tails=())
-    llm = LLM(str(path), max_model_len=256)
+    llm = LLM(str(path), dtype="float32", max_model_len=256)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=0)
     outs = [o.outputs[0] for o in llm.generate(prompts, params)]
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

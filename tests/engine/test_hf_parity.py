@@ -28,7 +28,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
 
 
 def run(path, prompts, **engine_kwargs):
-    llm = LLM(str(path), **engine_kwargs)
+    llm = LLM(str(path), **{"dtype": "float32", **engine_kwargs})   # transformers runs float32
     outs = llm.generate(prompts, GREEDY)
     return llm, [o.outputs[0].token_ids for o in outs]
 

@@ -57,7 +57,7 @@ def test_small_windowed_pool_matches_hf_with_chunks_hits_and_preemption(tiny_che
     path = tiny_checkpoint("qwen2", **MIXED)
     prompts = _prompts(1, (20, 33, 64, 150), 70, (5, 40))
     expected = hf_greedy(path, prompts)
-    llm = LLM(str(path), num_gpu_blocks=14, max_model_len=160, max_num_seqs=2, max_num_batched_tokens=24)
+    llm = LLM(str(path), dtype="float32", num_gpu_blocks=14, max_model_len=160, max_num_seqs=2, max_num_batched_tokens=24)
     kv = llm.llm_engine.kv_cache_manager
     assert isinstance(kv, HybridKVCacheManager)
     num_sliding = kv.sliding.pool.num_blocks
@@ -87,7 +87,7 @@ def test_triton_backend_hybrid_with_preemption(tiny_checkpoint, capsys):
     path = tiny_checkpoint("qwen2", **MIXED)
     prompts = _prompts(3, (112,), 40, (9, 30))
     expected = hf_greedy(path, prompts, max_new=4)
-    llm = LLM(str(path), attention_backend="triton", num_gpu_blocks=10, max_model_len=160, max_num_seqs=2,
+    llm = LLM(str(path), dtype="float32", attention_backend="triton", num_gpu_blocks=10, max_model_len=160, max_num_seqs=2,
               max_num_batched_tokens=16)
     kv = llm.llm_engine.kv_cache_manager
     assert isinstance(kv, HybridKVCacheManager) and kv.sliding.pool.num_blocks == 9
@@ -105,7 +105,7 @@ def test_windowed_layers_hold_at_most_window_plus_one_block(tiny_checkpoint, cap
     full-attention group holds every token."""
     path = tiny_checkpoint("qwen2", **MIXED)
     chunk = 32
-    llm = LLM(str(path), num_gpu_blocks=64, max_model_len=512, max_num_batched_tokens=chunk)
+    llm = LLM(str(path), dtype="float32", num_gpu_blocks=64, max_model_len=512, max_num_batched_tokens=chunk)
     kv = llm.llm_engine.kv_cache_manager
     prefill_peak = decode_peak = full_peak = 0
     for request in steps_of_one_request(llm, 200, 60):
@@ -160,7 +160,7 @@ def test_planner_capacity_matches_the_engine(tiny_checkpoint, capsys):
 def test_offload_is_refused_for_a_hybrid_model(tiny_checkpoint):
     path = str(tiny_checkpoint("qwen2", **MIXED))
     with pytest.raises(ValueError, match="sliding-window models"):
-        LLM(path, num_gpu_blocks=64, max_model_len=256, kv_offloading_size=0.01)
+        LLM(path, dtype="float32", num_gpu_blocks=64, max_model_len=256, kv_offloading_size=0.01)
 
 
 def _computed(kv: HybridKVCacheManager, request: Request, chunk: int) -> None:
@@ -216,7 +216,7 @@ def test_padded_decode_path_reads_each_groups_buffers(tiny_checkpoint):
     path = tiny_checkpoint("qwen2", **MIXED)
     prompts = _prompts(7, (40, 70, 90), 0, ())
     expected = hf_greedy(path, prompts, max_new=6)
-    llm = LLM(str(path), num_gpu_blocks=24, max_model_len=128, max_num_seqs=2, max_num_batched_tokens=32)
+    llm = LLM(str(path), dtype="float32", num_gpu_blocks=24, max_model_len=128, max_num_seqs=2, max_num_batched_tokens=32)
     runner = llm.llm_engine.runner
     assert llm.llm_engine.kv_cache_manager.sliding.pool.num_blocks == 10
     graphs = DecodeGraphs(runner.model, runner.inputs, runner.kv_caches, runner.backend, capture_sizes(2),

@@ -63,7 +63,7 @@ def test_variant_parity(variant, tiny_checkpoint):
             ids = torch.tensor([p])
             expected.append(hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6,
                                         min_new_tokens=6, do_sample=False, pad_token_id=0)[0, len(p):].tolist())
-    llm = LLM(str(path), num_gpu_blocks=128, max_model_len=1024)
+    llm = LLM(str(path), dtype="float32", num_gpu_blocks=128, max_model_len=1024)
     got = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in got] == expected
 
@@ -90,6 +90,6 @@ def test_sharded_checkpoint_and_4x_config_layout(tiny_checkpoint, tmp_path):
     assert arch.rope.theta == rope.get("rope_theta", 10000.0) and arch.dtype == "float32"
     prompt = [[11, 22, 33, 44, 55, 66]]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    sharded = LLM(str(tmp_path), num_gpu_blocks=64, max_model_len=512).generate(prompt, params)
-    single = LLM(str(src), num_gpu_blocks=64, max_model_len=512).generate(prompt, params)
+    sharded = LLM(str(tmp_path), dtype="float32", num_gpu_blocks=64, max_model_len=512).generate(prompt, params)
+    single = LLM(str(src), dtype="float32", num_gpu_blocks=64, max_model_len=512).generate(prompt, params)
     assert sharded[0].outputs[0].token_ids == single[0].outputs[0].token_ids

@@ -119,10 +119,10 @@ def test_requests_with_nan_logits_are_counted_once_each_when_checked():
 
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
     prompts = [[5, 6, 7], [8, 9, 10, 11]]
-    healthy = LLM("demo", num_gpu_blocks=16, max_model_len=64, compute_nans_in_logits=True)
+    healthy = LLM("demo", dtype="float32", num_gpu_blocks=16, max_model_len=64, compute_nans_in_logits=True)
     healthy.generate(prompts, params)
     assert healthy.get_stats().num_corrupted_reqs == 0
-    broken = LLM("demo", num_gpu_blocks=16, max_model_len=64, compute_nans_in_logits=True)
+    broken = LLM("demo", dtype="float32", num_gpu_blocks=16, max_model_len=64, compute_nans_in_logits=True)
     model = broken.llm_engine.runner.model
     with torch.no_grad():   # one NaN in the final norm: every position's logits turn NaN
         dict(model.named_parameters())[[n for n, _ in model.named_parameters() if "norm" in n][-1]][0] = \

@@ -18,7 +18,7 @@ from kvpilot.engine.sampling_params import RequestOutputKind
 
 @pytest.fixture(scope="module")
 def engine(tiny_checkpoint):
-    return LLM(str(tiny_checkpoint("qwen3")), num_gpu_blocks=128, max_model_len=256).llm_engine
+    return LLM(str(tiny_checkpoint("qwen3")), dtype="float32", num_gpu_blocks=128, max_model_len=256).llm_engine
 
 
 def _run(engine, rid, params):

@@ -124,8 +124,8 @@ def test_padded_decode_path_gives_the_eager_tokens(tiny_checkpoint):
     prompts = [[5, 6, 7], [8] * 20, [9, 10], [11] * 5, [12] * 33]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (9, 3, 6, 12, 2)]
     eager = [o.outputs[0].token_ids for o in
-             LLM(path, num_gpu_blocks=64, max_model_len=128).generate(prompts, params)]
-    llm = LLM(path, num_gpu_blocks=64, max_model_len=128, max_num_seqs=8)
+             LLM(path, dtype="float32", num_gpu_blocks=64, max_model_len=128).generate(prompts, params)]
+    llm = LLM(path, dtype="float32", num_gpu_blocks=64, max_model_len=128, max_num_seqs=8)
     runner = llm.llm_engine.runner
     assert capture_sizes(8) == [1, 2, 4, 8] and capture_sizes(20) == [1, 2, 4, 8, 16, 20]
     runner.graphs = DecodeGraphs(runner.model, runner.inputs, runner.kv_caches, runner.backend,

@@ -14,7 +14,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 @pytest.fixture(scope="module")
 def llm(tiny_checkpoint):
     path = tiny_checkpoint("qwen3", max_position_embeddings=2048)
-    return LLM(str(path), num_gpu_blocks=400, max_model_len=2048)
+    return LLM(str(path), dtype="float32", num_gpu_blocks=400, max_model_len=2048)
 
 
 def prompts(seed: int, prefix_len: int = 1500):
@@ -54,7 +54,7 @@ def test_cache_salt_isolates_tenants(llm):
 
 def test_prefix_caching_off_never_hits(tiny_checkpoint):
     path = tiny_checkpoint("qwen3", max_position_embeddings=2048)
-    llm = LLM(str(path), num_gpu_blocks=400, max_model_len=2048, enable_prefix_caching=False)
+    llm = LLM(str(path), dtype="float32", num_gpu_blocks=400, max_model_len=2048, enable_prefix_caching=False)
     first, second = prompts(3, prefix_len=200)
     llm.generate([first, second], GREEDY)
     llm.generate([second], GREEDY)

@@ -20,7 +20,7 @@ HIGH = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 def _finish_order(policy: str, tiny_checkpoint) -> tuple[list[str], int, int]:
     """Four low-priority requests fill a batch of two; a high-priority one arrives later.
     Returns (request ids in finishing order, preemptions, steps the late one waited)."""
-    engine = LLMEngine(EngineArgs(str(tiny_checkpoint("qwen3")), max_num_seqs=2,
+    engine = LLMEngine(EngineArgs(str(tiny_checkpoint("qwen3")), dtype="float32", max_num_seqs=2,
                                   num_gpu_blocks=64, max_model_len=256,
                                   scheduling_policy=policy))
     for i in range(4):
@@ -50,8 +50,8 @@ def test_late_high_priority_request_preempts_and_finishes_first(tiny_checkpoint)
 
 def test_preempted_low_priority_requests_still_complete_identically(tiny_checkpoint):
     path = str(tiny_checkpoint("qwen3"))
-    alone = LLM(path, num_gpu_blocks=64, max_model_len=256).generate([[5] * 20], LOW)
-    engine = LLMEngine(EngineArgs(path, max_num_seqs=1, num_gpu_blocks=64, max_model_len=256,
+    alone = LLM(path, dtype="float32", num_gpu_blocks=64, max_model_len=256).generate([[5] * 20], LOW)
+    engine = LLMEngine(EngineArgs(path, dtype="float32", max_num_seqs=1, num_gpu_blocks=64, max_model_len=256,
                                   scheduling_policy="priority"))
     engine.add_request("low", [5] * 20, LOW, priority=1)
     for _ in range(5):
@@ -78,7 +78,7 @@ def _hf_biased_greedy(path, prompt: list[int], bias: dict[int, float], max_new: 
 
 def test_logit_bias_matches_hf_sequence_bias(tiny_checkpoint):
     path = tiny_checkpoint("qwen3")
-    llm = LLM(str(path), num_gpu_blocks=64, max_model_len=256)
+    llm = LLM(str(path), dtype="float32", num_gpu_blocks=64, max_model_len=256)
     prompt = [11, 12, 13, 14, 15]
     plain = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     plain_ids = plain[0].outputs[0].token_ids
@@ -96,6 +96,6 @@ def test_logit_bias_matches_hf_sequence_bias(tiny_checkpoint):
 def test_bad_logit_bias_is_rejected(tiny_checkpoint):
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams(logit_bias={1: 101.0})
-    llm = LLM(str(tiny_checkpoint("qwen3")), num_gpu_blocks=64, max_model_len=256)
+    llm = LLM(str(tiny_checkpoint("qwen3")), dtype="float32", num_gpu_blocks=64, max_model_len=256)
     with pytest.raises(ValueError, match=r"logit_bias token ids must be in \[0, 512\)"):
         llm.generate([[1, 2]], SamplingParams(logit_bias={512: 1.0}))

@@ -17,7 +17,7 @@ def path(tiny_checkpoint):
 
 @pytest.fixture(scope="module")
 def llm(path):
-    return LLM(str(path), num_gpu_blocks=128, max_model_len=256)
+    return LLM(str(path), dtype="float32", num_gpu_blocks=128, max_model_len=256)
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +159,7 @@ def test_chat_uses_the_template(llm):
 
 
 def test_priority_policy_admits_high_priority_first(path):
-    llm = LLM(str(path), num_gpu_blocks=64, max_model_len=256, max_num_seqs=1, scheduling_policy="priority")
+    llm = LLM(str(path), dtype="float32", num_gpu_blocks=64, max_model_len=256, max_num_seqs=1, scheduling_policy="priority")
     engine = llm.llm_engine
     p = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     engine.add_request("low", [5, 6], p, priority=5)

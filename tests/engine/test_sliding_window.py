@@ -63,7 +63,7 @@ def _report(capsys, text: str) -> None:
 @pytest.mark.slow
 def test_plain_and_prefix_hits(case, capsys):
     name, path, prompts, expected = case
-    llm = LLM(str(path), num_gpu_blocks=256, max_model_len=256)
+    llm = LLM(str(path), dtype="float32", num_gpu_blocks=256, max_model_len=256)
     engine = llm.llm_engine
     assert engine.kv_cache_manager.release_window == WINDOW
     assert isinstance(engine.kv_cache_manager, HybridKVCacheManager) == (name == "qwen2-mixed")
@@ -81,11 +81,11 @@ def test_plain_and_prefix_hits(case, capsys):
 @pytest.mark.slow
 def test_chunked_prefill_and_preemption(case, capsys):
     name, path, prompts, expected = case
-    chunked = LLM(str(path), num_gpu_blocks=256, max_model_len=256, max_num_batched_tokens=24)
+    chunked = LLM(str(path), dtype="float32", num_gpu_blocks=256, max_model_len=256, max_num_batched_tokens=24)
     assert generate(chunked, prompts) == expected
     # Mistral needs only its window per sequence: a far smaller pool still preempts.
     blocks = 10 if name == "mistral" else 16
-    tiny = LLM(str(path), num_gpu_blocks=blocks, max_model_len=160, max_num_batched_tokens=32)
+    tiny = LLM(str(path), dtype="float32", num_gpu_blocks=blocks, max_model_len=160, max_num_batched_tokens=32)
     assert generate(tiny, prompts) == expected
     assert tiny.get_stats().num_preemptions > 0
     assert tiny.get_stats().kv_cache_usage == 0.0
@@ -99,7 +99,7 @@ def test_tensor_parallel_windows(case):
     The mixed model's windowed pool (10 blocks for 2 sequences) is smaller than its full
     pool, so the workers must get each group's tables to match HF."""
     name, path, prompts, expected = case
-    llm = LLM(str(path), num_gpu_blocks=64, max_model_len=256, max_num_batched_tokens=24,
+    llm = LLM(str(path), dtype="float32", num_gpu_blocks=64, max_model_len=256, max_num_batched_tokens=24,
               max_num_seqs=2, tensor_parallel_size=2)
     try:
         kv = llm.llm_engine.kv_cache_manager
@@ -120,7 +120,7 @@ def test_triton_backend(case, capsys):
     short = [shared + [rng.randrange(3, 512) for _ in range(n)] for n in (9, 30)] + [prompts[3]]
     expected = hf_greedy(path, short, max_new=4)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    llm = LLM(str(path), attention_backend="triton", num_gpu_blocks=64, max_model_len=128,
+    llm = LLM(str(path), dtype="float32", attention_backend="triton", num_gpu_blocks=64, max_model_len=128,
               max_num_batched_tokens=24)
     assert generate(llm, short, params) == expected
     assert llm.get_stats().prefix_cache_hits > 0
@@ -138,7 +138,7 @@ def test_mistral_holds_at_most_window_plus_one_block(tiny_checkpoint, capsys):
 
     path = tiny_checkpoint("mistral", **KINDS["mistral"])
     chunk, block_size = 32, 16
-    llm = LLM(str(path), num_gpu_blocks=64, max_model_len=512, max_num_batched_tokens=chunk)
+    llm = LLM(str(path), dtype="float32", num_gpu_blocks=64, max_model_len=512, max_num_batched_tokens=chunk)
     kv = llm.llm_engine.kv_cache_manager
     prefill_peak = decode_peak = 0
     for request in steps_of_one_request(llm, 300, 100):
@@ -178,7 +178,7 @@ def test_planner_capacity_matches_the_engine(tiny_checkpoint, capsys):
         "overrides": {"kv_cache_memory_bytes": 50 * 16 * 512, "block_size": 16,
                       "max_num_batched_tokens": 32}}))
     assert plan.feasible and plan.binding_constraint == "kv_capacity"
-    llm = LLM(str(path), kv_cache_memory_bytes=plan.kv_cache_memory_bytes, block_size=plan.block_size,
+    llm = LLM(str(path), dtype="float32", kv_cache_memory_bytes=plan.kv_cache_memory_bytes, block_size=plan.block_size,
               max_model_len=plan.max_model_len, max_num_seqs=plan.max_num_seqs,
               max_num_batched_tokens=plan.max_num_batched_tokens, kv_cache_dtype=plan.kv_cache_dtype)
     engine = llm.llm_engine
@@ -205,7 +205,7 @@ def test_planner_capacity_matches_the_engine(tiny_checkpoint, capsys):
 def test_offload_is_refused_when_blocks_are_released(tiny_checkpoint):
     path = str(tiny_checkpoint("mistral", **KINDS["mistral"]))
     with pytest.raises(ValueError, match="sliding-window models"):
-        LLM(path, num_gpu_blocks=64, max_model_len=256, kv_offloading_size=0.01)
+        LLM(path, dtype="float32", num_gpu_blocks=64, max_model_len=256, kv_offloading_size=0.01)
 
 
 def test_a_windowed_prefix_hit_longer_than_the_pool_is_admitted():

@@ -35,7 +35,7 @@ SCHEMA = {
 
 @pytest.fixture(scope="module")
 def llm(tiny_checkpoint):
-    return LLM(str(tiny_checkpoint("qwen3")), num_gpu_blocks=256, max_model_len=512,
+    return LLM(str(tiny_checkpoint("qwen3")), dtype="float32", num_gpu_blocks=256, max_model_len=512,
                max_num_seqs=16)
 
 
@@ -113,7 +113,7 @@ def test_preempted_constrained_requests_resume_their_grammar(tiny_checkpoint, ll
     prompts = [list(range(3, 3 + 40)), list(range(200, 240))]
     expected = [o.outputs[0].text for o in llm.generate(prompts, params)]
     # 12 blocks of 16 tokens cannot hold both requests (40 + ~80 tokens each) at once
-    tight = LLM(str(tiny_checkpoint("qwen3")), num_gpu_blocks=12, block_size=16,
+    tight = LLM(str(tiny_checkpoint("qwen3")), dtype="float32", num_gpu_blocks=12, block_size=16,
                 max_model_len=190, max_num_seqs=2)
     got = [o.outputs[0].text for o in tight.generate(prompts, params)]
     assert tight.get_stats().num_preemptions > 0

@@ -41,7 +41,7 @@ def test_two_ranks_match_hf_with_chunks_prefix_hits_and_preemption(layout, tiny_
     path = tiny_checkpoint(kind, **overrides)
     prompts = make_prompts(512, seed=sorted(LAYOUTS).index(layout))
     expected = hf_greedy(path, prompts)
-    llm = LLM(str(path), tensor_parallel_size=2, num_gpu_blocks=42, max_model_len=640,
+    llm = LLM(str(path), dtype="float32", tensor_parallel_size=2, num_gpu_blocks=42, max_model_len=640,
               max_num_batched_tokens=64)
     try:
         runner = llm.llm_engine.runner
@@ -63,7 +63,8 @@ def test_two_ranks_with_an_fp8_cache_equal_one_rank(tiny_checkpoint):
     rng = random.Random(11)
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (5, 60, 130, 200)]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    kw = dict(num_gpu_blocks=128, max_model_len=512, kv_cache_dtype="fp8_e4m3", calculate_kv_scales=True)
+    kw = dict(dtype="float32", num_gpu_blocks=128, max_model_len=512, kv_cache_dtype="fp8_e4m3",
+              calculate_kv_scales=True)
     one = LLM(path, **kw)
     expected = tokens(one.generate(prompts, params))
     two = LLM(path, tensor_parallel_size=2, **kw)
@@ -85,19 +86,19 @@ def test_sizes_that_cannot_split_the_model_are_refused_before_anything_starts(ti
     with pytest.raises(ValueError, match=r"tensor_parallel_size 3 cannot split Qwen3ForCausalLM: its 4 "
                                          r"attention heads do not split evenly over 3 GPUs; sizes that "
                                          r"work: 1, 2, 4"):
-        LLM(path, tensor_parallel_size=3, num_gpu_blocks=64)
+        LLM(path, dtype="float32", tensor_parallel_size=3, num_gpu_blocks=64)
     with pytest.raises(ValueError, match=r"tensor_parallel_size 2 needs 2 GPUs \(cuda:0..cuda:1\) but "
                                          r"\d+ are visible"):
-        LLM(path, tensor_parallel_size=2, device="cuda", num_gpu_blocks=64)
+        LLM(path, dtype="float32", tensor_parallel_size=2, device="cuda", num_gpu_blocks=64)
     with pytest.raises(ValueError, match=r"tensor_parallel_size must be in \[1, 8\]"):
-        LLM(path, tensor_parallel_size=16, num_gpu_blocks=64)
+        LLM(path, dtype="float32", tensor_parallel_size=16, num_gpu_blocks=64)
     with pytest.raises(ValueError, match="KV offloading is not implemented with tensor parallelism"):
-        LLM(path, tensor_parallel_size=2, num_gpu_blocks=64, kv_offloading_size=0.1)
+        LLM(path, dtype="float32", tensor_parallel_size=2, num_gpu_blocks=64, kv_offloading_size=0.1)
 
 
 @pytest.mark.slow
 def test_a_dead_worker_fails_the_next_step_loudly(tiny_checkpoint):
-    engine = LLMEngine(EngineArgs(model=str(tiny_checkpoint("qwen3")), tensor_parallel_size=2,
+    engine = LLMEngine(EngineArgs(dtype="float32", model=str(tiny_checkpoint("qwen3")), tensor_parallel_size=2,
                                   num_gpu_blocks=64, max_model_len=512))
     try:
         seen = []
@@ -137,4 +138,4 @@ def test_a_worker_that_fails_at_start_up_fails_the_engine_with_its_error(monkeyp
     monkeypatch.setenv("KVPILOT_FAKE_DEVICE_MEMORY", json.dumps(
         {"total_gib": 8, "free_gib": 8, "weights_gib": 1, "ranks": {"1": rank_1}}))
     with pytest.raises((RuntimeError, EngineDeadError), match=error):
-        LLM(str(tiny_checkpoint("qwen3")), tensor_parallel_size=2, max_model_len=256)
+        LLM(str(tiny_checkpoint("qwen3")), dtype="float32", tensor_parallel_size=2, max_model_len=256)

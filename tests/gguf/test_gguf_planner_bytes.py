@@ -25,7 +25,7 @@ def test_smollm2_planner_bytes_match_the_engine():
     planned = model_from_path(path)
     resident = engine_resident(path)
     print(f"\nSmolLM2 GGUF: planner {planned.weight_bytes:,} B, engine resident {resident:,} B "
-          f"(bfloat16), file {path.stat().st_size:,} B")
+          f"(bfloat16, {planned.weight_bytes / resident - 1:+.2%}), file {path.stat().st_size:,} B")
     assert abs(planned.weight_bytes - resident) <= 0.02 * resident
     assert planned.num_layers == 30 and planned.num_kv_heads == 3
 
@@ -34,3 +34,10 @@ def test_tiny_qwen2_planner_bytes_match_the_engine(tmp_path):
     write_gguf(tmp_path / "m.gguf", "qwen2", "Q4_K")
     planned = model_from_path(tmp_path)          # the directory holding it
     assert abs(planned.weight_bytes - engine_resident(tmp_path / "m.gguf")) <= 0.02 * planned.weight_bytes
+
+
+def test_the_planners_kept_types_are_the_kernels():
+    from kvpilot.engine.core.gguf_contract import KEPT_QUANTIZED
+    from kvpilot.kernels.gguf_matmul_cpu import QTYPES
+
+    assert {name for name, _, _ in QTYPES.values()} == KEPT_QUANTIZED

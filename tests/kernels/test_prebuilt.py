@@ -18,7 +18,7 @@ import textwrap
 import pytest
 import torch
 
-from kvpilot.kernels import paged_decode_cpu
+from kvpilot.kernels import gguf_matmul_cpu, paged_decode_cpu
 from kvpilot.kernels.prebuilt import build_cpu_kernels, find_cpu_kernel
 
 pytestmark = pytest.mark.slow
@@ -34,8 +34,9 @@ def _run(code: str, env: dict) -> subprocess.CompletedProcess:
 
 def test_the_cpu_kernel_prebuilt_loads_where_nothing_can_compile(tmp_path, monkeypatch):
     isa = torch.backends.cpu.get_cpu_capability()
-    (path,) = build_cpu_kernels(tmp_path, isas=(isa,))
+    path, gguf_path = build_cpu_kernels(tmp_path, isas=(isa,))
     name, flags = paged_decode_cpu.variant(isa)
+    assert gguf_path.name.startswith(gguf_matmul_cpu.variant(isa)[0])
     monkeypatch.setenv("KVPILOT_PREBUILT_KERNELS", str(tmp_path))
     assert find_cpu_kernel(name, flags) == path
     assert find_cpu_kernel(name, [*flags, "-DOTHER"]) is None   # other flags: not this build
@@ -57,10 +58,17 @@ def test_the_cpu_kernel_prebuilt_loads_where_nothing_can_compile(tmp_path, monke
             want = torch.softmax(q[i][:, None, :] @ k.transpose(1, 2) * 32 ** -0.5, -1) @ v
             worst = max(worst, float((got[i] - want[:, 0]).abs().max()))
         print("close", worst < 1e-5, worst)
+        from kvpilot.kernels import gguf_matmul_cpu
+        gguf = gguf_matmul_cpu.load()
+        assert gguf is not None and gguf.__file__.startswith({str(tmp_path)!r}), gguf
+        codes = torch.randint(-127, 128, (3, 32), dtype=torch.int8)   # Q8_0: a 1.0 scale, then codes
+        blocks = torch.cat([torch.tensor([[0, 60]] * 3, dtype=torch.uint8), codes.view(torch.uint8)], 1)
+        x = torch.randn(2, 32)
+        print("gguf", torch.allclose(gguf_matmul_cpu.matmul(x, blocks, 8), x @ codes.float().T, atol=1e-4))
     """
     done = _run(check, {**NO_COMPILER, "KVPILOT_PREBUILT_KERNELS": str(tmp_path)})
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "close True" in done.stdout, done.stdout
+    assert "close True" in done.stdout and "gguf True" in done.stdout, done.stdout
     stale = _run("from kvpilot.kernels import paged_decode_cpu; print(paged_decode_cpu.load())",
                  {**NO_COMPILER, "KVPILOT_PREBUILT_KERNELS": str(tmp_path / "elsewhere")})
     assert stale.stdout.strip() == "None"   # nothing prebuilt, nothing to build with: the torch path

@@ -25,7 +25,7 @@ def plan_and_engine(path, kv_cache_memory_bytes: int, block_size: int, prompt_le
         "overrides": {"kv_cache_memory_bytes": kv_cache_memory_bytes, "block_size": block_size,
                       "max_num_batched_tokens": max_num_batched_tokens}}))
     assert plan.feasible and plan.binding_constraint == "kv_capacity"
-    llm = LLM(str(path), kv_cache_memory_bytes=plan.kv_cache_memory_bytes, block_size=plan.block_size,
+    llm = LLM(str(path), dtype="float32", kv_cache_memory_bytes=plan.kv_cache_memory_bytes, block_size=plan.block_size,
               max_model_len=plan.max_model_len, max_num_seqs=plan.max_num_seqs,
               max_num_batched_tokens=plan.max_num_batched_tokens, kv_cache_dtype=plan.kv_cache_dtype)
     info, kv = llm.llm_engine.cache_info, llm.llm_engine.kv_cache_manager

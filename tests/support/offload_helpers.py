@@ -16,7 +16,7 @@ BLOCK = 16
 PREFIX_LEN = 1500
 # Full blocks of the shared prefix: the most any cache can serve of it.
 PREFIX_BLOCK_TOKENS = PREFIX_LEN // BLOCK * BLOCK
-ENGINE_KW = dict(num_gpu_blocks=100, max_model_len=1600, max_num_batched_tokens=2048, block_size=BLOCK)
+ENGINE_KW = dict(dtype="float32", num_gpu_blocks=100, max_model_len=1600, max_num_batched_tokens=2048, block_size=BLOCK)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)
 VOCAB = 4096
 

@@ -2,11 +2,11 @@
 
 Each tensor comes as a ``GGUFWeight``: its rows exactly as stored (quantized blocks or
 floats), already in HF's row order (``tensor_names``), its GGML type and its logical
-shape. ``place_tensor`` puts one into the engine's module; today it dequantizes it to
-the parameter's dtype with ``gguf.quants.dequantize`` (llama.cpp's reference decoder),
-so the model holds full-precision weights. That function is the one seam where a linear
-layer that keeps GGUF blocks (and multiplies them) takes the raw rows instead: the rows
-of fused q/k/v and gate/up parts and of a tensor-parallel shard are whole GGUF rows.
+shape. ``place_tensor`` puts one into the engine's module: a layer given GGUF storage
+before loading (``layers.gguf_linear.use_gguf_weight`` / ``use_gguf_embedding``, chosen
+by the loader from ``layer_part_types``) takes the raw rows as they are (the rows of fused
+q/k/v and gate/up parts are whole GGUF rows); any other parameter gets the tensor
+dequantized to its dtype with ``gguf.quants.dequantize`` (llama.cpp's reference decoder).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from kvpilot.engine.core.gguf_contract import BLOCK_TENSOR, IGNORED, LINEAR_KINDS
+from kvpilot.engine.core.gguf_contract import BLOCK_TENSOR, IGNORED, KEPT_WHOLE, LINEAR_KINDS
 from kvpilot.engine.model.gguf.files import open_reader
 from kvpilot.engine.model.gguf.tensor_names import map_tensor, rotary_row_order
 from kvpilot.engine.model.hf_config import ArchConfig
@@ -105,6 +105,21 @@ class GGUFCheckpoint:
                 types.setdefault(target.removesuffix(".weight"), set()).add(tensor.tensor_type.name)
         return types
 
+    def layer_part_types(self) -> dict[str, dict[int | None, int]]:
+        """Engine module (``layers.0.self_attn.qkv_proj``, ``embed_tokens``, ``lm_head``) ->
+        fused part (None: the whole weight) -> GGML type id of the GGUF weight loaded into
+        it, for the decoder's linear layers, the token embedding and the LM head."""
+        from kvpilot.engine.model.loader import _target
+
+        types: dict[str, dict[int | None, int]] = {}
+        for tensor, mapping in self._mapped():
+            m = BLOCK_TENSOR.match(tensor.name)
+            linear = m is not None and m.group(2) in LINEAR_KINDS and m.group(3) == "weight"
+            if mapping is not None and (linear or tensor.name in KEPT_WHOLE):
+                target, shard = _target(mapping.hf_name)
+                types.setdefault(target.removesuffix(".weight"), {})[shard] = int(tensor.tensor_type)
+        return types
+
     def file_tensor_bytes(self) -> int:
         """Bytes of all tensor data in the file."""
         return sum(int(t.n_bytes) for t in self.reader.tensors)
@@ -113,10 +128,18 @@ class GGUFCheckpoint:
 def place_tensor(module: nn.Module, param_name: str, src: GGUFWeight, shard: int | None,
                  load_one) -> None:
     """Put GGUF tensor ``src`` into ``module``'s ``param_name`` (part ``shard`` of a fused
-    layer): dequantized to the parameter's dtype through ``load_one`` (the loader's copy of
-    one tensor), for every type. THE SEAM for quantized linear layers: a layer built to
-    keep GGUF blocks takes ``src.raw`` / ``src.qtype`` here instead, for the tensors
+    layer): a weight the layer keeps as GGUF blocks (``module.gguf`` set) takes
+    ``src.raw`` as stored; anything else is dequantized to the parameter's dtype through
+    ``load_one`` (the loader's copy of one tensor). The tensors kept are those
     ``engine.core.gguf_contract.keeps_quantized`` names (the planner counts by that rule)."""
+    if param_name == "weight" and getattr(module, "gguf", None) is not None:
+        from kvpilot.engine.model.layers.gguf_linear import load_gguf_weight
+
+        if src.shift:
+            raise ValueError(f"GGUF tensor {src.name} is stored shifted; it cannot stay in blocks")
+        raw = src.raw if src.raw.flags.writeable else np.array(src.raw)   # torch wants writable memory
+        load_gguf_weight(module, raw, int(src.qtype), shard)
+        return
     load_one(module, param_name, src.dequantize(), shard)
 
 

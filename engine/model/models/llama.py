@@ -27,6 +27,7 @@ from torch import nn
 from kvpilot.engine.model.attention.backend import AttentionBackend
 from kvpilot.engine.model.attention.torch_backend import FP8_DTYPES
 from kvpilot.engine.model.hf_config import ArchConfig
+from kvpilot.engine.model.layers.gguf_linear import gguf_linear
 from kvpilot.engine.model.layers.norm import RMSNorm
 from kvpilot.engine.model.layers.rotary import RotaryEmbedding
 from kvpilot.engine.model.parallel.group import TPGroup
@@ -188,7 +189,12 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def output_weight(self) -> torch.Tensor:
-        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return self.output_module.weight
+
+    @property
+    def output_module(self) -> VocabParallelEmbedding:
+        """The LM head's module (the embedding when they are tied)."""
+        return self.embed_tokens if self.lm_head is None else self.lm_head
 
     def use_transposed_output_weight(self) -> None:
         """Keep a ``[hidden, vocab]`` copy of the output projection for ``compute_logits``.
@@ -197,7 +203,10 @@ class LlamaForCausalLM(nn.Module):
         third of the speed of the transposed one (20 ms vs 8 ms per decode row for the
         demo model's 151,936 x 256 head), and that product dominates a small batch's step.
         Costs one more copy of the head's weights; results differ only in rounding order.
+        Not for a head kept in GGUF blocks (its kernel reads the blocks as they are).
         """
+        if self.output_module.gguf is not None:
+            return
         self.register_buffer("output_weight_t", self.output_weight.detach().t().contiguous(),
                              persistent=False)
 
@@ -205,5 +214,11 @@ class LlamaForCausalLM(nn.Module):
         """Float32 logits ``[rows, vocab]`` on the driver; None on other ranks, which must
         call it too (the logits are gathered from every rank's vocabulary shard)."""
         transposed = getattr(self, "output_weight_t", None)
-        local = hidden @ transposed if transposed is not None else F.linear(hidden, self.output_weight)
+        head = self.output_module
+        if head.gguf is not None:
+            local = gguf_linear(hidden, head.weight, None, head.gguf)
+        elif transposed is not None:
+            local = hidden @ transposed
+        else:
+            local = F.linear(hidden, self.output_weight)
         return vocab_parallel_logits(local, self.tp, self.cfg.vocab_size)

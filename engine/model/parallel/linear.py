@@ -15,7 +15,8 @@ Each layer loads its parameters from checkpoint tensors with ``load_weight(name,
 shard_id)``: ``src`` is read only where this rank's shard lies (``sharding.read_shard``)
 and converted to the parameter's dtype afterwards, whatever that dtype is. The linear
 layers may hold FP8 weights with a ``weight_scale`` (``layers.fp8_linear``); a one-value
-checkpoint tensor (a per-tensor scale) fills its part's rows.
+checkpoint tensor (a per-tensor scale) fills its part's rows. They may instead hold GGUF
+block bytes (``layers.gguf_linear``, loaded by its ``load_gguf_weight``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvpilot.engine.model.layers.fp8_linear import fp8_linear
+from kvpilot.engine.model.layers.gguf_linear import gguf_embedding, gguf_linear
 from kvpilot.engine.model.parallel.group import TPGroup
 from kvpilot.engine.model.parallel.sharding import (
     Shard,
@@ -76,6 +78,7 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.offsets[-1], input_size))
         self.bias = nn.Parameter(torch.empty(self.offsets[-1])) if bias else None
         self.fp8 = None    # an Fp8WeightConfig once ``use_fp8_weight`` made the weight FP8
+        self.gguf = None   # a GgufLayout once ``use_gguf_weight`` gave it GGUF blocks
 
     @property
     def output_sizes(self) -> list[int]:
@@ -104,6 +107,8 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8 is not None:
             return fp8_linear(x, self.weight, self.weight_scale, self.bias, self.fp8)
+        if self.gguf is not None:
+            return gguf_linear(x, self.weight, self.bias, self.gguf)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -118,6 +123,7 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(output_size, self.shard.size))
         self.bias = nn.Parameter(torch.empty(output_size)) if bias else None
         self.fp8 = None    # an Fp8WeightConfig once ``use_fp8_weight`` made the weight FP8
+        self.gguf = None   # a GgufLayout once ``use_gguf_weight`` gave it GGUF blocks
 
     def load_weight(self, name: str, src: Any, shard_id: int | None) -> None:
         param = getattr(self, name)
@@ -130,6 +136,8 @@ class RowParallelLinear(nn.Module):
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.fp8 is not None:
             return fp8_linear(x, self.weight, self.weight_scale, bias, self.fp8)
+        if self.gguf is not None:
+            return gguf_linear(x, self.weight, bias, self.gguf)
         return F.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -148,6 +156,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_size = vocab_size
         self.shard = padded_shard(vocab_size, tp.rank, tp.world_size)
         self.weight = nn.Parameter(torch.empty(self.shard.size, hidden_size))
+        self.gguf = None   # a GgufLayout once ``use_gguf_embedding`` gave it GGUF blocks
 
     def load_weight(self, name: str, src: Any, shard_id: int | None) -> None:
         check_shape(src, (self.vocab_size, self.weight.shape[1]))
@@ -156,6 +165,8 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.data[rows.shape[0]:].zero_()     # padding rows: logits 0, sliced off
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.gguf is not None:         # one rank only (use_gguf_embedding)
+            return gguf_embedding(input_ids, self.weight, self.gguf, self.gguf_dtype)
         if self.tp.world_size == 1:
             return F.embedding(input_ids, self.weight)
         local = input_ids - self.shard.start

@@ -1,0 +1,266 @@
+"""GGUF (ggml) block-quantized weights kept as they are in the file, in the linear layers.
+
+A linear layer given GGUF storage (``use_gguf_weight``) holds its weight as the file's
+block bytes, one flat uint8 ``weight``: each part of a fused layer (q/k/v, gate/up) is a
+run of rows ``[rows, bytes_per_row]``, its blocks along the input dimension exactly as
+``gguf.GGUFReader`` hands a tensor out, so each part keeps its own type (llama.cpp's
+Q4_K_M files mix Q4_K and Q6_K within one attention layer). Rows are independent, so a
+permutation of rows (llama.cpp's q/k rope order, ``llama_qk_row_order``) is applied to
+the bytes before they are copied in (``load_gguf_weight(row_order=...)``).
+
+Forward (``gguf_linear``): up to ``kvpilot.kernels.gguf_matmul_cpu.MAX_VECTOR_BATCH``
+tokens go through the CPU kernel that decodes one block at a time into registers and
+multiplies every token by it (float32 accumulation, result in the activation dtype): the
+weight bytes are read once, and no dequantized matrix exists. More tokens (prefill) are
+multiplied a tile of rows at a time: a tile is decoded to the activation dtype and handed
+to ``F.linear`` (a transient of ``TILE_ELEMENTS`` values, not the layer).
+
+Layers without a fast path (a type the kernel does not decode, a GPU, no compiler, a
+tensor-parallel split along the blocks) keep a model-dtype weight: ``load_gguf_weight``
+dequantizes the bytes once as they load.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from torch import nn
+
+from kvpilot.kernels import gguf_matmul_cpu
+
+logger = logging.getLogger(__name__)
+
+# Values of the row tile the prefill path decodes at a time (4 MiB in float32).
+TILE_ELEMENTS = 1 << 20
+FLOAT_TYPES = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}   # ggml F32, F16, BF16
+
+
+@dataclass(frozen=True, slots=True)
+class GgufPart:
+    """One part's rows in the flat byte weight: ``rows`` x ``bytes_per_row`` from
+    ``byte_offset``, output rows from ``row_offset``, all of ggml type ``qtype``."""
+
+    qtype: int
+    rows: int
+    row_offset: int
+    byte_offset: int
+    bytes_per_row: int
+
+    @property
+    def num_bytes(self) -> int:
+        return self.rows * self.bytes_per_row
+
+
+@dataclass(frozen=True, slots=True)
+class GgufLayout:
+    """Where each part of a layer's GGUF weight lies; ``segments`` are runs of parts of
+    one type, each multiplied by one kernel call."""
+
+    columns: int
+    parts: tuple[GgufPart, ...]
+    segments: tuple[GgufPart, ...]
+
+    @property
+    def rows(self) -> int:
+        return sum(p.rows for p in self.parts)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(p.num_bytes for p in self.parts)
+
+
+def qtype_name(qtype: int) -> str:
+    """ggml's name of a type id (``Q4_K``), or the id."""
+    try:
+        return GGMLQuantizationType(qtype).name
+    except ValueError:
+        return f"ggml type {qtype}"
+
+
+def build_layout(columns: int, part_rows: Sequence[int], qtypes: Sequence[int]) -> GgufLayout:
+    """The layout of parts of ``part_rows`` rows and types ``qtypes`` (each with a kernel;
+    ``columns`` a whole number of each type's blocks)."""
+    parts, row, byte = [], 0, 0
+    for rows, qtype in zip(part_rows, qtypes, strict=True):
+        _, block, type_size = gguf_matmul_cpu.QTYPES[qtype]
+        if columns % block:
+            raise ValueError(f"{columns} columns are not a whole number of {qtype_name(qtype)} "
+                             f"blocks of {block}")
+        parts.append(GgufPart(qtype, rows, row, byte, columns // block * type_size))
+        row, byte = row + rows, byte + parts[-1].num_bytes
+    segments = [parts[0]]
+    for p in parts[1:]:
+        last = segments[-1]
+        if p.qtype == last.qtype:
+            segments[-1] = GgufPart(last.qtype, last.rows + p.rows, last.row_offset, last.byte_offset,
+                                    last.bytes_per_row)
+        else:
+            segments.append(p)
+    return GgufLayout(columns, tuple(parts), tuple(segments))
+
+
+def fast_path_reason(linear: nn.Module, qtypes: Sequence[int], device: torch.device | str) -> str | None:
+    """Why ``linear`` cannot keep GGUF blocks of ``qtypes`` on ``device`` (None: it can)."""
+    if torch.device(device).type != "cpu":
+        return f"no GGUF matmul kernel for {torch.device(device).type} (CPU only)"
+    missing = sorted({qtype_name(q) for q in qtypes if q not in gguf_matmul_cpu.QTYPES})
+    if missing:
+        return f"no kernel decodes {', '.join(missing)}"
+    tp = getattr(linear, "tp", None)
+    if tp is not None and tp.world_size > 1:
+        return "the layer's input columns are split across tensor-parallel ranks"
+    if gguf_matmul_cpu.load() is None:
+        return "the CPU GGUF matmul kernel could not be built"
+    return None
+
+
+def use_gguf_weight(linear: nn.Module, qtype: int | Sequence[int],
+                    device: torch.device | str = "cpu") -> str | None:
+    """Give a (meta-device) linear layer GGUF storage for blocks of ``qtype`` (one type, or
+    one per part of a fused layer) to run on ``device``. Returns None when it did, else
+    why not (the layer then keeps its model-dtype weight and ``load_gguf_weight``
+    dequantizes into it); the reason is logged."""
+    parts = getattr(linear, "output_sizes", None) or [linear.weight.shape[0]]
+    qtypes = [qtype] * len(parts) if isinstance(qtype, int) else list(qtype)
+    if len(qtypes) != len(parts):
+        raise ValueError(f"{len(qtypes)} ggml types for a layer of {len(parts)} parts")
+    columns = linear.weight.shape[1]
+    reason = fast_path_reason(linear, qtypes, device)
+    if reason is None:
+        try:
+            layout = build_layout(columns, parts, qtypes)
+        except ValueError as exc:
+            reason = str(exc)
+    if reason is not None:
+        logger.info("GGUF %s weight [%d, %d] dequantized at load: %s",
+                    "/".join(qtype_name(q) for q in qtypes), sum(parts), columns, reason)
+        return reason
+    linear.weight = nn.Parameter(torch.empty(layout.num_bytes, dtype=torch.uint8, device=linear.weight.device),
+                                 requires_grad=False)
+    linear.gguf = layout
+    return None
+
+
+def use_gguf_embedding(embedding: nn.Module, qtype: int, device: torch.device | str = "cpu") -> str | None:
+    """GGUF storage for a (meta-device) ``VocabParallelEmbedding`` (the token embedding,
+    and the LM head when the two are tied): a lookup decodes only the rows it reads
+    (``gguf_embedding``), the LM head multiplies through ``gguf_linear``. None when it
+    did, else why not (logged; the weight stays in the model dtype)."""
+    rows, columns = embedding.weight.shape
+    reason = fast_path_reason(embedding, [qtype], device)
+    if reason is None:
+        try:
+            layout = build_layout(columns, [rows], [qtype])
+        except ValueError as exc:
+            reason = str(exc)
+    if reason is not None:
+        logger.info("GGUF %s embedding [%d, %d] dequantized at load: %s", qtype_name(qtype), rows, columns, reason)
+        return reason
+    embedding.gguf_dtype = embedding.weight.dtype      # what a lookup returns
+    embedding.weight = nn.Parameter(torch.empty(layout.num_bytes, dtype=torch.uint8, device=embedding.weight.device),
+                                    requires_grad=False)
+    embedding.gguf = layout
+    return None
+
+
+def gguf_embedding(input_ids: torch.Tensor, weight: torch.Tensor, layout: GgufLayout,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """The embeddings of ``input_ids`` in ``dtype``, decoding only their rows."""
+    (part,) = layout.parts
+    rows = weight.view(part.rows, part.bytes_per_row).index_select(0, input_ids.reshape(-1))
+    return gguf_matmul_cpu.dequantize(rows, part.qtype).to(dtype).reshape(*input_ids.shape, layout.columns)
+
+
+def _as_tensor(raw: np.ndarray | torch.Tensor) -> torch.Tensor:
+    if isinstance(raw, torch.Tensor):
+        return raw
+    return torch.from_numpy(np.ascontiguousarray(raw))
+
+
+def dequantize(raw: np.ndarray | torch.Tensor, qtype: int) -> torch.Tensor:
+    """float32 ``[rows, columns]`` of GGUF rows ``[rows, bytes_per_row]`` of ``qtype``
+    (the kernel's decoder where it has one, else the ``gguf`` package's)."""
+    if qtype in FLOAT_TYPES:
+        return _as_tensor(raw).to(torch.float32)
+    tensor = _as_tensor(raw)
+    if qtype in gguf_matmul_cpu.QTYPES and gguf_matmul_cpu.load() is not None:
+        return gguf_matmul_cpu.dequantize(tensor.contiguous(), qtype)
+    from gguf.quants import dequantize as gguf_dequantize
+
+    return torch.from_numpy(np.ascontiguousarray(gguf_dequantize(tensor.numpy(), qtype), dtype=np.float32))
+
+
+def load_gguf_weight(linear: nn.Module, raw: np.ndarray | torch.Tensor, qtype: int,
+                     shard_id: int | None = None, row_order: torch.Tensor | None = None) -> None:
+    """Fill part ``shard_id`` of ``linear``'s weight (the whole weight: None) from a GGUF
+    tensor's data as ``GGUFReader`` gives it: uint8 ``[rows, bytes_per_row]`` blocks for a
+    quantized type, ``[rows, columns]`` values for F32/F16/BF16. ``row_order``: the rows
+    to take, in order (``raw[row_order]``), e.g. ``llama_qk_row_order``."""
+    tensor = _as_tensor(raw)
+    if row_order is not None:
+        tensor = tensor[row_order]
+    layout: GgufLayout | None = getattr(linear, "gguf", None)
+    if layout is None:
+        linear.load_weight("weight", dequantize(tensor, qtype), shard_id)
+        return
+    index = shard_id or 0
+    part = layout.parts[index]
+    shard = linear.parts[index] if hasattr(linear, "parts") else None
+    full_rows = shard.full if shard is not None else part.rows
+    if qtype != part.qtype or tuple(tensor.shape) != (full_rows, part.bytes_per_row):
+        raise ValueError(f"GGUF tensor {qtype_name(qtype)} {tuple(tensor.shape)} does not fit part {index} "
+                         f"of this layer: {qtype_name(part.qtype)} ({full_rows}, {part.bytes_per_row})")
+    if shard is not None:
+        tensor = tensor[shard.start:shard.start + part.rows]
+    dst = linear.weight.data[part.byte_offset:part.byte_offset + part.num_bytes]
+    dst.view(part.rows, part.bytes_per_row).copy_(tensor)
+
+
+def llama_qk_row_order(rows: int, num_heads: int) -> torch.Tensor:
+    """The rows of a GGUF q or k weight, in HF order: llama.cpp's converter interleaves
+    each head's two rotary halves (``reshape(heads, 2, d / 2).swapaxes(1, 2)``), so
+    ``gguf_rows[order]`` are the checkpoint's rows."""
+    head_dim = rows // num_heads
+    if rows % num_heads or head_dim % 2:
+        raise ValueError(f"{rows} rows do not form {num_heads} heads of an even size")
+    return torch.arange(rows).reshape(num_heads, head_dim // 2, 2).transpose(1, 2).reshape(-1)
+
+
+def gguf_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                layout: GgufLayout) -> torch.Tensor:
+    """``x W^T + b`` for a GGUF ``W`` (see the module docstring for the two paths)."""
+    flat = x.reshape(-1, layout.columns)
+    outs = [_segment(flat, weight, seg, layout.columns,
+                     None if bias is None else bias[seg.row_offset:seg.row_offset + seg.rows])
+            for seg in layout.segments]
+    y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+    return y.to(x.dtype).reshape(*x.shape[:-1], layout.rows)
+
+
+def _segment(flat: torch.Tensor, weight: torch.Tensor, seg: GgufPart, columns: int,
+             bias: torch.Tensor | None) -> torch.Tensor:
+    """One segment's outputs (bias added before the one rounding to the activation
+    dtype): float32 from the kernel, the activation dtype from tiles."""
+    rows = weight[seg.byte_offset:seg.byte_offset + seg.num_bytes].view(seg.rows, seg.bytes_per_row)
+    if flat.shape[0] <= gguf_matmul_cpu.MAX_VECTOR_BATCH:
+        out = gguf_matmul_cpu.matmul(flat, rows, seg.qtype)
+        return out if bias is None else out + bias
+    tile = max(1, TILE_ELEMENTS // columns)
+    out = torch.empty(flat.shape[0], seg.rows, dtype=flat.dtype)
+    for start in range(0, seg.rows, tile):
+        block = gguf_matmul_cpu.dequantize(rows[start:start + tile], seg.qtype).to(flat.dtype)
+        out[:, start:start + block.shape[0]] = F.linear(
+            flat, block, None if bias is None else bias[start:start + block.shape[0]])
+    return out
+
+
+def resident_bytes(module: nn.Module) -> int:
+    """Bytes of a layer's (or a model's) parameters as held: GGUF blocks count their file
+    bytes, everything else its dtype's."""
+    return sum(p.numel() * p.element_size() for p in module.parameters())
