@@ -9,10 +9,9 @@ Mapping rules (the planner's own rules decide everything else):
 - the model is a catalogue preset: ``spec.model.architecture``, else the hf:// repo id
   (a ``-GGUF`` suffix dropped), else the last one or two path parts of a pvc:// / s3:// /
   image path URI. The operator never reads a path the spec names (``{"preset": ...}`` only);
-- a GGUF file (``hf://org/name/file.gguf``, a pvc:// path ending in ``.gguf``) is sized at the
-  weight type its name carries (llama.cpp's naming: ``Model-Q4_K_M.gguf``), embeddings and LM
-  head in the model dtype (``planner.weights.GGUF_TYPE_BYTES``); a name without a type is
-  sized as the unquantized preset (more weight bytes, never fewer);
+- a GGUF file (``hf://org/name/file.gguf``, a pvc:// path ending in ``.gguf``) is sized as the
+  unquantized preset: on a GPU the engine dequantizes every GGUF tensor at load (its block
+  kernel is CPU-only), so the file's smaller size is not what the GPU holds;
 - ``gpu.count`` pins ``tensor_parallel_size`` (GPUs per pod); ``gpu.perNode`` is the
   planner's ``gpus_per_node`` and ``gpu.nodes`` pins ``pipeline_parallel_size`` (pods per
   replica, one a node; unset, the planner adds nodes only when one cannot hold the weights
@@ -41,7 +40,6 @@ from kvpilot.operator.planner.plan import make_plan
 from kvpilot.operator.planner.plan_request import PlanRequest
 from kvpilot.operator.planner.result import Plan
 from kvpilot.operator.planner.slo import Overrides
-from kvpilot.operator.planner.weights import gguf_file_quantization
 from kvpilot.operator.resources.sizing import EngineSizing
 from kvpilot.operator.spec import InferenceServiceSpec
 
@@ -139,15 +137,14 @@ def gguf_file(spec: InferenceServiceSpec) -> str | None:
 
 
 def planned_model(spec: InferenceServiceSpec) -> ModelSpec:
-    """The catalogue model for ``spec``, at the GGUF weight type its file name carries."""
+    """The catalogue model for ``spec`` (a GGUF file: dequantized at load on the GPU, so the
+    preset's unquantized bytes, and the derivation says so)."""
     model = preset_model(model_preset(spec))
     file = gguf_file(spec)
-    quant = gguf_file_quantization(file) if file else None
-    if quant is None:
+    if file is None:
         return model
-    return replace(model, weight_quantization=quant, weight_bytes=None,
-                   weight_source=f"{model.weight_source}; the GGUF file {file.rsplit('/', 1)[-1]}'s "
-                                 f"{quant[5:]} weights")
+    return replace(model, weight_source=f"{model.weight_source}; the GGUF file {file.rsplit('/', 1)[-1]} "
+                                        f"is dequantized to {model.dtype} at load on a GPU")
 
 
 def plan_request(spec: InferenceServiceSpec) -> PlanRequest:

@@ -131,11 +131,12 @@ IGNORED = frozenset({"rope_freqs.weight"})
 BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 
-def keeps_quantized(gguf_name: str, qtype_name: str) -> bool:
+def keeps_quantized(gguf_name: str, qtype_name: str, blocks: bool = True) -> bool:
     """Whether the engine holds GGUF tensor ``gguf_name`` (of GGML type ``qtype_name``) in
     its stored blocks rather than dequantized (a decoder linear weight, the token
-    embedding or the LM head, of a kept type; on CPU, one rank)."""
-    if qtype_name not in KEPT_QUANTIZED:
+    embedding or the LM head, of a kept type). ``blocks`` False: an engine that keeps
+    none (on a GPU, or under tensor parallelism, everything is dequantized at load)."""
+    if not blocks or qtype_name not in KEPT_QUANTIZED:
         return False
     if gguf_name in KEPT_WHOLE:
         return True
@@ -143,8 +144,10 @@ def keeps_quantized(gguf_name: str, qtype_name: str) -> bool:
     return m is not None and m.group(2) in LINEAR_KINDS and m.group(3) == "weight"
 
 
-def resident_tensor_bytes(gguf_name: str, qtype_name: str, numel: int, stored: int, dtype_bytes: int) -> int:
-    """Bytes the engine holds for one GGUF tensor served in a ``dtype_bytes`` model dtype."""
+def resident_tensor_bytes(gguf_name: str, qtype_name: str, numel: int, stored: int, dtype_bytes: int,
+                          blocks: bool = True) -> int:
+    """Bytes the engine holds for one GGUF tensor served in a ``dtype_bytes`` model dtype
+    (``blocks``: on CPU with one rank, where kept types stay in their blocks)."""
     if gguf_name in IGNORED:
         return 0
-    return stored if keeps_quantized(gguf_name, qtype_name) else numel * dtype_bytes
+    return stored if keeps_quantized(gguf_name, qtype_name, blocks) else numel * dtype_bytes

@@ -26,7 +26,6 @@ from kvpilot.operator.planner.weights import (
     WEIGHT_QUANT_BYTES,
     checkpoint_quantization,
     estimate_num_params,
-    known_quantization,
     quantized_weight_bytes,
     ties_embeddings,
 )
@@ -54,8 +53,7 @@ class ModelSpec:
         rope_theta: rotary base (informational).
         tied_embeddings: the LM head shares the input embedding matrix.
         weight_quantization: the checkpoint's own weight quantization (``fp8``, from
-            config.json's ``quantization_config``; ``gguf:TYPE`` for a GGUF file; None =
-            unquantized).
+            config.json's ``quantization_config``; None = unquantized).
     """
 
     name: str
@@ -94,7 +92,7 @@ class ModelSpec:
             raise ValueError(f"num_sliding_layers must be in [0, {self.num_layers}]")
         if self.num_sliding_layers and (self.sliding_window is None or self.sliding_window < 1):
             raise ValueError("sliding-window layers need a positive sliding_window")
-        if self.weight_quantization is not None and not known_quantization(self.weight_quantization):
+        if self.weight_quantization is not None and self.weight_quantization not in WEIGHT_QUANT_BYTES:
             raise ValueError(f"model weight_quantization must be one of {', '.join(WEIGHT_QUANT_BYTES)}, "
                              f"got {self.weight_quantization!r}")
 

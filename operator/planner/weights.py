@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from pathlib import Path
 from typing import Any
 
@@ -38,38 +37,6 @@ _SAFETENSORS_BITS: dict[str, int] = {
 # layers only: Llama-3.3-70B-Instruct-FP8-dynamic loads 67.72 GiB, the split below gives
 # 67.67 GiB, quantising everything 65.71 GiB).
 WEIGHT_QUANT_BYTES: dict[str, float] = {"fp8": 1.0}
-
-# GGUF (llama.cpp) weight types named in a file's name, as bytes per weight of ggml's block
-# layouts: Q4_0 18 B per 32 weights, Q4_1 20, Q5_0 22, Q5_1 24, Q8_0 34; the k-quants per 256
-# weights: Q2_K 84, Q3_K 110, Q4_K 144, Q5_K 176, Q6_K 210. A mix (Q4_K_M: mostly Q4_K, some
-# tensors in a wider type, at most Q6_K) is counted at Q6_K's width: the planner may then
-# over-count the weights (less KV planned), never under-count them (a pod that fails at start).
-GGUF_TYPE_BYTES: dict[str, float] = {
-    "F32": 4.0, "F16": 2.0, "BF16": 2.0, "Q8_0": 34 / 32, "Q5_1": 24 / 32, "Q5_0": 22 / 32,
-    "Q4_1": 20 / 32, "Q4_0": 18 / 32, "Q6_K": 210 / 256, "Q5_K": 176 / 256, "Q4_K": 144 / 256,
-    "Q3_K": 110 / 256, "Q2_K": 84 / 256,
-}
-_GGUF_TAG = re.compile(r"(?<![A-Za-z0-9])(BF16|F16|F32|Q8_0|Q5_[01]|Q4_[01]|Q[2-6]_K(_[SML])?)(?![A-Za-z0-9])",
-                       re.IGNORECASE)
-
-
-def gguf_file_quantization(file_name: str) -> str | None:
-    """``gguf:Q4_K_M`` for a GGUF file named for its weight type (llama.cpp's naming,
-    ``Model-Q4_K_M.gguf`` / ``model.q8_0.gguf``), None when the name carries no known type."""
-    match = _GGUF_TAG.search(file_name.rsplit("/", 1)[-1])
-    return f"gguf:{match[1].upper()}" if match else None
-
-
-def weight_bytes_per_param(quant: str) -> float:
-    """Bytes per quantised weight of ``quant`` (``fp8`` or a ``gguf:TYPE``)."""
-    if quant.startswith("gguf:"):
-        tag = quant[5:]
-        return GGUF_TYPE_BYTES["Q6_K" if tag[-2:] in ("_S", "_M", "_L") else tag]
-    return WEIGHT_QUANT_BYTES[quant]
-
-
-def known_quantization(quant: str) -> bool:
-    return quant in WEIGHT_QUANT_BYTES or (quant.startswith("gguf:") and gguf_file_quantization(quant[5:]) == quant)
 
 
 def checkpoint_quantization(cfg: dict[str, Any]) -> str | None:
@@ -92,7 +59,7 @@ def ties_embeddings(cfg: dict[str, Any]) -> bool:
 def quantized_weight_bytes(num_params: int, embedding_params: int, dtype_bytes: int, quant: str) -> int:
     """Bytes of a ``quant`` checkpoint: linear layers quantised, embeddings in the model dtype."""
     quantised = max(0, num_params - embedding_params)
-    return math.ceil(quantised * weight_bytes_per_param(quant)) + min(num_params, embedding_params) * dtype_bytes
+    return math.ceil(quantised * WEIGHT_QUANT_BYTES[quant]) + min(num_params, embedding_params) * dtype_bytes
 
 
 def estimate_num_params(cfg: dict[str, Any], *, hidden: int, heads: int, kv_heads: int, head_dim: int,
