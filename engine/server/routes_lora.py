@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvpilot.engine.lora.config import RUNTIME_LORA_UPDATING_ENV
 from kvpilot.engine.server.engine_client import AdapterNotFound
 from kvpilot.engine.server.errors import NOT_FOUND, APIError
-from kvpilot.engine.server.generation import to_api_error
+from kvpilot.engine.server.generation import random_id, to_api_error
 from kvpilot.engine.server.protocol import ErrorResponse
 from kvpilot.engine.server.routes_common import ERROR_RESPONSES
 from kvpilot.engine.server.state import ServerState, ready_state
@@ -73,7 +73,7 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest,
     try:
         await state.engine.load_lora(body.lora_name, body.lora_path, body.base_model_name)
     except Exception as exc:
-        raise to_api_error(exc, state) from exc
+        raise to_api_error(exc, state, random_id("lora")) from exc
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
 
@@ -86,5 +86,5 @@ async def unload_lora_adapter(body: UnloadLoRAAdapterRequest,
     except AdapterNotFound as exc:
         raise APIError(HTTPStatus.NOT_FOUND, str(exc), type=NOT_FOUND, param="lora_name") from exc
     except Exception as exc:
-        raise to_api_error(exc, state) from exc
+        raise to_api_error(exc, state, random_id("lora")) from exc
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")

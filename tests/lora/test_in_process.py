@@ -41,7 +41,7 @@ def _run(engine_args: EngineArgs, scenario) -> None:
 
 
 def _args(base, adapters, **kwargs) -> EngineArgs:
-    return EngineArgs(model=str(base), enable_lora=True, max_loras=2, max_lora_rank=16,
+    return EngineArgs(model=str(base), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16,
                       lora_modules=(LoRAModule("sql", str(adapters["sql"])),),
                       num_gpu_blocks=128, max_model_len=128, **kwargs)
 

@@ -24,7 +24,7 @@ PROMPT = list(range(10, 74))      # 4 full blocks of 16
 
 
 def _llm(base, adapters, **kwargs):
-    return LLM(str(base), enable_lora=True, max_loras=2, max_lora_rank=16,
+    return LLM(str(base), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16,
                lora_modules=tuple(LoRAModule(n, str(p)) for n, p in adapters.items()),
                num_gpu_blocks=128, max_model_len=256, **kwargs)
 
@@ -150,8 +150,8 @@ def test_removed_adapter_finishes_its_requests_then_refuses_new_ones(lora_case):
 def test_kv_budget_shrinks_by_the_adapter_slots(lora_case, monkeypatch):
     base, adapters = lora_case("qwen3")
     monkeypatch.setenv("KVPILOT_FAKE_DEVICE_MEMORY", json.dumps({"total_gib": 1, "free_gib": 1}))
-    plain = LLM(str(base), max_model_len=256, gpu_memory_utilization=0.05).llm_engine
-    lora = LLM(str(base), max_model_len=256, gpu_memory_utilization=0.05, enable_lora=True,
+    plain = LLM(str(base), dtype="float32", max_model_len=256, gpu_memory_utilization=0.05).llm_engine
+    lora = LLM(str(base), dtype="float32", max_model_len=256, gpu_memory_utilization=0.05, enable_lora=True,
                max_loras=4, max_lora_rank=16).llm_engine
     arch = plain.model_config.arch
     formula = lora_device_bytes(arch, LoRAConfig(max_loras=4, max_lora_rank=16), plain.model_config.dtype)

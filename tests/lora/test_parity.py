@@ -42,7 +42,7 @@ def case(request, lora_case):
 
 
 def _serve(base, adapters, prompts, **engine_kwargs):
-    llm = LLM(str(base), enable_lora=True, max_loras=3, max_lora_rank=16,
+    llm = LLM(str(base), dtype="float32", enable_lora=True, max_loras=3, max_lora_rank=16,
               lora_modules=tuple(LoRAModule(n, str(p)) for n, p in adapters.items()), **engine_kwargs)
     return llm, _generate(llm, adapters, prompts)
 
@@ -101,7 +101,7 @@ def test_fewer_slots_than_adapters(case):
     """One device slot for three adapters: adapters take turns (never two in a step) and
     every output is still the oracle's."""
     base, adapters, prompts, expected = case
-    llm = LLM(str(base), enable_lora=True, max_loras=1, max_cpu_loras=2, max_lora_rank=16,
+    llm = LLM(str(base), dtype="float32", enable_lora=True, max_loras=1, max_cpu_loras=2, max_lora_rank=16,
               lora_modules=tuple(LoRAModule(n, str(p)) for n, p in adapters.items()),
               num_gpu_blocks=256, max_model_len=512)
     got = _generate(llm, adapters, prompts)

@@ -33,7 +33,7 @@ def served(lora_case, tmp_path_factory):
     adapters = {**adapters, "extra": build_adapter(base, tmp / "extra", 8, seed=201),
                 "late": build_adapter(base, tmp / "late", 16, seed=202)}
     static = ["sql", "chat", "attn", "extra"]
-    flags = ["--model", str(base), "--served-model-name", BASE, "--enable-lora", "--max-loras", "4",
+    flags = ["--model", str(base), "--dtype", "float32", "--served-model-name", BASE, "--enable-lora", "--max-loras", "4",
              "--max-lora-rank", "16", "--max-cpu-loras", "5",
              "--lora-modules", *(f"{n}={adapters[n]}" for n in static[:3]),
              f'{{"name": "extra", "path": "{adapters["extra"]}", "base_model_name": "{BASE}"}}',
