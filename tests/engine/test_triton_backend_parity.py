@@ -28,7 +28,8 @@ def test_triton_backend_matches_hf_and_torch_backend(tiny_checkpoint, kv_cache_d
     prompts = [shared + [rng.randrange(3, 512) for _ in range(n)] for n in (3, 9)] + [[17], [rng.randrange(3, 512) for _ in range(21)]]
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     # chunked prefill (budget 32) on top of prefix hits (the shared 40-token prefix)
-    kw = dict(num_gpu_blocks=64, max_model_len=256, max_num_batched_tokens=32, kv_cache_dtype=kv_cache_dtype)
+    kw = dict(num_gpu_blocks=64, max_model_len=256, max_num_batched_tokens=32, kv_cache_dtype=kv_cache_dtype,
+              dtype="float32")
     triton = LLM(str(path), attention_backend="triton", **kw)
     assert triton.llm_engine.runner.backend.name == "triton"
     got = [o.outputs[0].token_ids for o in triton.generate(prompts, params)]

@@ -32,7 +32,7 @@ def scrape(base_url: str) -> dict[str, float]:
 
 
 def test_serve_flags_metrics_and_log_line(offload_model, prompts, reference, tmp_path):
-    flags = ["--model", offload_model, "--served-model-name", "offload",
+    flags = ["--model", offload_model, "--dtype", "float32", "--served-model-name", "offload",
              "--kv-cache-memory-bytes", str(100 * BYTES_PER_BLOCK), "--max-model-len", "1600",
              "--max-num-batched-tokens", "2048", "--kv-offloading-size", "0.05",
              "--kv-offloading-backend", "native", "--kv-offloading-disk-path", str(tmp_path / "kv"),

@@ -35,7 +35,7 @@ def test_too_small_kv_cache_fails_at_start_with_the_largest_length_that_fits():
     assert fits < 8192
     proc = subprocess.run(
         [sys.executable, "-m", "kvpilot.engine.cli.main", "serve", "--host", "127.0.0.1",
-         "--port", str(free_port()), "--model", "demo", "--device", "cpu", "--max-model-len", "8192",
+         "--port", str(free_port()), "--model", "demo", "--dtype", "float32", "--device", "cpu", "--max-model-len", "8192",
          "--kv-cache-memory-bytes", str(kv_bytes)],
         capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
