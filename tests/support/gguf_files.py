@@ -24,19 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-CORPUS = [
-    "The quick brown fox jumps over the lazy dog. " * 3,
-    "Paged attention stores keys and values in fixed-size blocks mapped by block tables.",
-    "Kubernetes operators reconcile desired state into running workloads, again and again.",
-    "Prefix caching reuses the KV cache of shared prompt prefixes across requests.",
-    "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n",
-    "Numbers 0123456789 and punctuation: ,.;:!?()[]{}<>-_=+*/\\|@#$%^&~`'\"",
-]
-SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+from support.tiny_checkpoints import CHAT_TEMPLATE, CORPUS, SPECIAL  # noqa: F401 (one tokenizer corpus)
+
 VOCAB = 512
 # hidden, intermediate and heads x head_dim are multiples of 256: the k-quants' block
 COMMON = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_attention_heads=4,
