@@ -484,6 +484,10 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return len(self.output_processor.parents)
 
+    def unfinished_request_ids(self) -> list[str]:
+        """The ids (as given to ``add_request``) of the requests not finished yet."""
+        return list(self.output_processor.parents)
+
     def get_stats(self) -> EngineStats:
         kv = self.kv_cache_manager
         sources = self.scheduler.prompt_token_sources

@@ -19,10 +19,13 @@ NOTE (threading invariants):
   consumer, which may fold later deltas into it.
 - The engine thread sleeps on the condition when it has neither commands nor
   unfinished requests, so an idle server burns no CPU.
-- A step that raises fails every live request (their consumers see
-  ``RequestFailed``) and aborts them in the engine; the thread keeps serving. If
-  the engine cannot even abort, it is declared dead: new requests get
-  ``EngineDead`` and ``healthy`` turns False.
+- Each iteration is one turn of the engine core (``engine/core/engine_core.py``:
+  apply the commands, step, the failure policy), the same code as the engine core
+  process runs; this thread only waits, settles the turn's outcome with the
+  consumers and delivers. A step that raises fails every live request (their
+  consumers see ``RequestFailed``) and the thread keeps serving; when the core
+  declares the engine dead (consecutive failed steps, a failed abort), new requests
+  get ``EngineDead`` and ``healthy`` turns False.
 - An engine that dies for good (``EngineDeadError``: a tensor-parallel worker died)
   is dead at once: the engine's ``on_dead`` callback (another thread) turns
   ``healthy`` False and wakes the engine thread, which fails every live and queued
@@ -47,10 +50,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvpilot.engine.exceptions import EngineDeadError
-from kvpilot.engine.lora.registry import LoRANotFoundError
+from kvpilot.engine.core.engine_core import (
+    ADAPTER_NOT_FOUND,
+    FAILED,
+    INVALID,
+    AbortRequest,
+    AddRequest,
+    Command,
+    EngineCore,
+    LoRAOutcome,
+    LoRARequest,
+    Rejected,
+    Turn,
+)
 from kvpilot.engine.server.engine_client import (
-    MAX_CONSECUTIVE_STEP_FAILURES,
     AdapterNotFound,
     Add,
     EngineClient,
@@ -73,20 +86,13 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
-class _Abort:
-    request_id: str
+class _Queued:
+    """A command on its way to the engine thread, and who waits for its outcome."""
 
-
-@dataclass(slots=True)
-class _LoRACommand:
-    """Load or unload an adapter; the outcome resolves ``future`` on ``loop``."""
-
-    op: str                    # "load" | "unload"
-    name: str
-    path: str | None
-    base_model_name: str | None
-    future: asyncio.Future
-    loop: asyncio.AbstractEventLoop
+    command: Command
+    live: Live | None = None                         # an add's consumer
+    future: asyncio.Future | None = None             # a LoRA command's outcome, on ``loop``
+    loop: asyncio.AbstractEventLoop | None = None
 
     def resolve(self, result=None, error: BaseException | None = None) -> None:
         def settle() -> None:
@@ -99,6 +105,10 @@ class _LoRACommand:
 
         with contextlib.suppress(RuntimeError):   # the loop is closed: nobody waits
             self.loop.call_soon_threadsafe(settle)
+
+
+# Rejected.kind -> what the refused add's consumer raises
+_REJECTION = {INVALID: RequestRejected, ADAPTER_NOT_FOUND: AdapterNotFound, FAILED: RequestFailed}
 
 
 class AsyncEngine(EngineClient):
@@ -125,7 +135,7 @@ class AsyncEngine(EngineClient):
         super().__init__(max_waiting_requests, hang_timeout)
         self._build_engine = build_engine
         self._on_ready = on_ready
-        self._commands: deque[Add | _Abort] = deque()
+        self._commands: deque[_Queued] = deque()
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._engine: LLMEngine | None = None
@@ -208,13 +218,15 @@ class AsyncEngine(EngineClient):
                 raise EngineStalled(self.stalled_message())
             self._check_queue_locked(cmd.params.n)
             self._num_pending_adds += cmd.params.n
-            self._commands.append(cmd)
+            self._commands.append(_Queued(AddRequest(cmd.request_id, cmd.prompt_token_ids, cmd.params,
+                                                     cmd.arrival_time, cmd.priority, cmd.cache_salt,
+                                                     cmd.lora_name), live=cmd.live))
             self._consumers[cmd.request_id] = cmd.live
             self._cond.notify()
 
     def _submit_abort(self, request_id: str) -> None:
         with self._cond:
-            self._commands.append(_Abort(request_id))
+            self._commands.append(_Queued(AbortRequest(request_id)))
             self._cond.notify()
 
     def _submit_lora(self, op, name, path, base_model_name, future) -> None:
@@ -223,8 +235,8 @@ class AsyncEngine(EngineClient):
                 raise EngineDead(f"the engine is not serving: {self._error or 'shutting down'}")
             if not self._ready.is_set():
                 raise EngineNotReady("the engine is still loading")
-            self._commands.append(_LoRACommand(op, name, path, base_model_name, future,
-                                               asyncio.get_running_loop()))
+            self._commands.append(_Queued(LoRARequest(None, op, name, path, base_model_name),
+                                          future=future, loop=asyncio.get_running_loop()))
             self._cond.notify()
 
     # ------------------------------------------------------------ watchdog thread
@@ -295,7 +307,7 @@ class AsyncEngine(EngineClient):
             logger.exception("closing the engine failed")
 
     def _loop(self, engine: LLMEngine) -> None:
-        consecutive_failures = 0
+        core = EngineCore(engine)
         while True:
             busy = engine.has_unfinished_requests()
             with self._cond:
@@ -306,65 +318,39 @@ class AsyncEngine(EngineClient):
                 commands = list(self._commands)
                 self._commands.clear()
             self._iteration_started = time.monotonic()
-            num_adds = self._apply(engine, commands)
-            outputs: list[RequestOutput] = []
-            if engine.has_unfinished_requests():
-                try:
-                    outputs = engine.step()
-                    consecutive_failures = 0
-                except EngineDeadError as exc:
-                    logger.error("engine died; failing %d request(s): %s", len(self._live), exc)
-                    self._declare_dead(exc)
-                    self._fail_all(RequestFailed(f"the engine died while serving this request: {exc}"))
-                    return
-                except Exception as exc:  # noqa: BLE001 - fail the batch, keep serving
-                    consecutive_failures += 1
-                    logger.exception("engine step failed; failing %d request(s)", len(self._live))
-                    self._fail_step(engine, exc, consecutive_failures)
-                    if self._dead:
-                        self._publish_stats(engine, num_adds)
-                        return
-            self._fail_requests(engine.take_failed_requests())
-            self._deliver(outputs, engine.take_step_stats())
-            self._publish_stats(engine, num_adds)
+            turn = core.turn([cmd.command for cmd in commands])
+            self._settle(commands, turn)
+            if turn.died_in_step:
+                self._declare_dead(turn.dead)
+                self._fail_all(RequestFailed(f"the engine died while serving this request: {turn.dead}"))
+                return
+            if turn.failed_step is not None:
+                self._fail_step(*turn.failed_step)
+            if turn.dead is not None:
+                self._declare_dead(turn.dead)
+                self._publish_stats(engine, turn.num_adds)
+                return
+            self._fail_requests(turn.failed_alone)
+            self._deliver(turn.outputs, turn.step_stats)
+            self._publish_stats(engine, turn.num_adds)
             self._iteration_started = None
 
-    def _apply(self, engine: LLMEngine, commands: list[Add | _Abort]) -> int:
-        """Applies queued commands; returns the sequences of the adds among them (``n`` each)."""
-        num_adds = 0
-        aborts = []
-        for cmd in commands:
-            if isinstance(cmd, _Abort):
+    def _settle(self, commands: list[_Queued], turn: Turn) -> None:
+        """The consumers' side of what the turn applied, in order: an accepted add's
+        consumer is registered, a refused one hears why, an abort forgets its consumer,
+        a LoRA command's future resolves."""
+        for queued, (_, outcome) in zip(commands, turn.applied, strict=True):
+            cmd = queued.command
+            if isinstance(cmd, AbortRequest):
                 if self._live.pop(cmd.request_id, None) is not None:
-                    aborts.append(cmd.request_id)
                     self._tracker.remove(cmd.request_id, ABORT)
-                continue
-            if isinstance(cmd, _LoRACommand):
-                if aborts:   # in order: what was aborted before it goes first
-                    engine.abort_request(aborts)
-                    aborts = []
-                _apply_lora(engine, cmd)
-                continue
-            num_adds += cmd.params.n
-            try:
-                engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params,
-                                   arrival_time=cmd.arrival_time, cache_salt=cmd.cache_salt,
-                                   priority=cmd.priority, lora_name=cmd.lora_name)
-            except LoRANotFoundError as exc:
-                cmd.live.deliver(AdapterNotFound(str(exc)))
-                continue
-            except ValueError as exc:
-                cmd.live.deliver(RequestRejected(str(exc)))
-                continue
-            except Exception as exc:  # noqa: BLE001 - a broken add fails only this request
-                logger.exception("add_request failed for %s", cmd.request_id)
-                cmd.live.deliver(RequestFailed(f"{type(exc).__name__}: {exc}"))
-                continue
-            self._live[cmd.request_id] = cmd.live
-            self._tracker.add(cmd.request_id, cmd.params.n, cmd.arrival_time, cmd.params.max_tokens)
-        if aborts:
-            engine.abort_request(aborts)
-        return num_adds
+            elif isinstance(outcome, LoRAOutcome):
+                queued.resolve(outcome.info, outcome.error)
+            elif isinstance(outcome, Rejected):
+                queued.live.deliver(_REJECTION[outcome.kind](outcome.message))
+            else:
+                self._live[cmd.request_id] = queued.live
+                self._tracker.add(cmd.request_id, cmd.params.n, cmd.arrival_time, cmd.params.max_tokens)
 
     def _deliver(self, outputs: list[RequestOutput], step: StepStats) -> None:
         now = time.time()
@@ -391,21 +377,14 @@ class AsyncEngine(EngineClient):
                 live.deliver(RequestFailed(f"the engine failed while serving this request: {text}"))
                 self._tracker.remove(request_id, ERROR)
 
-    def _fail_step(self, engine: LLMEngine, exc: Exception, consecutive_failures: int) -> None:
-        failed = list(self._live)
-        error = RequestFailed(f"the engine failed while serving this request: "
-                              f"{type(exc).__name__}: {exc}")
+    def _fail_step(self, failed: list[str], message: str) -> None:
+        """Fail the requests a failed step failed (the engine core aborted them)."""
+        error = RequestFailed(f"the engine failed while serving this request: {message}")
         for request_id in failed:
-            self._live.pop(request_id).deliver(error)
-            self._tracker.remove(request_id, ERROR)
-        try:
-            engine.abort_request(failed)
-        except Exception as abort_exc:  # noqa: BLE001
-            logger.exception("cannot abort after a failed step: the engine is broken")
-            self._declare_dead(abort_exc)
-            return
-        if consecutive_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
-            self._declare_dead(exc)
+            live = self._live.pop(request_id, None)
+            if live is not None:
+                live.deliver(error)
+                self._tracker.remove(request_id, ERROR)
 
     def _declare_dead(self, exc: BaseException) -> None:
         """Mark the engine dead (from any thread) and wake the engine thread to fail what
@@ -429,17 +408,11 @@ class AsyncEngine(EngineClient):
             commands = list(self._commands)
             self._commands.clear()
             self._dead = True
-        for cmd in commands:
-            if isinstance(cmd, Add):
-                cmd.live.deliver(error)
+        for queued in commands:
+            if queued.live is not None:
+                queued.live.deliver(error)
+            elif queued.future is not None:
+                queued.resolve(error=error)
         for live in self._live.values():
             live.deliver(error)
         self._live.clear()
-
-
-def _apply_lora(engine: LLMEngine, cmd: _LoRACommand) -> None:
-    """Run a load / unload on the engine thread and hand its outcome to the event loop."""
-    from kvpilot.engine.server.lora_commands import run_lora_command
-
-    result, error = run_lora_command(engine, cmd.op, cmd.name, cmd.path, cmd.base_model_name)
-    cmd.resolve(result, error)

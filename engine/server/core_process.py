@@ -7,7 +7,8 @@ with its ``CoreSpec`` on stdin (a length-prefixed pickle; unlike multiprocessing
 spawn this never re-runs the caller's main script). It builds the ``LLMEngine`` (with
 tensor parallelism it is the driver, rank 0, and starts the workers), reports READY
 with what the API process needs (or START_FAILED with the error), then loops
-(``EngineCore.run``): take every command that arrived, step once, send one STEP
+(``CoreProcessLoop.run``): take every command that arrived, run one turn of the engine
+core (``engine/core/engine_core.py``: apply, step, failure policy), send one STEP
 message with all the step's deltas and the stats snapshot (``core_wire``).
 
 What runs here beside the model: detokenization, stop strings and structured-output
@@ -16,10 +17,11 @@ freed, in the very step that produced the token (as ``LLM.generate`` does).
 
 Stopping: the API process keeps the write end of this process's stdin open. End of
 file there (the API process closed it to shut down, or died) makes the core finish its
-background work (KV offload saves) and exit. Failures follow the in-process engine
-thread: a step that raises fails the requests in flight (``failed`` in STEP) and the
-core keeps serving; three in a row, a failed abort or an ``EngineDeadError`` (a
-tensor-parallel worker died) send DEAD and end the process.
+background work (KV offload saves) and exit. The failure policy is the engine
+core's, the same as for the in-process engine thread: a step that raises fails the
+requests in flight (``failed`` in STEP) and the core keeps serving; three in a row, a
+failed abort or an ``EngineDeadError`` (a tensor-parallel worker died) send DEAD and end
+the process.
 """
 
 from __future__ import annotations
@@ -35,8 +37,18 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from kvpilot.engine.exceptions import EngineDeadError
-from kvpilot.engine.lora.registry import LoRANotFoundError
+from kvpilot.engine.core.engine_core import (
+    ADAPTER_NOT_FOUND,
+    FAILED,
+    INVALID,
+    AbortRequest,
+    AddRequest,
+    Command,
+    EngineCore,
+    LoRAOutcome,
+    LoRARequest,
+    Turn,
+)
 from kvpilot.engine.server.core_wire import (
     ABORT,
     DEAD,
@@ -51,10 +63,10 @@ from kvpilot.engine.server.core_wire import (
     pack,
     unpack,
 )
-from kvpilot.engine.server.engine_client import MAX_CONSECUTIVE_STEP_FAILURES
 
 if TYPE_CHECKING:
     from kvpilot.engine.engine_args import EngineArgs
+    from kvpilot.engine.exceptions import EngineDeadError
     from kvpilot.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
@@ -95,11 +107,12 @@ def read_spec(fd: int) -> CoreSpec:
     return pickle.loads(_read_exactly(fd, size))
 
 
-class EngineCore:
-    """The step loop over one built engine and the two sockets.
+class CoreProcessLoop:
+    """The core process's transport around ``EngineCore``: wait on the command socket
+    and on stdin, run one turn, send its outcome.
 
     Args:
-        engine: the engine (owned: closed when the loop ends).
+        engine: the engine (the caller closes it when the loop ends).
         commands: PULL socket of the API's command lists.
         results: PUSH socket to the API.
         parent_fd: stdin; readable at end of file when the API process is gone.
@@ -108,6 +121,7 @@ class EngineCore:
     def __init__(self, engine: LLMEngine, commands: zmq.Socket, results: zmq.Socket,
                  parent_fd: int) -> None:
         self.engine = engine
+        self._core = EngineCore(engine)
         self._commands = commands
         self._results = results
         self._parent_fd = parent_fd
@@ -118,96 +132,60 @@ class EngineCore:
     def run(self) -> None:
         """Serve until the API process goes away or the engine dies."""
         engine = self.engine
-        consecutive_failures = 0
         while True:
             events = dict(self._poller.poll(0 if engine.has_unfinished_requests() else None))
             if self._parent_fd in events and not os.read(self._parent_fd, 1 << 16):
                 logger.info("the API process closed the channel; the engine core stops")
                 return
-            num_adds, rejected, num_aborts = (self._apply(self._drain())
-                                              if self._commands in events else (0, [], 0))
-            outputs, failed, stepped = [], None, engine.has_unfinished_requests()
-            if stepped:
-                try:
-                    outputs = engine.step()
-                    consecutive_failures = 0
-                except EngineDeadError as exc:
-                    self.send_dead(str(exc))
-                    return
-                except Exception as exc:  # noqa: BLE001 - fail the batch, keep serving
-                    consecutive_failures += 1
-                    logger.exception("engine step failed; failing %d request(s)",
-                                     engine.get_num_unfinished_requests())
-                    failed = self._fail_step(exc)
-                    if failed is None or consecutive_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
-                        self.send_dead(f"{type(exc).__name__}: {exc}")
-                        return
+            commands = self._drain() if self._commands in events else []
+            turn = self._core.turn(commands)
+            for command, outcome in turn.applied:
+                if isinstance(outcome, LoRAOutcome):
+                    self._results.send(pack((LORA_DONE, command.token, outcome.info, outcome.error)))
+            if turn.died_in_step:
+                self.send_dead(str(turn.dead))
+                return
+            failed = turn.failed_step
             # requests a step failed for on their own: reported like a failed add
-            rejected += [(rid, False, text) for rid, text in engine.take_failed_requests()]
-            if stepped or num_adds or num_aborts:
-                self._results.send(pack((STEP, encode_outputs(outputs), engine.get_stats(),
-                                         engine.take_step_stats(), num_adds, rejected, failed)),
-                                   copy=False)
+            rejected = [(r.request_id, _WIRE_KIND[r.kind], r.message) for r in turn.rejected]
+            rejected += [(rid, False, text) for rid, text in turn.failed_alone]
+            if turn.dead is not None:
+                if failed is not None:   # the requests it failed learn why before DEAD
+                    self._send_step(turn, rejected, failed)
+                self.send_dead(f"{type(turn.dead).__name__}: {turn.dead}")
+                return
+            if turn.stepped or turn.num_adds or turn.num_aborts:
+                self._send_step(turn, rejected, failed)
 
-    def _drain(self) -> list[tuple]:
-        commands: list[tuple] = []
+    def _send_step(self, turn: Turn, rejected: list[tuple], failed) -> None:
+        self._results.send(pack((STEP, encode_outputs(turn.outputs), self.engine.get_stats(),
+                                 turn.step_stats, turn.num_adds, rejected, failed)), copy=False)
+
+    def _drain(self) -> list[Command]:
+        commands: list[Command] = []
         while True:
             try:
-                commands.extend(unpack(self._commands.recv(zmq.NOBLOCK)))
+                commands.extend(_command(row) for row in unpack(self._commands.recv(zmq.NOBLOCK)))
             except zmq.Again:
                 return commands
-
-    def _apply(self, commands: list[tuple]) -> tuple[int, list[tuple], int]:
-        """Adds and aborts in arrival order; returns (sequences added: ``n`` per add,
-        rejected adds, aborts)."""
-        engine = self.engine
-        num_adds, rejected, aborts = 0, [], []
-        for cmd in commands:
-            if cmd[0] == ABORT:
-                aborts.append(cmd[1])
-                continue
-            if cmd[0] == LORA:
-                if aborts:   # in order: what was aborted before it goes first
-                    engine.abort_request(aborts)
-                    aborts = []
-                self._lora(*cmd[1:])
-                continue
-            _, request_id, prompt_token_ids, params, arrival_time, priority, cache_salt, lora_name = cmd
-            num_adds += params.n
-            try:
-                engine.add_request(request_id, prompt_token_ids, params, arrival_time=arrival_time,
-                                   priority=priority, cache_salt=cache_salt, lora_name=lora_name)
-            except LoRANotFoundError as exc:
-                rejected.append((request_id, LORA_NOT_FOUND, str(exc)))
-            except ValueError as exc:
-                rejected.append((request_id, True, str(exc)))
-            except Exception as exc:  # noqa: BLE001 - a broken add fails only this request
-                logger.exception("add_request failed for %s", request_id)
-                rejected.append((request_id, False, f"{type(exc).__name__}: {exc}"))
-        if aborts:
-            engine.abort_request(aborts)
-        return num_adds, rejected, len(aborts)
-
-    def _lora(self, op_id: int, op: str, name: str, path: str | None, base_model_name: str | None) -> None:
-        """Apply a LoRA load / unload and report its outcome at once."""
-        from kvpilot.engine.server.lora_commands import run_lora_command
-
-        info, error = run_lora_command(self.engine, op, name, path, base_model_name)
-        self._results.send(pack((LORA_DONE, op_id, info, error)))
-
-    def _fail_step(self, exc: Exception) -> tuple[list[str], str] | None:
-        """Abort every request after a failed step; None if even that fails."""
-        failed = list(self.engine.output_processor.parents)
-        try:
-            self.engine.abort_request(failed)
-        except Exception:  # noqa: BLE001
-            logger.exception("cannot abort after a failed step: the engine is broken")
-            return None
-        return failed, f"{type(exc).__name__}: {exc}"
 
     def send_dead(self, message: str) -> None:
         logger.error("the engine is dead: %s", message)
         self._results.send(pack((DEAD, message)))
+
+
+# Rejected.kind -> a rejected row's second field on the wire (``core_wire``)
+_WIRE_KIND = {INVALID: True, ADAPTER_NOT_FOUND: LORA_NOT_FOUND, FAILED: False}
+
+
+def _command(row: tuple) -> Command:
+    """A command row of the wire (``core_wire``) as the engine core's command."""
+    if row[0] == ABORT:
+        return AbortRequest(row[1])
+    if row[0] == LORA:
+        return LoRARequest(*row[1:])
+    _, request_id, prompt_token_ids, params, arrival_time, priority, cache_salt, lora_name = row
+    return AddRequest(request_id, prompt_token_ids, params, arrival_time, priority, cache_salt, lora_name)
 
 
 def _report_death_at_once(context: zmq.Context, address: str):
@@ -252,7 +230,7 @@ def main() -> int:
                     tuple(engine.list_loras()))
     results.send(pack((READY, info, engine.get_stats())))
     try:
-        EngineCore(engine, commands, results, parent_fd).run()
+        CoreProcessLoop(engine, commands, results, parent_fd).run()
     finally:
         try:
             engine.close()

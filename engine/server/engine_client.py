@@ -20,16 +20,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvpilot.engine.core.engine_core import MAX_CONSECUTIVE_STEP_FAILURES  # noqa: F401 - clients' import
 from kvpilot.engine.sampling_params import RequestOutputKind
 
 if TYPE_CHECKING:
     from kvpilot.engine.outputs import RequestOutput
     from kvpilot.engine.sampling_params import SamplingParams
     from kvpilot.engine.stats import EngineStats
-
-# Consecutive failed engine steps after which the engine is declared dead (a single
-# failed step is taken as transient), wherever the engine runs.
-MAX_CONSECUTIVE_STEP_FAILURES = 3
 
 
 class EngineNotReady(RuntimeError):
