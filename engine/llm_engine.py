@@ -125,7 +125,7 @@ class LLMEngine:
         decode = self.tokenizer.decode
         self.output_processor = OutputProcessor(
             lambda token_id: decode([token_id], skip_special_tokens=False),
-            model_config.max_model_len, self._finish)
+            model_config.max_model_len)
         self._num_steps = 0
         self._iteration_tokens: list[int] = []
         self._cost_model = self._make_cost_model(layout) if args.enable_mfu_metrics else None
@@ -396,9 +396,12 @@ class LLMEngine:
                 continue
             for child in parent.children:
                 if child.finish_reason is None:
-                    self._finish(child, RequestStatus.FINISHED_ABORTED)
+                    self.output_processor.mark_finished(child, RequestStatus.FINISHED_ABORTED)
+                    self._free(child, RequestStatus.FINISHED_ABORTED)
 
-    def _finish(self, child: ChildState, status: RequestStatus) -> None:
+    def _free(self, child: ChildState, status: RequestStatus) -> None:
+        """What a finished child held: its blocks and scheduler entry, its batch row, its
+        adapter reference, its grammar."""
         rid = child.request.request_id
         self.scheduler.finish_request(rid, status)
         self.runner.release(rid)
@@ -407,7 +410,6 @@ class LLMEngine:
             self.lora.release(lora)
             self._lora_counters.finished(child.request)
         self.structured_output.remove(rid)
-        self.output_processor.mark_finished(child, status)
 
     # ---- stepping -----------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -448,6 +450,8 @@ class LLMEngine:
                 except Exception as exc:  # noqa: BLE001 - fails this request only
                     failed[self.output_processor.children[request.request_id].parent.request_id] = exc
         outputs = self.output_processor.process(advanced, result.logprobs, failed)
+        for child, status in self.output_processor.take_finished():
+            self._free(child, status)
         self._fail_requests(failed)
         if self.kv_offload is not None and not self.scheduler.has_unfinished_requests():
             self._run_pending_kv_transfers()   # save finished requests' blocks now, not next step

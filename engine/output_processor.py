@@ -122,15 +122,16 @@ class OutputProcessor:
     Args:
         decode_token: token id -> text, for logprob entries.
         max_model_len: the context limit (a length stop).
-        finish: called as ``finish(child, status)`` when a child stops; the engine frees
-            its blocks and its batch row there.
+
+    ``process`` returns the step's outputs; the children that stopped in it are marked
+    finished here and handed to the engine by ``take_finished`` (it frees their blocks,
+    batch rows and adapters): the processor never calls back into the engine.
     """
 
-    def __init__(self, decode_token: Callable[[int], str], max_model_len: int,
-                 finish: Callable[[ChildState, RequestStatus], None]) -> None:
+    def __init__(self, decode_token: Callable[[int], str], max_model_len: int) -> None:
         self._decode_token = decode_token
         self._max_model_len = max_model_len
-        self._finish = finish
+        self._finished: list[tuple[ChildState, RequestStatus]] = []
         self.parents: dict[str, ParentState] = {}
         self.children: dict[str, ChildState] = {}
         self.prompt_tokens = 0
@@ -211,7 +212,13 @@ class OutputProcessor:
             child.final_len = child.detok.num_chars
         child.stop_reason = stop_token
         request.finished_time = time.time()
-        self._finish(child, status)
+        self.mark_finished(child, status)
+        self._finished.append((child, status))
+
+    def take_finished(self) -> list[tuple[ChildState, RequestStatus]]:
+        """The children that stopped since the previous call, with how they stopped."""
+        finished, self._finished = self._finished, []
+        return finished
 
     def _record_logprobs(self, child: ChildState, result: SampleResult) -> None:
         decode = self._decode_token
