@@ -19,7 +19,7 @@ NOTE (threading invariants):
   consumer, which may fold later deltas into it.
 - The engine thread sleeps on the condition when it has neither commands nor
   unfinished requests, so an idle server burns no CPU.
-- Each iteration is one turn of the engine core (``engine/core/engine_core.py``:
+- Each iteration is one turn of the engine core (``engine/engine_core.py``:
   apply the commands, step, the failure policy), the same code as the engine core
   process runs; this thread only waits, settles the turn's outcome with the
   consumers and delivers. A step that raises fails every live request (their
@@ -50,7 +50,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvpilot.engine.core.engine_core import (
+from kvpilot.engine.engine_core import (
     ADAPTER_NOT_FOUND,
     FAILED,
     INVALID,

@@ -8,7 +8,7 @@ spawn this never re-runs the caller's main script). It builds the ``LLMEngine`` 
 tensor parallelism it is the driver, rank 0, and starts the workers), reports READY
 with what the API process needs (or START_FAILED with the error), then loops
 (``CoreProcessLoop.run``): take every command that arrived, run one turn of the engine
-core (``engine/core/engine_core.py``: apply, step, failure policy), send one STEP
+core (``engine/engine_core.py``: apply, step, failure policy), send one STEP
 message with all the step's deltas and the stats snapshot (``core_wire``).
 
 What runs here beside the model: detokenization, stop strings and structured-output
@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from kvpilot.engine.core.engine_core import (
+from kvpilot.engine.engine_core import (
     ADAPTER_NOT_FOUND,
     FAILED,
     INVALID,

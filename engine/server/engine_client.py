@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvpilot.engine.core.engine_core import MAX_CONSECUTIVE_STEP_FAILURES  # noqa: F401 - clients' import
+from kvpilot.engine.engine_core import MAX_CONSECUTIVE_STEP_FAILURES  # noqa: F401 - clients' import
 from kvpilot.engine.sampling_params import RequestOutputKind
 
 if TYPE_CHECKING:

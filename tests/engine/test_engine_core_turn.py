@@ -1,4 +1,4 @@
-"""The engine core's turn (``engine/core/engine_core.py``) on a real demo engine: what
+"""The engine core's turn (``engine/engine_core.py``) on a real demo engine: what
 both transports (engine thread, core process) rely on, checked once here; the end-to-end
 failure tests of both transports are in ``tests/server/test_engine_faults.py``."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kvpilot.engine import LLM, SamplingParams
-from kvpilot.engine.core.engine_core import (
+from kvpilot.engine.engine_core import (
     ADAPTER_NOT_FOUND,
     INVALID,
     MAX_CONSECUTIVE_STEP_FAILURES,
