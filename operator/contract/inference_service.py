@@ -153,7 +153,7 @@ ENGINE = Obj(description="Explicit engine settings; each wins over the planner a
     "blockSize": Int(enum=BLOCK_SIZES),
     "enablePrefixCaching": Bool(),
     "kvSafetyMargin": Num(minimum=0, maximum=0.49, description=(
-        "Plan the KV cache this fraction below the planner's calibrated estimate (default 0.025).")),
+        "Plan the KV cache this fraction below the planner's calibrated estimate (default 0.03).")),
     "kvCacheMemoryBytes": Int(minimum=1, int64=True, description=(
         "Pin the KV cache size per GPU (bytes; --kv-cache-memory-bytes) instead of what the planner "
         "leaves for it: for a GPU shared with other processes, or a small cache. The planner checks "

@@ -129,7 +129,7 @@ def test_the_kv_safety_margin_is_a_planner_setting_in_the_spec():
     estimate = default.memory["kv_estimate_bytes"]
     assert wider.memory["kv_estimate_bytes"] == estimate
     assert (default.memory["kv_available_bytes"], wider.memory["kv_available_bytes"]) == (
-        int(estimate * 0.975), int(estimate * 0.9))
+        int(estimate * 0.97), int(estimate * 0.9))
     assert any("less the 10.0% safety margin" in line for line in wider.derivation)
     with pytest.raises(ValueError, match="kvSafetyMargin"):
         _spec(engine={"kvSafetyMargin": 0.6})

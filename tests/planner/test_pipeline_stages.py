@@ -43,7 +43,7 @@ def test_the_405b_example_is_two_nodes_of_eight():
     assert plan.kv_layout.num_blocks(plan.kv_cache_memory_bytes) == plan.num_gpu_blocks
     assert plan.kv_bytes_per_token == 2 * 63 * 1 * 128 * 2
     text = "\n".join(plan.derivation)
-    assert "KV for only 24 of the 64 sequences" in text and "2 nodes x 8 -> 1 replica(s) = 16 GPUs" in text
+    assert "KV for only 25 of the 64 sequences" in text and "2 nodes x 8 -> 1 replica(s) = 16 GPUs" in text
     assert "8 -> 3 replica(s) = 24 GPUs" in text
 
 
