@@ -28,20 +28,26 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import aiohttp
 
 from kvpilot.operator.engine_observer import EnginePod
 
+if TYPE_CHECKING:
+    from kvpilot.operator.settings import OperatorSettings
+
 logger = logging.getLogger(__name__)
 
 PENDING, LOADING, READY, FAILED = "Pending", "Loading", "Ready", "Failed"
 MAX_MODELS_BYTES = 1 << 20
+# the engine's answers about the adapter itself (a bad request or checkpoint, no such adapter);
+# others (401 without the service's API key, 5xx) are the pod's and never make an adapter Failed
+REFUSALS = (400, 404, 422)
 
 
 class AdapterRefused(Exception):
-    """The engine answered the load with an error about the adapter (HTTP 4xx)."""
+    """The engine answered with an error about the adapter (``REFUSALS``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +124,7 @@ class HttpAdapterClient:
 
     async def _post(self, pod: EnginePod, path: str, body: dict) -> None:
         async with self._http().post(self._url(pod, path), json=body) as response:
-            if 400 <= response.status < 500:
+            if response.status in REFUSALS:
                 text = await response.text()
                 with contextlib.suppress(ValueError, KeyError, TypeError):
                     text = json.loads(text)["error"]["message"]
@@ -227,6 +233,12 @@ class AdapterLoader:
 
     def forget(self, service: tuple[str, str]) -> None:
         self._services.pop(service, None)
+
+    @classmethod
+    def from_settings(cls, settings: OperatorSettings) -> AdapterLoader | None:
+        """A loader that reaches the pods directly (``KVPILOT_ENGINE_METRICS=pod``, the default);
+        None otherwise (adapters then load at pod start only, once verified)."""
+        return cls(HttpAdapterClient()) if settings.engine_metrics == "pod" else None
 
     async def close(self) -> None:
         await self._client.close()

@@ -64,6 +64,13 @@ def _fetch_command(adapter: AdapterSpec, dest: str) -> list[str]:
     return ["aws", "s3", "sync", source, dest, "--only-show-errors"]
 
 
+def adapter_paths(spec: InferenceServiceSpec) -> dict[str, str]:
+    """Where the engine pod holds each adapter's files (what ``adapter_delivery`` puts there)."""
+    root = CACHE_ADAPTERS_DIR if in_model_cache(spec) else ADAPTERS_MOUNT
+    return {a.name: (posixpath.normpath(posixpath.join(CLAIMS_MOUNT, a.name, a.sub_path)) if a.scheme == "pvc"
+                     else posixpath.join(root, a.name)) for a in spec.adapters}
+
+
 def adapter_delivery(spec: InferenceServiceSpec, engine_image: str, s3_image: str, security_context: dict,
                      tmp_mount: dict) -> AdapterDelivery:
     """Volumes, mounts and init containers of ``spec.adapters`` (after the weights' own)."""
@@ -72,7 +79,7 @@ def adapter_delivery(spec: InferenceServiceSpec, engine_image: str, s3_image: st
     shared = in_model_cache(spec)
     volume, root = (MODEL_VOLUME, CACHE_ADAPTERS_DIR) if shared else (ADAPTERS_VOLUME, ADAPTERS_MOUNT)
     mount_path = c.MODEL_MOUNT if shared else ADAPTERS_MOUNT
-    out = AdapterDelivery()
+    out = AdapterDelivery(paths=adapter_paths(spec))
     fetched = False
     for a in spec.adapters:
         if a.scheme == "pvc":
@@ -80,10 +87,9 @@ def adapter_delivery(spec: InferenceServiceSpec, engine_image: str, s3_image: st
             where = posixpath.join(CLAIMS_MOUNT, a.name)
             out.volumes.append({"name": vol, "persistentVolumeClaim": {"claimName": a.claim, "readOnly": True}})
             out.engine_mounts.append({"name": vol, "mountPath": where, "readOnly": True})
-            out.paths[a.name] = posixpath.normpath(posixpath.join(where, a.sub_path))
             continue
         fetched = True
-        dest = posixpath.join(root, a.name)
+        dest = out.paths[a.name]
         container = {
             "name": _label("adapter", a.name),
             "image": engine_image if a.scheme == "hf" else s3_image,
@@ -95,7 +101,6 @@ def adapter_delivery(spec: InferenceServiceSpec, engine_image: str, s3_image: st
         if spec.model.credentials_secret:   # the adapters come with the base model's credentials
             container["envFrom"] = [{"secretRef": {"name": spec.model.credentials_secret}}]
         out.init_containers.append(container)
-        out.paths[a.name] = dest
     if fetched and not shared:
         out.volumes.append({"name": ADAPTERS_VOLUME, "emptyDir": {}})
         out.engine_mounts.append({"name": ADAPTERS_VOLUME, "mountPath": ADAPTERS_MOUNT, "readOnly": True})
