@@ -286,6 +286,8 @@ def _parse_adapters(adapters: list[Mapping[str, Any]], served_name: str) -> tupl
                 raise SpecError(f"spec.adapters[{i}].source: an adapter is a repository, not a file: {source!r}")
             out.append(AdapterSpec(scheme="hf", repo_id=match["repo"], revision=match["rev"], **common))
         elif match := _ADAPTER_URIS["pvc"].match(source):
+            if ".." in (match["path"] or "").split("/"):
+                raise SpecError(f"spec.adapters[{i}].source: no '..' in a claim path: {source!r}")
             out.append(AdapterSpec(scheme="pvc", claim=match["claim"], sub_path=match["path"] or "", **common))
         else:   # the contract's pattern: s3 is all that is left
             match = _ADAPTER_URIS["s3"].match(source)

@@ -109,6 +109,7 @@ def test_lora_defaults_follow_the_adapters():
     ({"adapters": [{"name": "a", "source": "https://x/y"}]}, r"adapters\[0\]\.source .* is not hf://"),
     ({"adapters": [{"name": "a", "source": "hf://org/repo/file.gguf"}]}, "a repository, not a file"),
     ({"adapters": [{"name": "qwen", "source": "s3://xy/z"}]}, "the base model's served name"),
+    ({"adapters": [{"name": "a", "source": "pvc://claim/../../etc"}]}, "no '..' in a claim path"),
     ({"lora": {"maxLoraRank": 8}}, "rank 16 is above lora.maxLoraRank 8"),
     ({"lora": {"maxLoras": 4, "maxCpuLoras": 2}}, "lora.maxCpuLoras must be >= lora.maxLoras"),
     ({"gpu": {"type": "l4", "count": 2}}, "gpu.count must be 1"),
