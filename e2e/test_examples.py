@@ -31,7 +31,7 @@ from support.harness import EmulatorThread, Kubectl, OperatorProcess, wait_for, 
 
 CRD_NAME = f"{c.PLURAL}.{c.GROUP}"
 COLUMNS = ["NAME", "MODEL", "GPU", "KV-DTYPE", "MAX-SEQS", "OBSERVED-KV-TOKENS", "READY-REPLICAS", "REPLICAS",
-           "READY", "AGE"]
+           "READY", "ADAPTERS", "AGE"]
 
 
 @contextlib.contextmanager

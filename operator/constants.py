@@ -40,4 +40,5 @@ READY = "Ready"
 PROGRESSING = "Progressing"
 DEGRADED = "Degraded"
 SIZING_DRIFT = "SizingDrift"      # the engines' KV capacity differs from the plan (sizing_drift)
-CONDITION_TYPES = (PLANNED, READY, PROGRESSING, DEGRADED, SIZING_DRIFT)
+ADAPTERS_READY = "AdaptersReady"  # every spec.adapters[] entry is served by every ready pod
+CONDITION_TYPES = (PLANNED, READY, PROGRESSING, DEGRADED, SIZING_DRIFT, ADAPTERS_READY)

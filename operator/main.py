@@ -37,6 +37,7 @@ from typing import Any
 import kopf
 
 from kvpilot.operator import constants as c
+from kvpilot.operator.adapter_loader import AdapterLoader
 from kvpilot.operator.discovery import Discovery
 from kvpilot.operator.engine_observer import EngineObserver
 from kvpilot.operator.index_copies import pod_summary, stored_copy
@@ -97,7 +98,8 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
         api = await KubeApi.connect(config.api_timeout_seconds)
         memo.api = api
         memo.ctx = WorkerContext(api=api, settings=config, discovery=Discovery(api.has_api), metrics=metrics,
-                                 observer=EngineObserver.from_settings(config, api))
+                                 observer=EngineObserver.from_settings(config, api),
+                                 adapter_loader=AdapterLoader.from_settings(config))
 
     @kopf.on.login(registry=registry)
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
@@ -108,6 +110,8 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
     async def cleanup(memo: kopf.Memo, **_: Any) -> None:
         if memo.get("ctx") is not None and memo.ctx.observer is not None:
             await memo.ctx.observer.close()
+        if memo.get("ctx") is not None and memo.ctx.adapter_loader is not None:
+            await memo.ctx.adapter_loader.close()
         if memo.get("api") is not None:
             await memo.api.close()
 

@@ -38,6 +38,7 @@ from typing import Any
 import kopf
 
 from kvpilot.operator import constants as c
+from kvpilot.operator.adapter_loader import FAILED, READY, AdapterLoader, AdapterTarget, ready_total
 from kvpilot.operator.children import Children
 from kvpilot.operator.discovery import Discovery
 from kvpilot.operator.engine_observer import EngineObserver, engine_pods
@@ -52,6 +53,7 @@ from kvpilot.operator.resources import (
     workload_kind,
     workload_name,
 )
+from kvpilot.operator.resources.adapters import adapter_paths
 from kvpilot.operator.resources.common import LWS_API, Owner
 from kvpilot.operator.resources.inference_pool import INFERENCE_POOL_API
 from kvpilot.operator.resources.monitoring import PODMONITOR_API
@@ -77,7 +79,7 @@ logger = logging.getLogger(__name__)
 
 # status keys this operator owns; others (if any) are left alone by status patches
 STATUS_KEYS = ("observedGeneration", "conditions", "plan", "planError", "replicas",
-               "readyReplicas", "selector", "endpoint", "observed")
+               "readyReplicas", "selector", "endpoint", "observed", "adapters", "adaptersReady")
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +133,7 @@ class ReconcileResult:
     sizing: SizingObservation | None = None  # planned vs observed KV capacity (observer on)
     figures: ServiceFigures | None = None
     missing_api: str | None = None           # the API the plan needs that the cluster does not serve
+    adapters_settling: bool = False          # adapters being loaded (or waiting for pods): look again soon
 
     @property
     def retry(self) -> bool:
@@ -224,7 +227,8 @@ def _status_patch(current: Mapping[str, Any], desired: Mapping[str, Any]) -> dic
 
 
 async def reconcile(children: Children, discovery: Discovery, body: Mapping[str, Any],
-                    settings: OperatorSettings, observer: EngineObserver | None = None) -> ReconcileResult:
+                    settings: OperatorSettings, observer: EngineObserver | None = None,
+                    adapter_loader: AdapterLoader | None = None) -> ReconcileResult:
     """Bring ``body``'s children and status in line with its spec.
 
     Args:
@@ -235,6 +239,8 @@ async def reconcile(children: Children, discovery: Discovery, body: Mapping[str,
         settings: operator settings.
         observer: reads what the engine pods allocated (``status.observed``, ``SizingDrift``);
             None: not observed.
+        adapter_loader: loads ``spec.adapters`` into the ready engine pods (``status.adapters``,
+            ``AdaptersReady``); None: adapters are only loaded at pod start, once verified.
     Returns:
         the status patch to write (empty when nothing changed), Events for condition
         changes worth one (``transition_events``), the child writes that were made, and
@@ -259,7 +265,8 @@ async def reconcile(children: Children, discovery: Discovery, body: Mapping[str,
                                "endpoint": endpoint(owner), "plan": current.get("plan")}
     if sizing is not None:
         planned = Condition(c.PLANNED, "True", "Planned", outcome.message)
-        await _apply_all(children, discovery, body, owner, spec, sizing, settings, desired, result)
+        await _apply_all(children, discovery, body, owner, spec, sizing, settings, desired, result,
+                         verified_adapters(spec, current.get("adapters")))
     else:
         planned = Condition(c.PLANNED, "False", outcome.reason, outcome.message)
         desired["planError"] = _plan_error(outcome, generation)
@@ -278,6 +285,10 @@ async def reconcile(children: Children, discovery: Discovery, body: Mapping[str,
         result.sizing = await _observe_engines(observer, owner, desired.get("plan"), pods, settings)
         desired["observed"] = result.sizing.observed
         conditions.append(result.sizing.condition)
+    if adapter_loader is not None and spec is not None and spec.adapters:
+        conditions.append(await _load_adapters(adapter_loader, owner, spec, desired, pods, result))
+    elif spec is not None and spec.adapters:   # not loading this pass: keep what was seen
+        desired["adapters"], desired["adaptersReady"] = current.get("adapters"), current.get("adaptersReady")
     result.figures = ServiceFigures(
         model_name=spec.model.served_name if spec is not None else None,
         replicas=state.replicas if state.exists else 0,
@@ -295,8 +306,10 @@ async def reconcile(children: Children, discovery: Discovery, body: Mapping[str,
 
 async def _apply_all(children: Children, discovery: Discovery, body: Mapping[str, Any], owner: Owner,
                      spec: InferenceServiceSpec, sizing: EngineSizing, settings: OperatorSettings,
-                     desired: dict[str, Any], result: ReconcileResult) -> None:
-    """Apply every desired child and remove the unwanted ones, recording failures."""
+                     desired: dict[str, Any], result: ReconcileResult,
+                     verified: frozenset[str] = frozenset()) -> None:
+    """Apply every desired child and remove the unwanted ones, recording failures;
+    ``verified``: the adapters the engine loads at start-up."""
     apis = {}
     for api in (PODMONITOR_API, INFERENCE_POOL_API, LWS_API):
         try:
@@ -309,7 +322,8 @@ async def _apply_all(children: Children, discovery: Discovery, body: Mapping[str
         return
     inherited = inherited_replicas(_workload(children, owner, sizing), spec.autoscaling.enabled)
     wanted = desired_children(owner, spec, sizing, settings, podmonitor_api=apis[PODMONITOR_API],
-                              inherited_replicas=inherited, inference_pool_api=apis[INFERENCE_POOL_API])
+                              inherited_replicas=inherited, inference_pool_api=apis[INFERENCE_POOL_API],
+                              verified_adapters=verified)
     for child in wanted:
         # Owner reference + the CR's labels on the child (not on the pod template: a
         # label edit on the InferenceService must not restart GPU pods).
@@ -349,6 +363,35 @@ async def _observe_engines(observer: EngineObserver, owner: Owner, plan: Mapping
     return dataclasses.replace(found, unread=len(running) - len(samples))
 
 
+def verified_adapters(spec: InferenceServiceSpec, status: Any) -> frozenset[str]:
+    """The adapters ``status.adapters`` shows Ready for the source the spec still names:
+    the engine pods load them at start-up, before they are ready (``resources.adapters``)."""
+    sources = {a.name: a.source for a in spec.adapters}
+    return frozenset(e["name"] for e in status or () if isinstance(e, Mapping) and e.get("phase") == READY
+                     and sources.get(e.get("name")) == e.get("source"))
+
+
+async def _load_adapters(loader: AdapterLoader, owner: Owner, spec: InferenceServiceSpec,
+                         desired: dict[str, Any], pods: Sequence[Mapping[str, Any]],
+                         result: ReconcileResult) -> Condition:
+    """Load the adapters into the ready engine pods; ``status.adapters`` and AdaptersReady."""
+    paths, sources = adapter_paths(spec), {a.name: a.source for a in spec.adapters}
+    serve_args = (desired.get("plan") or {}).get("serveArgs")
+    running = engine_pods(pods, serve_args) if serve_args else []
+    found = await loader.sync((owner.namespace, owner.name),
+                              [AdapterTarget(a.name, paths[a.name]) for a in spec.adapters], running)
+    desired["adapters"] = [{**s.to_dict(), "source": sources[s.name]} for s in found]
+    desired["adaptersReady"] = ready_total(found)
+    result.adapters_settling = any(s.phase not in (READY, FAILED) for s in found)
+    failed = [f"{s.name}: {s.reason}" for s in found if s.phase == FAILED]
+    waiting = [s.name for s in found if s.phase not in (READY, FAILED)]
+    if failed:
+        return Condition(c.ADAPTERS_READY, "False", "AdapterFailed", "; ".join(failed)[:1024])
+    if waiting:
+        return Condition(c.ADAPTERS_READY, "False", "AdaptersLoading", f"not yet on every ready pod: {', '.join(waiting)}")
+    return Condition(c.ADAPTERS_READY, "True", "AdaptersReady", f"{len(found)} adapter(s) on every ready pod")
+
+
 def transition_events(current: Any, conditions: list[Condition]) -> list[Event]:
     """Events for a changed Planned condition, and for Degraded or SizingDrift turning on or off.
 
@@ -367,6 +410,8 @@ def transition_events(current: Any, conditions: list[Condition]) -> list[Event]:
             events.append(Event("Warning", cond.reason, cond.message))
         elif cond.type == c.DEGRADED and before.get("status") == "True" and cond.status == "False":
             events.append(Event("Normal", "Recovered", "no longer degraded"))
+        elif cond.type == c.ADAPTERS_READY and changed and cond.reason != "AdaptersLoading":
+            events.append(Event("Warning" if cond.status == "False" else "Normal", cond.reason, cond.message))
         elif cond.type == c.SIZING_DRIFT and before.get("status") != cond.status:
             if cond.status == "True":
                 events.append(Event("Warning", "SizingDrift", cond.message))

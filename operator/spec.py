@@ -23,6 +23,7 @@ from typing import Any
 
 from kvpilot.operator.constants import HTTP_PORT
 from kvpilot.operator.contract.inference_service import (
+    ADAPTER_URI_FORMS,
     DEFAULT_KV_USAGE_TARGET,
     DEFAULT_PREEMPTION_RATE_TARGET,
     DEFAULT_PROMETHEUS,
@@ -44,6 +45,7 @@ PLANNER_NAMES = {"allowFp8KvCache": "allow_fp8_kv"}
 # spec.engine fields that are planner Overrides (extraArgs goes to the command line).
 ENGINE_SETTINGS = tuple(name for name in ENGINE.properties if name != "extraArgs")
 _URIS = {scheme: re.compile(f"^{pattern}$") for scheme, pattern in URI_FORMS.items()}
+_ADAPTER_URIS = {scheme: re.compile(f"^{pattern}$") for scheme, pattern in ADAPTER_URI_FORMS.items()}
 
 
 def planner_name(crd_field: str) -> str:
@@ -85,6 +87,35 @@ class ModelSource:
     sub_path: str = ""               # pvc path inside the claim / s3 prefix
     image_path: str | None = None    # path
     cache: ModelCacheSpec = ModelCacheSpec()
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterSpec:
+    """One ``spec.adapters[]`` entry: a LoRA adapter and where it comes from (``scheme`` hf,
+    s3 or pvc, its parts read as ``spec.model.uri``'s)."""
+
+    name: str
+    source: str
+    scheme: str
+    rank: int | None = None
+    repo_id: str | None = None       # hf
+    revision: str | None = None      # hf
+    claim: str | None = None         # pvc
+    bucket: str | None = None        # s3
+    sub_path: str = ""               # pvc path inside the claim / s3 prefix
+
+
+@dataclass(frozen=True, slots=True)
+class LoRASpec:
+    """``spec.lora`` with the defaults derived from the adapters (None: no adapters, LoRA off)."""
+
+    max_loras: int
+    max_lora_rank: int
+    max_cpu_loras: int
+
+
+DEFAULT_MAX_LORAS = 4          # unset maxLoras: the number of adapters, at most this
+DEFAULT_MAX_LORA_RANK = 16     # unset maxLoraRank and no declared rank: the engine's default
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,6 +249,8 @@ class InferenceServiceSpec:
     service_account_name: str | None = None
     api_key_secret: tuple[str, str] | None = None   # (secret name, key)
     env_secrets: tuple[str, ...] = ()   # security: the Secrets spec.env may read (secretKeyRef)
+    adapters: tuple[AdapterSpec, ...] = ()
+    lora: LoRASpec | None = None        # None: no adapters (LoRA off)
 
 
 def _planner_kwargs(values: Mapping[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
@@ -240,6 +273,39 @@ def _parse_model(m: Mapping[str, Any], resource_name: str) -> ModelSource:
     if match := _URIS["s3"].match(uri):
         return ModelSource(scheme="s3", bucket=match["bucket"], sub_path=match["prefix"] or "", **common)
     return ModelSource(scheme="path", image_path=uri, **common)   # the contract's pattern: nothing else
+
+
+def _parse_adapters(adapters: list[Mapping[str, Any]], served_name: str) -> tuple[AdapterSpec, ...]:
+    out = []
+    for i, a in enumerate(adapters):
+        if a["name"] == served_name:
+            raise SpecError(f"spec.adapters[{i}].name {a['name']!r} is the base model's served name")
+        source, common = a["source"], dict(name=a["name"], source=a["source"], rank=a.get("rank"))
+        if match := _ADAPTER_URIS["hf"].match(source):
+            if match["file"]:
+                raise SpecError(f"spec.adapters[{i}].source: an adapter is a repository, not a file: {source!r}")
+            out.append(AdapterSpec(scheme="hf", repo_id=match["repo"], revision=match["rev"], **common))
+        elif match := _ADAPTER_URIS["pvc"].match(source):
+            if ".." in (match["path"] or "").split("/"):
+                raise SpecError(f"spec.adapters[{i}].source: no '..' in a claim path: {source!r}")
+            out.append(AdapterSpec(scheme="pvc", claim=match["claim"], sub_path=match["path"] or "", **common))
+        else:   # the contract's pattern: s3 is all that is left
+            match = _ADAPTER_URIS["s3"].match(source)
+            out.append(AdapterSpec(scheme="s3", bucket=match["bucket"], sub_path=match["prefix"] or "", **common))
+    return tuple(out)
+
+
+def _parse_lora(lora: Mapping[str, Any], adapters: tuple[AdapterSpec, ...]) -> LoRASpec | None:
+    """``spec.lora`` with its defaults; a declared rank above ``maxLoraRank`` is refused."""
+    if not adapters:
+        return None
+    ranks = [a.rank for a in adapters if a.rank is not None]
+    max_rank = lora.get("maxLoraRank") or max(ranks, default=DEFAULT_MAX_LORA_RANK)
+    for i, a in enumerate(adapters):
+        if a.rank is not None and a.rank > max_rank:
+            raise SpecError(f"spec.adapters[{i}].rank {a.rank} is above lora.maxLoraRank {max_rank}")
+    max_loras = lora.get("maxLoras") or min(len(adapters), DEFAULT_MAX_LORAS)
+    return LoRASpec(max_loras, max_rank, lora.get("maxCpuLoras") or max(len(adapters), max_loras))
 
 
 def _check_affinity(affinity: Mapping[str, Any]) -> None:
@@ -318,8 +384,12 @@ def parse_spec(spec: Mapping[str, Any], resource_name: str) -> InferenceServiceS
     s = SPEC.check(spec, "spec")
     _check_affinity(s.get("affinity", {}))
     api_key = s.get("apiKeySecretRef")
+    model = _parse_model(s["model"], resource_name)
+    adapters = _parse_adapters(s.get("adapters", []), model.served_name)
     return InferenceServiceSpec(
-        model=_parse_model(s["model"], resource_name),
+        model=model,
+        adapters=adapters,
+        lora=_parse_lora(s.get("lora", {}), adapters),
         gpu=GpuSpec(type=s["gpu"]["type"], count=s["gpu"]["count"], node_selector=s["gpu"].get("nodeSelector"),
                     per_node=s["gpu"].get("perNode"), nodes=s["gpu"].get("nodes")),
         slo=_parse_slo(s["slo"]),

@@ -121,6 +121,9 @@ def plan_overrides(spec: InferenceServiceSpec) -> Overrides:
         "replicas": spec.replicas if spec.replicas and not spec.autoscaling.enabled else None,
         **spec.engine.pinned,
     }
+    if spec.lora is not None:   # the adapter slots come out of the KV budget
+        overrides["max_loras"] = spec.lora.max_loras
+        overrides["max_lora_rank"] = spec.lora.max_lora_rank
     if offload.enabled:
         overrides["cpu_offload_gib"] = offload.cpu_gib
         overrides["disk_offload_gib"] = (offload.disk_gib if offload.disk else 0)

@@ -37,6 +37,7 @@ from typing import Any
 import kopf
 
 from kvpilot.operator import constants as c
+from kvpilot.operator.adapter_loader import AdapterLoader
 from kvpilot.operator.children import Children
 from kvpilot.operator.discovery import Discovery
 from kvpilot.operator.engine_observer import EngineObserver
@@ -129,6 +130,7 @@ class WorkerContext:
     rng: random.Random = field(default_factory=random.Random)
     metrics: OperatorMetrics | None = None
     observer: EngineObserver | None = None
+    adapter_loader: AdapterLoader | None = None
     slots: asyncio.Semaphore | None = None
 
     def __post_init__(self) -> None:
@@ -238,12 +240,16 @@ class ServiceWorker:
                     # engine pods whose KV cache could not be read yet (busy, or more than a
                     # pass reads): look again soon rather than at the next resync
                     delay = min(delay, UNREAD_ENGINES_RETRY_SECONDS * ctx.rng.uniform(0.75, 1.25))
+                if result is not None and result.adapters_settling:  # adapters loading: retries due soon
+                    delay = min(delay, UNREAD_ENGINES_RETRY_SECONDS * ctx.rng.uniform(0.75, 1.25))
                 if result is not None and result.failures:  # needs a change: look again now and then
                     delay = min(delay, BLOCKED_RETRY_SECONDS * ctx.rng.uniform(0.75, 1.25))
         finally:
             ctx.workers.discard(self)
             if ctx.observer is not None:  # the service is gone (or the operator stops)
                 ctx.observer.forget(self.key)
+            if ctx.adapter_loader is not None:
+                ctx.adapter_loader.forget(self.key)
             if ctx.metrics is not None:
                 ctx.metrics.forget(*self.key)
             stop_watch.cancel()
@@ -256,7 +262,7 @@ class ServiceWorker:
         if meta.get("deletionTimestamp"):
             return None
         children = Children(ctx.api, self._indexes, ctx.writes, self._pods)
-        result = await reconcile(children, ctx.discovery, body, ctx.settings, ctx.observer)
+        result = await reconcile(children, ctx.discovery, body, ctx.settings, ctx.observer, ctx.adapter_loader)
         for write in result.writes:
             self._logger.info(write)
         self.passes += 1

@@ -42,6 +42,10 @@ URI_FORMS = {
     "s3": r"s3://(?P<bucket>[a-z0-9][-a-z0-9.]*[a-z0-9])(/(?P<prefix>\S*))?",
     "path": r"(?P<image_path>/\S*)",
 }
+# spec.adapters[].source: the remote forms of spec.model.uri (a repository, an s3 prefix, a claim path).
+ADAPTER_URI_FORMS = {scheme: URI_FORMS[scheme] for scheme in ("hf", "s3", "pvc")}
+MAX_ADAPTERS = 64
+MAX_LORA_RANK = 512   # the engine's slots are this wide at most (vLLM allows up to 512)
 # spec.model.tokenizer: a repository (no file part), fetched for its tokenizer files only.
 TOKENIZER_URI = r"hf://(?P<repo>[A-Za-z0-9][-A-Za-z0-9_.]*/[A-Za-z0-9][-A-Za-z0-9_.]*)(@(?P<rev>[-A-Za-z0-9_./]+))?"
 _UNNAMED = re.compile(r"\(\?P<\w+>")
@@ -209,6 +213,37 @@ AUTOSCALING = Obj(description=(
                                    description="Prometheus that KEDA's triggers query (mode keda)."),
 })
 
+# spec.adapters[]: LoRA adapters on the base model. On the InferenceService rather than a kind
+# of their own: an adapter lives exactly as long as the engine pods of its base model (they
+# fetch it, load it, and reload it on every restart), and one object is one GitOps unit.
+ADAPTERS = Arr(max_items=MAX_ADAPTERS, map_keys=("name",), description=(
+    "LoRA adapters served on the base model (each a PEFT checkpoint: adapter_config.json + "
+    "adapter_model.safetensors). Clients select one with the OpenAI `model` field; status.adapters "
+    "says where each stands."), items=Obj(required=("name", "source"), properties={
+    "name": Str(max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", expected="a DNS-1123 label",
+                description="The model name clients send for this adapter; unique in the service."),
+    "source": Str(max_length=512, pattern=_any_of(ADAPTER_URI_FORMS),
+                  expected="hf://org/name[@revision], s3://bucket/prefix or pvc://claim/path", description=(
+        "Where the adapter comes from, as spec.model.uri: hf://org/name[@revision] and s3://bucket/prefix "
+        "are fetched into the model cache by an init container (once per revision), pvc://claim/path is "
+        "mounted read-only.")),
+    "rank": Int(minimum=1, maximum=MAX_LORA_RANK, description=(
+        "The adapter's rank (r), if known: checked against lora.maxLoraRank and used for its default.")),
+}))
+
+LORA = Obj(description="LoRA serving limits (--max-loras, --max-lora-rank, --max-cpu-loras).", rules=(
+    Rule(~has("maxCpuLoras") | ~has("maxLoras") | (f("maxCpuLoras") >= f("maxLoras")),
+         "lora.maxCpuLoras must be >= lora.maxLoras"),
+), properties={
+    "maxLoras": Int(minimum=1, maximum=MAX_ADAPTERS, description=(
+        "Adapters in one batch (device slots; their memory comes out of the KV cache). Unset: the "
+        "number of adapters, at most 4.")),
+    "maxLoraRank": Int(minimum=1, maximum=MAX_LORA_RANK, description=(
+        "The largest rank served (slots are this wide). Unset: the largest declared rank, else 16.")),
+    "maxCpuLoras": Int(minimum=1, maximum=1024, description=(
+        "Adapters kept in host memory. Unset: every adapter of the spec.")),
+})
+
 ROUTERS = ("gateway", "vllm-router")   # spec.routing.router
 ROUTER_POLICIES = ("kv_aware", "cache_aware", "round_robin", "power_of_two", "consistent_hash")
 
@@ -240,12 +275,16 @@ SPEC = Obj(required=("model", "gpu", "slo"), rules=(
     Rule(~has("engine") | ~has("engine.maxNumBatchedTokens") | ~has("engine.maxNumSeqs")
          | (f("engine.maxNumBatchedTokens") >= f("engine.maxNumSeqs")),
          "engine.maxNumBatchedTokens must be >= engine.maxNumSeqs (every running sequence needs a token per step)"),
+    Rule(~has("adapters") | (f("gpu.count") == 1),
+         "adapters are served on one GPU per pod: gpu.count must be 1"),
 ), properties={
     "model": MODEL,
     "gpu": GPU,
     "slo": SLO,
     "engine": ENGINE,
     "offload": OFFLOAD,
+    "adapters": ADAPTERS,
+    "lora": LORA,
     "replicas": Int(minimum=0, maximum=1000, description="Replicas while autoscaling is off (unset = the planner's count)."),
     "autoscaling": AUTOSCALING,
     "image": Str(max_length=512, description="Engine image (default: the operator's KVPILOT_ENGINE_IMAGE)."),

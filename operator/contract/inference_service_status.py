@@ -86,6 +86,19 @@ PLAN = Obj(description="What the running pods were given, with the planner's der
     "warnings": _strings(),
 })
 
+ADAPTER_PHASES = ("Pending", "Loading", "Ready", "Failed")
+ADAPTER = Obj(required=("name", "phase"), properties={
+    "name": Str(),
+    "source": Str(description="The spec.adapters[] source this entry is about."),
+    "phase": Str(enum=ADAPTER_PHASES, description=(
+        "Pending (no ready engine pod yet), Loading (on some ready pods), Ready (on every ready pod; "
+        "then loaded at each pod start, before the pod is ready), Failed (refused by the engine after "
+        "the operator's retries; tried again when its source changes).")),
+    "reason": Str(),
+    "readyPods": Int(description="Ready engine pods serving it."),
+    "attempts": Int(description="Loads tried by the operator."),
+})
+
 STATUS = Obj(properties={
     "observedGeneration": Int(int64=True),
     "replicas": Int(),
@@ -96,4 +109,6 @@ STATUS = Obj(properties={
     "planError": PLAN_ERROR,
     "observed": OBSERVED,
     "plan": PLAN,
+    "adapters": Arr(items=ADAPTER, map_keys=("name",), description="Each spec.adapters[] entry's state."),
+    "adaptersReady": Str(description="Ready / declared adapters (3/4)."),
 })

@@ -266,6 +266,13 @@ class Arr(Field):
         if self.max_items is not None and len(value) > self.max_items:
             raise SpecError(f"{path} must have at most {self.max_items} items, got {len(value)}")
         out = [self.items.check(item, f"{path}[{i}]") for i, item in enumerate(value)]
+        if self.map_keys:   # the API server refuses two items with the same keys (a list-type map)
+            seen: set[tuple] = set()
+            for i, item in enumerate(out):
+                key = tuple(item.get(k) for k in self.map_keys)
+                if key in seen:
+                    raise SpecError(f"{path}[{i}]: duplicate {', '.join(self.map_keys)} {key[0] if len(key) == 1 else key!r}")
+                seen.add(key)
         _check_rules(self.rules, out)
         return out
 

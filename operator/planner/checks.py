@@ -2,7 +2,7 @@
 
 Check names form the ``binding_constraint`` vocabulary: ``max_position_embeddings``,
 ``gpu_memory``, ``kv_capacity``, ``itl``, ``ttft``, ``max_num_batched_tokens``,
-``replicas`` (and, for feasible plans, ``target``: max_num_seqs is at its target).
+``replicas``, ``lora`` (and, for feasible plans, ``target``: max_num_seqs is at its target).
 """
 
 from __future__ import annotations
@@ -44,6 +44,13 @@ def _memory(req: PlanRequest, ev: Evaluation) -> list[Check]:
                      f"({gib(ev.layout.memory_for_blocks(ev.max_context_blocks)):.2f} GiB); the KV cache "
                      f"holds {ev.num_blocks:,} blocks ({gib(ev.layout.memory_for_blocks(ev.num_blocks)):.2f} GiB)"))
     return out
+
+
+def _lora(req: PlanRequest, ev: Evaluation) -> list[Check]:
+    if not req.overrides.max_loras:
+        return []
+    return [Check("lora", ev.gpus == 1,
+                  f"the engine serves LoRA adapters on one GPU per replica; this shape has {ev.gpus}")]
 
 
 def _latency(req: PlanRequest, ev: Evaluation) -> list[Check]:
@@ -92,5 +99,5 @@ def _overrides(req: PlanRequest, ev: Evaluation) -> list[Check]:
 
 
 def run_checks(req: PlanRequest, ev: Evaluation) -> tuple[Check, ...]:
-    """All checks in binding order: model limit, memory, KV, latency, overrides."""
-    return tuple(_memory(req, ev) + _latency(req, ev) + _overrides(req, ev))
+    """All checks in binding order: model limit, memory, KV, LoRA, latency, overrides."""
+    return tuple(_memory(req, ev) + _lora(req, ev) + _latency(req, ev) + _overrides(req, ev))

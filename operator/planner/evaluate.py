@@ -39,6 +39,7 @@ from kvpilot.operator.planner.latency import (
     largest_int,
     step_cost_model,
 )
+from kvpilot.operator.planner.lora import lora_slots
 from kvpilot.operator.planner.memory import (
     Budget,
     PrefixTiers,
@@ -217,10 +218,11 @@ def _stage_budgets(req: PlanRequest, tp: int, pp: int, kv_cache_dtype: str, bloc
     margin = ov.kv_safety_margin if ov.kv_safety_margin is not None else DEFAULT_KV_SAFETY_MARGIN
     out = []
     for shape in stage_shapes(req.model, weight_total, tp, pp):
+        slots = lora_slots(req.model, ov.max_loras, ov.max_lora_rank, shape.num_layers)
         budget = Budget(gpu.memory_bytes, ov.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION,
                         shape.weight_bytes,
                         reserve(req.model, tp, activation_tokens, target, graphs, samples=shape.lm_head),
-                        margin, ov.kv_cache_memory_bytes)
+                        margin, ov.kv_cache_memory_bytes, slots.num_bytes if slots else 0)
         layout = kv_layout_for(req, tp, kv_cache_dtype, block_size, 1, 1, shape.num_layers)
         out.append(StageBudget(shape, budget, layout.num_blocks(max(0, budget.kv_bytes))))
     return tuple(out)

@@ -10,6 +10,7 @@ from kvpilot.engine.core.kv_layout import HybridKVLayout
 from kvpilot.operator.planner import kv_dtype
 from kvpilot.operator.planner.evaluate import Evaluation
 from kvpilot.operator.planner.latency import FLOPS_EFFICIENCY, HBM_EFFICIENCY, REPLICA_UTILIZATION
+from kvpilot.operator.planner.lora import lora_slots
 from kvpilot.operator.planner.memory import (
     HOST_BASE_GIB,
     HOST_PER_RANK_GIB,
@@ -112,8 +113,11 @@ def _memory_lines(req: PlanRequest, ev: Evaluation, dtype_notes: list[str]) -> l
         f"{g.bf16_flops / 1e12:,.0f} TFLOP/s dense BF16. Budget = {b.gpu_memory_utilization:.2f} x "
         f"{_g(g.memory_bytes)} = {_g(b.budget_bytes)} per GPU.",
         *_reserve_lines(b.reserve),
+        *_lora_lines(req, ev),
         f"KV estimate per GPU = {_g(b.budget_bytes)} - {_g(b.weight_bytes)} weights - "
-        f"{_g(b.reserve.total_bytes)} reserve = {_g(b.kv_estimate_bytes)}; less the "
+        f"{_g(b.reserve.total_bytes)} reserve"
+        + (f" - {b.lora_bytes:,} B LoRA slots" if b.lora_bytes else "")
+        + f" = {_g(b.kv_estimate_bytes)}; less the "
         f"{b.kv_safety_margin:.1%} safety margin = {_g(b.kv_available_bytes)}"
         + (f"; pinned to {b.kv_bytes:,} B (kv_cache_memory_bytes)." if b.kv_pinned_bytes is not None else "."),
         f"KV dtype {kv_dtype.dtype_label(m, ev.kv_cache_dtype)}: {'; '.join(dtype_notes)}.",
@@ -122,6 +126,12 @@ def _memory_lines(req: PlanRequest, ev: Evaluation, dtype_notes: list[str]) -> l
         f"({lay.bytes_per_token / 1024:,.1f} KiB){heads}.",
         _blocks_line(lay, max(0, b.kv_bytes), ev.num_blocks),
     ]
+
+
+def _lora_lines(req: PlanRequest, ev: Evaluation) -> list[str]:
+    """The LoRA slots' term (the engine serves LoRA on one GPU, so one stage of all layers)."""
+    slots = lora_slots(req.model, req.overrides.max_loras, req.overrides.max_lora_rank)
+    return [slots.derivation() + "."] if slots else []
 
 
 def _blocks_line(lay, kv_bytes: int, num_blocks: int) -> str:

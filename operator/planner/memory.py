@@ -3,7 +3,7 @@
 Per GPU (one tensor-parallel rank)::
 
     budget      = gpu_memory_utilization x GPU memory (as CUDA reports it)
-    KV estimate = budget - weights / TP - reserve          (reserve: see reserve.py)
+    KV estimate = budget - weights / TP - reserve - LoRA slots   (reserve.py, lora.py)
     KV          = KV estimate x (1 - kv_safety_margin)
 
 The margin keeps the pinned ``--kv-cache-memory-bytes`` under what the engine's own
@@ -59,6 +59,7 @@ class Budget:
     reserve: Reserve
     kv_safety_margin: float = 0.0
     kv_pinned_bytes: int | None = None  # the kv_cache_memory_bytes override
+    lora_bytes: int = 0                 # the LoRA adapter slots (lora.py)
 
     @property
     def budget_bytes(self) -> int:
@@ -67,7 +68,7 @@ class Budget:
     @property
     def kv_estimate_bytes(self) -> int:
         """The calibrated estimate of what the engine's profile leaves for the KV cache."""
-        return self.budget_bytes - self.weight_bytes - self.reserve.total_bytes
+        return self.budget_bytes - self.weight_bytes - self.reserve.total_bytes - self.lora_bytes
 
     @property
     def kv_available_bytes(self) -> int:

@@ -164,7 +164,7 @@ def _to_plan(req: PlanRequest, ev: Evaluation, dtype_notes: list[str], shape_not
         memory={"gpu_memory_bytes": b.gpu_memory_bytes, "budget_bytes": b.budget_bytes,
                 "weight_bytes_total": ev.weight_bytes_total, "weight_bytes_per_gpu": b.weight_bytes,
                 "reserve_bytes": b.reserve.total_bytes, **b.reserve.to_bytes(),
-                "reserve_activation_bytes": b.reserve.activation_bytes,
+                "reserve_activation_bytes": b.reserve.activation_bytes, "lora_bytes": b.lora_bytes,
                 "kv_estimate_bytes": b.kv_estimate_bytes, "kv_available_bytes": b.kv_available_bytes,
                 "bytes_per_block": ev.layout.bytes_per_block, "p95_sequence_blocks": ev.seq_blocks,
                 "max_context_blocks": ev.max_context_blocks},

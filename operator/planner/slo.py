@@ -113,6 +113,9 @@ class Overrides:
             parallelism stays within a node.
         pipeline_parallel_size: nodes (pipeline stages) per replica (None = one node, more only
             when one node cannot hold the weights and the SLO's KV; see ``plan``).
+        max_loras: LoRA adapter slots on the GPU (``--max-loras``; None = LoRA off); their
+            memory comes out of the KV budget (``lora.py``).
+        max_lora_rank: the slots' rank (``--max-lora-rank``; default 16).
     """
 
     tensor_parallel_size: int | None = None
@@ -132,10 +135,13 @@ class Overrides:
     kv_cache_memory_bytes: int | None = None
     gpus_per_node: int | None = None
     pipeline_parallel_size: int | None = None
+    max_loras: int | None = None
+    max_lora_rank: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "replicas", "max_num_seqs", "max_num_batched_tokens",
-                     "kv_cache_memory_bytes", "gpus_per_node", "pipeline_parallel_size"):
+                     "kv_cache_memory_bytes", "gpus_per_node", "pipeline_parallel_size", "max_loras",
+                     "max_lora_rank"):
             _positive(name, getattr(self, name))
         util = self.gpu_memory_utilization
         _positive("gpu_memory_utilization", util, integer=False)

@@ -135,7 +135,8 @@ def possible_children(owner: Owner) -> list[tuple[ChildKind, str]]:
 def desired_children(owner: Owner, spec: InferenceServiceSpec, sizing: EngineSizing,
                      settings: OperatorSettings, *, podmonitor_api: bool,
                      inherited_replicas: int | None = None,
-                     inference_pool_api: bool = False) -> list[Child]:
+                     inference_pool_api: bool = False,
+                     verified_adapters: frozenset[str] = frozenset()) -> list[Child]:
     """The children that should exist for ``spec`` planned as ``sizing``.
 
     Args:
@@ -148,6 +149,8 @@ def desired_children(owner: Owner, spec: InferenceServiceSpec, sizing: EngineSiz
         inherited_replicas: the count an autoscaler left when autoscaling was switched off
             (``kvpilot.operator.replica_handover``), a floor while ``spec.replicas`` is unset.
         inference_pool_api: whether it serves inference.networking.k8s.io/v1 InferencePools.
+        verified_adapters: the LoRA adapters seen to load (``status.adapters`` Ready), which
+            the engine loads at start-up (``resources.adapters``).
     """
     policy = ReplicaPolicy.of(spec, sizing, inherited_replicas)
     replicas_owned = ("spec.replicas",) if policy.autoscaled else ()
@@ -157,7 +160,8 @@ def desired_children(owner: Owner, spec: InferenceServiceSpec, sizing: EngineSiz
                            create_only=replicas_owned),
                      Child(SERVICE, build_group_service(owner))]
     else:
-        children.append(Child(DEPLOYMENT, build_deployment(owner, spec, sizing, settings, policy),
+        children.append(Child(DEPLOYMENT, build_deployment(owner, spec, sizing, settings, policy,
+                                                           verified_adapters),
                               create_only=replicas_owned))
     children.append(Child(SERVICE, build_service(owner)))
     if settings.fence.enabled:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from kvpilot.engine.core.constants import LIVENESS_PATH, READINESS_PATH
 from kvpilot.operator import constants as c
 from kvpilot.operator.resources import placement
+from kvpilot.operator.resources.adapters import adapter_delivery, lora_args
 from kvpilot.operator.resources.common import Owner, format_gib, gib_quantity
 from kvpilot.operator.resources.inference_pool import ENGINE_TYPE, ENGINE_TYPE_LABEL
 from kvpilot.operator.resources.model import model_delivery
@@ -99,13 +100,14 @@ def disk_claim_child(policy: ReplicaPolicy, sizing: EngineSizing) -> bool:
 
 def engine_args(spec: InferenceServiceSpec, sizing: EngineSizing, model_path: str,
                 shutdown_timeout: int, routing_args: tuple[str, ...] = (),
-                tokenizer_path: str | None = None) -> list[str]:
+                tokenizer_path: str | None = None, lora: tuple[str, ...] = ()) -> list[str]:
     """The ``kvpilot serve`` flags of the engine container (the API key is never here);
-    ``engine.extraArgs`` come last, so that they win (a ``--shutdown-timeout`` included)."""
+    ``lora``: the LoRA flags (``adapters.lora_args``); ``engine.extraArgs`` come last, so
+    that they win (a ``--shutdown-timeout`` included)."""
     tokenizer = ["--tokenizer", tokenizer_path] if tokenizer_path else []
     return ["--model", model_path, *tokenizer, "--served-model-name", spec.model.served_name,
             "--host", "0.0.0.0", "--port", str(spec.port), SHUTDOWN_TIMEOUT_FLAG,
-            str(shutdown_timeout), *sizing.serve_args, *routing_args, *spec.engine.extra_args]
+            str(shutdown_timeout), *sizing.serve_args, *lora, *routing_args, *spec.engine.extra_args]
 
 
 def termination_grace_seconds(spec: InferenceServiceSpec, settings: OperatorSettings) -> int:
@@ -191,17 +193,20 @@ LEADER = PodRole()
 
 
 def engine_pod_template(owner: Owner, spec: InferenceServiceSpec, sizing: EngineSizing,
-                        settings: OperatorSettings, policy: ReplicaPolicy, role: PodRole = LEADER) -> dict:
-    """The engine pod template (``metadata`` and ``spec``) of ``role``."""
+                        settings: OperatorSettings, policy: ReplicaPolicy, role: PodRole = LEADER,
+                        verified_adapters: frozenset[str] = frozenset()) -> dict:
+    """The engine pod template (``metadata`` and ``spec``) of ``role``; ``verified_adapters``:
+    the adapters that load (``resources.adapters``), passed as ``--lora-modules``."""
     image = spec.image or settings.engine_image
     delivery = model_delivery(spec.model, image, settings.s3_fetch_image, CONTAINER_SECURITY_CONTEXT,
                               TMP_MOUNT, model_cache_volume(owner, spec, sizing, settings,
                                                             policy.max_replicas * sizing.nodes))
-    volumes = [*delivery.volumes,
+    adapters = adapter_delivery(spec, image, settings.s3_fetch_image, CONTAINER_SECURITY_CONTEXT, TMP_MOUNT)
+    volumes = [*delivery.volumes, *adapters.volumes,
                {"name": "dshm", "emptyDir": {"medium": "Memory",
                                              "sizeLimit": gib_quantity(sizing.shm_gib)}},
                {"name": "tmp", "emptyDir": {}}]
-    mounts = [*delivery.engine_mounts, {"name": "dshm", "mountPath": "/dev/shm"}, TMP_MOUNT]
+    mounts = [*delivery.engine_mounts, *adapters.engine_mounts, {"name": "dshm", "mountPath": "/dev/shm"}, TMP_MOUNT]
     if sizing.disk_offload_gib > 0:
         volumes.append(_disk_volume(owner, spec, sizing, policy))
         mounts.append({"name": "kv-disk", "mountPath": sizing.disk_path or c.KV_DISK_MOUNT})
@@ -213,7 +218,8 @@ def engine_pod_template(owner: Owner, spec: InferenceServiceSpec, sizing: Engine
         "image": image,
         "command": ["kvpilot", "serve"],
         "args": engine_args(spec, sizing, delivery.model_path, settings.termination_grace_seconds,
-                            routing.args if role.serves else (), delivery.tokenizer_path),
+                            routing.args if role.serves else (), delivery.tokenizer_path,
+                            tuple(lora_args(spec, adapters.paths, verified_adapters))),
         "ports": [*ports, *role.extra_ports],
         "env": [*_env(spec, sizing), *(routing.env if role.serves else ())],
         "resources": _resources(spec, sizing),
@@ -245,8 +251,8 @@ def engine_pod_template(owner: Owner, spec: InferenceServiceSpec, sizing: Engine
         "volumes": volumes,
         "tolerations": placement.tolerations(spec),
     }
-    if delivery.init_containers:
-        pod_spec["initContainers"] = delivery.init_containers
+    if delivery.init_containers or adapters.init_containers:
+        pod_spec["initContainers"] = [*delivery.init_containers, *adapters.init_containers]
     if selector := placement.node_selector(spec):
         pod_spec["nodeSelector"] = selector
     if affinity := placement.affinity(spec, sizing.gpu, settings):
@@ -262,7 +268,8 @@ def engine_pod_template(owner: Owner, spec: InferenceServiceSpec, sizing: Engine
 
 
 def build_deployment(owner: Owner, spec: InferenceServiceSpec, sizing: EngineSizing,
-                     settings: OperatorSettings, policy: ReplicaPolicy | None = None) -> dict:
+                     settings: OperatorSettings, policy: ReplicaPolicy | None = None,
+                     verified_adapters: frozenset[str] = frozenset()) -> dict:
     """The engine Deployment for one InferenceService.
 
     Args:
@@ -271,9 +278,10 @@ def build_deployment(owner: Owner, spec: InferenceServiceSpec, sizing: EngineSiz
         sizing: the plan's flags and sizes (with spec overrides already applied).
         settings: operator settings (default image, metric names, grace period).
         policy: the replica policy (default: ``ReplicaPolicy.of(spec, sizing)``).
+        verified_adapters: the adapters seen to load, passed as ``--lora-modules``.
     """
     policy = policy or ReplicaPolicy.of(spec, sizing)
-    template = engine_pod_template(owner, spec, sizing, settings, policy)
+    template = engine_pod_template(owner, spec, sizing, settings, policy, verified_adapters=verified_adapters)
 
     # A single replica on a ReadWriteOnce claim (disk tier, model cache) cannot surge (the new
     # pod could land on another node and wait forever for the volume): replace it instead.

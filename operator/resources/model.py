@@ -26,6 +26,9 @@ MODEL_VOLUME = "model"
 DOWNLOAD_DIR = f"{c.MODEL_MOUNT}/model"
 TOKENIZER_VOLUME = "tokenizer"
 TOKENIZER_MOUNT = "/tokenizer"
+FETCH_ENV = ({"name": "HOME", "value": "/tmp"},
+             {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
+             {"name": "HF_HUB_DISABLE_PROGRESS_BARS", "value": "1"})  # one log line per start
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,9 +49,7 @@ def _fetch_container(name: str, image: str, command: list[str], model: ModelSour
         "name": name,
         "image": image,
         "command": command,
-        "env": [{"name": "HOME", "value": "/tmp"},
-                {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
-                {"name": "HF_HUB_DISABLE_PROGRESS_BARS", "value": "1"}],  # one log line per start
+        "env": [dict(e) for e in FETCH_ENV],
         "volumeMounts": [{"name": volume, "mountPath": mount_path}, tmp_mount],
         "securityContext": security_context,
     }

@@ -94,7 +94,7 @@ def test_crd_is_a_valid_custom_resource_definition():
     assert version["subresources"]["scale"]["specReplicasPath"] == ".spec.replicas"
     columns = [col["name"] for col in version["additionalPrinterColumns"]]
     assert columns == ["Model", "GPU", "KV-Dtype", "Max-Seqs", "Observed-KV-Tokens", "Ready-Replicas", "Replicas",
-                       "Ready", "Age"]
+                       "Ready", "Adapters", "Age"]
 
 
 @pytest.mark.parametrize("path", crd_schema.EXAMPLES, ids=lambda p: p.stem)
