@@ -66,6 +66,11 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     m.add_argument("--nodes", metavar="N", type=int, dest="pipeline_parallel_size",
                    help="nodes (pipeline stages) per replica; default: one, more only when one node cannot "
                         "hold the weights and the SLO's KV")
+    m.add_argument("--max-loras", metavar="N", type=int, dest="max_loras",
+                   help="LoRA adapter slots on the GPU (the engine's --max-loras); their memory comes out "
+                        "of the KV cache; default: LoRA off")
+    m.add_argument("--max-lora-rank", metavar="R", type=int, dest="max_lora_rank",
+                   help="the adapter slots' rank (the engine's --max-lora-rank; default 16)")
     m.add_argument("--gpu-memory-gib", metavar="GIB", type=float, help="GPU memory, GiB (overrides the catalogue)")
     m.add_argument("--gpu-bandwidth-gbps", metavar="GB_S", type=float, help="GPU memory bandwidth, GB/s")
     m.add_argument("--gpu-tflops", metavar="TFLOPS", type=float, help="GPU dense BF16 TFLOP/s")
