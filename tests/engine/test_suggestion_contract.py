@@ -34,18 +34,18 @@ BIG = {"max_context": 4096, "p95_prompt_tokens": 1024, "p95_output_tokens": 256,
 # memory sizes sit just past each kind's threshold under the fitted reserve constants)
 SCENARIOS = {
     "fewer_sequences": (0.3625, BIG, {"replicas": 1}),
-    "replicas": (0.984, {**BIG, "concurrency": 512}, {"replicas": 1}),
+    "replicas": (0.8, {**BIG, "concurrency": 512}, {"replicas": 1, "pipeline_parallel_size": 1}),
     "drop_override": (0.3625, BIG, {"replicas": 1}),
-    "gpu_memory_utilization": (0.34, SLO, {}),
-    "fp8_kv": (0.3585, SLO, {}),
-    "max_context": (0.3585, SLO, {}),
+    "gpu_memory_utilization": (0.315, SLO, {}),
+    "fp8_kv": (0.3238, SLO, {}),
+    "max_context": (0.3237, SLO, {}),
     "itl_target": (1.0, {**SLO, "itl_p95_ms": 0.001}, {}),
     "ttft_target": (1.0, {**BIG, "itl_p95_ms": 0.01, "ttft_p95_ms": 0.01}, {}),
     # one node: the engine serves no pipeline stages yet (issue 31's engine half)
     "tensor_parallel": (1.073, {**SLO, "concurrency": 512, "itl_p95_ms": 0.5},
                         {"tensor_parallel_size": 1, "replicas": 1, "pipeline_parallel_size": 1}),
     "gpu": (0.25, SLO, {}),
-    "weight_quantization": (0.358, SLO, {}),
+    "weight_quantization": (0.3236, SLO, {}),
     "combined": (0.3, {**BIG, "max_context": 32768}, {"max_num_seqs": 300}),
 }
 
