@@ -140,15 +140,21 @@ class StructuredOutputsConfig:
 
     ``disable_any_whitespace`` defaults to True here (vLLM: False): JSON is generated
     compact, without optional whitespace between tokens, because small models left to
-    choose whitespace tend to produce it without end.
+    choose whitespace tend to produce it without end. ``compile_timeout`` (kvpilot's
+    own, also ``--structured-output-compile-timeout``): seconds a request may wait for
+    its grammar to compile before it fails with a 400.
     """
 
     backend: str = "auto"
     disable_any_whitespace: bool = True
     reasoning_parser: str | None = None
     enable_in_reasoning: bool = False
+    compile_timeout: float = 10.0
 
     def __post_init__(self) -> None:
+        if not self.compile_timeout > 0:
+            raise ValueError(f"the structured-output compile timeout must be > 0 seconds, "
+                             f"got {self.compile_timeout}")
         if self.backend not in STRUCTURED_OUTPUT_BACKENDS:
             raise ValueError(f"structured outputs backend {self.backend!r} is not supported by "
                              f"kvpilot: it uses xgrammar ({', '.join(STRUCTURED_OUTPUT_BACKENDS)})")

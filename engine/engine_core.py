@@ -7,7 +7,9 @@ arrival order), steps the engine once if it has work, and applies the failure po
   core keeps serving; ``MAX_CONSECUTIVE_STEP_FAILURES`` failed steps in a row, or an
   abort that itself fails, make the engine dead;
 - an ``EngineDeadError`` from the step (a tensor-parallel worker died) makes it dead at once;
-- a request a step failed for on its own (``LLMEngine.take_failed_requests``) fails alone;
+- a request a step failed for on its own (``LLMEngine.take_failed_requests``) fails alone,
+  as a refused add does: a 400 when it was the request's fault (its grammar did not
+  compile, or not in time), else a 500;
 - an add the engine refuses fails only that request.
 
 ``EngineCore.turn`` returns what happened as data (``Turn``) and never calls back: the
@@ -99,7 +101,7 @@ class Turn:
     num_aborts: int = 0
     stepped: bool = False
     outputs: list[RequestOutput] = field(default_factory=list)
-    failed_alone: list[tuple[str, str]] = field(default_factory=list)   # (request id, message)
+    failed_alone: list[Rejected] = field(default_factory=list)   # accepted, then failed alone
     failed_step: tuple[list[str], str] | None = None   # every request a failed step failed
     step_stats: StepStats | None = None
     dead: BaseException | None = None   # the engine can never serve again
@@ -126,7 +128,8 @@ class EngineCore:
             self._step(turn)
             if turn.died_in_step:
                 return turn
-        turn.failed_alone = self.engine.take_failed_requests()
+        turn.failed_alone = [Rejected(f.request_id, INVALID if f.invalid else FAILED, f.message)
+                             for f in self.engine.take_failed_requests()]
         turn.step_stats = self.engine.take_step_stats()
         return turn
 

@@ -13,6 +13,7 @@ from kvpilot.engine.llm_engine import LLMEngine
 from kvpilot.engine.outputs import RequestOutput
 from kvpilot.engine.sampling_params import RequestOutputKind, SamplingParams
 from kvpilot.engine.stats import EngineStats
+from kvpilot.engine.structured_output.backend import validate_constraint
 
 Prompt = str | list[int]
 
@@ -61,6 +62,10 @@ class LLM:
         loras = [lora_name] * len(prompts) if lora_name is None or isinstance(lora_name, str) else list(lora_name)
         if len(loras) != len(prompts):
             raise ValueError(f"got {len(loras)} lora names for {len(prompts)} prompts")
+        constraints = {p.structured_outputs.key: p.structured_outputs for p in params_list
+                       if p.structured_outputs is not None}
+        for constraint in constraints.values():
+            validate_constraint(constraint)   # a bad constraint fails before anything is queued
         # Only finished requests are collected: no per-step output is built for them.
         final_only = {id(p): dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
                       for p in params_list}
@@ -89,6 +94,11 @@ class LLM:
         with tqdm(total=len(ids), desc="Generating", disable=not use_tqdm) as bar:
             while pending:
                 outputs = self.llm_engine.step()
+                failed = self.llm_engine.take_failed_requests()
+                if failed:   # e.g. a grammar that parsed but did not compile: stop the batch
+                    self.llm_engine.abort_request(pending)
+                    error = ValueError if failed[0].invalid else RuntimeError
+                    raise error(f"request {failed[0].request_id}: {failed[0].message}")
                 if not outputs and not self.llm_engine.has_unfinished_requests():
                     raise RuntimeError(f"engine went idle with {len(pending)} requests unfinished")
                 for out in outputs:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -43,6 +44,18 @@ if TYPE_CHECKING:
     from kvpilot.engine.model.parallel.workers import WorkerGroup
 
 logger = logging.getLogger(__name__)
+
+# Longest an idle engine sleeps waiting for a compiling grammar (new commands wait as long).
+GRAMMAR_POLL_SECONDS = 0.02
+
+
+@dataclass(frozen=True, slots=True)
+class FailedRequest:
+    """A request the engine failed on its own (see ``LLMEngine.take_failed_requests``)."""
+
+    request_id: str
+    message: str
+    invalid: bool     # the request's own fault (e.g. its grammar): a 400 for the client
 
 
 class LLMEngine:
@@ -116,12 +129,13 @@ class LLMEngine:
         self.runner.kv_transfer = self.kv_offload
         self.runner.count_nan_logits = args.compute_nans_in_logits
         self._num_corrupted = 0
-        self._failed_requests: list[tuple[str, str]] = []   # see take_failed_requests
+        self._failed_requests: list[FailedRequest] = []   # see take_failed_requests
         structured = args.structured_outputs_config
         self.structured_output = StructuredOutputManager(
             self.tokenizer, model_config.arch.vocab_size,
             any_whitespace=not structured.disable_any_whitespace,
-            reasoning_parser=None if structured.enable_in_reasoning else structured.reasoning_parser)
+            reasoning_parser=None if structured.enable_in_reasoning else structured.reasoning_parser,
+            compile_timeout=structured.compile_timeout)
         decode = self.tokenizer.decode
         self.output_processor = OutputProcessor(
             lambda token_id: decode([token_id], skip_special_tokens=False),
@@ -344,8 +358,6 @@ class LLMEngine:
             from kvpilot.engine.lora.registry import LoRANotFoundError
 
             raise LoRANotFoundError(f"The model `{lora_name}` does not exist.")
-        if params.structured_outputs is not None:   # a bad constraint fails before anything is queued
-            self.structured_output.backend.compile(params.structured_outputs)
         params = params.with_stop_ids(self.eos_token_ids)
         arrival = time.time() if arrival_time is None else arrival_time
         parent = ParentState(request_id, text, ids, arrival, params.output_kind)
@@ -420,11 +432,17 @@ class LLMEngine:
         return outputs
 
     def _step(self) -> list[RequestOutput]:
+        structured = self.structured_output
+        if structured.num_waiting:   # grammars that compiled (or failed, or are too late)
+            self._fail_requests({self.output_processor.children[r.request_id].parent.request_id: exc
+                                 for r, exc in structured.poll()})
         sched = self.scheduler.schedule()
         if sched.is_empty:
             self.runner.remove_preempted(sched.preempted_request_ids)
             if sched.kv_transfers:
                 self.runner.execute_kv_transfers(sched.kv_transfers)
+            if structured.num_waiting:   # only grammars to wait for: no busy loop meanwhile
+                structured.wait(GRAMMAR_POLL_SECONDS)
             return []
         self._num_steps += 1
         self._iteration_tokens.append(sched.num_scheduled_tokens)
@@ -434,7 +452,6 @@ class LLMEngine:
             self._estimated[0] += cost.flops
             self._estimated[1] += cost.read_bytes
             self._estimated[2] += cost.write_bytes
-        structured = self.structured_output
         result = self._execute(sched, structured.grammar_bitmask(sched))
         for rid in result.nan_req_ids:
             request = self.scheduler.requests.get(rid)
@@ -521,16 +538,23 @@ class LLMEngine:
 
     def _fail_requests(self, failed: dict[str, BaseException]) -> None:
         """Abort the requests a step failed for on their own (their grammar, detokenizing,
-        stop checks), keeping the rest of the batch; ``take_failed_requests`` reports them."""
+        stop checks), keeping the rest of the batch; ``take_failed_requests`` reports them.
+        A ``ValueError`` (a constraint that does not compile, or not in time) is the
+        request's own fault."""
         for request_id, exc in failed.items():
-            logger.error("request %s failed in an engine step (the rest of the batch goes on)",
-                         request_id, exc_info=exc)
+            invalid = isinstance(exc, ValueError)
+            if invalid:
+                logger.warning("request %s refused: %s", request_id, exc)
+            else:
+                logger.error("request %s failed in an engine step (the rest of the batch goes on)",
+                             request_id, exc_info=exc)
             self.abort_request([request_id])
-            self._failed_requests.append((request_id, f"{type(exc).__name__}: {exc}"))
+            message = str(exc) if invalid else f"{type(exc).__name__}: {exc}"
+            self._failed_requests.append(FailedRequest(request_id, message, invalid))
 
-    def take_failed_requests(self) -> list[tuple[str, str]]:
-        """``(request id, what failed)`` of the requests aborted since the previous call
-        because a step failed for them alone; the caller fails them, and only them."""
+    def take_failed_requests(self) -> list[FailedRequest]:
+        """The requests aborted since the previous call because the engine failed for
+        them alone; the caller fails them, and only them."""
         failed, self._failed_requests = self._failed_requests, []
         return failed
 
@@ -564,6 +588,7 @@ class LLMEngine:
     def close(self) -> None:
         """Finish background work (KV offload saves and disk writes) and release it; stop
         the tensor-parallel workers."""
+        self.structured_output.close()
         try:
             if self.kv_offload is not None:
                 self._run_pending_kv_transfers()

@@ -20,6 +20,9 @@ if TYPE_CHECKING:
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    # Waiting, and not schedulable until its structured-output grammar has compiled
+    # (vLLM's WAITING_FOR_FSM): the scheduler passes over it, keeping its place.
+    WAITING_FOR_GRAMMAR = "waiting_for_grammar"
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"

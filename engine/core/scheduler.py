@@ -10,7 +10,8 @@ of the waiting queue to be recomputed. Under the priority policy a waiting reque
 outranks a running one, and finds no batch slot or blocks, preempts the lowest-priority
 running request first (vLLM's priority scheduling). With LoRA on, at most ``max_loras``
 distinct adapters run at a time (one device slot each): a waiting request whose adapter
-would be one too many is passed over, in its place in the queue, until a slot frees.
+would be one too many is passed over, in its place in the queue, until a slot frees; so
+is a request whose structured-output grammar is still compiling (``WAITING_FOR_GRAMMAR``).
 """
 
 from __future__ import annotations
@@ -172,6 +173,8 @@ class Scheduler:
         preempt that running request to make room."""
         while self.waiting and self.running:
             head = self.waiting.peek()
+            if head.status is RequestStatus.WAITING_FOR_GRAMMAR:
+                return   # it cannot run yet: preempting for it would only waste work
             victim = max(self.running, key=Request.sort_key)
             if victim.sort_key() <= head.sort_key() or self._can_admit(head):
                 return
@@ -222,6 +225,9 @@ class Scheduler:
                        passed_over: list[Request]) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
+            if request.status is RequestStatus.WAITING_FOR_GRAMMAR:   # its grammar still compiles
+                passed_over.append(self.waiting.pop())
+                continue
             lora = request.lora_request
             if (adapters is not None and lora is not None and lora.lora_id not in adapters
                     and len(adapters) >= self.config.max_loras):

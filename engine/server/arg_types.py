@@ -59,6 +59,7 @@ positive_int = _bounded(_int, lambda v: v >= 1, "must be a positive integer")
 non_negative_int = _bounded(_int, lambda v: v >= 0, "must be >= 0")
 port = _bounded(_int, lambda v: 0 <= v <= 65535, "port must be in 0..65535")
 fraction = _bounded(_float, lambda v: 0.0 < v <= 1.0, "must be in (0, 1]")
+positive_float = _bounded(_float, lambda v: v > 0.0, "must be > 0")  # also rejects nan
 non_negative_float = _bounded(_float, lambda v: v >= 0.0, "must be >= 0")  # also rejects nan
 max_logprobs = _bounded(_int, lambda v: v >= -1, "must be -1 (the vocabulary) or >= 0")
 

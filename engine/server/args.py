@@ -62,8 +62,9 @@ def resolve_model(ns: argparse.Namespace) -> str | None:
 
 
 def structured_outputs_config(ns: argparse.Namespace) -> StructuredOutputsConfig:
-    """``--structured-outputs-config`` with ``--reasoning-parser`` and the older
-    ``--guided-decoding-backend`` folded in."""
+    """``--structured-outputs-config`` with ``--reasoning-parser``,
+    ``--structured-output-compile-timeout`` and the older ``--guided-decoding-backend``
+    folded in."""
     config = ns.structured_outputs_config or StructuredOutputsConfig()
     if ns.guided_decoding_backend is not None:
         config = dataclasses.replace(config, backend=ns.guided_decoding_backend)
@@ -72,6 +73,8 @@ def structured_outputs_config(ns: argparse.Namespace) -> StructuredOutputsConfig
             raise ValueError(f"--reasoning-parser {ns.reasoning_parser} and "
                              f"--structured-outputs-config's {config.reasoning_parser} differ")
         config = dataclasses.replace(config, reasoning_parser=ns.reasoning_parser)
+    if ns.structured_output_compile_timeout is not None:
+        config = dataclasses.replace(config, compile_timeout=ns.structured_output_compile_timeout)
     return config
 
 

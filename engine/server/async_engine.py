@@ -369,13 +369,15 @@ class AsyncEngine(EngineClient):
             except Exception:  # noqa: BLE001 - metrics must never stop serving
                 logger.exception("recording request metrics failed")
 
-    def _fail_requests(self, failed: list[tuple[str, str]]) -> None:
-        """Fail the requests a step failed for on their own (the engine aborted them)."""
-        for request_id, text in failed:
-            live = self._live.pop(request_id, None)
+    def _fail_requests(self, failed: list[Rejected]) -> None:
+        """Fail the requests the engine failed on their own (it aborted them)."""
+        for rejected in failed:
+            live = self._live.pop(rejected.request_id, None)
             if live is not None:
-                live.deliver(RequestFailed(f"the engine failed while serving this request: {text}"))
-                self._tracker.remove(request_id, ERROR)
+                live.deliver(RequestRejected(rejected.message) if rejected.kind == INVALID else
+                             RequestFailed(f"the engine failed while serving this request: "
+                                           f"{rejected.message}"))
+                self._tracker.remove(rejected.request_id, ERROR)
 
     def _fail_step(self, failed: list[str], message: str) -> None:
         """Fail the requests a failed step failed (the engine core aborted them)."""

@@ -70,7 +70,6 @@ from kvpilot.engine.server.latency_tracker import ERROR, IterationStats, Request
 if TYPE_CHECKING:
     from kvpilot.engine.engine_args import EngineArgs
     from kvpilot.engine.stats import EngineStats, StepStats
-    from kvpilot.engine.structured_output import StructuredOutputManager
     from kvpilot.engine.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -83,30 +82,23 @@ EXIT_GRACE_S = 0.05
 @dataclass(frozen=True, slots=True)
 class EngineView:
     """The engine as the routes read it (``state.engine.engine``) when it runs elsewhere:
-    its configs and cache layout, and this process's own tokenizer and grammar compiler
-    (requests are tokenized and constraints checked here)."""
+    its configs and cache layout, and this process's own tokenizer (requests are
+    tokenized here; constraints are parsed here and compiled by the core)."""
 
     args: EngineArgs
     model_config: Any
     scheduler_config: Any
     cache_info: Any
     tokenizer: Tokenizer
-    structured_output: StructuredOutputManager
 
 
 def build_view(info: CoreInfo, engine_args: EngineArgs) -> EngineView:
-    """This process's tokenizer and (lazy) grammar compiler for the core's engine."""
-    from kvpilot.engine.structured_output import StructuredOutputManager
+    """This process's tokenizer for the core's engine."""
     from kvpilot.engine.text.tokenizer import Tokenizer
 
     model_config = info.model_config
     tokenizer = Tokenizer.from_pretrained(model_config.tokenizer_dir)
-    structured = engine_args.structured_outputs_config
-    manager = StructuredOutputManager(
-        tokenizer, model_config.arch.vocab_size, any_whitespace=not structured.disable_any_whitespace,
-        reasoning_parser=None if structured.enable_in_reasoning else structured.reasoning_parser)
-    return EngineView(engine_args, model_config, info.scheduler_config, info.cache_info, tokenizer,
-                      manager)
+    return EngineView(engine_args, model_config, info.scheduler_config, info.cache_info, tokenizer)
 
 
 class CoreClient(EngineClient):

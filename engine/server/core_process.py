@@ -148,7 +148,7 @@ class CoreProcessLoop:
             failed = turn.failed_step
             # requests a step failed for on their own: reported like a failed add
             rejected = [(r.request_id, _WIRE_KIND[r.kind], r.message) for r in turn.rejected]
-            rejected += [(rid, False, text) for rid, text in turn.failed_alone]
+            rejected += [(r.request_id, _WIRE_KIND[r.kind], r.message) for r in turn.failed_alone]
             if turn.dead is not None:
                 if failed is not None:   # the requests it failed learn why before DEAD
                     self._send_step(turn, rejected, failed)

@@ -93,7 +93,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     max_tokens = resolve_max_tokens(requested, len(prompt), engine.model_config.max_model_len,
                                     "messages")
     if constraint is not None:
-        await check_constraint(state, constraint, param)
+        await check_constraint(constraint, param)
     top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(body, max_tokens=max_tokens, logprobs=top_logprobs, defaults=defaults,
                              structured_outputs=constraint)

@@ -66,7 +66,7 @@ async def create_completion(body: CompletionRequest, request: Request,
                                        engine.model_config.arch.vocab_size, state.length_limit)
     constraint, param = requested_constraint(body, state.config.limits)
     if constraint is not None:
-        await check_constraint(state, constraint, param)
+        await check_constraint(constraint, param)
     params = [sampling_params(body, logprobs=body.logprobs, defaults=defaults,
                               max_tokens=resolve_max_tokens(requested, len(ids), max_model_len,
                                                             "prompt"),

@@ -10,7 +10,7 @@ from kvpilot.engine.sampling_params import StructuredOutputsParams
 from kvpilot.engine.server.errors import bad_request
 from kvpilot.engine.server.protocol import SamplingRequest
 from kvpilot.engine.server.request_limits import RequestLimits, check_constraint_size
-from kvpilot.engine.server.state import ServerState
+from kvpilot.engine.structured_output.backend import validate_constraint
 
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                  "guided_grammar": "grammar"}
@@ -52,12 +52,11 @@ def requested_constraint(body: SamplingRequest, limits: RequestLimits
         raise bad_request(str(exc), param=param) from None
 
 
-async def check_constraint(state: ServerState, constraint: StructuredOutputsParams,
-                           param: str) -> None:
-    """400 (naming ``param``) if the constraint does not compile. Compiling here, off the
-    event loop, also warms the engine's grammar cache for the request."""
-    backend = state.engine.engine.structured_output.backend
+async def check_constraint(constraint: StructuredOutputsParams, param: str) -> None:
+    """400 (naming ``param``) if the constraint does not parse as a grammar. Only parsed
+    here (off the event loop, in milliseconds): the engine compiles it, once, off its
+    step loop, and fails the request with a 400 if that fails or takes too long."""
     try:
-        await asyncio.to_thread(backend.compile, constraint)
+        await asyncio.to_thread(validate_constraint, constraint)
     except ValueError as exc:
         raise bad_request(str(exc), param=param) from None

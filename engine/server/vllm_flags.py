@@ -47,6 +47,7 @@ from kvpilot.engine.server.arg_types import (
     non_negative_int,
     parse_size,
     port,
+    positive_float,
     positive_int,
     structured_outputs_config,
 )
@@ -265,6 +266,8 @@ SERVE_FLAGS: tuple[Flag, ...] = (
         _h("--structured-outputs-config", "JSON object: `backend` (`auto` / `xgrammar`), `disable_any_whitespace` (default true: compact JSON), `reasoning_parser`, `enable_in_reasoning`",
            type=structured_outputs_config, metavar="JSON"),
         _h("--guided-decoding-backend", "older vLLM name of the structured-outputs backend", choices=STRUCTURED_OUTPUT_BACKENDS),
+        _k("--structured-output-compile-timeout", "seconds a request may wait for its grammar to compile (off the step loop, on the engine's grammar thread) before it fails with a 400; the same as `compile_timeout` in --structured-outputs-config",
+           type=positive_float, metavar="SECONDS", default_text="10"),
         _h("--enable-auto-tool-choice", "allow `tool_choice: auto` (the default when tools are sent): the model's text is parsed for tool calls by --tool-call-parser", **_on),
         _h("--tool-call-parser", "how tool calls are found in the model's text: `hermes` (Qwen2.5 / Qwen3 `<tool_call>` JSON) or `llama3_json`",
            choices=tuple(TOOL_CALL_EXTRACTORS)),

@@ -10,7 +10,10 @@ a request's constraint on its event loop while the engine thread compiles others
 from __future__ import annotations
 
 import json
+import logging
+import os
 import threading
+import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
@@ -21,8 +24,16 @@ if TYPE_CHECKING:
 
     from kvpilot.engine.text.tokenizer import Tokenizer
 
+logger = logging.getLogger(__name__)
+
 # Distinct compiled grammars kept (a JSON schema's grammar is tens to hundreds of KiB).
 CACHE_SIZE = 256
+
+
+def compile_threads() -> int:
+    """Threads one grammar compile may use: half of this process's CPUs, less one, so
+    that compiling beside a running engine leaves it most of the machine (1 on 2 CPUs)."""
+    return max(1, len(os.sched_getaffinity(0)) // 2 - 1)
 
 
 class InvalidConstraint(ValueError):
@@ -53,7 +64,8 @@ class GrammarBackend:
             encoded, metadata["vocab_type"], vocab_size=vocab_size,
             stop_token_ids=sorted(tokenizer.eos_token_ids),
             add_prefix_space=metadata["add_prefix_space"])
-        self._compiler = xgr.GrammarCompiler(self.tokenizer_info, cache_enabled=False)
+        self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=compile_threads(),
+                                             cache_enabled=False)
         self.any_whitespace = any_whitespace
         self._cache: OrderedDict[tuple[str, str], xgrammar.CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
@@ -63,6 +75,14 @@ class GrammarBackend:
     def vocab_size(self) -> int:
         return self.tokenizer_info.vocab_size
 
+    def cached(self, params: StructuredOutputsParams) -> xgrammar.CompiledGrammar | None:
+        """The compiled grammar of ``params`` if it was compiled before, else None."""
+        with self._lock:
+            grammar = self._cache.get(params.key)
+            if grammar is not None:
+                self._cache.move_to_end(params.key)
+            return grammar
+
     def compile(self, params: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
         """The compiled grammar of ``params`` (from the cache when seen before).
 
@@ -70,12 +90,13 @@ class GrammarBackend:
             InvalidConstraint: xgrammar rejects the schema, regex or grammar.
         """
         key = params.key
-        with self._lock:
-            grammar = self._cache.get(key)
-            if grammar is not None:
-                self._cache.move_to_end(key)
-                return grammar
+        grammar = self.cached(params)
+        if grammar is not None:
+            return grammar
+        started = time.monotonic()
         grammar = self._compile(params)
+        logger.info("compiled a structured-output grammar (%s, %d characters) in %.2f s",
+                    _NAMES[params.key[0]], len(params.key[1]), time.monotonic() - started)
         with self._lock:
             self._cache[key] = grammar
             self.num_compiles += 1
@@ -100,6 +121,30 @@ class GrammarBackend:
             return self._compiler.compile_grammar(text)
         except Exception as exc:  # noqa: BLE001 - xgrammar raises several types for bad input
             raise InvalidConstraint(f"invalid {_NAMES[kind]}: {_first_line(exc)}") from exc
+
+
+def validate_constraint(params: StructuredOutputsParams) -> None:
+    """Check that ``params`` parses as a grammar, without compiling it against a
+    vocabulary (milliseconds where compiling can take seconds): what the API process
+    checks before queueing a request, leaving the one compile to the engine.
+
+    Raises:
+        InvalidConstraint: xgrammar rejects the schema, regex or grammar.
+    """
+    import xgrammar as xgr
+
+    kind, text = params.key
+    try:
+        if kind == "json":
+            xgr.Grammar.from_json_schema(json_safe_string_lengths(text))
+        elif kind == "regex":
+            xgr.Grammar.from_regex(text)
+        elif kind == "choice":
+            xgr.Grammar.from_ebnf(choice_grammar(json.loads(text)))
+        elif kind == "grammar":
+            xgr.Grammar.from_ebnf(text)
+    except Exception as exc:  # noqa: BLE001 - xgrammar raises several types for bad input
+        raise InvalidConstraint(f"invalid {_NAMES[kind]}: {_first_line(exc)}") from exc
 
 
 _NAMES = {"json": "JSON schema", "json_object": "JSON object constraint", "regex": "regex",

@@ -1,9 +1,17 @@
 """One grammar matcher per constrained request, kept in step with its tokens.
 
-``add_request`` compiles the request's constraint (a ``ValueError`` for a bad one) and
-starts a matcher; each engine step, ``grammar_bitmask`` fills one bitmask row per
-constrained request that samples in that step and ``accept`` advances the matchers by
-the tokens the step appended; ``remove`` drops a finished request's matcher.
+``add_request`` starts a matcher at once when the request's grammar is compiled already;
+otherwise it hands the compile to the manager's worker thread and marks the request
+``WAITING_FOR_GRAMMAR``, which the scheduler passes over, so that a cold grammar (seconds
+for a large schema or choice list) never stalls the step loop and the streams it serves.
+Each step begins with ``poll``: requests whose grammar is ready get their matcher and
+become schedulable; those whose compile failed, or ran past the compile timeout, are
+returned for the engine to fail (``ValueError``s: a 400 for the client). Equal
+constraints in flight share one compile, and a compile that outlives its request's
+deadline still lands in the backend's cache. Each engine step, ``grammar_bitmask``
+fills one bitmask row per constrained request that samples in that step and ``accept``
+advances the matchers by the tokens the step appended; ``remove`` drops a finished
+request's matcher (or its wait for one).
 
 NOTE (invariant): a matcher has accepted exactly the request's output tokens from
 ``grammar_start`` on. Both ``accept`` and ``grammar_bitmask`` first ``_sync`` the
@@ -20,12 +28,16 @@ until the reasoning-end token appears (or is already in the prompt).
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import os
 import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvpilot.engine.core.request import Request
+from kvpilot.engine.core.request import Request, RequestStatus
 from kvpilot.engine.core.scheduler import SchedulerOutput
 from kvpilot.engine.structured_output.backend import GrammarBackend
 from kvpilot.engine.structured_output.bitmask import TokenBitmask
@@ -33,6 +45,7 @@ from kvpilot.engine.structured_output.bitmask import TokenBitmask
 if TYPE_CHECKING:
     import xgrammar
 
+    from kvpilot.engine.sampling_params import StructuredOutputsParams
     from kvpilot.engine.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -50,6 +63,30 @@ class _Constrained:
     broken: bool = False            # the matcher refused a token: constraint given up
 
 
+# The nice value of the grammar thread: a compile takes the CPU the step loop leaves.
+COMPILE_NICENESS = 10
+
+
+def _lower_priority() -> None:
+    """Run this thread (the grammar compiler's) at ``COMPILE_NICENESS``: on Linux a
+    thread is a task with its own nice value. Elsewhere it keeps the process's."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICENESS)
+    except (AttributeError, OSError):
+        logger.debug("cannot lower the grammar thread's priority", exc_info=True)
+
+
+@dataclass(frozen=True, slots=True)
+class _Waiting:
+    request: Request
+    grammar: Future[xgrammar.CompiledGrammar]
+    deadline: float                 # time.monotonic() by which the grammar must be ready
+
+
+class GrammarCompileTimeout(ValueError):
+    """A request's grammar was not compiled within the compile timeout."""
+
+
 class StructuredOutputManager:
     """Args:
         tokenizer: the engine's tokenizer.
@@ -57,24 +94,30 @@ class StructuredOutputManager:
         any_whitespace: JSON may contain optional whitespace (else compact).
         reasoning_parser: ``qwen3`` to constrain only the text after ``</think>``; None to
             constrain from the first token.
+        compile_timeout: seconds a request may wait for its grammar before it fails
+            (``--structured-output-compile-timeout``).
     """
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, *, any_whitespace: bool = False,
-                 reasoning_parser: str | None = None) -> None:
+                 reasoning_parser: str | None = None, compile_timeout: float = 10.0) -> None:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._any_whitespace = any_whitespace
+        self._compile_timeout = compile_timeout
         self._backend: GrammarBackend | None = None
         self._backend_lock = threading.Lock()
         self._requests: dict[str, _Constrained] = {}
+        self._waiting: dict[str, _Waiting] = {}
+        self._compiling: dict[tuple[str, str], Future] = {}   # constraint key -> its compile
+        self._executor: ThreadPoolExecutor | None = None
         self._reasoning_end_id: int | None = None
         if reasoning_parser is not None:
             self._reasoning_end_id = tokenizer.token_to_id(REASONING_END_TOKENS[reasoning_parser])
 
     @property
     def backend(self) -> GrammarBackend:
-        """The grammar compiler, built on first use (importing xgrammar takes a second).
-        Thread-safe: the server compiles a request's constraint before queueing it."""
+        """The grammar compiler, built on first use (importing xgrammar and reading the
+        vocabulary take a second or two; on the worker thread when a request needs it)."""
         with self._backend_lock:
             if self._backend is None:
                 self._backend = GrammarBackend(self._tokenizer, self._vocab_size,
@@ -82,20 +125,92 @@ class StructuredOutputManager:
             return self._backend
 
     def __len__(self) -> int:
+        """Requests with a matcher (not those still waiting for their grammar)."""
         return len(self._requests)
 
-    def add_request(self, request: Request) -> None:
-        """Start a matcher for ``request`` if its parameters carry a constraint.
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting for their grammar to compile."""
+        return len(self._waiting)
 
-        Raises:
-            ValueError (``InvalidConstraint``): the constraint does not compile.
-        """
-        params = request.sampling_params
-        if params.structured_outputs is None:
+    def add_request(self, request: Request) -> None:
+        """Start a matcher for ``request`` if its parameters carry a constraint, or, when
+        its grammar is not compiled yet, start compiling it and mark the request
+        ``WAITING_FOR_GRAMMAR`` (``poll`` ends the wait)."""
+        constraint = request.sampling_params.structured_outputs
+        if constraint is None:
             return
+        grammar = self._backend.cached(constraint) if self._backend is not None else None
+        if grammar is not None:
+            self._start(request, grammar)
+            return
+        future = self._compiling.get(constraint.key)
+        if future is None:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvpilot-grammar",
+                                                    initializer=_lower_priority)
+            future = self._executor.submit(self._compile, constraint)
+            self._compiling[constraint.key] = future
+        request.status = RequestStatus.WAITING_FOR_GRAMMAR
+        self._waiting[request.request_id] = _Waiting(request, future,
+                                                     time.monotonic() + self._compile_timeout)
+
+    def _compile(self, constraint: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
+        return self.backend.compile(constraint)
+
+    def poll(self) -> list[tuple[Request, Exception]]:
+        """End the waits that are over: a request whose grammar compiled gets its matcher
+        and becomes schedulable; one whose compile failed (``InvalidConstraint`` for a
+        bad constraint, anything else for a broken compiler) or is past its deadline
+        (``GrammarCompileTimeout``) is returned, with why, for the engine to fail."""
+        if not self._waiting:
+            return []
+        now = time.monotonic()
+        failed: list[tuple[Request, Exception]] = []
+        for request_id, waiting in list(self._waiting.items()):
+            future = waiting.grammar
+            if future.done():
+                del self._waiting[request_id]
+                error = future.exception()
+                if error is None:
+                    try:
+                        self._start(waiting.request, future.result())
+                    except Exception as exc:  # noqa: BLE001 - fails this request only
+                        error = exc
+                    else:
+                        waiting.request.status = RequestStatus.WAITING
+                if error is not None:
+                    failed.append((waiting.request, error))
+            elif now >= waiting.deadline:
+                del self._waiting[request_id]
+                failed.append((waiting.request, GrammarCompileTimeout(
+                    f"the structured-output grammar was not compiled within "
+                    f"{self._compile_timeout:g} s (--structured-output-compile-timeout); a "
+                    f"retry of the same constraint may find it compiled")))
+        self._compiling = {key: f for key, f in self._compiling.items() if not f.done()}
+        return failed
+
+    def wait(self, timeout: float) -> None:
+        """Block for up to ``timeout`` seconds, or until a waited-for grammar is ready
+        or due: for an engine with nothing else to run than requests waiting for one."""
+        if not self._waiting:
+            return
+        due = min(w.deadline for w in self._waiting.values()) - time.monotonic()
+        concurrent.futures.wait({w.grammar for w in self._waiting.values()},
+                                timeout=max(0.0, min(timeout, due)),
+                                return_when=concurrent.futures.FIRST_COMPLETED)
+
+    def close(self) -> None:
+        """Stop the compile thread (a compile under way finishes on its own); a later
+        request starts another."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+
+    def _start(self, request: Request, grammar: xgrammar.CompiledGrammar) -> None:
         import xgrammar as xgr
 
-        grammar = self.backend.compile(params.structured_outputs)
+        params = request.sampling_params
         stop_ids = sorted(params.all_stop_token_ids)
         matcher = xgr.GrammarMatcher(grammar, override_stop_tokens=stop_ids or None,
                                      terminate_without_stop_token=not stop_ids)
@@ -106,6 +221,7 @@ class StructuredOutputManager:
 
     def remove(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
+        self._waiting.pop(request_id, None)
 
     def accept(self, request: Request) -> None:
         """Advance ``request``'s matcher by the tokens it gained (no-op if unconstrained)."""

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import jsonschema
 import pytest
 
 from kvpilot.engine import LLM, SamplingParams
+from kvpilot.engine.config import StructuredOutputsConfig
 from kvpilot.engine.core.scheduler import ScheduledRequest, SchedulerOutput
 from kvpilot.engine.sampling_params import StructuredOutputsParams as SO
 
@@ -171,8 +173,14 @@ def test_with_a_reasoning_parser_only_the_text_after_think_is_constrained(demo_m
         bits = mask.bitmask[0]
         return {t for t in (digit, letter, end) if bits[t // 32] >> (t % 32) & 1}
 
+    def add(request: Request) -> None:   # the grammar compiles on the manager's thread
+        manager.add_request(request)
+        while manager.num_waiting:
+            manager.wait(1.0)
+            assert manager.poll() == []
+
     thinking = Request("thinking", tokenizer.encode("Think first."), params)
-    manager.add_request(thinking)
+    add(thinking)
     assert allowed(thinking) is None                  # reasoning: free text
     thinking.output_token_ids += [letter, letter]
     manager.accept(thinking)
@@ -181,5 +189,33 @@ def test_with_a_reasoning_parser_only_the_text_after_think_is_constrained(demo_m
     manager.accept(thinking)
     assert allowed(thinking) == {digit}
     done = Request("done", tokenizer.encode("<think>\n\n</think>\n\nAnswer:"), params)
-    manager.add_request(done)
+    add(done)
     assert allowed(done) == {digit}
+
+
+def test_a_grammar_late_past_the_timeout_fails_alone_then_serves_from_the_cache(tiny_checkpoint):
+    """The engine alone: a grammar not ready within the compile timeout fails its request
+    with a ValueError (a 400 through the server) while a free request beside it finishes;
+    the compile goes on and lands in the cache, so the same constraint then runs at once."""
+    llm = LLM(str(tiny_checkpoint("qwen3")), dtype="float32", num_gpu_blocks=64, max_model_len=256,
+              structured_outputs_config=StructuredOutputsConfig(compile_timeout=0.001))
+    engine = llm.llm_engine
+    so = SO(choice=[f"option {i}" for i in range(20_000)])
+    engine.add_request("late", "pick", SamplingParams(max_tokens=8, structured_outputs=so))
+    engine.add_request("free", "talk", SamplingParams(max_tokens=8, ignore_eos=True))
+    assert engine.scheduler.requests["late"].status.value == "waiting_for_grammar"
+    failed, finished = [], set()
+    while engine.has_unfinished_requests():
+        finished |= {out.request_id for out in engine.step() if out.finished}
+        failed += engine.take_failed_requests()
+    assert finished == {"free"}
+    assert [f.request_id for f in failed] == ["late"] and failed[0].invalid
+    assert "--structured-output-compile-timeout" in failed[0].message
+    backend = engine.structured_output.backend
+    deadline = time.monotonic() + 120
+    while backend.cached(so) is None:
+        assert time.monotonic() < deadline, "the compile never finished"
+        time.sleep(0.05)
+    [out] = llm.generate(["pick"], SamplingParams(max_tokens=8, structured_outputs=so))
+    assert out.outputs[0].text in so.choice
+    assert backend.num_compiles == 1

@@ -309,7 +309,8 @@ def test_a_step_failure_of_one_request_fails_it_alone():
             if out.finished:
                 texts[out.request_id] = out.outputs[0].text
         failed += engine.take_failed_requests()
-    assert [rid for rid, _ in failed] == ["bad"] and "injected" in failed[0][1]
+    assert [f.request_id for f in failed] == ["bad"] and "injected" in failed[0].message
+    assert not failed[0].invalid      # the engine's fault, not the request's: a 500
     assert texts["good"] == alone
     assert "bad" not in engine.output_processor.parents
 
