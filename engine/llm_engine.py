@@ -31,13 +31,11 @@ from kvpilot.engine.model.device_memory import device_memory_for
 from kvpilot.engine.model.memory_profiling import KVCacheSizing, determine_num_blocks
 from kvpilot.engine.model.parallel.group import RanksOutOfStep
 from kvpilot.engine.model.runner import ModelRunner
-from kvpilot.engine.output_processor import ChildState, OutputProcessor, ParentState
+from kvpilot.engine.output_processor import OutputProcessor, SequenceState
 from kvpilot.engine.outputs import RequestOutput
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.stats import EngineStats, StepStats
 from kvpilot.engine.structured_output import StructuredOutputManager
-from kvpilot.engine.text.detokenizer import IncrementalDetokenizer
-from kvpilot.engine.text.stop import StopMatcher
 from kvpilot.engine.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -136,10 +134,7 @@ class LLMEngine:
             any_whitespace=not structured.disable_any_whitespace,
             reasoning_parser=None if structured.enable_in_reasoning else structured.reasoning_parser,
             compile_timeout=structured.compile_timeout)
-        decode = self.tokenizer.decode
-        self.output_processor = OutputProcessor(
-            lambda token_id: decode([token_id], skip_special_tokens=False),
-            model_config.max_model_len)
+        self.output_processor = OutputProcessor(self.tokenizer, model_config.max_model_len)
         self._num_steps = 0
         self._iteration_tokens: list[int] = []
         self._cost_model = self._make_cost_model(layout) if args.enable_mfu_metrics else None
@@ -360,29 +355,18 @@ class LLMEngine:
             raise LoRANotFoundError(f"The model `{lora_name}` does not exist.")
         params = params.with_stop_ids(self.eos_token_ids)
         arrival = time.time() if arrival_time is None else arrival_time
-        parent = ParentState(request_id, text, ids, arrival, params.output_kind)
         max_tokens = max_len - len(ids) if params.max_tokens is None else min(params.max_tokens, max_len - len(ids))
-        stop_matcher = StopMatcher(params.stop) if params.stop else None
-        max_stop_len = stop_matcher.max_len if stop_matcher is not None else 0
-        holdback = 0 if params.include_stop_str_in_output else max(max_stop_len - 1, 0)
-        for i in range(params.n):
-            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
-            child_params = params if params.n == 1 else params.for_child(i)
-            request = Request(child_id, ids, child_params, arrival_time=arrival, priority=priority,
-                              cache_salt=cache_salt, max_tokens=max_tokens)
-            detok = IncrementalDetokenizer(self.tokenizer, ids,
-                                           skip_special_tokens=params.skip_special_tokens)
-            logprobs = params.logprobs is not None
-            parent.children.append(ChildState(request, i, parent, detok, [] if logprobs else None,
-                                              0.0 if logprobs else None, holdback, max_stop_len,
-                                              stop_matcher))
-        for child in parent.children:
+        sequences = [Request(request_id if params.n == 1 else f"{request_id}#{i}", ids,
+                             params if params.n == 1 else params.for_child(i), arrival_time=arrival,
+                             priority=priority, cache_salt=cache_salt, max_tokens=max_tokens)
+                     for i in range(params.n)]
+        self.output_processor.add_request(request_id, text, ids, arrival, params, sequences)
+        for request in sequences:
             if lora_name is not None:   # a reference per request, dropped when it finishes
-                child.request.lora_request = self.lora.acquire(lora_name)
+                request.lora_request = self.lora.acquire(lora_name)
                 self._lora_counters.added(lora_name)
-            self.structured_output.add_request(child.request)
-            self.scheduler.add_request(child.request)
-        self.output_processor.add(parent)
+            self.structured_output.add_request(request)
+            self.scheduler.add_request(request)
 
     def _check_params(self, params: SamplingParams) -> None:
         """ValueError for parameters this engine's limits refuse, or that would fail the
@@ -411,7 +395,7 @@ class LLMEngine:
                     self.output_processor.mark_finished(child, RequestStatus.FINISHED_ABORTED)
                     self._free(child, RequestStatus.FINISHED_ABORTED)
 
-    def _free(self, child: ChildState, status: RequestStatus) -> None:
+    def _free(self, child: SequenceState, status: RequestStatus) -> None:
         """What a finished child held: its blocks and scheduler entry, its batch row, its
         adapter reference, its grammar."""
         rid = child.request.request_id
@@ -438,7 +422,7 @@ class LLMEngine:
                                  for r, exc in structured.poll()})
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            self.runner.remove_preempted(sched.preempted_request_ids)
+            self.runner.update_batch(sched)   # the preempted leave it
             if sched.kv_transfers:
                 self.runner.execute_kv_transfers(sched.kv_transfers)
             if structured.num_waiting:   # only grammars to wait for: no busy loop meanwhile

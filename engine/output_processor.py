@@ -15,27 +15,27 @@ NOTE (invariant the server relies on): every output gets fresh lists (``outputs`
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvpilot.engine.core.request import Request, RequestStatus
 from kvpilot.engine.model.sampler import SampleResult
 from kvpilot.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from kvpilot.engine.sampling_params import RequestOutputKind
+from kvpilot.engine.sampling_params import RequestOutputKind, SamplingParams
 from kvpilot.engine.text.detokenizer import IncrementalDetokenizer
 from kvpilot.engine.text.stop import StopMatcher, check_token_stop
+from kvpilot.engine.text.tokenizer import Tokenizer
 
 CUMULATIVE, DELTA, FINAL_ONLY = (RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA,
                                  RequestOutputKind.FINAL_ONLY)
 
 
 @dataclass(slots=True, eq=False)
-class ChildState:
-    """Output state of one sequence (one per ``n``)."""
+class SequenceState:
+    """Output state of one sequence of a request (one per ``n``; ``parent`` is its request's)."""
 
     request: Request
     index: int
-    parent: ParentState
+    parent: RequestState
     detok: IncrementalDetokenizer
     logprobs: list[dict[int, Logprob]] | None
     cumulative_logprob: float | None
@@ -72,15 +72,16 @@ class ChildState:
 
 
 @dataclass(slots=True, eq=False)
-class ParentState:
-    """One ``add_request`` call: its ``n`` children and how it wants its outputs."""
+class RequestState:
+    """Output state of one ``add_request`` call: its ``n`` sequences (``children``) and
+    how it wants its outputs."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     arrival_time: float
     kind: RequestOutputKind
-    children: list[ChildState] = field(default_factory=list)
+    children: list[SequenceState] = field(default_factory=list)
     num_unfinished: int = 0
     prompt_counted: bool = False   # the prompt counts once per request, not per child
 
@@ -120,7 +121,7 @@ class OutputProcessor:
     """Digests each step's sampled tokens for the engine's live requests.
 
     Args:
-        decode_token: token id -> text, for logprob entries.
+        tokenizer: the engine's tokenizer (detokenizing, and logprob entries' text).
         max_model_len: the context limit (a length stop).
 
     ``process`` returns the step's outputs; the children that stopped in it are marked
@@ -128,22 +129,37 @@ class OutputProcessor:
     batch rows and adapters): the processor never calls back into the engine.
     """
 
-    def __init__(self, decode_token: Callable[[int], str], max_model_len: int) -> None:
-        self._decode_token = decode_token
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int) -> None:
+        self._tokenizer = tokenizer
+        self._decode_token = lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
         self._max_model_len = max_model_len
-        self._finished: list[tuple[ChildState, RequestStatus]] = []
-        self.parents: dict[str, ParentState] = {}
-        self.children: dict[str, ChildState] = {}
+        self._finished: list[tuple[SequenceState, RequestStatus]] = []
+        self.parents: dict[str, RequestState] = {}
+        self.children: dict[str, SequenceState] = {}
         self.prompt_tokens = 0
         self.generation_tokens = 0
 
-    def add(self, parent: ParentState) -> None:
-        self.parents[parent.request_id] = parent
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    arrival_time: float, params: SamplingParams, sequences: list[Request]) -> None:
+        """Start the output state of one request: a detokenizer, the stop strings and the
+        logprob lists for each of its ``sequences`` (its ``n`` scheduler requests, in order)."""
+        parent = RequestState(request_id, prompt, prompt_token_ids, arrival_time, params.output_kind)
+        stop_matcher = StopMatcher(params.stop) if params.stop else None
+        max_stop_len = stop_matcher.max_len if stop_matcher is not None else 0
+        holdback = 0 if params.include_stop_str_in_output else max(max_stop_len - 1, 0)
+        logprobs = params.logprobs is not None
+        for index, request in enumerate(sequences):
+            detok = IncrementalDetokenizer(self._tokenizer, prompt_token_ids,
+                                           skip_special_tokens=params.skip_special_tokens)
+            parent.children.append(SequenceState(request, index, parent, detok, [] if logprobs else None,
+                                                 0.0 if logprobs else None, holdback, max_stop_len,
+                                                 stop_matcher))
+        self.parents[request_id] = parent
         parent.num_unfinished = len(parent.children)
         for child in parent.children:
             self.children[child.request.request_id] = child
 
-    def mark_finished(self, child: ChildState, status: RequestStatus) -> None:
+    def mark_finished(self, child: SequenceState, status: RequestStatus) -> None:
         """Record a child's end (its ids are forgotten; the parent when it was the last)."""
         self.children.pop(child.request.request_id, None)
         if child.finish_reason is None:
@@ -161,7 +177,7 @@ class OutputProcessor:
         exception; children already there are skipped) and the others go on.
         """
         failed = {} if failed is None else failed
-        touched: dict[str, ParentState] = {}
+        touched: dict[str, RequestState] = {}
         children = self.children
         for request in advanced:
             child = children[request.request_id]
@@ -184,7 +200,7 @@ class OutputProcessor:
                 self.parents.pop(rid, None)
         return outputs
 
-    def _process_token(self, child: ChildState, result: SampleResult | None) -> None:
+    def _process_token(self, child: SequenceState, result: SampleResult | None) -> None:
         request = child.request
         parent = child.parent
         if not parent.prompt_counted:
@@ -215,12 +231,12 @@ class OutputProcessor:
         self.mark_finished(child, status)
         self._finished.append((child, status))
 
-    def take_finished(self) -> list[tuple[ChildState, RequestStatus]]:
+    def take_finished(self) -> list[tuple[SequenceState, RequestStatus]]:
         """The children that stopped since the previous call, with how they stopped."""
         finished, self._finished = self._finished, []
         return finished
 
-    def _record_logprobs(self, child: ChildState, result: SampleResult) -> None:
+    def _record_logprobs(self, child: SequenceState, result: SampleResult) -> None:
         decode = self._decode_token
         entry = {result.token_id: Logprob(result.logprob, result.rank, decode(result.token_id))}
         for rank, (tid, lp) in enumerate(result.top_logprobs or [], start=1):

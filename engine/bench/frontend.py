@@ -104,7 +104,7 @@ async def _load(base_url: str, args: argparse.Namespace) -> FrontendResult:
 
 
 def measure_serve(model_dir: str, mode: str, args: argparse.Namespace) -> FrontendResult:
-    from kvpilot.engine.server.launch import launch_server
+    from kvpilot.engine.bench.server_process import launch_server
 
     env = {"OMP_NUM_THREADS": str(args.threads)}
     with launch_server([*serve_flags(model_dir, args), *MODES[mode]], env=env) as server:

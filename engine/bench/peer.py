@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
     from kvpilot.engine.bench.machine import cpu_info
     from kvpilot.engine.bench.peer_load import Workload, measure
     from kvpilot.engine.bench.peer_servers import ServerSettings, start
-    from kvpilot.engine.server.launch import free_port
+    from kvpilot.engine.bench.server_process import free_port
 
     cpu = cpu_info()
     print(f"CPU: {cpu.describe()}", flush=True)

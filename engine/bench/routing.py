@@ -153,7 +153,7 @@ class Fleet:
 
     def __init__(self, n: int, serve_args: list[str], router_bin: str, policy: str,
                  model_dir: str, workdir: Path) -> None:
-        from kvpilot.engine.server.launch import free_port, launch_server
+        from kvpilot.engine.bench.server_process import free_port, launch_server
 
         self.replicas, self.event_ports = [], []
         self.router = None

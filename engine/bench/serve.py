@@ -284,7 +284,7 @@ def run_with_server(args: argparse.Namespace, bench) -> dict:
     server = None
     base_url = args.base_url.rstrip("/")
     if args.launch:
-        from kvpilot.engine.server.launch import launch_server
+        from kvpilot.engine.bench.server_process import launch_server
 
         print("launching kvpilot serve", args.serve_args, flush=True)
         server = launch_server(shlex.split(args.serve_args))

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from kvpilot.engine.core.request import Request
+from kvpilot.engine.core.scheduler import SchedulerOutput
 from kvpilot.engine.model.sampler import Penalties, SamplingMetadata
 
 
@@ -93,6 +94,29 @@ class InputBatch:
             self.group_num_blocks[group][row] = len(ids)
         self._set_sampling(row, request)
         return row
+
+    def update(self, out: SchedulerOutput) -> list[int]:
+        """The one place a step changes the batch before its forward pass: preempted
+        requests leave, a request scheduled for the first time (or again, after a
+        preemption) gets a row, and block tables that grew are copied. Returns the row of
+        each of ``out.scheduled``, in order (sampled tokens are added after the forward
+        pass, ``append_sampled``; finished requests leave by ``release``)."""
+        for request_id in out.preempted_request_ids:
+            self.remove(request_id)
+        rows_of, num_blocks, group_num_blocks = self.rows, self.num_blocks, self.group_num_blocks
+        rows = []
+        for s in out.scheduled:
+            row = rows_of.get(s.request.request_id)
+            if row is None:
+                row = self.add(s.request, s.block_ids, s.group_block_ids)
+            else:
+                if len(s.block_ids) != num_blocks[row]:
+                    self.update_blocks(row, s.block_ids)
+                for group, ids in enumerate(s.group_block_ids, 1):   # same length as group 0's
+                    if len(ids) != group_num_blocks[group][row]:
+                        self.update_blocks(row, ids, group)
+            rows.append(row)
+        return rows
 
     def remove(self, request_id: str) -> None:
         """Free a request's row (finished or preempted); unknown ids are ignored."""

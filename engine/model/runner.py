@@ -234,10 +234,10 @@ class ModelRunner:
         """A request finished: free its row and its seeded generator."""
         self.input_batch.release(request_id)
 
-    def remove_preempted(self, request_ids: list[str]) -> None:
-        """Preempted requests leave the batch (their generators stay for the recompute)."""
-        for rid in request_ids:
-            self.input_batch.remove(rid)
+    def update_batch(self, out: SchedulerOutput) -> list[int]:
+        """Apply step ``out`` to the persistent batch (``InputBatch.update``: preempted
+        requests leave, keeping their generators for the recompute; new ones join)."""
+        return self.input_batch.update(out)
 
     @torch.inference_mode()
     def profile_run(self, num_tokens: int, max_num_seqs: int = 1) -> None:
@@ -281,10 +281,10 @@ class ModelRunner:
         """
         if out.kv_transfers:
             self.execute_kv_transfers(out.kv_transfers)
-        self.remove_preempted(out.preempted_request_ids)
+        rows = self.update_batch(out)
         calibrate, self._calibrate_pending = self._calibrate_pending, False
         graphs = self.graphs if not calibrate else None
-        step = self.inputs.build(out.scheduled, graphs.size_for if graphs is not None else None)
+        step = self.inputs.build(out.scheduled, rows, graphs.size_for if graphs is not None else None)
         if self.lora is not None:
             self._set_lora_rows(out.scheduled)
         if self.channel is None:

@@ -93,30 +93,25 @@ class StepInputBuilder:
         self.group_block_tables = [StagedBuffer((seqs, batch.max_blocks_per_seq), torch.int32, device)
                                    for _ in range(1, num_groups)]
 
-    def build(self, scheduled: list[ScheduledRequest],
+    def build(self, scheduled: list[ScheduledRequest], rows: list[int],
               pad_for: Callable[[int], int | None] | None = None) -> StepInputs:
-        """Inputs for ``scheduled`` (adding rows for requests seen for the first time).
+        """Inputs for ``scheduled``, whose batch rows are ``rows`` (``InputBatch.update``
+        put them there; building reads the batch, never changes it).
 
-        ``pad_for(n)``: for a pure decode batch of ``n`` sequences, the size to pad it to
-        (a captured CUDA graph's) or None; prefill and mixed batches are never padded.
+        The requests that sample are those whose ``ScheduledRequest.samples`` holds: the
+        same rule orders the structured-output bitmask's rows, so logits and bitmask rows
+        cannot disagree. ``pad_for(n)``: for a pure decode batch of ``n`` sequences, the
+        size to pad it to (a captured CUDA graph's) or None; prefill and mixed batches
+        are never padded.
         """
         batch = self.batch
-        rows_of, num_blocks, group_num_blocks = batch.rows, batch.num_blocks, batch.group_num_blocks
-        rows, computed, num_new = [], [], []
+        num_blocks = batch.num_blocks
+        computed, num_new, sampling = [], [], []
         width = 0
-        for s in scheduled:
-            row = rows_of.get(s.request.request_id)
-            if row is None:
-                row = batch.add(s.request, s.block_ids, s.group_block_ids)
-            else:
-                if len(s.block_ids) != num_blocks[row]:
-                    batch.update_blocks(row, s.block_ids)
-                for group, ids in enumerate(s.group_block_ids, 1):   # same length as group 0's
-                    if len(ids) != group_num_blocks[group][row]:
-                        batch.update_blocks(row, ids, group)
-            rows.append(row)
+        for s, row in zip(scheduled, rows, strict=True):
             computed.append(s.num_computed_tokens)
             num_new.append(s.num_new_tokens)
+            sampling.append(s.samples)
             if num_blocks[row] > width:
                 width = num_blocks[row]
         n = len(rows)
@@ -163,8 +158,7 @@ class StepInputBuilder:
             self.seq_lens.np[n:pad_to] = 0
             starts[n + 1:pad_to + 1] = total
 
-        samples = seq_lens == batch.num_tokens[rows_np]
-        sample_positions = np.flatnonzero(samples)
+        sample_positions = np.flatnonzero(np.array(sampling, dtype=bool))
         num_sampling = len(sample_positions)
         self.logits_indices.np[:num_sampling] = ends[sample_positions] - 1
         query_lens_cpu = tuple(query_lens.tolist())

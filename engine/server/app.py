@@ -12,7 +12,13 @@ from anyio import CapacityLimiter
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
-from kvpilot.engine.server import routes_chat, routes_completions, routes_lora, routes_misc
+from kvpilot.engine.server import (
+    routes_chat,
+    routes_completions,
+    routes_lora,
+    routes_model,
+    routes_probes,
+)
 from kvpilot.engine.server.api_key import APIKeyGuard, open_paths
 from kvpilot.engine.server.async_engine import AsyncEngine
 from kvpilot.engine.server.body_limit import BodyLimit
@@ -23,7 +29,7 @@ from kvpilot.engine.server.drain import DrainGate
 from kvpilot.engine.server.errors import install_error_handlers
 from kvpilot.engine.server.metrics import ServerMetrics
 from kvpilot.engine.server.middleware import install_middleware
-from kvpilot.engine.server.routes_misc import server_version
+from kvpilot.engine.server.routes_probes import server_version
 from kvpilot.engine.server.state import ServerState
 from kvpilot.engine.server.stats_logger import run_stats_logger
 from kvpilot.engine.stats import EngineStats
@@ -77,12 +83,12 @@ def build_core_client(engine_args, config: ServerConfig,
 
 
 def _state(engine, config: ServerConfig, registry: CollectorRegistry) -> ServerState:
-    return ServerState(engine=engine, config=config, registry=registry,
+    return ServerState(client=engine, config=config, registry=registry,
                        tokenizer_limiter=CapacityLimiter(config.tokenizer_threads))
 
 
 def build_app(state: ServerState) -> FastAPI:
-    """The HTTP app serving ``state.engine``.
+    """The HTTP app serving ``state.client``.
 
     The lifespan starts the engine (thread or core process; it builds the engine in the
     background, so the port opens at once and /health answers 503 until the engine
@@ -94,9 +100,9 @@ def build_app(state: ServerState) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        state.engine.start()
+        state.client.start()
         interval = state.config.log_stats_interval
-        stats_task = (asyncio.ensure_future(run_stats_logger(lambda: state.engine.stats, interval))
+        stats_task = (asyncio.ensure_future(run_stats_logger(lambda: state.client.stats, interval))
                       if interval > 0 else None)
         try:
             yield
@@ -105,7 +111,7 @@ def build_app(state: ServerState) -> FastAPI:
                 stats_task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await stats_task
-            await asyncio.to_thread(state.engine.shutdown)
+            await asyncio.to_thread(state.client.shutdown)
 
     config = state.config
     docs = {} if not config.disable_fastapi_docs else {"openapi_url": None, "docs_url": None,
@@ -126,7 +132,8 @@ def build_app(state: ServerState) -> FastAPI:
     app.include_router(routes_completions.router)
     app.include_router(routes_chat.router)
     app.include_router(routes_lora.router)
-    app.include_router(routes_misc.router)
+    app.include_router(routes_probes.router)
+    app.include_router(routes_model.router)
     _document_400_not_422(app)
     return app
 

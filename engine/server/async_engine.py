@@ -70,9 +70,9 @@ from kvpilot.engine.server.engine_client import (
     EngineDead,
     EngineNotReady,
     EngineStalled,
-    Live,
     RequestFailed,
     RequestRejected,
+    RequestStream,
     StepTimeout,
 )
 from kvpilot.engine.server.latency_tracker import ABORT, ERROR, IterationStats, RequestStatsTracker
@@ -90,7 +90,7 @@ class _Queued:
     """A command on its way to the engine thread, and who waits for its outcome."""
 
     command: Command
-    live: Live | None = None                         # an add's consumer
+    live: RequestStream | None = None                         # an add's consumer
     future: asyncio.Future | None = None             # a LoRA command's outcome, on ``loop``
     loop: asyncio.AbstractEventLoop | None = None
 
@@ -142,12 +142,12 @@ class AsyncEngine(EngineClient):
         self._dead = False
         self._ready = threading.Event()
         self._done = threading.Event()  # set when the engine is ready or has failed
-        self._live: dict[str, Live] = {}
+        self._live: dict[str, RequestStream] = {}
         self._tracker = RequestStatsTracker()
         self._record: Callable[[IterationStats], None] | None = None
         # monotonic start of the engine thread's current iteration; None while it sleeps
         self._iteration_started: float | None = None
-        self._consumers: dict[str, Live] = {}   # request id -> its waiting consumer
+        self._consumers: dict[str, RequestStream] = {}   # request id -> its waiting consumer
         self._watcher: threading.Thread | None = None
         self._stop_watching = threading.Event()
 
@@ -196,7 +196,7 @@ class AsyncEngine(EngineClient):
         return 0.0 if started is None else time.monotonic() - started
 
     @property
-    def engine(self) -> LLMEngine:
+    def view(self) -> LLMEngine:
         """The engine, for its immutable attributes (tokenizer, model_config, cache_info)."""
         if self._engine is None:
             raise EngineNotReady("the engine is still loading")

@@ -36,8 +36,7 @@ import zmq
 import zmq.asyncio
 
 from kvpilot.engine.exceptions import EngineDeadError, describe_exit
-from kvpilot.engine.server.core_process import CoreSpec, encode_spec
-from kvpilot.engine.server.core_wire import (
+from kvpilot.engine.server.core_messages import (
     ABORT,
     ADD,
     DEAD,
@@ -52,6 +51,7 @@ from kvpilot.engine.server.core_wire import (
     pack,
     unpack,
 )
+from kvpilot.engine.server.core_process import CoreSpec, encode_spec
 from kvpilot.engine.server.engine_client import (
     AdapterNotFound,
     Add,
@@ -59,9 +59,9 @@ from kvpilot.engine.server.engine_client import (
     EngineDead,
     EngineNotReady,
     EngineStalled,
-    Live,
     RequestFailed,
     RequestRejected,
+    RequestStream,
     StepTimeout,
 )
 from kvpilot.engine.server.latency_tracker import ABORT as ABORT_REASON
@@ -81,7 +81,7 @@ EXIT_GRACE_S = 0.05
 
 @dataclass(frozen=True, slots=True)
 class EngineView:
-    """The engine as the routes read it (``state.engine.engine``) when it runs elsewhere:
+    """The engine as the routes read it (``state.client.view``) when it runs elsewhere:
     its configs and cache layout, and this process's own tokenizer (requests are
     tokenized here; constraints are parsed here and compiled by the core)."""
 
@@ -142,7 +142,7 @@ class CoreClient(EngineClient):
         self._reader: asyncio.Task | None = None
         self._outbox: list[tuple] = []
         self._flush_scheduled = False
-        self._live: dict[str, Live] = {}
+        self._live: dict[str, RequestStream] = {}
         self._tracker = RequestStatsTracker()
         self._record: Callable[[IterationStats], None] | None = None
         self._lora_ops: dict[int, asyncio.Future] = {}   # LoRA load / unload awaiting the core
@@ -257,7 +257,7 @@ class CoreClient(EngineClient):
                 consumer.queue.put_nowait(StepTimeout(message))
 
     @property
-    def engine(self) -> EngineView:
+    def view(self) -> EngineView:
         """The engine's configs, this process's tokenizer and grammar compiler."""
         if self._view is None:
             raise EngineNotReady("the engine is still loading")

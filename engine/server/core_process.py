@@ -9,7 +9,7 @@ tensor parallelism it is the driver, rank 0, and starts the workers), reports RE
 with what the API process needs (or START_FAILED with the error), then loops
 (``CoreProcessLoop.run``): take every command that arrived, run one turn of the engine
 core (``engine/engine_core.py``: apply, step, failure policy), send one STEP
-message with all the step's deltas and the stats snapshot (``core_wire``).
+message with all the step's deltas and the stats snapshot (``core_messages``).
 
 What runs here beside the model: detokenization, stop strings and structured-output
 grammars, because they decide when a request ends and so when its KV blocks are
@@ -49,7 +49,7 @@ from kvpilot.engine.engine_core import (
     LoRARequest,
     Turn,
 )
-from kvpilot.engine.server.core_wire import (
+from kvpilot.engine.server.core_messages import (
     ABORT,
     DEAD,
     LORA,
@@ -174,12 +174,12 @@ class CoreProcessLoop:
         self._results.send(pack((DEAD, message)))
 
 
-# Rejected.kind -> a rejected row's second field on the wire (``core_wire``)
+# Rejected.kind -> a rejected row's second field on the wire (``core_messages``)
 _WIRE_KIND = {INVALID: True, ADAPTER_NOT_FOUND: LORA_NOT_FOUND, FAILED: False}
 
 
 def _command(row: tuple) -> Command:
-    """A command row of the wire (``core_wire``) as the engine core's command."""
+    """A command row of the wire (``core_messages``) as the engine core's command."""
     if row[0] == ABORT:
         return AbortRequest(row[1])
     if row[0] == LORA:

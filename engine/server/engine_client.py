@@ -62,7 +62,7 @@ class EngineStalled(RuntimeError):
 
 
 @dataclass(slots=True)
-class Live:
+class RequestStream:
     """A request whose consumer waits on ``queue`` (of deltas, or an exception to raise)."""
 
     queue: asyncio.Queue
@@ -84,7 +84,7 @@ class Add:
     params: SamplingParams
     cache_salt: str | None
     arrival_time: float
-    live: Live
+    live: RequestStream
     priority: int = 0
     lora_name: str | None = None
 
@@ -235,7 +235,7 @@ class EngineClient(abc.ABC):
         QueueFull, RequestRejected; later RequestFailed if the engine breaks mid-request
         (StepTimeout if a step runs past the hang timeout).
         """
-        live = Live(asyncio.Queue(), asyncio.get_running_loop(), prompt_token_ids)
+        live = RequestStream(asyncio.Queue(), asyncio.get_running_loop(), prompt_token_ids)
         if params.output_kind is not RequestOutputKind.DELTA:
             params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
         self._submit_add(Add(request_id, prompt_token_ids, params, cache_salt,

@@ -87,7 +87,7 @@ def check_request(body: SamplingRequest, state: ServerState, logprobs: int | Non
     more logprobs than ``--max-logprobs`` (``-1``: the vocabulary), stop strings over the
     request limits, and token ids (``stop_token_ids``, ``logit_bias`` keys) outside the
     vocabulary."""
-    engine = state.engine.engine
+    engine = state.client.view
     if body.priority != 0 and engine.scheduler_config.policy != "priority":
         raise bad_request("priority is only honoured with --scheduling-policy priority "
                           f"(this server schedules {engine.scheduler_config.policy})",
@@ -200,7 +200,7 @@ def log_request(state: ServerState, request_id: str, prompt_ids: list[int], para
     the prompt text (characters) and ids shown, and every field of the parameters (stop
     strings, token-id lists, constraints: ``log_fields``)."""
     limit = state.config.max_log_len
-    text = state.engine.engine.tokenizer.decode(prompt_ids[:limit] if limit else prompt_ids,
+    text = state.client.view.tokenizer.decode(prompt_ids[:limit] if limit else prompt_ids,
                                                 skip_special_tokens=False)
     logger.info("Received request %s: prompt: %r, prompt_token_ids: %s (%d tokens), priority: %d, "
                 "params: %s", request_id, text[:limit] if limit else text,
@@ -226,7 +226,7 @@ class Generation:
             for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
                 log_request(state, f"{request_id}-{i}", ids, p, priority)
         self._streams = [
-            state.engine.generate(f"{request_id}-{i}", ids, p, cache_salt=cache_salt,
+            state.client.generate(f"{request_id}-{i}", ids, p, cache_salt=cache_salt,
                                   priority=priority, lora_name=lora_name)
             for i, (ids, p) in enumerate(zip(prompts, params, strict=True))
         ]
@@ -234,7 +234,7 @@ class Generation:
 
     async def start(self) -> list[RequestOutput]:
         try:
-            self._state.engine.check_room(sum(p.n for p in self._params))
+            self._state.client.check_room(sum(p.n for p in self._params))
         except Exception as exc:
             await self.close()
             raise to_api_error(exc, self._state, self._request_id) from exc

@@ -68,7 +68,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     model = state.check_model(body.model)
     lora = lora_name(state, body.model)   # now: an unload may come while we await
     _check_request(body, state)
-    engine = state.engine.engine
+    engine = state.client.view
     chat = state.config.chat
     plan = plan_tools(body, chat)
     constraint, param = requested_constraint(body, state.config.limits)

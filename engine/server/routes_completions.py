@@ -58,7 +58,7 @@ async def create_completion(body: CompletionRequest, request: Request,
     model = state.check_model(body.model)
     lora = lora_name(state, body.model)   # now: an unload may come while we await
     _check_request(body, state)
-    engine = state.engine.engine
+    engine = state.client.view
     max_model_len = engine.model_config.max_model_len
     defaults = engine.model_config.default_sampling
     requested = body.max_tokens if body.max_tokens is not None else defaults.get("max_tokens")

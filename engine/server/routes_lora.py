@@ -49,7 +49,7 @@ class UnloadLoRAAdapterRequest(BaseModel):
 
 
 def _check_enabled(state: ServerState) -> None:
-    args = state.engine.engine.args
+    args = state.client.view.args
     if not args.allow_runtime_lora_updating:
         raise APIError(HTTPStatus.NOT_FOUND, "runtime LoRA updating is off: start the server with "
                        f"{RUNTIME_LORA_UPDATING_ENV}=true or --allow-runtime-lora-updating",
@@ -66,12 +66,12 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest,
     if body.lora_name in state.model_names:
         raise APIError(HTTPStatus.BAD_REQUEST, f"'{body.lora_name}' is the base model's name",
                        param="lora_name")
-    if body.lora_name in state.engine.lora_adapters:
+    if body.lora_name in state.client.lora_adapters:
         raise APIError(HTTPStatus.BAD_REQUEST,
                        f"The lora adapter '{body.lora_name}' has already been loaded.",
                        param="lora_name")
     try:
-        await state.engine.load_lora(body.lora_name, body.lora_path, body.base_model_name)
+        await state.client.load_lora(body.lora_name, body.lora_path, body.base_model_name)
     except Exception as exc:
         raise to_api_error(exc, state, random_id("lora")) from exc
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
@@ -82,7 +82,7 @@ async def unload_lora_adapter(body: UnloadLoRAAdapterRequest,
                               state: ServerState = Depends(ready_state)) -> PlainTextResponse:
     _check_enabled(state)
     try:
-        await state.engine.unload_lora(body.lora_name)
+        await state.client.unload_lora(body.lora_name)
     except AdapterNotFound as exc:
         raise APIError(HTTPStatus.NOT_FOUND, str(exc), type=NOT_FOUND, param="lora_name") from exc
     except Exception as exc:

@@ -26,7 +26,7 @@ T = TypeVar("T")
 class ServerState:
     """Per-app state, reached from a route as ``request.app.state.server``."""
 
-    engine: EngineClient   # AsyncEngine (in-process thread) or CoreClient (core process)
+    client: EngineClient   # AsyncEngine (in-process thread) or CoreClient (core process)
     config: ServerConfig
     registry: CollectorRegistry
     tokenizer_limiter: CapacityLimiter
@@ -42,12 +42,12 @@ class ServerState:
     @property
     def length_limit(self) -> LengthLimit:
         """What a prompt's character count alone proves about fitting the context."""
-        engine = self.engine.engine
+        engine = self.client.view
         return LengthLimit(engine.model_config.max_model_len, engine.tokenizer.max_chars_per_token)
 
     def engine_problem(self) -> tuple[str, str] | None:
         """Why the engine cannot take requests now, as ``(message, code)``; None when it can."""
-        engine = self.engine
+        engine = self.client
         if not engine.healthy:
             if engine.error is not None:
                 return not_serving_message(engine.error), "engine_dead"
@@ -59,7 +59,7 @@ class ServerState:
     @property
     def model_name(self) -> str:
         """The name reported in responses and in the metrics' ``model_name`` label."""
-        return self.config.reported_model_name(self.engine.engine.model_config.served_model_name)
+        return self.config.reported_model_name(self.client.view.model_config.served_model_name)
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -73,10 +73,10 @@ class ServerState:
         LoRA adapter's name is served under its own name; one unloaded at run time is 404
         (OpenAI's and vLLM's answer for a model that went away).
         """
-        adapters = self.engine.lora_adapters
+        adapters = self.client.lora_adapters
         if name is not None and name in adapters:
             return name
-        if name is not None and self.engine.was_unloaded(name):
+        if name is not None and self.client.was_unloaded(name):
             raise APIError(HTTPStatus.NOT_FOUND, f"The model `{name}` does not exist.",
                            type=NOT_FOUND, param="model", code="model_not_found")
         if name is not None and name not in self.model_names:
@@ -89,7 +89,7 @@ class ServerState:
 
 def lora_name(state: ServerState, model: str | None) -> str | None:
     """The LoRA adapter a request's ``model`` names, None for the base model."""
-    return model if model is not None and model in state.engine.lora_adapters else None
+    return model if model is not None and model in state.client.lora_adapters else None
 
 
 def not_serving_message(error: BaseException) -> str:

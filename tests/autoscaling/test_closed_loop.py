@@ -34,8 +34,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvpilot.engine.bench.server_process import free_port
 from kvpilot.engine.model.models.demo import DEMO_MODEL_NAME
-from kvpilot.engine.server.launch import free_port
 from kvpilot.operator import constants as c
 from kvpilot.operator.quantity import quantity
 

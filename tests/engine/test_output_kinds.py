@@ -61,11 +61,11 @@ def test_deltas_and_final_only_agree_with_cumulative(engine, stop):
 
 def test_llm_generate_builds_no_per_step_outputs(engine, monkeypatch):
     """LLM.generate asks for final outputs only: no output is built for a running request."""
-    from kvpilot.engine.output_processor import ParentState
+    from kvpilot.engine.output_processor import RequestState
 
     built = []
-    real = ParentState.output
-    monkeypatch.setattr(ParentState, "output", lambda self: built.append(self.finished) or real(self))
+    real = RequestState.output
+    monkeypatch.setattr(RequestState, "output", lambda self: built.append(self.finished) or real(self))
     llm = LLM.__new__(LLM)
     llm.llm_engine, llm._ids = engine, iter(range(10**6))
     outs = llm.generate([[5, 6, 7], [8, 9]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))

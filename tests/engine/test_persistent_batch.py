@@ -56,12 +56,12 @@ def test_inputs_match_the_list_builder_under_random_traffic(seed):
             sched.finish_request(victim, RequestStatus.FINISHED_ABORTED)
             batch.release(victim)
         out = sched.schedule()
-        for rid in out.preempted_request_ids:
-            batch.remove(rid)
+        rows = batch.update(out)
+        assert all(rid not in batch.rows for rid in out.preempted_request_ids)
         preempted += len(out.preempted_request_ids)
         if out.is_empty:
             continue
-        got = builder.build(out.scheduled)
+        got = builder.build(out.scheduled, rows)
         ids, positions, meta = _oracle(out.scheduled)
         assert torch.equal(got.input_ids, ids) and torch.equal(got.positions, positions)
         m = got.metadata
@@ -97,12 +97,13 @@ def test_padded_decode_batch_is_inert():
     for i in range(3):
         sched.add_request(Request(f"r{i}", [1 + i] * (3 + i), SamplingParams(max_tokens=5), max_tokens=5))
     out = sched.schedule()                       # prefill: never padded
-    got = builder.build(out.scheduled, pad_for=lambda n: 8)
+    got = builder.build(out.scheduled, batch.update(out), pad_for=lambda n: 8)
     assert got.padded_size is None
     batch.append_sampled(got.sample_rows, [7, 8, 9])
     sched.update_from_output(out, dict(zip(got.sample_req_ids, [7, 8, 9], strict=True)))
     out = sched.schedule()                       # decode of 3, padded to 8
-    padded = builder.build(out.scheduled, pad_for=lambda n: 8)
+    rows = batch.update(out)
+    padded = builder.build(out.scheduled, rows, pad_for=lambda n: 8)
     assert padded.padded_size == 8
     m = padded.metadata
     assert padded.input_ids.shape == (8,) and padded.input_ids[:3].tolist() == [7, 8, 9]
@@ -110,7 +111,7 @@ def test_padded_decode_batch_is_inert():
     assert m.query_start_loc.tolist() == [0, 1, 2, 3, 3, 3, 3, 3, 3]
     assert m.block_tables.shape == (8, batch.max_blocks_per_seq)
     with pytest.raises(ValueError, match="cannot pad"):
-        builder.build(out.scheduled, pad_for=lambda n: 2)
+        builder.build(out.scheduled, rows, pad_for=lambda n: 2)
 
 
 def test_padded_decode_path_gives_the_eager_tokens(tiny_checkpoint):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from kvpilot.engine.server.launch import launch_server
+from kvpilot.engine.bench.server_process import launch_server
 
 QUESTION = "What is the capital of France?"
 

@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
-from kvpilot.engine.server.launch import launch_server
+from kvpilot.engine.bench.server_process import launch_server
 
 from support.lora_adapters import build_adapter, peft_greedy
 

@@ -25,7 +25,7 @@ import httpx
 import pytest
 import yaml
 
-from kvpilot.engine.server.launch import free_port
+from kvpilot.engine.bench.server_process import free_port
 from kvpilot.operator import constants as c
 
 from support import crd_schema

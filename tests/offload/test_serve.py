@@ -16,8 +16,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvpilot.engine.bench.server_process import launch_server
 from kvpilot.engine.offload.config import GIB
-from kvpilot.engine.server.launch import launch_server
 
 from support.offload_helpers import GREEDY, PREFIX_BLOCK_TOKENS
 

@@ -11,7 +11,7 @@ import asyncio
 import httpx
 import pytest
 
-from kvpilot.engine.server.launch import launch_server
+from kvpilot.engine.bench.server_process import launch_server
 from kvpilot.operator.adapter_loader import (
     FAILED,
     READY,

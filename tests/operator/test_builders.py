@@ -15,7 +15,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from kvpilot.engine.server import routes_misc
+from kvpilot.engine.server import routes_probes
 from kvpilot.engine.server.args import engine_args_from_namespace, make_serve_parser
 from kvpilot.operator import constants as c
 from kvpilot.operator.planner.plan import make_plan
@@ -297,7 +297,7 @@ def test_pod_gets_gpus_probes_metrics_and_a_graceful_non_root_runtime():
     assert engine["resources"]["requests"]["cpu"] == 4
     assert "--tensor-parallel-size" not in engine["args"]
     # startup and readiness on the engine's readiness route, liveness on its liveness route
-    served = {route.path for route in routes_misc.router.routes}
+    served = {route.path for route in routes_probes.router.routes}
     assert engine["startupProbe"]["httpGet"] == {"path": "/health", "port": "http"}
     assert engine["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
     assert engine["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "http"}

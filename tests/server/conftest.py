@@ -19,7 +19,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvpilot.engine.server.launch import launch_server
+from kvpilot.engine.bench.server_process import launch_server
 
 
 @dataclass(frozen=True)

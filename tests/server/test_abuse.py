@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from kvpilot.engine.server.launch import launch_server
+from kvpilot.engine.bench.server_process import launch_server
 
 from support.abuse import VictimStream, demo_model_flags, raw_request, slow_clients
 
@@ -135,7 +135,7 @@ def test_metrics_require_the_key_when_asked():
 
     async def scrape(require: bool) -> tuple[int, int]:
         config = ServerConfig(api_key=KEY, metrics_require_api_key=require)
-        state = ServerState(engine=None, config=config, registry=CollectorRegistry(),
+        state = ServerState(client=None, config=config, registry=CollectorRegistry(),
                             tokenizer_limiter=None)
         transport = httpx.ASGITransport(app=build_app(state))
         async with httpx.AsyncClient(transport=transport, base_url="http://app") as client:
@@ -347,7 +347,7 @@ def test_a_500_carries_a_request_id_and_no_exception_text(caplog):
     from kvpilot.engine.server.state import ServerState
 
     secret = "xgrammar check failed at /src/cpp/grammar_matcher.cc:123 token 999999"
-    state = ServerState(engine=None, config=ServerConfig(), registry=CollectorRegistry(),
+    state = ServerState(client=None, config=ServerConfig(), registry=CollectorRegistry(),
                         tokenizer_limiter=None)
     app = build_app(state)
 

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from kvpilot.engine import LLM, SamplingParams
-from kvpilot.engine.server.launch import launch_server
+from kvpilot.engine.bench.server_process import launch_server
 
 pytestmark = pytest.mark.slow
 

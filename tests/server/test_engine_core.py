@@ -17,8 +17,8 @@ import httpx
 import pytest
 
 from kvpilot.engine import SamplingParams
-from kvpilot.engine.server.core_wire import decode_output, encode_outputs, pack, unpack
-from kvpilot.engine.server.launch import launch_server
+from kvpilot.engine.bench.server_process import launch_server
+from kvpilot.engine.server.core_messages import decode_output, encode_outputs, pack, unpack
 
 DETECTION_LIMIT_S = 5.0
 SMALL = ["--model", "demo", "--device", "cpu", "--kv-cache-memory-bytes", "8Mi", "--max-model-len", "1024",

@@ -25,10 +25,10 @@ import psutil
 import pytest
 import uvicorn
 
+from kvpilot.engine.bench.server_process import free_port, launch_server
 from kvpilot.engine.server.app import build_app, build_async_engine
 from kvpilot.engine.server.config import ServerConfig
 from kvpilot.engine.server.engine_client import MAX_CONSECUTIVE_STEP_FAILURES
-from kvpilot.engine.server.launch import free_port, launch_server
 from kvpilot.engine.server.metrics import make_registry
 
 pytestmark = pytest.mark.slow
@@ -111,7 +111,7 @@ def serving(engine, config: ServerConfig) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(30)
-        state.engine.shutdown()
+        state.client.shutdown()
 
 
 async def _stream(http: httpx.AsyncClient, first: asyncio.Event) -> list[dict | str]:

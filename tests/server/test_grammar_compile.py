@@ -26,7 +26,7 @@ import time
 import httpx
 import pytest
 
-from kvpilot.engine.server.launch import launch_server
+from kvpilot.engine.bench.server_process import launch_server
 
 from support.abuse import VictimStream, demo_model_flags
 

@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 
-from kvpilot.engine.server.launch import launch_server
+from kvpilot.engine.bench.server_process import launch_server
 
 pytestmark = pytest.mark.slow
 

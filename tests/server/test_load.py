@@ -22,7 +22,7 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvpilot.engine.server.launch import launch_server
+from kvpilot.engine.bench.server_process import launch_server
 
 pytestmark = pytest.mark.slow
 

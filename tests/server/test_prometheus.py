@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from kvpilot.engine.server.launch import free_port
+from kvpilot.engine.bench.server_process import free_port
 
 pytestmark = pytest.mark.slow
 

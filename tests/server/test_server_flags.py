@@ -14,11 +14,11 @@ import time
 import httpx
 import pytest
 
+from kvpilot.engine.bench.server_process import free_port
 from kvpilot.engine.server.app import build_app, build_async_engine
 from kvpilot.engine.server.args import make_serve_parser
 from kvpilot.engine.server.cli import uvicorn_config
 from kvpilot.engine.server.config import ChatConfig, CORSConfig, ServerConfig
-from kvpilot.engine.server.launch import free_port
 from kvpilot.engine.server.metrics import make_registry
 
 pytestmark = pytest.mark.slow

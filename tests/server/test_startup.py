@@ -11,8 +11,8 @@ import sys
 import httpx
 import pytest
 
+from kvpilot.engine.bench.server_process import free_port
 from kvpilot.engine.model.models.demo import ensure_demo_model
-from kvpilot.engine.server.launch import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -55,7 +55,7 @@ SMALL_ENGINE = ["--model", "demo", "--device", "cpu", "--max-model-len", "64", "
 def test_metrics_show_the_profiled_and_the_pinned_kv_memory(tmp_path):
     from prometheus_client.parser import text_string_to_metric_families
 
-    from kvpilot.engine.server.launch import launch_server
+    from kvpilot.engine.bench.server_process import launch_server
 
     pinned = 64 << 20
     with launch_server([*SMALL_ENGINE, "--kv-cache-memory-bytes", str(pinned)], env=FAKE_GPU,

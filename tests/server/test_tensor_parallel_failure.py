@@ -15,7 +15,7 @@ import signal
 import httpx
 import pytest
 
-from kvpilot.engine.server.launch import launch_server
+from kvpilot.engine.bench.server_process import launch_server
 
 DETECTION_LIMIT_S = 5.0
 

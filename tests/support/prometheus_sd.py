@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from kvpilot.engine.server.launch import free_port
+from kvpilot.engine.bench.server_process import free_port
 
 PROMETHEUS = shutil.which("prometheus")
 
