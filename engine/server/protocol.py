@@ -357,6 +357,13 @@ class TokenizeResponse(BaseModel):
     tokens: list[int]
 
 
+class RenderedPrompt(BaseModel):
+    """One prompt as the engine would run it (``/v1/completions/render``,
+    ``/v1/chat/completions/render``): what vLLM's router reads to route on cached blocks."""
+
+    token_ids: list[int]
+
+
 class DetokenizeRequest(BaseModel):
     model: str | None = None
     tokens: list[TokenId]

@@ -36,6 +36,7 @@ from kvpilot.engine.server.protocol import (
     ChatCompletionResponse,
     ChatCompletionStreamResponse,
     ChatResponseMessage,
+    RenderedPrompt,
     ToolCall,
 )
 from kvpilot.engine.server.request_limits import check_fan_out, check_tools
@@ -46,7 +47,7 @@ from kvpilot.engine.server.response import (
     respond,
     stream_events,
 )
-from kvpilot.engine.server.routes_common import generation_responses
+from kvpilot.engine.server.routes_common import ERROR_RESPONSES, generation_responses
 from kvpilot.engine.server.state import ServerState, lora_name, ready_state
 from kvpilot.engine.server.structured import check_constraint, requested_constraint
 
@@ -59,6 +60,30 @@ def _check_request(body: ChatCompletionRequest, state: ServerState) -> None:
     check_fan_out(1, body.n, state.config.limits)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs=true", param="top_logprobs")
+
+
+async def _prompt_ids(body: ChatCompletionRequest, state: ServerState, plan: ToolPlan) -> list[int]:
+    """The conversation through the chat template (tools included), as token ids."""
+    engine, chat = state.client.view, state.config.chat
+    limit = state.length_limit
+    prompt = await state.run_blocking(
+        lambda: render_chat(engine.tokenizer, body.messages, body.add_generation_prompt,
+                            {**chat.default_template_kwargs, **(body.chat_template_kwargs or {})},
+                            chat_template=chat.chat_template, tools=plan.template_tools,
+                            limit=limit))
+    if not prompt:
+        raise bad_request("the rendered conversation is empty", param="messages")
+    return prompt
+
+
+@router.post("/v1/chat/completions/render", response_model=RenderedPrompt, responses=ERROR_RESPONSES)
+async def render_chat_completion(body: ChatCompletionRequest, state: ServerState = Depends(ready_state)
+                                 ) -> RenderedPrompt:
+    """The token ids the conversation would run as, without generating (vLLM's render
+    route: vLLM's router routes ``kv_aware`` on them)."""
+    state.check_model(body.model)
+    check_tools(body.tools, state.config.limits)
+    return RenderedPrompt(token_ids=await _prompt_ids(body, state, plan_tools(body, state.config.chat)))
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse,
@@ -78,14 +103,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
                               f"{body.tool_choice if isinstance(body.tool_choice, str) else 'naming a function'}",
                               param=param)
         constraint, param = plan.constraint, "tools"
-    limit = state.length_limit
-    prompt = await state.run_blocking(
-        lambda: render_chat(engine.tokenizer, body.messages, body.add_generation_prompt,
-                            {**chat.default_template_kwargs, **(body.chat_template_kwargs or {})},
-                            chat_template=chat.chat_template, tools=plan.template_tools,
-                            limit=limit))
-    if not prompt:
-        raise bad_request("the rendered conversation is empty", param="messages")
+    prompt = await _prompt_ids(body, state, plan)
     defaults = engine.model_config.default_sampling
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if requested is None:

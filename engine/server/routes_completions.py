@@ -24,6 +24,7 @@ from kvpilot.engine.server.protocol import (
     CompletionRequest,
     CompletionResponse,
     CompletionStreamResponse,
+    RenderedPrompt,
 )
 from kvpilot.engine.server.request_limits import check_fan_out, num_prompts
 from kvpilot.engine.server.response import (
@@ -33,7 +34,7 @@ from kvpilot.engine.server.response import (
     respond,
     stream_events,
 )
-from kvpilot.engine.server.routes_common import generation_responses
+from kvpilot.engine.server.routes_common import ERROR_RESPONSES, generation_responses
 from kvpilot.engine.server.state import ServerState, lora_name, ready_state
 from kvpilot.engine.server.structured import check_constraint, requested_constraint
 
@@ -89,6 +90,18 @@ async def create_completion(body: CompletionRequest, request: Request,
                                   usage=usage(final))
 
     return await respond(request, generation, events if body.stream else None, build)
+
+
+@router.post("/v1/completions/render", response_model=list[RenderedPrompt], responses=ERROR_RESPONSES)
+async def render_completion(body: CompletionRequest, state: ServerState = Depends(ready_state)
+                            ) -> list[RenderedPrompt]:
+    """The token ids each prompt of ``body`` would run as, one item per prompt, without
+    generating (vLLM's render route: vLLM's router routes ``kv_aware`` on them)."""
+    state.check_model(body.model)
+    engine = state.client.view
+    prompts = await state.run_blocking(completion_prompt_ids, body.prompt, engine.tokenizer,
+                                       engine.model_config.arch.vocab_size, state.length_limit)
+    return [RenderedPrompt(token_ids=ids) for ids in prompts]
 
 
 def _choice(delta: ChoiceDelta, logprobs: int | None, decode, text_offset: int = 0) -> CompletionChoice:

@@ -7,6 +7,7 @@ import random
 from importlib import metadata
 from pathlib import Path
 
+import httpx
 import pytest
 import tokenizers
 
@@ -184,6 +185,29 @@ def test_models_alias_and_version(client, http, settings):
     resp = client.completions.create(model=settings.alias, prompt="hi", max_tokens=1)
     assert resp.model == settings.model
     assert http.get("/version").json() == {"version": metadata.version("kvpilot")}
+
+
+def test_render_routes_give_the_token_ids_the_engine_runs(http, client, settings, offline_llm):
+    """vLLM's render routes (vllm-router's kv_aware policy reads them): the ids of each
+    prompt, as the tokenizers library encodes them and as many as the completion's usage
+    counts; the chat render is the templated conversation /tokenize gives."""
+    model_dir = Path(offline_llm.llm_engine.model_config.model)
+    oracle = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    prompts = ["Paged attention, prefix caching", "und Grüße 👋"]
+    resp = http.post("/v1/completions/render", json={"model": settings.model, "prompt": prompts})
+    assert resp.status_code == 200
+    assert resp.json() == [{"token_ids": oracle.encode(p).ids} for p in prompts]
+    one = http.post("/v1/completions/render", json={"model": settings.model, "prompt": prompts[0]}).json()
+    done = client.completions.create(model=settings.model, prompt=prompts[0], max_tokens=1)
+    assert len(one[0]["token_ids"]) == done.usage.prompt_tokens
+    chat = http.post("/v1/chat/completions/render", json={"model": settings.model, "messages": CHAT})
+    assert chat.status_code == 200
+    assert chat.json()["token_ids"] == http.post("/tokenize", json={"messages": CHAT}).json()["tokens"]
+    answered = client.chat.completions.create(model=settings.model, messages=CHAT, max_tokens=1)
+    assert len(chat.json()["token_ids"]) == answered.usage.prompt_tokens
+    assert httpx.post(f"{http.base_url}/v1/completions/render", json={"prompt": "x"}).status_code == 401
+    bad = http.post("/v1/completions/render", json={"model": "nope", "prompt": "x"})
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "model_not_found"
 
 
 def test_tokenize_detokenize_match_the_tokenizers_library(http, settings, offline_llm):
