@@ -277,13 +277,14 @@ class KVCacheManager:
             if run_start is not None:
                 # vLLM's extra keys: the adapter's name on every block of a LoRA request,
                 # then the cache salt on a chain's first block; None when neither.
-                lora = (request.lora_request.lora_name,) if request.lora_request is not None else ()
+                name = request.lora_request.lora_name if request.lora_request is not None else None
+                lora = (name,) if name is not None else ()
                 extra = [(*lora, request.cache_salt) if j == 0 and request.cache_salt else (lora or None)
                          for j in range(run_start, i)]
                 events.append((STORED, group, MEDIUM_GPU, run_start,
                                hashes[run_start - 1] if run_start else None,
                                hashes[run_start:i], request.token_ids_slice(run_start * bs, i * bs),
-                               extra))
+                               extra, name))
                 run_start = None
 
     def free(self, request: Request) -> list[int]:

@@ -8,10 +8,11 @@ vLLM's ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` events on its o
 Records, all tuples whose first item is the kind:
 
 - ``(STORED, group_idx, medium, first_index, parent_hash, block_hashes, token_ids,
-  extra_keys)``: full blocks registered under their hashes, one run of a request's chain
-  from block ``first_index`` on (``parent_hash`` is the hash of the block before the run,
-  None for the chain's first block; ``token_ids`` the run's tokens; ``extra_keys`` one
-  tuple or None per block, vLLM's form).
+  extra_keys, lora_name)``: full blocks registered under their hashes, one run of a
+  request's chain from block ``first_index`` on (``parent_hash`` is the hash of the block
+  before the run, None for the chain's first block; ``token_ids`` the run's tokens;
+  ``extra_keys`` one tuple or None per block, vLLM's form; ``lora_name`` the request's
+  adapter, None for the base model).
 - ``(OFFLOADED, medium, block_hash)``: a block put into a lower tier (host memory, disk),
   known by hash only; the publisher fills in its tokens from the device's earlier record.
 - ``(REMOVED, group_idx, medium, block_hash)``: a block's hash left that tier.

@@ -4,9 +4,10 @@
   ``[topic, seq, payload]`` with ``seq`` an 8-byte big-endian counter from 0 and
   ``payload`` an msgpack ``KVEventBatch`` (``wire.py``).
 - ROUTER socket (``replay_endpoint``, optional): a client (REQ or DEALER) sends its start
-  sequence number as 8 big-endian bytes; it gets ``[seq, payload]`` for every buffered
-  batch from there on (the last ``buffer_steps``), then the end marker ``[-1 as 8 signed
-  big-endian bytes, b""]``.
+  sequence number as 8 big-endian bytes; it gets ``[topic, seq, payload]`` for every
+  buffered batch from there on (the last ``buffer_steps``), then the end marker ``[b"",
+  -1 as 8 signed big-endian bytes, b""]`` (vLLM's current framing; vLLM's router rejects
+  replies without the topic frame).
 
 The step loop never waits on the publisher: ``publish`` appends the step's records to a
 bounded deque (no lock, no wake-up), and when it is full keeps them (merged with the next
@@ -41,6 +42,11 @@ _SHUTDOWN = object()
 def binds(endpoint: str) -> bool:
     """vLLM's rule: bind a wildcard, IPv6-any, ipc or inproc endpoint; connect to others."""
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+# Events per published batch: a step with more (a prefix-cache reset re-announcing the
+# lower tiers, a long prompt's first step) is sent as several batches, since vLLM's router
+# refuses a batch of more than 4,096 events.
+MAX_EVENTS_PER_BATCH = 4096
 
 
 class ZmqEventPublisher:
@@ -187,9 +193,10 @@ class ZmqEventPublisher:
             try:
                 ts, records = item
                 events = self._translator.translate(records)
-                if events:
-                    payload = encoder.encode(KVEventBatch(ts=ts, events=events,
-                                                          data_parallel_rank=self._rank))
+                for start in range(0, len(events), MAX_EVENTS_PER_BATCH):
+                    payload = encoder.encode(KVEventBatch(
+                        ts=ts, events=events[start:start + MAX_EVENTS_PER_BATCH],
+                        data_parallel_rank=self._rank))
                     pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
                     self._buffer.append((seq, payload))
                     seq += 1
@@ -209,7 +216,10 @@ class ZmqEventPublisher:
             return
         identity, _, start = frames
         start_seq = int.from_bytes(start, "big")
+        # Each reply is [identity, delimiter, topic, seq, payload], the live message's frames
+        # behind the ROUTER's two (vLLM's current framing, which vLLM's router requires);
+        # the end marker has an empty topic and payload.
         for seq, payload in list(self._buffer):
             if seq >= start_seq:
-                replay.send_multipart((identity, b"", seq.to_bytes(8, "big"), payload))
-        replay.send_multipart((identity, b"", END_SEQ, b""))
+                replay.send_multipart((identity, b"", self._topic, seq.to_bytes(8, "big"), payload))
+        replay.send_multipart((identity, b"", b"", END_SEQ, b""))

@@ -37,6 +37,7 @@ class BlockInfo(NamedTuple):
     token_ids: list[int]
     extra_keys: tuple | None
     position: int            # the block's index in its chain (parents come first)
+    lora_name: str | None    # the adapter it was computed under (None: the base model)
 
 
 class EventTranslator:
@@ -76,15 +77,17 @@ class EventTranslator:
 
     # ---- records --------------------------------------------------------------
     def _stored(self, events, group: int, medium: str, first: int, parent: bytes | None,
-                hashes: list[bytes], token_ids: list[int], extra_keys: list) -> None:
+                hashes: list[bytes], token_ids: list[int], extra_keys: list,
+                lora_name: str | None) -> None:
         held = self.view.setdefault((group, medium), set())
         bs = self.block_size
         for i, block_hash in enumerate(hashes):
             held.add(block_hash)
             self._info[block_hash] = BlockInfo(hashes[i - 1] if i else parent,
-                                               token_ids[i * bs:(i + 1) * bs], extra_keys[i], first + i)
+                                               token_ids[i * bs:(i + 1) * bs], extra_keys[i], first + i,
+                                               lora_name)
             self._recent.pop(block_hash, None)
-        events.append(self._event(group, medium, parent, hashes, token_ids, extra_keys))
+        events.append(self._event(group, medium, parent, hashes, token_ids, extra_keys, lora_name))
 
     def _offloaded(self, events, medium: str, block_hash: bytes) -> None:
         held = self.view.setdefault((0, medium), set())
@@ -100,13 +103,14 @@ class EventTranslator:
         last = events[-1] if events else None
         # Extend the previous event when this block continues its chain in the same tier.
         if (isinstance(last, BlockStored) and last.medium == medium and last.group_idx == 0
+                and last.lora_name == info.lora_name
                 and info.parent is not None and last.block_hashes[-1] == external_hash(info.parent)):
             last.block_hashes.append(external_hash(block_hash))
             last.token_ids.extend(info.token_ids)
             last.extra_keys.append(info.extra_keys)
             return
         events.append(self._event(0, medium, info.parent, [block_hash], list(info.token_ids),
-                                  [info.extra_keys]))
+                                  [info.extra_keys], info.lora_name))
 
     def _removed(self, events, group: int, medium: str, block_hash: bytes) -> None:
         held = self.view.get((group, medium))
@@ -130,17 +134,17 @@ class EventTranslator:
             for block_hash in sorted(held, key=lambda h: self._info[h].position):
                 info = self._info[block_hash]
                 events.append(self._event(group, medium, info.parent, [block_hash],
-                                          list(info.token_ids), [info.extra_keys]))
+                                          list(info.token_ids), [info.extra_keys], info.lora_name))
 
     # ---- helpers --------------------------------------------------------------
     def _event(self, group: int, medium: str, parent: bytes | None, hashes: list[bytes],
-               token_ids: list[int], extra_keys: list) -> BlockStored:
+               token_ids: list[int], extra_keys: list, lora_name: str | None) -> BlockStored:
         kind, window = self.group_specs.get(group, (None, None))
         return BlockStored(
             block_hashes=[external_hash(h) for h in hashes],
             parent_block_hash=None if parent is None else external_hash(parent),
             token_ids=token_ids, block_size=self.block_size, lora_id=None, medium=medium,
-            lora_name=None, extra_keys=list(extra_keys), group_idx=group,
+            lora_name=lora_name, extra_keys=list(extra_keys), group_idx=group,
             kv_cache_spec_kind=kind, kv_cache_spec_sliding_window=window)
 
     def _lookup(self, block_hash: bytes) -> BlockInfo | None:

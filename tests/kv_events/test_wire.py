@@ -115,7 +115,7 @@ def _digest(i: int) -> bytes:
 def _stored(i: int) -> tuple:
     """A one-block run: block ``i`` of a chain whose parent is block ``i - 1``."""
     return (STORED, 0, "GPU", i, _digest(i - 1) if i else None, [_digest(i)],
-            list(range(i * BLOCK, (i + 1) * BLOCK)), [None])
+            list(range(i * BLOCK, (i + 1) * BLOCK)), [None], None)
 
 
 def _publisher(**overrides) -> ZmqEventPublisher:
@@ -182,6 +182,23 @@ def test_replay_keeps_the_last_buffer_steps_batches():
             publisher.publish(time.time(), [_stored(i)])
         publisher.wait_published()
         assert [s for s, _ in replay(ctx, publisher.replay_endpoint, 0)] == list(range(22, 30))
+    finally:
+        publisher.close()
+        ctx.destroy(linger=0)
+
+
+def test_a_step_of_more_than_4096_events_is_sent_as_several_batches():
+    """vLLM's router refuses a batch of more than 4,096 events: 5,000 unrelated one-block
+    runs of one step arrive as batches of 4,096 and 904 events, in order."""
+    ctx = zmq.Context()
+    publisher = _publisher()
+    try:
+        publisher.publish(time.time(), [_stored(i) for i in range(0, 10_000, 2)])   # no chains
+        publisher.wait_published()
+        batches = [decode_strict(payload) for _, payload in replay(ctx, publisher.replay_endpoint, 0)]
+        assert [len(b.events) for b in batches] == [4096, 904]
+        hashes = [h for b in batches for e in b.events for h in e.block_hashes]
+        assert hashes == [low64(_digest(i)) for i in range(0, 10_000, 2)]
     finally:
         publisher.close()
         ctx.destroy(linger=0)

@@ -166,10 +166,11 @@ def test_kv_budget_shrinks_by_the_adapter_slots(lora_case, monkeypatch):
     assert lora.cache_info.num_gpu_blocks < plain.cache_info.num_gpu_blocks
 
 
-def test_kv_events_carry_the_adapter_name_in_every_blocks_extra_keys(lora_case):
+def test_kv_events_carry_the_adapter_name_in_extra_keys_and_lora_name(lora_case):
     """As vLLM's extra keys: the adapter name on each stored block, the salt after it on
-    a chain's first block."""
+    a chain's first block; the events' ``lora_name`` names the adapter."""
     from kvpilot.engine.core.kv_event_log import STORED, KVEventLog
+    from kvpilot.engine.kv_events.translate import EventTranslator
 
     base, adapters = lora_case("qwen3")
     engine = _llm(base, adapters).llm_engine
@@ -179,6 +180,14 @@ def test_kv_events_carry_the_adapter_name_in_every_blocks_extra_keys(lora_case):
     engine.add_request("b", [t + 1 for t in PROMPT], GREEDY)
     while engine.has_unfinished_requests():
         engine.step()
-    keys = [k for r in log.take() if r[0] == STORED for k in r[7]]
+    records = [r for r in log.take() if r[0] == STORED]
+    keys = [k for r in records for k in r[7]]
     assert keys.count(("sql", "t")) == 1 and keys.count(("sql",)) == 3   # 4 blocks, salt on the first
     assert keys.count(None) == 4                                         # the base request's blocks
+    # and lora_name as vLLM sets it (vLLM's router salts its block keys with it)
+    events = EventTranslator(engine.kv_cache_manager.block_size, {0: ("full_attention", None)}
+                             ).translate(records)
+    blocks = {}
+    for event in events:
+        blocks[event.lora_name] = blocks.get(event.lora_name, 0) + len(event.block_hashes)
+    assert blocks == {"sql": 4, None: 4}

@@ -75,8 +75,11 @@ def receive(sock: zmq.Socket, timeout_ms: int = 10_000) -> tuple[bytes, int, byt
     return topic, int.from_bytes(seq, "big"), payload
 
 
-def replay(ctx: zmq.Context, endpoint: str, start_seq: int, timeout_ms: int = 10_000) -> list[tuple[int, bytes]]:
-    """Asks the replay socket for the batches from ``start_seq`` on; (seq, payload) until the end marker."""
+def replay(ctx: zmq.Context, endpoint: str, start_seq: int, timeout_ms: int = 10_000,
+           topic: bytes = b"") -> list[tuple[int, bytes]]:
+    """Asks the replay socket for the batches from ``start_seq`` on; (seq, payload) until the
+    end marker. Each reply must be vLLM's framing: [delimiter, topic, seq, payload], the end
+    marker with an empty topic and payload."""
     sock = ctx.socket(zmq.DEALER)
     try:
         sock.connect(endpoint)
@@ -84,11 +87,12 @@ def replay(ctx: zmq.Context, endpoint: str, start_seq: int, timeout_ms: int = 10
         out = []
         while True:
             assert sock.poll(timeout_ms), "no end marker from the replay socket"
-            empty, seq, payload = sock.recv_multipart()
+            empty, got_topic, seq, payload = sock.recv_multipart()
             assert empty == b""
             if seq == END_SEQ:
-                assert payload == b""
+                assert got_topic == b"" and payload == b""
                 return out
+            assert got_topic == topic
             out.append((int.from_bytes(seq, "big"), payload))
     finally:
         sock.close(linger=0)
