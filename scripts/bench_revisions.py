@@ -75,11 +75,11 @@ def main() -> None:
     parser.add_argument("revision", help="the older revision (a commit, tag or branch)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--worktree", type=Path, default=None)
-    parser.add_argument("bench", nargs=argparse.REMAINDER, help="-- then the bench's name and arguments")
-    args = parser.parse_args()
-    bench_args = [a for a in args.bench if a != "--"] if args.bench[:1] == ["--"] else args.bench
-    if not bench_args:
-        parser.error("give the bench after --")
+    argv = sys.argv[1:]
+    if "--" not in argv or argv.index("--") == len(argv) - 1:
+        parser.error("give the bench and its arguments after --")
+    split = argv.index("--")
+    args, bench_args = parser.parse_args(argv[:split]), argv[split + 1:]
     worktree = args.worktree or Path(tempfile.gettempdir()) / f"kvpilot-{args.revision}"
     overlay = overlay_for(args.revision, worktree)
     sides: dict[str, dict[str, list[float]]] = {"old": {}, "new": {}}
