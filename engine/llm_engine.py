@@ -411,7 +411,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One scheduling + model step; returns the outputs the requests' kinds ask for."""
         outputs = self._step()
-        if self.kv_events is not None:   # the step's KV-cache events, one batch
+        if self.kv_events is not None:   # what the step changed after scheduling (frees, offload)
             self.kv_events.publish_step()
         return outputs
 
@@ -421,6 +421,10 @@ class LLMEngine:
             self._fail_requests({self.output_processor.children[r.request_id].parent.request_id: exc
                                  for r, exc in structured.poll()})
         sched = self.scheduler.schedule()
+        if self.kv_events is not None:
+            # As vLLM's scheduler does: the blocks this step registers are announced before
+            # its forward, so a router sends the next request with their prefix here now.
+            self.kv_events.publish_step()
         if sched.is_empty:
             self.runner.update_batch(sched)   # the preempted leave it
             if sched.kv_transfers:
