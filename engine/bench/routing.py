@@ -60,6 +60,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--serve-args", default="--max-model-len 4096 --max-num-seqs 16 --attention-backend torch",
                    help="flags for every replica (default: %(default)r)")
     p.add_argument("--router-bin", default=None, help="vllm-router executable (default: from PATH)")
+    p.add_argument("--kv-event-sources", choices=("discovery", "static"), default="discovery",
+                   help="how kv_aware finds each replica's events: discovery (the router asks each "
+                        "replica's /get_server_info and /kv_event_sources, as in a cluster; default) "
+                        "or static (--kv-event-source flags)")
     p.add_argument("--model-dir", default=None,
                    help="the replicas' model directory, whose tokenizer the router loads "
                         "(default: the demo model)")
@@ -152,7 +156,7 @@ class Fleet:
     """``n`` replicas publishing KV events and a router in front of them."""
 
     def __init__(self, n: int, serve_args: list[str], router_bin: str, policy: str,
-                 model_dir: str, workdir: Path) -> None:
+                 model_dir: str, workdir: Path, static_sources: bool = False) -> None:
         from kvpilot.engine.bench.server_process import free_port, launch_server
 
         self.replicas, self.event_ports = [], []
@@ -173,7 +177,7 @@ class Fleet:
                    "--worker-urls", *[r.base_url for r in self.replicas],
                    "--prometheus-port", str(free_port()), "--log-level", "debug",
                    "--health-check-interval-secs", "5", "--worker-startup-check-interval", "1"]
-            if policy == "kv_aware":
+            if policy == "kv_aware" and static_sources:   # else the router asks each replica
                 for r, (events, replay) in zip(self.replicas, self.event_ports, strict=True):
                     cmd += ["--kv-event-source", f"{r.base_url}=tcp://127.0.0.1:{events}",
                             "--kv-event-replay-source", f"{r.base_url}=tcp://127.0.0.1:{replay}"]
@@ -255,7 +259,8 @@ def run_policy(policy: str, args, router_bin: str, model_dir: str, system_prompt
     from kvpilot.engine.bench.serve import percentile
 
     print(f"[{policy}] starting {args.replicas} replicas and vllm-router ...", flush=True)
-    fleet = Fleet(args.replicas, shlex.split(args.serve_args), router_bin, policy, model_dir, workdir)
+    fleet = Fleet(args.replicas, shlex.split(args.serve_args), router_bin, policy, model_dir, workdir,
+                  static_sources=args.kv_event_sources == "static")
     try:
         ttfts, duration = asyncio.run(_drive(fleet.base_url, system_prompts, args))
         texts = fleet.metrics()

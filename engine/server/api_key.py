@@ -5,7 +5,7 @@ A per-route dependency would run only after FastAPI has read and JSON-parsed the
 so unauthenticated clients could make the server read and parse large bodies. Here the
 key is checked on the request head alone: a request without the key is answered 401
 without reading its body. Every path needs the key but the probes (``/health``,
-``/livez``) and, unless ``--metrics-require-api-key``, ``/metrics``; CORS preflights
+``/livez``), ``/kv_event_sources`` and, unless ``--metrics-require-api-key``, ``/metrics``; CORS preflights
 (``OPTIONS``) are answered by the CORS middleware outside this one.
 """
 
@@ -21,12 +21,15 @@ from kvpilot.engine.server.drain import app_path
 from kvpilot.engine.server.errors import INVALID_REQUEST, APIError, error_json_response
 
 PROBE_PATHS = frozenset({READINESS_PATH, LIVENESS_PATH})
+KV_EVENT_SOURCES_PATH = "/kv_event_sources"   # served by routes_discovery
 METRICS_PATH = "/metrics"
 
 
 def open_paths(metrics_require_api_key: bool) -> frozenset[str]:
-    """The paths served without the key."""
-    return PROBE_PATHS if metrics_require_api_key else PROBE_PATHS | {METRICS_PATH}
+    """The paths served without the key (vLLM's router asks for ``/kv_event_sources``
+    without one: ``routes_discovery``)."""
+    paths = PROBE_PATHS | {KV_EVENT_SOURCES_PATH}
+    return paths if metrics_require_api_key else paths | {METRICS_PATH}
 
 
 def key_matches(authorization: bytes | None, expected: str) -> bool:

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 from kvpilot.engine.server import (
     routes_chat,
     routes_completions,
+    routes_discovery,
     routes_lora,
     routes_model,
     routes_probes,
@@ -134,6 +135,7 @@ def build_app(state: ServerState) -> FastAPI:
     app.include_router(routes_lora.router)
     app.include_router(routes_probes.router)
     app.include_router(routes_model.router)
+    app.include_router(routes_discovery.router)
     _document_400_not_422(app)
     return app
 

@@ -210,6 +210,14 @@ def test_render_routes_give_the_token_ids_the_engine_runs(http, client, settings
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "model_not_found"
 
 
+def test_without_kv_events_there_are_no_event_sources(http):
+    """This server publishes no KV events: vllm-router's discovery finds no sources (it
+    then scores the worker on load alone; the sources: tests/kv_events/test_discovery.py)."""
+    response = httpx.get(f"{http.base_url}/kv_event_sources")      # asked without the key
+    assert response.status_code == 404
+    assert response.json()["error"]["code"] == "kv_events_disabled"
+
+
 def test_tokenize_detokenize_match_the_tokenizers_library(http, settings, offline_llm):
     # The checkpoint's tokenizer.json, run by the tokenizers library itself, is the oracle.
     model_dir = Path(offline_llm.llm_engine.model_config.model)
