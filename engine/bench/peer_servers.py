@@ -32,6 +32,7 @@ from pathlib import Path
 import httpx
 
 from kvpilot.engine.bench.machine import CPUInfo
+from kvpilot.engine.bench.server_process import stop_process
 
 DEFAULT_PEERS_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvpilot" / "peers"
 LLAMA_CPP_SDIST = "llama-cpp-python"
@@ -67,13 +68,7 @@ class Running:
             return ""
 
     def stop(self, timeout: float = 30.0) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout)
+        stop_process(self.process, timeout)
 
 
 def start(name: str, cmd: list[str], port: int, *, env: dict[str, str] | None = None,

@@ -17,6 +17,18 @@ from pathlib import Path
 import httpx
 
 
+def stop_process(process: subprocess.Popen, timeout: float) -> int:
+    """SIGTERM ``process``, SIGKILL it if it is still there after ``timeout`` s; its exit status."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout)
+    return process.returncode
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago on ``host``."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -46,14 +58,7 @@ class LaunchedServer:
 
     def stop(self, timeout: float = 15.0) -> int:
         """Terminates the server (SIGTERM, then SIGKILL); returns its exit status."""
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout)
-        return self.process.returncode
+        return stop_process(self.process, timeout)
 
     def __enter__(self) -> LaunchedServer:
         return self
