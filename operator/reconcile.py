@@ -38,7 +38,14 @@ from typing import Any
 import kopf
 
 from kvpilot.operator import constants as c
-from kvpilot.operator.adapter_loader import FAILED, READY, AdapterLoader, AdapterTarget, ready_total
+from kvpilot.operator.adapter_loader import (
+    FAILED,
+    READY,
+    AdapterLoader,
+    AdapterStatus,
+    AdapterTarget,
+    ready_total,
+)
 from kvpilot.operator.children import Children
 from kvpilot.operator.discovery import Discovery
 from kvpilot.operator.engine_observer import EngineObserver, engine_pods
@@ -286,7 +293,8 @@ async def reconcile(children: Children, discovery: Discovery, body: Mapping[str,
         desired["observed"] = result.sizing.observed
         conditions.append(result.sizing.condition)
     if adapter_loader is not None and spec is not None and spec.adapters:
-        conditions.append(await _load_adapters(adapter_loader, owner, spec, desired, pods, result))
+        conditions.append(await _load_adapters(adapter_loader, owner, spec, desired, pods, result,
+                                               verified_adapters(spec, current.get("adapters"))))
     elif spec is not None and spec.adapters:   # not loading this pass: keep what was seen
         desired["adapters"], desired["adaptersReady"] = current.get("adapters"), current.get("adaptersReady")
     result.figures = ServiceFigures(
@@ -364,23 +372,38 @@ async def _observe_engines(observer: EngineObserver, owner: Owner, plan: Mapping
 
 
 def verified_adapters(spec: InferenceServiceSpec, status: Any) -> frozenset[str]:
-    """The adapters ``status.adapters`` shows Ready for the source the spec still names:
-    the engine pods load them at start-up, before they are ready (``resources.adapters``)."""
+    """The adapters ``status.adapters`` shows seen to load for the source the spec still
+    names (``verified``; Ready, from an operator that did not write it): the engine pods
+    load them at start-up, before they are ready (``resources.adapters``)."""
     sources = {a.name: a.source for a in spec.adapters}
-    return frozenset(e["name"] for e in status or () if isinstance(e, Mapping) and e.get("phase") == READY
-                     and sources.get(e.get("name")) == e.get("source"))
+    return frozenset(e["name"] for e in status or () if isinstance(e, Mapping)
+                     and sources.get(e.get("name")) == e.get("source")
+                     and (e.get("phase") == READY or (e.get("verified") is True and e.get("phase") != FAILED)))
+
+
+def adapter_entries(found: Sequence[AdapterStatus], sources: Mapping[str, str],
+                    verified: frozenset[str]) -> list[dict]:
+    """``status.adapters`` of this pass; ``verified``: the adapters seen to load before it.
+
+    NOTE: an adapter stays verified while no ready pod serves it (Pending, Loading: a pod
+    was killed, a new one is starting), so the pods started meanwhile still load it at
+    start-up; it stops being so once Failed (or when its source changes).
+    """
+    return [{**s.to_dict(), "source": sources[s.name],
+             "verified": s.phase == READY or (s.name in verified and s.phase != FAILED)} for s in found]
 
 
 async def _load_adapters(loader: AdapterLoader, owner: Owner, spec: InferenceServiceSpec,
                          desired: dict[str, Any], pods: Sequence[Mapping[str, Any]],
-                         result: ReconcileResult) -> Condition:
-    """Load the adapters into the ready engine pods; ``status.adapters`` and AdaptersReady."""
+                         result: ReconcileResult, verified: frozenset[str]) -> Condition:
+    """Load the adapters into the ready engine pods; ``status.adapters`` and AdaptersReady
+    (``verified``: the adapters seen to load before this pass)."""
     paths, sources = adapter_paths(spec), {a.name: a.source for a in spec.adapters}
     serve_args = (desired.get("plan") or {}).get("serveArgs")
     running = engine_pods(pods, serve_args) if serve_args else []
     found = await loader.sync((owner.namespace, owner.name),
                               [AdapterTarget(a.name, paths[a.name]) for a in spec.adapters], running)
-    desired["adapters"] = [{**s.to_dict(), "source": sources[s.name]} for s in found]
+    desired["adapters"] = adapter_entries(found, sources, verified)
     desired["adaptersReady"] = ready_total(found)
     result.adapters_settling = any(s.phase not in (READY, FAILED) for s in found)
     failed = [f"{s.name}: {s.reason}" for s in found if s.phase == FAILED]

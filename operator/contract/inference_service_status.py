@@ -97,6 +97,9 @@ ADAPTER = Obj(required=("name", "phase"), properties={
     "reason": Str(),
     "readyPods": Int(description="Ready engine pods serving it."),
     "attempts": Int(description="Loads tried by the operator."),
+    "verified": Bool(description=(
+        "Seen to load from this source: passed to the engine at each pod start (--lora-modules), "
+        "also while no ready pod serves it; false once Failed.")),
 })
 
 STATUS = Obj(properties={

@@ -149,7 +149,7 @@ def desired_children(owner: Owner, spec: InferenceServiceSpec, sizing: EngineSiz
         inherited_replicas: the count an autoscaler left when autoscaling was switched off
             (``kvpilot.operator.replica_handover``), a floor while ``spec.replicas`` is unset.
         inference_pool_api: whether it serves inference.networking.k8s.io/v1 InferencePools.
-        verified_adapters: the LoRA adapters seen to load (``status.adapters`` Ready), which
+        verified_adapters: the LoRA adapters seen to load (``status.adapters`` verified), which
             the engine loads at start-up (``resources.adapters``).
     """
     policy = ReplicaPolicy.of(spec, sizing, inherited_replicas)

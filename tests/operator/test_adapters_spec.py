@@ -9,8 +9,10 @@ import kubernetes_validate
 import pytest
 
 from kvpilot.engine.server.args import engine_args_from_namespace, make_serve_parser
+from kvpilot.operator.adapter_loader import FAILED, LOADING, PENDING, READY, AdapterStatus
 from kvpilot.operator.planner.lora import lora_slots
 from kvpilot.operator.planner.plan import make_plan
+from kvpilot.operator.reconcile import adapter_entries, verified_adapters
 from kvpilot.operator.resources import desired_children
 from kvpilot.operator.resources.common import Owner
 from kvpilot.operator.settings import OperatorSettings
@@ -131,3 +133,33 @@ def test_the_crd_admits_adapters_and_its_cel_refuses_what_the_operator_does():
     assert any("gpu.count must be 1" in e for e in errors)
     items = schema["properties"]["spec"]["properties"]["adapters"]
     assert items["x-kubernetes-list-type"] == "map" and items["x-kubernetes-list-map-keys"] == ["name"]
+
+
+def test_a_verified_adapter_stays_on_the_command_line_until_it_fails_or_its_source_changes():
+    """The engine pods load the verified adapters at start-up: a pod killed (no ready pod:
+    Pending) or a new one starting (Loading) must not take them off the template, or the
+    replacement would be ready before it serves them."""
+    spec = parse_spec(SPEC, "qwen")
+    sources = {a.name: a.source for a in spec.adapters}
+    verified = frozenset()
+
+    def step(*phases: str) -> frozenset[str]:
+        nonlocal verified
+        entries = adapter_entries([AdapterStatus(n, p) for n, p in zip(sources, phases, strict=True)],
+                                  sources, verified)
+        verified = verified_adapters(spec, entries)
+        return verified
+
+    assert step(PENDING, PENDING, PENDING) == frozenset()        # never seen to load
+    assert step(READY, LOADING, READY) == {"sql", "legal"}
+    assert step(PENDING, PENDING, PENDING) == {"sql", "legal"}    # the pod was killed
+    assert step(LOADING, READY, LOADING) == {"sql", "chat", "legal"}   # its replacement starting
+    assert step(FAILED, READY, READY) == {"chat", "legal"}
+    assert step(PENDING, PENDING, PENDING) == {"chat", "legal"}
+
+    moved = parse_spec(_spec(adapters=[{**ADAPTERS[0], "source": "hf://acme/qwen3-sql-lora@v3"},
+                                       *ADAPTERS[1:]]), "qwen")
+    entries = adapter_entries([AdapterStatus(a.name, READY) for a in spec.adapters], sources, verified)
+    assert verified_adapters(moved, entries) == {"chat", "legal"}   # sql@v3 has not been seen to load
+    # a status written before ``verified`` existed: Ready counts
+    assert verified_adapters(spec, [{"name": "sql", "source": sources["sql"], "phase": READY}]) == {"sql"}

@@ -6,13 +6,19 @@ answers) and runs the container's command as a real process. Each pod gets its o
 loopback address (127.0.0.1, 127.0.0.2, ...), as each pod has its own IP, so that every
 engine listens on the port the Deployment names.
 
-The process runs exactly the container's command and args, with two documented swaps
+The process runs exactly the container's command and args, with three documented swaps
 that only a node could make real:
 
 - ``--model``: the path the engine image holds the demo checkpoint at
   (``DEMO_MODEL_IN_IMAGE``, baked in by Dockerfile.engine) becomes the demo checkpoint
   built locally for the test session;
-- ``--host 0.0.0.0``: the pod's own address (its network namespace, here loopback).
+- ``--host 0.0.0.0``: the pod's own address (its network namespace, here loopback);
+- claims: each PersistentVolumeClaim named in ``claims`` (claim name -> a local directory,
+  the claim's volume on this node) is mounted where the engine container's
+  ``volumeMounts`` say (``subPath`` and ``readOnly`` included), in the process's own mount
+  namespace and root (``support.pod_root``), so the pod's paths resolve in the process
+  unchanged, on its command line (``--lora-modules``) and in what clients send it (the
+  operator's ``POST /v1/load_lora_adapter``). Other volumes are the node's own files.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ import httpx
 
 from kvpilot.engine.model.models.demo import DEMO_MODEL_NAME
 from kvpilot.operator import constants as c
+
+from support.pod_root import Mount, wrap
 
 # Where Dockerfile.engine builds the demo checkpoint (ensure_demo_model("/opt/kvpilot")).
 DEMO_MODEL_IN_IMAGE = f"/opt/kvpilot/{DEMO_MODEL_NAME}"
@@ -73,6 +81,8 @@ class Kubelet:
         demo_dir: the local demo checkpoint that replaces ``DEMO_MODEL_IN_IMAGE``.
         workdir: where the engines' logs go.
         env: extra environment of every engine (the node's "GPU", say).
+        claims: PersistentVolumeClaim name -> the local directory holding its volume
+            (mounted as the pod says: see the module docstring).
     """
 
     emu: Any
@@ -80,6 +90,7 @@ class Kubelet:
     demo_dir: Path
     workdir: Path
     env: dict[str, str] = field(default_factory=dict)
+    claims: dict[str, Path] = field(default_factory=dict)
     engines: dict[str, EngineProcess] = field(default_factory=dict)
     _pending: dict[str, tuple[dict, dict]] = field(default_factory=dict)  # started, not admitted yet
 
@@ -90,6 +101,14 @@ class Kubelet:
         args = swap_flag(args, "--host", ip)
         executable = shutil.which(container["command"][0], path=str(Path(sys.executable).parent))
         return [executable, *container["command"][1:], *args]
+
+    def mounts(self, pod_spec: dict) -> list[Mount]:
+        """The engine container's mounts of the claims in ``claims``."""
+        claims = {v["name"]: self.claims[v["persistentVolumeClaim"]["claimName"]]
+                  for v in pod_spec.get("volumes") or ()
+                  if (v.get("persistentVolumeClaim") or {}).get("claimName") in self.claims}
+        return [Mount(m["mountPath"], claims[m["name"]] / m.get("subPath", ""), bool(m.get("readOnly")))
+                for m in engine_container(pod_spec).get("volumeMounts") or () if m["name"] in claims]
 
     def start(self, name: str, pod_spec: dict, labels: dict[str, str],
               extra_args: tuple[str, ...] = ()) -> EngineProcess:
@@ -102,16 +121,20 @@ class Kubelet:
         container = engine_container(pod_spec)
         port = next(p["containerPort"] for p in container["ports"] if p["name"] == "http")
         log_path = self.workdir / f"{name}.log"
+        command = [*self.command(container, ip), *extra_args]
+        mounts = self.mounts(pod_spec)
+        if mounts:
+            command = wrap(command, mounts, self.workdir / f"{name}.root")
         with log_path.open("wb") as log:
-            process = subprocess.Popen([*self.command(container, ip), *extra_args], stdout=log,
-                                       stderr=subprocess.STDOUT, env={**os.environ, **self.env})
+            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env})
         engine = EngineProcess(name, ip, port, process, log_path)
         self.engines[name] = engine
         self._pending[name] = (copy.deepcopy(pod_spec), dict(labels))
         return engine
 
-    def admit(self, name: str, timeout: float = 120) -> dict:
-        """Wait until pod ``name``'s engine is healthy, then store its Pod object as Ready."""
+    def wait_healthy(self, name: str, timeout: float = 120) -> None:
+        """Wait until pod ``name``'s engine answers ``/health`` with 200 (its Pod object is
+        not stored yet: nothing in the cluster knows the pod is there)."""
         engine = self.engines[name]
         deadline = time.monotonic() + timeout
         while True:
@@ -125,6 +148,11 @@ class Kubelet:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"engine {name} not healthy after {timeout} s:\n{engine.log_tail()}")
             time.sleep(0.2)
+
+    def admit(self, name: str, timeout: float = 120) -> dict:
+        """Wait until pod ``name``'s engine is healthy, then store its Pod object as Ready."""
+        self.wait_healthy(name, timeout)
+        engine = self.engines[name]
         spec, labels = self._pending.pop(name)
         body = {"apiVersion": "v1", "kind": "Pod",
                 "metadata": {"name": name, "namespace": self.namespace, "labels": labels}, "spec": spec}
