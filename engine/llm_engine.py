@@ -36,6 +36,7 @@ from kvpilot.engine.outputs import RequestOutput
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.stats import EngineStats, StepStats
 from kvpilot.engine.structured_output import StructuredOutputManager
+from kvpilot.engine.structured_output.cpu_share import StepThreadShare
 from kvpilot.engine.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -134,6 +135,7 @@ class LLMEngine:
             any_whitespace=not structured.disable_any_whitespace,
             reasoning_parser=None if structured.enable_in_reasoning else structured.reasoning_parser,
             compile_timeout=structured.compile_timeout)
+        self._thread_share = StepThreadShare(device)
         self.output_processor = OutputProcessor(self.tokenizer, model_config.max_model_len)
         self._num_steps = 0
         self._iteration_tokens: list[int] = []
@@ -417,6 +419,7 @@ class LLMEngine:
 
     def _step(self) -> list[RequestOutput]:
         structured = self.structured_output
+        self._thread_share.update(structured.compiling)   # a compile's CPUs (cpu_share.py)
         if structured.num_waiting:   # grammars that compiled (or failed, or are too late)
             self._fail_requests({self.output_processor.children[r.request_id].parent.request_id: exc
                                  for r, exc in structured.poll()})

@@ -129,6 +129,11 @@ class StructuredOutputManager:
         return len(self._requests)
 
     @property
+    def compiling(self) -> bool:
+        """Whether a grammar compile is under way on the worker thread."""
+        return any(not future.done() for future in self._compiling.values())
+
+    @property
     def num_waiting(self) -> int:
         """Requests waiting for their grammar to compile."""
         return len(self._waiting)

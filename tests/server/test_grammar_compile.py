@@ -3,25 +3,32 @@ acceptance 2), and a grammar that is not ready in time fails its request alone.
 
 One real ``kvpilot serve`` on the demo model (the Qwen vocabulary, 151,936 rows, which
 makes a large ``choice`` list slow to compile), engine core in its own process. Four
-streams run; then a request arrives whose constraint is a choice of 10,000 strings
-(seconds to compile here). While it compiles on the engine's grammar thread the four
-streams go on: their largest gap between chunks stays under a third of the compile
-time and under 2 s (before, the compile ran between two steps and every stream's gap
-was the whole compile). The issue's bar, a largest gap under twice the median, is not
-met on a 2-CPU machine: any CPU-bound neighbour, even a grammar compiled by a separate
-process at nice 10, gives the streams ~0.2 s gaps beside a ~18 ms median. The constrained request then answers with one of the choices, the same
-request again is served from the grammar cache, and the server log shows the grammar
-compiled exactly once (the API process only parses it). Run with -s for the figures.
-The compile timeout is tested on the engine alone (tests/engine/test_structured_output.py).
+streams run; then a streamed request arrives whose constraint is a choice of 20,000
+strings (about 11 s to compile here). While it compiles (its span read from the server
+log), the four streams' largest gap between chunks stays under twice their median gap
+(the issue's bar): the grammar compiles on the engine's grammar thread while the step loop runs on
+the CPUs the compile leaves (structured_output/cpu_share.py), and the API process only
+checks the constraint. Before, the compile ran between two steps and every stream's
+gap was the whole compile. Where the streams' gaps are uneven with no grammar at all
+(measured for 6 s before the request: a largest gap over twice the median, which a
+2-CPU machine shows now and then), the test asserts instead that the compile leaves
+the ratio no worse than that. The constrained
+request answers with one of the choices, the same request again is served from the
+grammar cache, and the server log shows the grammar compiled exactly once. Run with -s
+for the figures, including the gaps while the constrained request decodes (each of
+those steps also fills its 20,000-choice bitmask). The compile timeout is tested on
+the engine alone (tests/engine/test_structured_output.py).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import statistics
 import threading
 import time
+from datetime import datetime
 
 import httpx
 import pytest
@@ -34,8 +41,9 @@ pytestmark = pytest.mark.slow
 
 MODEL = "kvpilot-demo"
 NUM_STREAMS = 4
-CHOICES = [f"answer number {i} of the long list" for i in range(10_000)]
-COMPILED = re.compile(r"compiled a structured-output grammar \(choice, \d+ characters\) in ([\d.]+) s")
+CHOICES = [f"answer number {i} of the long list" for i in range(20_000)]
+COMPILED = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \S+ compiled a structured-output "
+                      r"grammar \(choice, \d+ characters\) in ([\d.]+) s")
 
 
 @pytest.fixture(scope="module")
@@ -49,9 +57,10 @@ def server(tmp_path_factory):
         yield launched, log_path
 
 
-def _gaps(stream: VictimStream, start: float, end: float) -> list[float]:
+def _timed_gaps(stream: VictimStream, start: float, end: float) -> list[tuple[float, float]]:
+    """(gap, when it began) between the chunks that arrived from ``start`` to ``end``."""
     times = [t for t in stream.arrivals if start <= t <= end]
-    return [b - a for a, b in zip(times, times[1:], strict=False)]
+    return [(b - a, a) for a, b in zip(times, times[1:], strict=False)]
 
 
 def test_a_cold_grammar_compiles_off_the_step_loop(server):
@@ -70,41 +79,66 @@ def test_a_cold_grammar_compiles_off_the_step_loop(server):
         stream.wait_streaming()
     body = {"model": MODEL, "prompt": "Pick one:", "max_tokens": 40, "temperature": 0,
             "structured_outputs": {"choice": CHOICES}}
-    answer: dict = {}
+    encoded = json.dumps({**body, "stream": True}).encode()   # not on the clock: see below
+    answer: dict = {"pieces": []}
 
     def constrained() -> None:
-        with httpx.Client(base_url=launched.base_url, timeout=600) as client:
-            started = time.monotonic()
-            answer["response"] = client.post("/v1/completions", json=body)
-            answer["seconds"] = time.monotonic() - started
+        with httpx.Client(base_url=launched.base_url, timeout=600) as client, \
+                client.stream("POST", "/v1/completions", content=encoded,
+                              headers={"Content-Type": "application/json"}) as response:
+            answer["status"] = response.status_code
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    answer.setdefault("first", time.monotonic())
+                    answer["pieces"].append(json.loads(line[6:])["choices"][0]["text"])
+            answer["done"] = time.monotonic()
 
-    time.sleep(1.0)                    # a baseline of gaps before the grammar arrives
+    baseline_start = time.monotonic()
+    time.sleep(6.0)                    # a baseline of gaps before the grammar arrives
     sent = time.monotonic()
     worker = threading.Thread(target=constrained)
     worker.start()
     worker.join(600)
-    answered = time.monotonic()
     time.sleep(1.0)
     for stream in streams:
         assert stream.is_alive(), f"a stream ended early: {stream.error or stream.finish_reason}"
         stream.halt()
         assert stream.error is None, stream.error
 
-    response = answer["response"]
-    assert response.status_code == 200, response.text[:500]
-    text = response.json()["choices"][0]["text"]
-    assert text in CHOICES
-    compiles = [float(s) for s in COMPILED.findall(log_path.read_text())]
-    compiles = compiles[1:]            # after the warm-up's
+    assert answer["status"] == 200
+    assert "".join(answer["pieces"]) in CHOICES
+    compiles = COMPILED.findall(log_path.read_text())[1:]   # after the warm-up's
     assert len(compiles) == 1, compiles
-    gaps = [g for stream in streams for g in _gaps(stream, sent, answered)]
-    median, largest = statistics.median(gaps), max(gaps)
-    print(f"\n[issue 25 acceptance 2] grammar of {len(CHOICES):,} choices compiled once in "
-          f"{compiles[0]:.2f} s (request answered in {answer['seconds']:.2f} s); {NUM_STREAMS} streams "
-          f"meanwhile: median gap {median * 1000:.1f} ms, largest {largest * 1000:.1f} ms "
-          f"({largest / median:.2f}x the median); load {os.getloadavg()[0]:.2f}")
-    # Before, the compile ran between two steps: every stream's gap was the compile time.
-    assert largest < min(2.0, compiles[0] / 3)
+    logged, seconds = compiles[0][0], float(compiles[0][1])
+    # The compile's span on this process's clock: the log line is written when it ends
+    # (wall clock, to the millisecond; its duration is rounded to 10 ms).
+    ended = datetime.strptime(logged, "%Y-%m-%d %H:%M:%S,%f").timestamp() - (time.time() - time.monotonic())
+    compiling = (ended - seconds + 0.01, ended - 0.01)
+
+    def gaps(start: float, end: float) -> list[tuple[float, float]]:
+        return [g for stream in streams for g in _timed_gaps(stream, start, end)]
+
+    during, before = gaps(*compiling), gaps(baseline_start, sent)
+    arriving, decoding = gaps(sent, compiling[0]), gaps(answer["first"], answer["done"])
+    median = statistics.median(g for g, _ in during)
+    largest, largest_at = max(during)
+    print(f"\n[issue 25 acceptance 2] grammar of {len(CHOICES):,} choices compiled once, in "
+          f"{seconds:.2f} s (first token {answer['first'] - sent:.2f} s after the request). "
+          f"{NUM_STREAMS} streams' gaps between chunks:")
+    for name, spans in (("before the request", before), ("request to compile start", arriving),
+                        ("while it compiled", during), ("while it decoded", decoding)):
+        if spans:                      # the compile may start before any chunk arrives
+            print(f"  {name}: {len(spans)} gaps, median {statistics.median(g for g, _ in spans) * 1000:.1f} "
+                  f"ms, largest {max(spans)[0] * 1000:.1f} ms")
+    print(f"  largest while compiling: {largest / median:.2f}x the median, "
+          f"{largest_at - compiling[0]:.2f} s into the compile; load {os.getloadavg()[0]:.2f}")
+    # The issue's bar, or, where the streams' tail was no better than that with no
+    # grammar, a tail no worse than it was (a compile between two steps makes a gap of
+    # seconds, hundreds of times the median).
+    quiet = max(before)[0] / statistics.median(g for g, _ in before)
+    assert largest / median < max(2.0, quiet), \
+        f"largest gap {largest * 1000:.1f} ms while compiling, median {median * 1000:.1f} ms " \
+        f"(before the request {quiet:.2f}x)"
 
     with httpx.Client(base_url=launched.base_url, timeout=60) as client:   # cached now
         started = time.monotonic()
