@@ -11,6 +11,14 @@ user's later turns share the earlier ones' KV); users run concurrently, up to
 ``--concurrency`` requests in flight. Prompts are text through ``/v1/completions``: the
 router tokenizes the same text the engine does (``kv_aware`` hashes the tokens itself).
 
+By default each replica's KV cache holds 6,144 tokens (384 blocks of 16): a third of the
+tenants' system prompts plus the requests running on it, as in a fleet sized for its
+traffic. Routing matters there: a replica
+that sees every tenant (round-robin) keeps evicting their prompts, one that sees a third
+of them keeps them. Pass a larger ``--num-gpu-blocks-override`` in ``--serve-args`` for a
+fleet where every replica can cache everything. ``--session-affinity-ttl`` gives each
+user a session id (``X-Session-ID``) and ``kv_aware`` the router's session affinity.
+
 It reports per policy the replicas' aggregate prefix-cache hit rate (their
 ``vllm:prefix_cache_hits`` / ``vllm:prefix_cache_queries``), the clients' TTFT p50/p95,
 and the router log lines that show it received and applied the replicas' events.
@@ -55,9 +63,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--question-words", type=int, default=12, help="words of each user turn")
     p.add_argument("--output-len", type=int, default=8, help="tokens per answer")
     p.add_argument("--concurrency", type=int, default=6, help="requests in flight at once")
+    p.add_argument("--session-affinity-ttl", type=int, default=None, metavar="SECONDS",
+                   help="clients send X-Session-ID (one per user) and kv_aware runs with the router's "
+                        "--kv-aware-session-affinity-ttl-secs SECONDS: a user's later turns stay on "
+                        "the replica its first turn chose while the session is active (default: off)")
     # The pure-torch attention path: the C++ decode kernel is built on first use into a
     # shared cache, and a replica stopped mid-build would leave its lock behind.
-    p.add_argument("--serve-args", default="--max-model-len 4096 --max-num-seqs 16 --attention-backend torch",
+    p.add_argument("--serve-args", default="--max-model-len 4096 --max-num-seqs 16 --attention-backend torch "
+                                           "--num-gpu-blocks-override 384",
                    help="flags for every replica (default: %(default)r)")
     p.add_argument("--router-bin", default=None, help="vllm-router executable (default: from PATH)")
     p.add_argument("--kv-event-sources", choices=("discovery", "static"), default="discovery",
@@ -105,13 +118,14 @@ def build_system_prompts(tokenizer, rng: random.Random, count: int, num_tokens: 
     return prompts
 
 
-async def stream_text(http, model: str, prompt: str, max_tokens: int) -> tuple[float, str]:
+async def stream_text(http, model: str, prompt: str, max_tokens: int,
+                      headers: dict[str, str] | None = None) -> tuple[float, str]:
     """One streamed text completion: (seconds to the first token, the text)."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "ignore_eos": True}
     first, parts = None, []
     start = time.perf_counter()
-    async with http.post("/v1/completions", json=body) as resp:
+    async with http.post("/v1/completions", json=body, headers=headers) as resp:
         if resp.status != 200:
             raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:500]}")
         async for line in resp.content:
@@ -132,11 +146,13 @@ async def stream_text(http, model: str, prompt: str, max_tokens: int) -> tuple[f
 async def _user(http, model: str, system: str, user: int, turns: int, args, rng: random.Random,
                 limit: asyncio.Semaphore, ttfts: list[float]) -> None:
     history = ""
+    # the header vllm-router reads a session from (its kv_aware affinity, consistent_hash)
+    headers = {"X-Session-ID": f"user-{user}"} if args.session_affinity_ttl is not None else None
     for turn in range(turns):
         question = f"User {user} asks ({turn}): {_words(rng, args.question_words)}?\n"
         prompt = system + history + question + "Answer:"
         async with limit:
-            ttft, text = await stream_text(http, model, prompt, args.output_len)
+            ttft, text = await stream_text(http, model, prompt, args.output_len, headers)
         ttfts.append(ttft)
         history += question + "Answer:" + text + "\n"
 
@@ -156,7 +172,8 @@ class Fleet:
     """``n`` replicas publishing KV events and a router in front of them."""
 
     def __init__(self, n: int, serve_args: list[str], router_bin: str, policy: str,
-                 model_dir: str, workdir: Path, static_sources: bool = False) -> None:
+                 model_dir: str, workdir: Path, static_sources: bool = False,
+                 router_args: tuple[str, ...] = ()) -> None:
         from kvpilot.engine.bench.server_process import free_port, launch_server
 
         self.replicas, self.event_ports = [], []
@@ -176,7 +193,8 @@ class Fleet:
             cmd = [router_bin, "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
                    "--worker-urls", *[r.base_url for r in self.replicas],
                    "--prometheus-port", str(free_port()), "--log-level", "debug",
-                   "--health-check-interval-secs", "5", "--worker-startup-check-interval", "1"]
+                   "--health-check-interval-secs", "5", "--worker-startup-check-interval", "1",
+                   *router_args]
             if policy == "kv_aware" and static_sources:   # else the router asks each replica
                 for r, (events, replay) in zip(self.replicas, self.event_ports, strict=True):
                     cmd += ["--kv-event-source", f"{r.base_url}=tcp://127.0.0.1:{events}",
@@ -259,8 +277,10 @@ def run_policy(policy: str, args, router_bin: str, model_dir: str, system_prompt
     from kvpilot.engine.bench.serve import percentile
 
     print(f"[{policy}] starting {args.replicas} replicas and vllm-router ...", flush=True)
+    router_args = (("--kv-aware-session-affinity-ttl-secs", str(args.session_affinity_ttl))
+                   if policy == "kv_aware" and args.session_affinity_ttl is not None else ())
     fleet = Fleet(args.replicas, shlex.split(args.serve_args), router_bin, policy, model_dir, workdir,
-                  static_sources=args.kv_event_sources == "static")
+                  static_sources=args.kv_event_sources == "static", router_args=router_args)
     try:
         ttfts, duration = asyncio.run(_drive(fleet.base_url, system_prompts, args))
         texts = fleet.metrics()
