@@ -153,6 +153,7 @@ class RouterSpec:
     kind: str | None = None
     policy: str = "kv_aware"
     replicas: int = 2
+    session_affinity_ttl_s: int | None = None   # kv_aware's session affinity (None: off)
 
 
 @dataclass(frozen=True, slots=True)
@@ -330,7 +331,8 @@ def _parse_routing(routing: Mapping[str, Any]) -> InferencePoolSpec:
 def _parse_router(routing: Mapping[str, Any]) -> RouterSpec:
     vllm = routing.get("vllmRouter", {})
     return RouterSpec(kind=routing.get("router"), policy=vllm.get("policy", "kv_aware"),
-                      replicas=vllm.get("replicas", 2))
+                      replicas=vllm.get("replicas", 2),
+                      session_affinity_ttl_s=vllm.get("sessionAffinityTTLSeconds"))
 
 
 def _parse_slo(slo: Mapping[str, Any]) -> ServiceLevel:

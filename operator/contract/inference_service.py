@@ -252,10 +252,19 @@ ROUTING = Obj(description="Routing to the engine pods: the Gateway API inference
         "Prefix-aware routing: gateway (the InferencePool, with the pod labels and KV events llm-d's "
         "endpoint picker reads) or vllm-router (vLLM's router in front of the engines); absent: "
         "no KV events.")),
-    "vllmRouter": Obj(description="vLLM's router (router: vllm-router).", properties={
+    "vllmRouter": Obj(description="vLLM's router (router: vllm-router).", rules=(
+        Rule(~has("sessionAffinityTTLSeconds") | (f("policy") == "kv_aware"),
+             "routing.vllmRouter.sessionAffinityTTLSeconds applies to the kv_aware policy only "
+             "(consistent_hash always keys on the session)"),
+    ), properties={
         "policy": Str(enum=ROUTER_POLICIES, default="kv_aware",
                       description="The router's policy; kv_aware is fed by every engine pod's KV events."),
         "replicas": Int(minimum=1, maximum=100, default=2),
+        "sessionAffinityTTLSeconds": Int(minimum=1, maximum=31_536_000, description=(
+            "kv_aware only: keep a session's requests (the X-Session-ID header) on the engine pod "
+            "its first request chose while the session has been idle less than this many seconds "
+            "(the router's --kv-aware-session-affinity-ttl-secs); unset: every request is routed "
+            "on the pods' KV events alone.")),
     }),
     "inferencePool": Obj(description=(
         "An InferencePool of the engine pods, created when the cluster serves "

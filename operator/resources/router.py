@@ -6,7 +6,9 @@
   namespace), for which its ServiceAccount gets a Role of exactly ``pods: get, list,
   watch`` there; ``spec.routing.vllmRouter.policy`` picks its policy (``kv_aware``, the
   default, routes on the KV-cache events every engine pod publishes; ``cache_aware``,
-  ``round_robin``, ``power_of_two``, ``consistent_hash``).
+  ``round_robin``, ``power_of_two``, ``consistent_hash``), and
+  ``sessionAffinityTTLSeconds`` gives ``kv_aware`` the router's session affinity (a
+  session's later requests, by ``X-Session-ID``, stay on the pod its first one chose).
 - ``gateway``: today's InferencePool path, plus what llm-d's endpoint picker needs to
   route on the events (its precise prefix-cache scorer): the pod labels it discovers
   (``llm-d.ai/inference-serving: "true"``, ``llm-d.ai/engine-type: vllm``), the events
@@ -90,8 +92,10 @@ def _metadata(owner: Owner) -> dict:
     return owner.metadata(ROUTER_COMPONENT, router_name(owner))
 
 
-def router_args(owner: Owner, policy: str, engine_port: int, block_size: int) -> list[str]:
-    """``vllm-router`` flags: service discovery of the engine pods, the policy, metrics."""
+def router_args(owner: Owner, policy: str, engine_port: int, block_size: int,
+                session_affinity_ttl_s: int | None = None) -> list[str]:
+    """``vllm-router`` flags: service discovery of the engine pods, the policy (with
+    kv_aware's session affinity when ``session_affinity_ttl_s`` is set), metrics."""
     args = ["--host", "0.0.0.0", "--port", str(ROUTER_PORT), "--policy", policy,
             "--service-discovery", "--service-discovery-namespace", owner.namespace,
             "--service-discovery-port", str(engine_port),
@@ -99,6 +103,8 @@ def router_args(owner: Owner, policy: str, engine_port: int, block_size: int) ->
             "--prometheus-host", "0.0.0.0", "--prometheus-port", str(ROUTER_METRICS_PORT)]
     if policy == "kv_aware":
         args += ["--kv-event-block-size", str(block_size)]
+        if session_affinity_ttl_s is not None:
+            args += ["--kv-aware-session-affinity-ttl-secs", str(session_affinity_ttl_s)]
     return args
 
 
@@ -108,12 +114,13 @@ def _probe(path: str, port: str, period: int, failures: int) -> dict:
 
 
 def build_router_deployment(owner: Owner, image: str, policy: str, replicas: int,
-                            engine_port: int, block_size: int) -> dict:
+                            engine_port: int, block_size: int,
+                            session_affinity_ttl_s: int | None = None) -> dict:
     """The router Deployment (non-root, read-only root filesystem, no service links)."""
     container = {
         "name": ROUTER_COMPONENT,
         "image": image,
-        "args": router_args(owner, policy, engine_port, block_size),
+        "args": router_args(owner, policy, engine_port, block_size, session_affinity_ttl_s),
         "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"},
                   {"name": "metrics", "containerPort": ROUTER_METRICS_PORT, "protocol": "TCP"}],
         "readinessProbe": _probe("/readiness", "http", 5, 3),
@@ -221,7 +228,8 @@ def router_children(owner: Owner, spec, sizing, settings, podmonitor_api: bool) 
     children = [build_router_service_account(owner), build_router_role(owner),
                 build_router_role_binding(owner),
                 build_router_deployment(owner, settings.router_image, router.policy,
-                                        router.replicas, spec.port, block_size),
+                                        router.replicas, spec.port, block_size,
+                                        router.session_affinity_ttl_s),
                 build_router_service(owner)]
     if router.replicas > 1:
         children.append(build_router_pdb(owner))

@@ -112,10 +112,23 @@ def test_without_a_router_the_engines_are_as_before():
     assert c.LABEL_COMPONENT in _by(build(SMALL), "Deployment", "svc")["spec"]["template"]["metadata"]["labels"]
 
 
+def test_kv_aware_session_affinity_is_the_routers_flag():
+    routing = {"router": "vllm-router", "vllmRouter": {"sessionAffinityTTLSeconds": 600}}
+    args = _by(build({**ROUTED, "routing": routing}), "Deployment", "svc-router")[
+        "spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--policy") + 1] == "kv_aware"
+    assert args[args.index("--kv-aware-session-affinity-ttl-secs") + 1] == "600"
+    plain = _by(build(ROUTED), "Deployment", "svc-router")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--kv-aware-session-affinity-ttl-secs" not in plain
+
+
 @pytest.mark.parametrize("routing, message", [
     ({"router": "nginx"}, "spec.routing.router must be one of"),
     ({"router": "vllm-router", "vllmRouter": {"policy": "random"}}, "policy must be one of"),
     ({"router": "vllm-router", "vllmRouter": {"replicas": 0}}, "replicas"),
+    ({"router": "vllm-router", "vllmRouter": {"policy": "cache_aware", "sessionAffinityTTLSeconds": 60}},
+     "sessionAffinityTTLSeconds applies to the kv_aware policy only"),
+    ({"router": "vllm-router", "vllmRouter": {"sessionAffinityTTLSeconds": 0}}, "sessionAffinityTTLSeconds"),
 ])
 def test_bad_router_specs_are_refused(routing, message):
     with pytest.raises(SpecError, match=message):
@@ -132,6 +145,10 @@ def test_the_router_accepts_its_arguments():
     assert parsed.selector == {c.LABEL_NAME: c.APP_NAME, c.LABEL_INSTANCE: "svc",
                                c.LABEL_COMPONENT: "engine"}
     assert parsed.kv_event_block_size == 16 and parsed.prometheus_port == 29000
+    affinity = {"router": "vllm-router", "vllmRouter": {"sessionAffinityTTLSeconds": 600}}
+    args = _by(build({**ROUTED, "routing": affinity}), "Deployment", "svc-router")[
+        "spec"]["template"]["spec"]["containers"][0]["args"]
+    assert launch.parse_router_args(args).kv_aware_session_affinity_ttl_secs == 600
 
 
 def _admitted_ports(policy: dict, pod_labels: dict) -> set[int]:
