@@ -28,8 +28,13 @@ from kvpilot.engine.engine_args import EngineArgs, model_fingerprint
 from kvpilot.engine.exceptions import EngineDeadError
 from kvpilot.engine.kv_events import start_kv_events
 from kvpilot.engine.model.device_memory import device_memory_for
-from kvpilot.engine.model.memory_profiling import KVCacheSizing, determine_num_blocks
+from kvpilot.engine.model.memory_profiling import (
+    KVCacheSizing,
+    determine_num_blocks,
+    stage_num_blocks,
+)
 from kvpilot.engine.model.parallel.group import RanksOutOfStep
+from kvpilot.engine.model.parallel.step_channel import Command
 from kvpilot.engine.model.runner import ModelRunner
 from kvpilot.engine.output_processor import OutputProcessor, SequenceState
 from kvpilot.engine.outputs import RequestOutput
@@ -96,7 +101,8 @@ class LLMEngine:
         workers = self.workers
         self.runner = ModelRunner(model_config, cache_config, scheduler_config, device,
                                   args.attention_backend, tp=workers.group if workers else None,
-                                  channel=workers.channel if workers else None)
+                                  channel=workers.channel if workers else None,
+                                  pp=workers.pipeline if workers else None)
         layout = self._kv_layout()
         sizing = self._size_kv_cache(layout)
         self.lora = self._start_lora(device)    # its slots before the KV cache takes the rest
@@ -156,7 +162,7 @@ class LLMEngine:
     def _start_workers(self) -> WorkerGroup | None:
         """Ranks 1..N-1 (their own processes), loading their shards while this one loads."""
         parallel = self.parallel_config
-        if parallel.tensor_parallel_size == 1:
+        if parallel.world_size == 1:
             return None
         from kvpilot.engine.model.parallel.workers import WorkerGroup
 
@@ -177,7 +183,8 @@ class LLMEngine:
 
         groups = self.runner.layer_kv_groups
         if groups is None:
-            return pool(arch.num_hidden_layers, cache.kv_dtype_bytes(self.model_config.dtype), layer_bytes)
+            # this stage's layers (all of them with one stage)
+            return pool(len(layer_bytes), cache.kv_dtype_bytes(self.model_config.dtype), layer_bytes)
         pools = []
         for group in (0, 1):
             group_bytes = tuple(b for b, g in zip(layer_bytes, groups, strict=True) if g == group)
@@ -253,9 +260,17 @@ class LLMEngine:
         """Blocks to allocate (given, from a byte budget checked against profiling, or by
         profiling); must hold one ``max_model_len`` sequence (on a model whose layers all
         slide: its window, one block, and a full prefill chunk)."""
-        sizing = determine_num_blocks(layout, self.cache_config, self.runner, self.scheduler_config,
-                                      self.device_memory, self._memory_baseline,
-                                      lora_bytes=self._lora_device_bytes())
+        if self.parallel_config.pipeline_parallel_size > 1:
+            # every rank sizes its own stage's cache; the group takes the minimum
+            self.runner.channel.send(Command.SIZE)
+            sizing, self.num_blocks_per_rank = stage_num_blocks(
+                self.runner, self.cache_config, self.scheduler_config, self.device_memory,
+                self._memory_baseline)
+        else:
+            sizing = determine_num_blocks(layout, self.cache_config, self.runner, self.scheduler_config,
+                                          self.device_memory, self._memory_baseline,
+                                          lora_bytes=self._lora_device_bytes())
+            self.num_blocks_per_rank = [sizing.num_blocks] * self.parallel_config.world_size
         num_blocks = sizing.num_blocks
         capacity = layout.token_capacity(num_blocks)
         max_len = self.model_config.max_model_len

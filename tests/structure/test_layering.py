@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 OPERATOR_MAY_IMPORT = {"kvpilot.engine", "kvpilot.engine.core", "kvpilot.engine.core.kv_layout",
                        "kvpilot.engine.core.constants", "kvpilot.engine.core.weight_quant",
                        "kvpilot.engine.core.step_cost", "kvpilot.engine.core.gguf_contract",
+                       "kvpilot.engine.core.pipeline_stages",
                        "kvpilot.engine.lora", "kvpilot.engine.lora.config", "kvpilot.engine.lora.memory"}
 
 
