@@ -17,6 +17,7 @@ from kvpilot.engine.config import StructuredOutputsConfig
 from kvpilot.engine.core.constants import MAX_TENSOR_PARALLEL_SIZE
 from kvpilot.engine.engine_args import EngineArgs
 from kvpilot.engine.lora.config import RUNTIME_LORA_UPDATING_ENV
+from kvpilot.engine.model.parallel.lws import rendezvous_from_env
 from kvpilot.engine.server.arg_types import parse_size
 from kvpilot.engine.server.flag_table import Flag, add_flags
 from kvpilot.engine.server.vllm_flags import SERVE_FLAGS
@@ -103,5 +104,7 @@ def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
         allow_runtime_lora_updating=ns.allow_runtime_lora_updating
         or os.environ.get(RUNTIME_LORA_UPDATING_ENV, "").lower() in ("1", "true"),
         lora_modules=tuple(ns.lora_modules) if ns.lora_modules else None,
+        # a pipeline over a LeaderWorkerSet group's pods: where they meet (None on one host)
+        rendezvous=rendezvous_from_env(os.environ) if ns.pipeline_parallel_size > 1 else None,
     )
     return EngineArgs(**kwargs)

@@ -3,7 +3,7 @@
 - ``kvpilot.engine.core`` imports no torch (nor numpy);
 - ``kvpilot.operator`` imports no torch, and from the engine only the torch-free contract
   (the KV formula, the weight-quantization reader, the GGUF contract, the LoRA slots'
-  formula and the shared constants);
+  formula, the pipeline stages' layer split and the shared constants);
 - ``kvpilot.kernels`` imports nothing from ``kvpilot.engine``.
 
 torch is blocked (``sys.modules["torch"] = None``) where it must not be imported, so an

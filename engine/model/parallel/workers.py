@@ -58,7 +58,7 @@ def _wait(process: subprocess.Popen, timeout: float) -> None:
         process.wait(max(0.0, timeout))
 
 
-def _stop_processes(processes: list[subprocess.Popen], timeout: float = 10.0) -> None:
+def stop_processes(processes: list[subprocess.Popen], timeout: float = 10.0) -> None:
     """Wait for the processes to exit, then terminate, then kill what is left."""
     deadline = time.monotonic() + timeout
     for p in processes:
@@ -96,7 +96,7 @@ def _watch_pods(group_ref: weakref.ref, pods: PodWatch) -> None:
         del group
 
 
-def _start_worker(rank: int, spec: WorkerSpec) -> subprocess.Popen:
+def start_worker(rank: int, spec: WorkerSpec) -> subprocess.Popen:
     # PYTHONSAFEPATH: the working directory must not shadow the standard library (the
     # repository's operator/ folder would hide ``operator``)
     env = {**os.environ, "PYTHONSAFEPATH": "1"}
@@ -145,11 +145,11 @@ class WorkerGroup:
                           STORE_HOST, self.store.port, timeout.total_seconds(),
                           logging.getLogger("kvpilot").getEffectiveLevel(), hostname)
         local = range(1, world_size) if rv is None else range(1, tp)
-        self.processes = {rank: _start_worker(rank, spec) for rank in local}
+        self.processes = {rank: start_worker(rank, spec) for rank in local}
         self.remote_ranks = [] if rv is None else list(range(tp, world_size))
         self.pods = None if rv is None else PodWatch(self.store, range(1, self.num_stages), tp)
         # workers never outlive this object (nor this process), even if close() is never called
-        self._finalizer = weakref.finalize(self, _stop_processes, list(self.processes.values()), 0.0)
+        self._finalizer = weakref.finalize(self, stop_processes, list(self.processes.values()), 0.0)
         # set once every failure listener has been told (so whoever sees it, e.g. a step
         # raising it, can count on the listeners having run); _failing is claimed first
         self.failure: EngineDeadError | None = None
@@ -319,5 +319,5 @@ class WorkerGroup:
         if graceful and self.failure is None and hasattr(self, "channel"):
             with contextlib.suppress(Exception):   # stopping them anyway
                 self.channel.send(Command.SHUTDOWN)
-        _stop_processes(list(self.processes.values()), timeout=10.0 if graceful else 0.0)
+        stop_processes(list(self.processes.values()), timeout=10.0 if graceful else 0.0)
         self._finalizer.detach()

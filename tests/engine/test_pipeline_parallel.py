@@ -1,0 +1,83 @@
+"""Pipeline parallelism on CPU (gloo): PP=2 and TP=2 x PP=2, every rank a process of its own.
+
+Oracles: HF transformers' greedy tokens (float32) on the very checkpoint, for the three head
+layouts of the tensor-parallel tests (Qwen3 GQA, Qwen2 with tied embeddings: the last stage
+holds its own copy of the embedding as the LM head, Llama with a single KV head). The
+checkpoints have 3 layers, so the stages are uneven (vLLM's split: 2 + 1). Each runs with a
+pinned KV budget per GPU small enough to preempt, a token budget small enough to chunk
+prefills, and prompts that share prefixes; the per-rank block counts are the shared KV
+formula's for each stage's layers, and the group allocates their minimum.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpilot.engine import LLM, SamplingParams
+from kvpilot.engine.core.kv_layout import KVLayout, kv_heads_per_rank
+from kvpilot.engine.core.pipeline_stages import layer_split
+
+from support.hf_oracle import MAX_NEW, hf_greedy, make_prompts
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+LAYOUTS = {
+    "qwen3-gqa-pp2": ("qwen3", {}, 1, 2),
+    "qwen2-tied-pp2": ("qwen2", {"tie_word_embeddings": True}, 1, 2),
+    "llama-mqa-tp2-pp2": ("llama", {"num_key_value_heads": 1}, 2, 2),
+    "qwen3-gqa-tp2-pp2": ("qwen3", {}, 2, 2),
+}
+NUM_LAYERS = 3
+BLOCK_SIZE = 16
+BUDGET_BLOCKS = 42        # of the first (largest) stage: small enough to preempt
+
+
+def planned_blocks(config: dict, tp: int, pp: int, budget: int) -> list[int]:
+    """Each rank's block count by the shared KV formula: its stage's layers, its KV heads."""
+    head_dim = config.get("head_dim", 64 // 4)
+    heads = kv_heads_per_rank(config.get("num_key_value_heads", 2), tp)
+    return [KVLayout(layers, heads, head_dim, 4, BLOCK_SIZE).num_blocks(budget)
+            for layers in layer_split(NUM_LAYERS, pp) for _ in range(tp)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_stages_match_hf_with_chunks_prefix_hits_and_preemption(layout, tiny_checkpoint):
+    kind, overrides, tp, pp = LAYOUTS[layout]
+    path = tiny_checkpoint(kind, num_hidden_layers=NUM_LAYERS, **overrides)
+    prompts = make_prompts(512, seed=sorted(LAYOUTS).index(layout))
+    expected = hf_greedy(path, prompts)
+    config = {**overrides, **({"head_dim": 32} if kind == "qwen3" else {})}
+    first = KVLayout(layer_split(NUM_LAYERS, pp)[0], kv_heads_per_rank(config.get("num_key_value_heads", 2), tp),
+                     config.get("head_dim", 16), 4, BLOCK_SIZE)
+    budget = first.memory_for_blocks(BUDGET_BLOCKS)
+    llm = LLM(str(path), dtype="float32", tensor_parallel_size=tp, pipeline_parallel_size=pp,
+              kv_cache_memory_bytes=budget, max_model_len=640, max_num_batched_tokens=64)
+    try:
+        engine = llm.llm_engine
+        runner = engine.runner
+        assert [layer.self_attn.layer_idx for layer in runner.model.layers] == [0, 1]   # stage 0: 2 of 3
+        assert runner.model.norm is None and runner.model.lm_head is None              # on the last stage
+        planned = planned_blocks(config, tp, pp, budget)
+        assert planned[0] == BUDGET_BLOCKS and planned[-1] == 2 * BUDGET_BLOCKS        # stage 1: 1 layer
+        assert engine.num_blocks_per_rank == planned
+        assert runner.num_blocks_per_rank == [BUDGET_BLOCKS] * (tp * pp)                # the minimum, everywhere
+        assert engine.cache_info.num_gpu_blocks == BUDGET_BLOCKS
+        assert len(engine.workers.pids) == tp * pp - 1
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+        assert sum(g == e for g, e in zip(got, expected, strict=True)) == len(prompts)
+        stats = llm.get_stats()
+        assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+        assert stats.num_steps > sum(map(len, prompts)) // 64 // 2   # prefills were chunked
+        assert stats.kv_cache_usage == 0.0
+    finally:
+        llm.llm_engine.close()
+
+
+def test_sizes_that_cannot_split_the_layers_are_refused_before_anything_starts(tiny_checkpoint):
+    path = str(tiny_checkpoint("qwen3"))     # 2 layers
+    with pytest.raises(ValueError, match=r"pipeline_parallel_size 3 must be in \[1, 2\] \(the model's layers\)"):
+        LLM(path, dtype="float32", pipeline_parallel_size=3, num_gpu_blocks=64)
+    with pytest.raises(ValueError, match="KV offloading is not implemented with pipeline parallelism"):
+        LLM(path, dtype="float32", pipeline_parallel_size=2, num_gpu_blocks=64, kv_offloading_size=0.1)
+    with pytest.raises(ValueError, match="LoRA adapters are not implemented with pipeline parallelism"):
+        LLM(path, dtype="float32", pipeline_parallel_size=2, num_gpu_blocks=64, enable_lora=True)
