@@ -20,7 +20,7 @@ import pytest
 
 from kvpilot.engine import LLM, EngineArgs, EngineDeadError, LLMEngine, SamplingParams
 
-from support.hf_oracle import MAX_NEW, hf_greedy, make_prompts
+from support.hf_oracle import MAX_NEW, assert_chunked_hits_and_preempted, hf_greedy, make_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
 LAYOUTS = {
@@ -49,10 +49,7 @@ def test_two_ranks_match_hf_with_chunks_prefix_hits_and_preemption(layout, tiny_
         assert (heads.num_heads, heads.num_kv_heads) == (2, 1)     # this rank's share
         assert runner.num_blocks_per_rank == [42, 42]
         assert tokens(llm.generate(prompts, GREEDY)) == expected
-        stats = llm.get_stats()
-        assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
-        assert stats.num_steps > sum(map(len, prompts)) // 64 // 2   # prefills were chunked
-        assert stats.kv_cache_usage == 0.0
+        assert_chunked_hits_and_preempted(llm.get_stats(), prompts, 64)
     finally:
         llm.llm_engine.close()
 

@@ -1,0 +1,108 @@
+"""A pipeline over two "pods" (separate process trees on this host) with only the
+LeaderWorkerSet environment between them.
+
+Each pod runs the command line the operator renders for its LeaderWorkerSet template
+(``kvpilot serve`` with the same flags, ``--pipeline-parallel-size 2``) with
+``LWS_LEADER_ADDRESS=127.0.0.1``, ``LWS_GROUP_SIZE=2``, ``LWS_WORKER_INDEX`` 0 or 1 and the
+rendezvous port in ``KVPILOT_RENDEZVOUS_PORT``. The leader serves /v1/completions
+(checked token for token against HF's greedy continuation through the ``openai`` SDK);
+killing the worker pod's whole process group mid-generation fails the in-flight requests
+and turns the leader's /health to 503 within 5 s; a leader whose worker never comes fails
+its start-up with the rendezvous error naming the missing pod, within the configured
+timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from kvpilot.engine.bench.server_process import free_port, launch_server
+
+from support.hf_oracle import hf_greedy
+from support.tiny_checkpoints import build_checkpoint
+
+DETECTION_LIMIT_S = 5.0
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return build_checkpoint(tmp_path_factory.mktemp("ckpt-pp"), "qwen3", num_hidden_layers=3)
+
+
+def _flags(path) -> list[str]:
+    return ["--model", str(path), "--dtype", "float32", "--pipeline-parallel-size", "2",
+            "--kv-cache-memory-bytes", "4Mi", "--max-model-len", "1024", "--max-num-seqs", "4",
+            "--served-model-name", "pp", "--uvicorn-log-level", "warning"]
+
+
+def _lws_env(index: int, port: int, **extra: str) -> dict[str, str]:
+    return {"LWS_LEADER_ADDRESS": "127.0.0.1", "LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": str(index),
+            "KVPILOT_RENDEZVOUS_PORT": str(port), **extra}
+
+
+def _start_worker_pod(path, port: int, log_path) -> subprocess.Popen:
+    """The worker pod: its own session (a process group, killed whole like a pod)."""
+    cmd = [sys.executable, "-m", "kvpilot.engine.cli.main", "serve", "--host", "127.0.0.1",
+           "--port", str(free_port()), *_flags(path)]
+    with log_path.open("wb") as log:
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "PYTHONSAFEPATH": "1", **_lws_env(1, port)})
+
+
+@pytest.mark.slow
+def test_leader_and_worker_pods_serve_and_a_killed_worker_fails_the_leader(tmp_path, checkpoint,
+                                                                           kill_mid_generation):
+    port = free_port()
+    worker = _start_worker_pod(checkpoint, port, tmp_path / "worker.log")
+    try:
+        with launch_server(_flags(checkpoint), log_path=tmp_path / "leader.log", timeout=240,
+                           env=_lws_env(0, port)) as leader, \
+                httpx.Client(base_url=leader.base_url, timeout=60) as http:
+            assert worker.poll() is None
+            client = openai.OpenAI(base_url=f"{leader.base_url}/v1", api_key="none")
+            prompt = list(range(5, 45))
+            reply = client.completions.create(model="pp", prompt=prompt, max_tokens=8, temperature=0,
+                                              extra_body={"ignore_eos": True})
+            expected = hf_greedy(checkpoint, [prompt], 8)[0]
+            from transformers import AutoTokenizer
+
+            assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == 8
+            assert reply.choices[0].text == AutoTokenizer.from_pretrained(checkpoint).decode(expected)
+            print(f"\n[pipeline pods] completion {reply.choices[0].text!r} == HF's tokens {expected} decoded")
+            death = kill_mid_generation(http, "pp", lambda: os.killpg(worker.pid, signal.SIGKILL),
+                                        DETECTION_LIMIT_S)
+            assert "the engine failed while serving this request (request id" in death.stream_error
+            assert death.health.status_code == 503
+            message = death.health.json()["error"]["message"]
+            assert "worker pod LWS_WORKER_INDEX=1 (pipeline stage 1, rank 1)" in message
+            assert death.plain.status_code == 500 and death.refused.status_code == 503
+            print(f"[pipeline pods] worker pod killed: stream error after {death.stream_failed_s:.2f} s, "
+                  f"/health 503 after {death.health_failed_s:.2f} s: {message}")
+            assert death.stream_failed_s < DETECTION_LIMIT_S and death.health_failed_s < DETECTION_LIMIT_S
+    finally:
+        if worker.poll() is None:
+            os.killpg(worker.pid, signal.SIGKILL)
+        worker.wait(10)
+
+
+def test_a_missing_worker_pod_fails_the_rendezvous_naming_it(tmp_path, checkpoint):
+    port = free_port()
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as failed:
+        launch_server(_flags(checkpoint), log_path=tmp_path / "leader.log", timeout=120,
+                      env=_lws_env(0, port, KVPILOT_RENDEZVOUS_TIMEOUT="3"))
+    elapsed = time.monotonic() - start
+    log = str(failed.value)
+    expected = (f"pipeline rendezvous timed out after 3 s waiting for worker pod LWS_WORKER_INDEX=1 "
+                f"(pipeline stage 1, rank 1) to join the leader's store at 127.0.0.1:{port} "
+                f"(LWS_GROUP_SIZE=2); missing ranks [1]")
+    assert expected in log, log
+    print(f"\n[pipeline pods] leader without its worker exited after {elapsed:.1f} s: {expected}")
