@@ -28,7 +28,7 @@ __all__ = ["add_serve_arguments", "engine_args_from_namespace", "make_serve_pars
 # environment variable, or not set from the command line at all (the architecture
 # override and the sliding-window fp8 exemption serve tests and the planner).
 DERIVED_ENGINE_FIELDS = ("model", "served_model_name", "structured_outputs_config",
-                         "compute_nans_in_logits")
+                         "compute_nans_in_logits", "rendezvous")
 ENGINE_FIELDS_WITHOUT_FLAG = ("architecture", "kv_cache_dtype_skip_sliding_window")
 
 
@@ -89,8 +89,8 @@ def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
     if ns.tensor_parallel_size > MAX_TENSOR_PARALLEL_SIZE:
         raise ValueError(
             f"--tensor-parallel-size {ns.tensor_parallel_size} is not supported: one replica "
-            f"spans at most {MAX_TENSOR_PARALLEL_SIZE} GPUs of one node (multi-node replicas are "
-            "not implemented); scale further with replicas"
+            f"spans at most {MAX_TENSOR_PARALLEL_SIZE} GPUs of one node per pipeline stage; span nodes "
+            "with --pipeline-parallel-size, or scale further with replicas"
         )
     kwargs = {f.engine: getattr(ns, f.dest_name) for f in engine_flags()}
     kwargs.update(

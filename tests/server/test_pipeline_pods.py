@@ -106,3 +106,19 @@ def test_a_missing_worker_pod_fails_the_rendezvous_naming_it(tmp_path, checkpoin
                 f"(LWS_GROUP_SIZE=2); missing ranks [1]")
     assert expected in log, log
     print(f"\n[pipeline pods] leader without its worker exited after {elapsed:.1f} s: {expected}")
+
+
+def test_the_lws_environment_is_read_strictly():
+    from kvpilot.engine.config import ParallelConfig
+    from kvpilot.engine.model.parallel.lws import rendezvous_from_env
+
+    assert rendezvous_from_env({}) is None
+    rv = rendezvous_from_env(_lws_env(1, 1234, KVPILOT_RENDEZVOUS_TIMEOUT="7.5"))
+    assert (rv.leader_address, rv.port, rv.group_size, rv.worker_index, rv.timeout_s) == (
+        "127.0.0.1", 1234, 2, 1, 7.5)
+    with pytest.raises(ValueError, match="LeaderWorkerSet environment incomplete: LWS_LEADER_ADDRESS unset"):
+        rendezvous_from_env({"LWS_WORKER_INDEX": "1", "LWS_GROUP_SIZE": "2"})
+    with pytest.raises(ValueError, match=r"LWS_WORKER_INDEX 2 must be in \[0, 2\)"):
+        rendezvous_from_env(_lws_env(2, 1234))
+    with pytest.raises(ValueError, match="LWS_GROUP_SIZE 2 must equal --pipeline-parallel-size 3"):
+        ParallelConfig(1, ("cpu",), 3, rv)
