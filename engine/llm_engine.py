@@ -64,8 +64,10 @@ class FailedRequest:
 class LLMEngine:
     """Start-up is named steps: start the tensor-parallel workers (if any), load the model,
     size the KV cache, allocate it, and build the scheduler side (block tables, prefix
-    cache, KV offload). With ``tensor_parallel_size > 1`` this process is rank 0: it
-    schedules and samples for all ranks (``kvpilot.engine.model.parallel``)."""
+    cache, KV offload). With ``tensor_parallel_size > 1`` or ``pipeline_parallel_size > 1``
+    this process is rank 0 (stage 0's first rank): it schedules and samples for all ranks
+    (``kvpilot.engine.model.parallel``); ``num_blocks_per_rank`` is what each rank's KV
+    budget holds for its own stage's layers (the group allocates the minimum)."""
 
     def __init__(self, args: EngineArgs) -> None:
         model_config, cache_config, scheduler_config = args.create_configs()

@@ -37,8 +37,9 @@ def checkpoint(tmp_path_factory):
     return build_checkpoint(tmp_path_factory.mktemp("ckpt-pp"), "qwen3", num_hidden_layers=3)
 
 
-def _flags(path) -> list[str]:
+def _flags(path, tp: int = 1) -> list[str]:
     return ["--model", str(path), "--dtype", "float32", "--pipeline-parallel-size", "2",
+            "--tensor-parallel-size", str(tp),
             "--kv-cache-memory-bytes", "4Mi", "--max-model-len", "1024", "--max-num-seqs", "4",
             "--served-model-name", "pp", "--uvicorn-log-level", "warning"]
 
@@ -48,10 +49,10 @@ def _lws_env(index: int, port: int, **extra: str) -> dict[str, str]:
             "KVPILOT_RENDEZVOUS_PORT": str(port), **extra}
 
 
-def _start_worker_pod(path, port: int, log_path) -> subprocess.Popen:
+def _start_worker_pod(path, port: int, log_path, tp: int = 1) -> subprocess.Popen:
     """The worker pod: its own session (a process group, killed whole like a pod)."""
     cmd = [sys.executable, "-m", "kvpilot.engine.cli.main", "serve", "--host", "127.0.0.1",
-           "--port", str(free_port()), *_flags(path)]
+           "--port", str(free_port()), *_flags(path, tp)]
     with log_path.open("wb") as log:
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, "PYTHONSAFEPATH": "1", **_lws_env(1, port)})
@@ -87,6 +88,36 @@ def test_leader_and_worker_pods_serve_and_a_killed_worker_fails_the_leader(tmp_p
             print(f"[pipeline pods] worker pod killed: stream error after {death.stream_failed_s:.2f} s, "
                   f"/health 503 after {death.health_failed_s:.2f} s: {message}")
             assert death.stream_failed_s < DETECTION_LIMIT_S and death.health_failed_s < DETECTION_LIMIT_S
+    finally:
+        if worker.poll() is None:
+            os.killpg(worker.pid, signal.SIGKILL)
+        worker.wait(10)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_ranks_inside_each_pod_and_a_clean_stop(tmp_path, checkpoint):
+    """TP=2 x PP=2 over two pods: each pod starts its own stage's two ranks (the leader's
+    engine rank 1, the worker pod ranks 2 and 3); stopping the leader stops the worker pod."""
+    port = free_port()
+    worker = _start_worker_pod(checkpoint, port, tmp_path / "worker.log", tp=2)
+    try:
+        with launch_server(_flags(checkpoint, tp=2), log_path=tmp_path / "leader.log", timeout=240,
+                           env=_lws_env(0, port)) as leader:
+            client = openai.OpenAI(base_url=f"{leader.base_url}/v1", api_key="none")
+            prompts = [list(range(5, 45)), list(range(100, 103))]
+            expected = hf_greedy(checkpoint, prompts, 8)
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+            for prompt, tokens in zip(prompts, expected, strict=True):
+                reply = client.completions.create(model="pp", prompt=prompt, max_tokens=8, temperature=0,
+                                                  extra_body={"ignore_eos": True})
+                assert reply.choices[0].text == tokenizer.decode(tokens)
+            assert "ranks [2, 3]" in (tmp_path / "worker.log").read_text()
+        code = worker.wait(30)
+        print(f"\n[pipeline pods, TP=2 each] {len(prompts)} completions equal HF's; the worker pod "
+              f"exited {code} after the leader stopped")
+        assert code == 0, (tmp_path / "worker.log").read_text()[-3000:]
     finally:
         if worker.poll() is None:
             os.killpg(worker.pid, signal.SIGKILL)

@@ -11,7 +11,8 @@ timeout for the leader to listen), starts its stage's ``TP`` ranks as worker pro
   the leader's ``lws.PodWatch`` expects (its silence fails the leader's engine);
 - a rank that fails: its error goes to ``pod-error/<index>``, the other ranks are
   stopped and the pod exits 1 (the LeaderWorkerSet recreates the group);
-- the leader gone (the store unreachable): the ranks are stopped, exit 1;
+- the leader gone (the store unreachable): exit 0 if every rank finished cleanly (the
+  leader's SHUTDOWN), else the ranks are stopped, exit 1;
 - every rank done after the leader's SHUTDOWN: exit 0.
 """
 
@@ -38,6 +39,9 @@ from kvpilot.engine.model.parallel.worker import WorkerSpec, error_key
 from kvpilot.engine.model.parallel.workers import start_worker, stop_processes
 
 logger = logging.getLogger(__name__)
+# How long the ranks may take to finish after the leader (its store) went away: a leader
+# that stops cleanly sends SHUTDOWN first, and the ranks exit 0 at once.
+LEADER_GONE_GRACE_S = 3.0
 
 
 def serve_stage(args) -> int:
@@ -74,6 +78,9 @@ def _watch(store, index: int, processes: dict) -> int:
         try:
             store.add(heartbeat_key(index), 1)
         except Exception as exc:  # noqa: BLE001 - the leader (and its store) went away
+            if _all_stopped_cleanly(processes, LEADER_GONE_GRACE_S):   # after its SHUTDOWN
+                logger.info("every rank of this pod stopped at the leader's request")
+                return 0
             logger.error("the leader's store is unreachable (%s): stopping this pod's ranks", exc)
             return 1
         exited = {rank: p.returncode for rank, p in processes.items() if p.poll() is not None}
@@ -89,6 +96,14 @@ def _watch(store, index: int, processes: dict) -> int:
             logger.info("every rank of this pod stopped at the leader's request")
             return 0
         time.sleep(HEARTBEAT_PERIOD_S)
+
+
+def _all_stopped_cleanly(processes: dict, timeout: float) -> bool:
+    """Whether every rank exits with status 0 within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in processes.values()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return all(p.poll() == 0 for p in processes.values())
 
 
 def _recorded(store, rank: int) -> str:
