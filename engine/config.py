@@ -141,9 +141,14 @@ class ParallelConfig:
     devices: tuple[str, ...] = ("cpu",)
     pipeline_parallel_size: int = 1
     rendezvous: Rendezvous | None = None
+    # Microbatches a step's batch is cut into through the stages (None: one per stage;
+    # 1: each step runs through the stages whole, one stage at a time).
+    pipeline_microbatches: int | None = None
 
     def __post_init__(self) -> None:
         tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        if self.pipeline_microbatches is not None and self.pipeline_microbatches < 1:
+            raise ValueError(f"pipeline_microbatches must be >= 1, got {self.pipeline_microbatches}")
         if not 1 <= tp <= MAX_TENSOR_PARALLEL_SIZE:
             raise ValueError(f"tensor_parallel_size must be in [1, {MAX_TENSOR_PARALLEL_SIZE}] "
                              f"(GPUs of one node), got {tp}")
@@ -160,6 +165,10 @@ class ParallelConfig:
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.pipeline_microbatches or self.pipeline_parallel_size
 
     def device_of(self, rank: int) -> str:
         """The device of global rank ``rank`` (a rank of this host)."""

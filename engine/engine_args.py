@@ -81,6 +81,8 @@ class EngineArgs:
     # (a LeaderWorkerSet group: one pod per stage, ``model.parallel.lws``).
     pipeline_parallel_size: int = _default(ParallelConfig, "pipeline_parallel_size")
     rendezvous: Rendezvous | None = None
+    # microbatches in flight through the stages per step (None: one per stage; 1: none)
+    pipeline_microbatches: int | None = None
     scheduling_policy: str = _default(SchedulerConfig, "policy")
     # KV offload (vLLM's names): CPU tier GiB (None = off), backend, optional disk tier.
     kv_offloading_size: float | None = None
@@ -227,6 +229,7 @@ class EngineArgs:
         device = self.resolve_device()
         if tp == 1 and pp == 1:
             return ParallelConfig(1, (device,))
+        micro = self.pipeline_microbatches
         local = tp if self.rendezvous is not None else tp * pp
         kind, _, index = device.partition(":")
         if kind == "cpu":
@@ -245,7 +248,7 @@ class EngineArgs:
             devices = tuple(f"cuda:{first + r}" for r in range(local))
         else:
             raise ValueError(f"tensor and pipeline parallelism run on cuda or cpu devices, not {device!r}")
-        config = ParallelConfig(tp, devices, pp, self.rendezvous)
+        config = ParallelConfig(tp, devices, pp, self.rendezvous, micro)
         config.check_model(arch)
         if pp > 1 and find_gguf(Path(self.model_path())) is not None:
             raise ValueError("pipeline parallelism is not implemented for GGUF checkpoints; use a "

@@ -104,7 +104,8 @@ class LLMEngine:
         self.runner = ModelRunner(model_config, cache_config, scheduler_config, device,
                                   args.attention_backend, tp=workers.group if workers else None,
                                   channel=workers.channel if workers else None,
-                                  pp=workers.pipeline if workers else None)
+                                  pp=workers.pipeline if workers else None,
+                                  num_microbatches=self.parallel_config.num_microbatches)
         layout = self._kv_layout()
         sizing = self._size_kv_cache(layout)
         self.lora = self._start_lora(device)    # its slots before the KV cache takes the rest

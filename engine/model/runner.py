@@ -41,6 +41,7 @@ from kvpilot.engine.model.hf_config import kv_cache_groups
 from kvpilot.engine.model.input_batch import InputBatch
 from kvpilot.engine.model.loader import load_model
 from kvpilot.engine.model.parallel.group import RanksOutOfStep, TPGroup
+from kvpilot.engine.model.parallel.microbatch import pipelined_forward
 from kvpilot.engine.model.parallel.pipeline import PipelineGroup
 from kvpilot.engine.model.parallel.step_channel import Command, StepSender
 from kvpilot.engine.model.sampler import SampleResult, SamplingMetadata, sample
@@ -121,18 +122,22 @@ class ModelRunner:
         tp: this rank among its stage's tensor-parallel ranks (default: the only rank).
         channel: the driver's channel to the other ranks (None: no other ranks).
         pp: this rank's pipeline stage (default: one stage, whose ranks are ``tp``'s).
+        num_microbatches: microbatches a step is cut into through the pipeline's stages
+            (``parallel.microbatch``; 1: none).
     """
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
                  scheduler_config: SchedulerConfig, device: torch.device,
                  attention_backend: str = "auto", tp: TPGroup | None = None,
-                 channel: StepSender | None = None, pp: PipelineGroup | None = None) -> None:
+                 channel: StepSender | None = None, pp: PipelineGroup | None = None,
+                 num_microbatches: int = 1) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
         self.device = device
         self.tp = tp = tp or TPGroup()
         self.pp = pp = pp or PipelineGroup(0, 1, tp.world_size, tp)
         self.stage = stage = pp.layers(model_config.arch.num_hidden_layers)
+        self.num_microbatches = num_microbatches if pp.enabled else 1
         self.channel = channel
         self.dtype = TORCH_DTYPES[model_config.dtype]
         self.kv_dtype = TORCH_DTYPES[cache_config.kv_dtype_name(model_config.dtype)]
@@ -350,6 +355,8 @@ class ModelRunner:
             for layer in self.model.layers:
                 layer.self_attn.calibrate_kv_scales = True
         num_logits = step.logits_indices.shape[0]
+        if self.num_microbatches > 1 and len(step.metadata.query_lens_cpu) > 1 and not calibrate:
+            return pipelined_forward(self, step, self.num_microbatches)
         if step.padded_size is not None:
             hidden = self.graphs.run(step, step.padded_size)
         else:

@@ -29,7 +29,7 @@ __all__ = ["add_serve_arguments", "engine_args_from_namespace", "make_serve_pars
 # override and the sliding-window fp8 exemption serve tests and the planner).
 DERIVED_ENGINE_FIELDS = ("model", "served_model_name", "structured_outputs_config",
                          "compute_nans_in_logits", "rendezvous")
-ENGINE_FIELDS_WITHOUT_FLAG = ("architecture", "kv_cache_dtype_skip_sliding_window")
+ENGINE_FIELDS_WITHOUT_FLAG = ("architecture", "kv_cache_dtype_skip_sliding_window", "pipeline_microbatches")
 
 
 def engine_flags() -> list[Flag]:

@@ -222,7 +222,7 @@ SERVE_FLAGS: tuple[Flag, ...] = (
            engine="enforce_eager", **_on),
         _h("--tensor-parallel-size", f"GPUs per model replica (1 to {MAX_TENSOR_PARALLEL_SIZE}, one node): Megatron-style tensor parallelism, one process per GPU; N must split the attention heads",
            engine="tensor_parallel_size", aliases=("-tp",), type=positive_int, metavar="N"),
-        _h("--pipeline-parallel-size", "pipeline stages per model replica: the decoder layers split as vLLM splits them, --tensor-parallel-size ranks each, one process per GPU (synchronous: one step runs through every stage before the next); on one host, or one LeaderWorkerSet pod per stage (LWS_LEADER_ADDRESS, LWS_GROUP_SIZE, LWS_WORKER_INDEX, KVPILOT_RENDEZVOUS_PORT; the leader serves, the workers run their stages)",
+        _h("--pipeline-parallel-size", "pipeline stages per model replica: the decoder layers split as vLLM splits them, --tensor-parallel-size ranks each, one process per GPU; each step's batch crosses the stages as microbatches in flight (one per stage, cut at request boundaries); on one host, or one LeaderWorkerSet pod per stage (LWS_LEADER_ADDRESS, LWS_GROUP_SIZE, LWS_WORKER_INDEX, KVPILOT_RENDEZVOUS_PORT; the leader serves, the workers run their stages)",
            engine="pipeline_parallel_size", aliases=("-pp",), type=positive_int, metavar="N"),
         _r("--data-parallel-size", _PARALLEL, "-dp"),
         _r("--data-parallel-size-local", _PARALLEL),

@@ -3,7 +3,9 @@
 Oracles: HF transformers' greedy tokens (float32) on the very checkpoint, for the three head
 layouts of the tensor-parallel tests (Qwen3 GQA, Qwen2 with tied embeddings: the last stage
 holds its own copy of the embedding as the LM head, Llama with a single KV head). The
-checkpoints have 3 layers, so the stages are uneven (vLLM's split: 2 + 1). Each runs with a
+checkpoints have 3 layers, so the stages are uneven (vLLM's split: 2 + 1). Steps go through
+the stages as two microbatches in flight (the default, one per stage), or whole (one case,
+``pipeline_microbatches=1``). Each runs with a
 pinned KV budget per GPU small enough to preempt, a token budget small enough to chunk
 prefills, and prompts that share prefixes; the per-rank block counts are the shared KV
 formula's for each stage's layers, and the group allocates their minimum.
@@ -20,11 +22,12 @@ from kvpilot.engine.core.pipeline_stages import layer_split
 from support.hf_oracle import MAX_NEW, assert_chunked_hits_and_preempted, hf_greedy, make_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+# kind, config overrides, TP, PP, microbatches per step (None: one per stage; 1: none)
 LAYOUTS = {
-    "qwen3-gqa-pp2": ("qwen3", {}, 1, 2),
-    "qwen2-tied-pp2": ("qwen2", {"tie_word_embeddings": True}, 1, 2),
-    "llama-mqa-tp2-pp2": ("llama", {"num_key_value_heads": 1}, 2, 2),
-    "qwen3-gqa-tp2-pp2": ("qwen3", {}, 2, 2),
+    "qwen3-gqa-pp2": ("qwen3", {}, 1, 2, None),
+    "qwen2-tied-pp2-sync": ("qwen2", {"tie_word_embeddings": True}, 1, 2, 1),
+    "llama-mqa-tp2-pp2": ("llama", {"num_key_value_heads": 1}, 2, 2, None),
+    "qwen3-gqa-tp2-pp2": ("qwen3", {}, 2, 2, None),
 }
 NUM_LAYERS = 3
 BLOCK_SIZE = 16
@@ -42,7 +45,7 @@ def planned_blocks(config: dict, tp: int, pp: int, budget: int) -> list[int]:
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_stages_match_hf_with_chunks_prefix_hits_and_preemption(layout, tiny_checkpoint):
-    kind, overrides, tp, pp = LAYOUTS[layout]
+    kind, overrides, tp, pp, microbatches = LAYOUTS[layout]
     path = tiny_checkpoint(kind, num_hidden_layers=NUM_LAYERS, **overrides)
     prompts = make_prompts(512, seed=sorted(LAYOUTS).index(layout))
     expected = hf_greedy(path, prompts)
@@ -51,7 +54,7 @@ def test_stages_match_hf_with_chunks_prefix_hits_and_preemption(layout, tiny_che
                      config.get("head_dim", 16), 4, BLOCK_SIZE)
     budget = first.memory_for_blocks(BUDGET_BLOCKS)
     llm = LLM(str(path), dtype="float32", tensor_parallel_size=tp, pipeline_parallel_size=pp,
-              kv_cache_memory_bytes=budget, max_model_len=640, max_num_batched_tokens=64)
+              pipeline_microbatches=microbatches, kv_cache_memory_bytes=budget, max_model_len=640, max_num_batched_tokens=64)
     try:
         engine = llm.llm_engine
         runner = engine.runner
@@ -63,6 +66,7 @@ def test_stages_match_hf_with_chunks_prefix_hits_and_preemption(layout, tiny_che
         assert runner.num_blocks_per_rank == [BUDGET_BLOCKS] * (tp * pp)                # the minimum, everywhere
         assert engine.cache_info.num_gpu_blocks == BUDGET_BLOCKS
         assert len(engine.workers.pids) == tp * pp - 1
+        assert runner.num_microbatches == (microbatches or pp)
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
         assert sum(g == e for g, e in zip(got, expected, strict=True)) == len(prompts)
         stats = llm.get_stats()
@@ -82,3 +86,13 @@ def test_sizes_that_cannot_split_the_layers_are_refused_before_anything_starts(t
         LLM(path, dtype="float32", pipeline_parallel_size=2, num_gpu_blocks=64, kv_offloading_size=0.1)
     with pytest.raises(ValueError, match="LoRA adapters are not implemented with pipeline parallelism"):
         LLM(path, dtype="float32", pipeline_parallel_size=2, num_gpu_blocks=64, enable_lora=True)
+
+
+def test_microbatches_cut_at_request_boundaries_evenly():
+    from kvpilot.engine.model.parallel.microbatch import request_bounds
+
+    assert request_bounds((64,), 2) == [(0, 1)]                          # one request: not cut
+    assert request_bounds((30, 2, 1, 31), 2) == [(0, 2), (2, 4)]         # 32 + 32 tokens
+    assert request_bounds((1, 1, 1, 1, 60), 2) == [(0, 4), (4, 5)]
+    assert request_bounds((5, 5, 5), 3) == [(0, 1), (1, 2), (2, 3)]
+    assert request_bounds((5, 5, 5), 8) == [(0, 1), (1, 2), (2, 3)]       # at most one per request

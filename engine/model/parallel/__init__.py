@@ -12,6 +12,8 @@ device each): ``TP`` ranks per pipeline stage, ``rank = stage * TP + tp_rank``.
   workers' unpacking of them into their own persistent buffers.
 - ``pipeline``: ``PipelineGroup``, a rank's stage, the world-wide groups, the point-to-point
   sends of hidden states between stages and of the last stage's logits to the driver.
+- ``microbatch``: a step's batch cut at request boundaries into microbatches that are in
+  flight through the stages together.
 - ``workers``: the driver's side: spawning ranks 1..N-1, watching them, shutting down.
 - ``worker``: a rank's process: load its shard, then serve the driver's commands.
 - ``lws``: a pipeline over a LeaderWorkerSet group's pods: the environment, the store

@@ -11,9 +11,9 @@ gloo) and ``world.device_pg`` the activations between stages (gloo on CPU, NCCL 
 - the last stage's first TP rank (where its TP ranks gathered the logits) sends the float32
   logits of the step's sampling rows to the driver (rank 0), which samples.
 
-The schedule is synchronous: one step goes through every stage before the next starts
-(no microbatches in flight). With one stage ``world`` is the tensor-parallel group itself
-and nothing is sent.
+A step's batch goes through the stages as microbatches in flight (``microbatch``), each
+send tagged with its microbatch's index; steps themselves run one after another. With one
+stage ``world`` is the tensor-parallel group itself and nothing is sent.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from kvpilot.engine.model.parallel.group import (
     nccl_group,
 )
 
-TAG_ACTIVATIONS = 1
-TAG_LOGITS = 2
+TAG_ACTIVATIONS = 1 << 20      # + the microbatch's index
+TAG_LOGITS = 2 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,24 +72,34 @@ class PipelineGroup:
         return stage_layers(num_layers, self.num_stages, self.stage)
 
     # ---- point to point (world.device_pg) --------------------------------------
-    def send_next(self, hidden: torch.Tensor, residual: torch.Tensor) -> None:
-        """The stage's output to the same TP rank of the next stage."""
+    def isend_next(self, hidden: torch.Tensor, residual: torch.Tensor, microbatch: int = 0):
+        """Start sending the stage's output to the same TP rank of the next stage; returns
+        ``(work, buffer)``: wait on ``work``, keeping ``buffer`` alive until then."""
         packed = torch.stack([hidden, residual]).contiguous()
-        self.world.device_pg.send([packed], self.world.rank + self.tp_size, TAG_ACTIVATIONS).wait()
+        work = self.world.device_pg.send([packed], self.world.rank + self.tp_size, TAG_ACTIVATIONS + microbatch)
+        return work, packed
+
+    def send_next(self, hidden: torch.Tensor, residual: torch.Tensor) -> None:
+        self.isend_next(hidden, residual)[0].wait()
 
     def recv_prev(self, num_tokens: int, hidden_size: int, dtype: torch.dtype,
-                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The previous stage's ``(hidden, residual)`` for a step of ``num_tokens``."""
+                  device: torch.device, microbatch: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The previous stage's ``(hidden, residual)`` for ``num_tokens`` tokens."""
         packed = torch.empty((2, num_tokens, hidden_size), dtype=dtype, device=device)
-        self.world.device_pg.recv([packed], self.world.rank - self.tp_size, TAG_ACTIVATIONS).wait()
+        self.world.device_pg.recv([packed], self.world.rank - self.tp_size, TAG_ACTIVATIONS + microbatch).wait()
         return packed[0], packed[1]
 
-    def send_logits(self, logits: torch.Tensor) -> None:
-        self.world.device_pg.send([logits.contiguous()], 0, TAG_LOGITS).wait()
+    def isend_logits(self, logits: torch.Tensor, microbatch: int = 0):
+        logits = logits.contiguous()
+        return self.world.device_pg.send([logits], 0, TAG_LOGITS + microbatch), logits
 
-    def recv_logits(self, num_rows: int, vocab_size: int, device: torch.device) -> torch.Tensor:
+    def send_logits(self, logits: torch.Tensor) -> None:
+        self.isend_logits(logits)[0].wait()
+
+    def recv_logits(self, num_rows: int, vocab_size: int, device: torch.device,
+                    microbatch: int = 0) -> torch.Tensor:
         logits = torch.empty((num_rows, vocab_size), dtype=torch.float32, device=device)
-        self.world.device_pg.recv([logits], self.last_stage_leader, TAG_LOGITS).wait()
+        self.world.device_pg.recv([logits], self.last_stage_leader, TAG_LOGITS + microbatch).wait()
         return logits
 
 

@@ -80,7 +80,8 @@ class Worker:
         self.device_memory = device_memory
         self.baseline = baseline
         self.runner = ModelRunner(spec.model_config, spec.cache_config, spec.scheduler_config, device,
-                                  spec.attention_backend, tp, pp=pp)
+                                  spec.attention_backend, tp, pp=pp,
+                                  num_microbatches=spec.parallel_config.num_microbatches)
         max_blocks = -(-spec.model_config.max_model_len // spec.cache_config.block_size)
         self.receiver = StepReceiver(self.runner.pp.world, spec.scheduler_config.max_num_batched_tokens,
                                      spec.scheduler_config.max_num_seqs, max_blocks, device,
