@@ -96,3 +96,39 @@ def test_microbatches_cut_at_request_boundaries_evenly():
     assert request_bounds((1, 1, 1, 1, 60), 2) == [(0, 4), (4, 5)]
     assert request_bounds((5, 5, 5), 3) == [(0, 1), (1, 2), (2, 3)]
     assert request_bounds((5, 5, 5), 8) == [(0, 1), (1, 2), (2, 3)]       # at most one per request
+
+
+@pytest.mark.slow
+def test_two_microbatches_are_in_flight_at_once(tiny_checkpoint, capfd):
+    """The stages' own timings (each rank logs when it computed each microbatch, one host's
+    monotonic clock): stage 1 computes microbatch 0 while stage 0 computes microbatch 1."""
+    import logging
+    import re
+
+    path = str(tiny_checkpoint("llama", num_hidden_layers=2, hidden_size=256, intermediate_size=1024))
+    kvpilot = logging.getLogger("kvpilot")
+    level = kvpilot.level
+    kvpilot.setLevel(logging.DEBUG)      # the worker inherits it (WorkerSpec.log_level)
+    handler = logging.StreamHandler()
+    logging.getLogger("kvpilot.engine.model.parallel.microbatch").addHandler(handler)
+    try:
+        llm = LLM(path, dtype="float32", pipeline_parallel_size=2, num_gpu_blocks=256, max_model_len=640,
+                  max_num_batched_tokens=2048, enable_prefix_caching=False)
+        try:
+            prompts = [[3 + (7 * i + j) % 500 for j in range(300)] for i in range(4)]
+            llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        finally:
+            llm.llm_engine.close()
+    finally:
+        kvpilot.setLevel(level)
+        logging.getLogger("kvpilot.engine.model.parallel.microbatch").removeHandler(handler)
+    spans = {}
+    for mb, stage, start, end in re.findall(r"microbatch (\d)/2 \(600 tokens\) on stage (\d) rank \d: "
+                                            r"([\d.]+)-([\d.]+)", capfd.readouterr().err):
+        spans[(int(mb), int(stage))] = (float(start), float(end))
+    assert set(spans) == {(0, 0), (1, 0), (0, 1), (1, 1)}, spans      # the prefill step, 2 x 600 tokens
+    (s0_mb1, e0_mb1), (s1_mb0, e1_mb0) = spans[(1, 0)], spans[(0, 1)]
+    overlap = min(e0_mb1, e1_mb0) - max(s0_mb1, s1_mb0)
+    print(f"\n[microbatches] stage 0 computed microbatch 1 in {e0_mb1 - s0_mb1:.3f} s, stage 1 microbatch 0 "
+          f"in {e1_mb0 - s1_mb0:.3f} s; at once for {overlap:.3f} s")
+    assert overlap > 0

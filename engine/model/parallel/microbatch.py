@@ -17,6 +17,8 @@ cut. Schedulers' steps still run one after another (no step overlaps the next).
 from __future__ import annotations
 
 import itertools
+import logging
+import time
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -24,6 +26,8 @@ import torch
 
 from kvpilot.engine.model.step_inputs import StepInputs
 from kvpilot.kernels.attention_metadata import AttentionMetadata
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,14 +93,20 @@ def pipelined_forward(runner, step: StepInputs, num_microbatches: int) -> torch.
     pp, model, arch = runner.pp, runner.model, runner.model_config.arch
     pending = []               # sends still in flight: (work, tensor kept alive until done)
     microbatches = split_step(step, num_microbatches)
+    trace = logger.isEnabledFor(logging.DEBUG)
     for i, mb in enumerate(microbatches):
         part = mb.step
         intermediate = None
         if not pp.is_first:
             intermediate = pp.recv_prev(part.input_ids.shape[0], arch.hidden_size, runner.dtype,
                                         runner.device, i)
+        start = time.monotonic()
         out = model(part.input_ids, part.positions, runner.kv_caches, part.metadata, runner.backend,
                     intermediate=intermediate)
+        if trace:   # when each stage computed each microbatch (CLOCK_MONOTONIC: one host's clock)
+            logger.debug("microbatch %d/%d (%d tokens) on stage %d rank %d: %.6f-%.6f", i,
+                         len(microbatches), part.input_ids.shape[0], pp.stage, pp.world.rank, start,
+                         time.monotonic())
         if not pp.is_last:
             pending.append(pp.isend_next(*out, microbatch=i))
         elif mb.num_logits:
