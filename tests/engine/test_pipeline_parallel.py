@@ -132,3 +132,31 @@ def test_two_microbatches_are_in_flight_at_once(tiny_checkpoint, capfd):
     print(f"\n[microbatches] stage 0 computed microbatch 1 in {e0_mb1 - s0_mb1:.3f} s, stage 1 microbatch 0 "
           f"in {e1_mb0 - s1_mb0:.3f} s; at once for {overlap:.3f} s")
     assert overlap > 0
+
+
+@pytest.mark.slow
+def test_a_dead_stage_fails_the_next_step_loudly(tiny_checkpoint):
+    import os
+    import signal
+    import time
+
+    from kvpilot.engine import EngineArgs, EngineDeadError, LLMEngine
+
+    engine = LLMEngine(EngineArgs(dtype="float32", model=str(tiny_checkpoint("qwen3")), pipeline_parallel_size=2,
+                                  num_gpu_blocks=64, max_model_len=512))
+    try:
+        engine.add_request("r", list(range(3, 40)), SamplingParams(temperature=0, max_tokens=200))
+        for _ in range(3):
+            engine.step()
+        (pid,) = engine.workers.pids
+        os.kill(pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(EngineDeadError, match=rf"pipeline-parallel worker rank 1 \(pid {pid}\) was "
+                                                  r"killed by SIGKILL"):
+            while True:
+                engine.step()
+        assert time.monotonic() - start < 5.0
+        with pytest.raises(EngineDeadError):     # and stays dead
+            engine.step()
+    finally:
+        engine.close()

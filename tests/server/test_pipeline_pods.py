@@ -124,6 +124,37 @@ def test_tensor_parallel_ranks_inside_each_pod_and_a_clean_stop(tmp_path, checkp
         worker.wait(10)
 
 
+@pytest.mark.slow
+def test_a_rank_dying_inside_the_worker_pod_fails_the_leader_with_its_exit(tmp_path, checkpoint):
+    """Not the whole pod: one of its ranks. The pod records why and exits; the leader names it."""
+    import re
+
+    port = free_port()
+    worker_log = tmp_path / "worker.log"
+    worker = _start_worker_pod(checkpoint, port, worker_log)
+    try:
+        with launch_server(_flags(checkpoint), log_path=tmp_path / "leader.log", timeout=240,
+                           env=_lws_env(0, port)) as leader, \
+                httpx.Client(base_url=leader.base_url, timeout=60) as http:
+            (pid,) = map(int, re.search(r"started ranks \[1\] \(pids \[(\d+)\]\)", worker_log.read_text()).groups())
+            os.kill(pid, signal.SIGKILL)
+            killed = time.monotonic()
+            while (health := http.get("/health")).status_code == 200 and time.monotonic() < killed + 10:
+                time.sleep(0.05)
+            unready_s = time.monotonic() - killed
+            message = health.json()["error"]["message"]
+            assert health.status_code == 503
+            assert (f"worker pod LWS_WORKER_INDEX=1 (pipeline stage 1, rank 1) failed: rank 1 (pid {pid}) "
+                    f"was killed by SIGKILL") in message
+            print(f"\n[pipeline pods] a worker pod's rank killed: /health 503 after {unready_s:.2f} s: {message}")
+            assert unready_s < DETECTION_LIMIT_S
+            assert worker.wait(10) == 1
+    finally:
+        if worker.poll() is None:
+            os.killpg(worker.pid, signal.SIGKILL)
+        worker.wait(10)
+
+
 def test_a_missing_worker_pod_fails_the_rendezvous_naming_it(tmp_path, checkpoint):
     port = free_port()
     start = time.monotonic()
