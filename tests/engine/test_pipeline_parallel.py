@@ -20,6 +20,7 @@ from kvpilot.engine.core.kv_layout import KVLayout, kv_heads_per_rank
 from kvpilot.engine.core.pipeline_stages import layer_split
 
 from support.hf_oracle import MAX_NEW, assert_chunked_hits_and_preempted, hf_greedy, make_prompts
+from support.worker_death import kill_worker_mid_request
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
 # kind, config overrides, TP, PP, microbatches per step (None: one per stage; 1: none)
@@ -136,27 +137,11 @@ def test_two_microbatches_are_in_flight_at_once(tiny_checkpoint, capfd):
 
 @pytest.mark.slow
 def test_a_dead_stage_fails_the_next_step_loudly(tiny_checkpoint):
-    import os
-    import signal
-    import time
-
-    from kvpilot.engine import EngineArgs, EngineDeadError, LLMEngine
+    from kvpilot.engine import EngineArgs, LLMEngine
 
     engine = LLMEngine(EngineArgs(dtype="float32", model=str(tiny_checkpoint("qwen3")), pipeline_parallel_size=2,
                                   num_gpu_blocks=64, max_model_len=512))
     try:
-        engine.add_request("r", list(range(3, 40)), SamplingParams(temperature=0, max_tokens=200))
-        for _ in range(3):
-            engine.step()
-        (pid,) = engine.workers.pids
-        os.kill(pid, signal.SIGKILL)
-        start = time.monotonic()
-        with pytest.raises(EngineDeadError, match=rf"pipeline-parallel worker rank 1 \(pid {pid}\) was "
-                                                  r"killed by SIGKILL"):
-            while True:
-                engine.step()
-        assert time.monotonic() - start < 5.0
-        with pytest.raises(EngineDeadError):     # and stays dead
-            engine.step()
+        kill_worker_mid_request(engine, "pipeline-parallel")
     finally:
         engine.close()

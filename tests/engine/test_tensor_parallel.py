@@ -11,9 +11,7 @@ calibrated on the first batch) two ranks must give exactly the one-rank tokens.
 from __future__ import annotations
 
 import json
-import os
 import random
-import signal
 import time
 
 import pytest
@@ -21,6 +19,7 @@ import pytest
 from kvpilot.engine import LLM, EngineArgs, EngineDeadError, LLMEngine, SamplingParams
 
 from support.hf_oracle import MAX_NEW, assert_chunked_hits_and_preempted, hf_greedy, make_prompts
+from support.worker_death import kill_worker_mid_request
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
 LAYOUTS = {
@@ -105,20 +104,8 @@ def test_a_dead_worker_fails_the_next_step_loudly(tiny_checkpoint):
             seen.append(error)
 
         engine.on_dead(slow_listener)
-        engine.add_request("r", list(range(3, 40)), SamplingParams(temperature=0, max_tokens=200))
-        for _ in range(3):
-            engine.step()
-        (pid,) = engine.workers.pids
-        os.kill(pid, signal.SIGKILL)
-        start = time.monotonic()
-        with pytest.raises(EngineDeadError, match=rf"tensor-parallel worker rank 1 \(pid {pid}\) was "
-                                                  r"killed by SIGKILL"):
-            while True:
-                engine.step()
-        assert time.monotonic() - start < 5.0
+        kill_worker_mid_request(engine, "tensor-parallel")
         assert seen == [engine.dead_error] and engine.dead_error is not None
-        with pytest.raises(EngineDeadError):     # and stays dead
-            engine.step()
     finally:
         engine.close()
 
