@@ -145,3 +145,31 @@ def test_a_dead_stage_fails_the_next_step_loudly(tiny_checkpoint):
         kill_worker_mid_request(engine, "pipeline-parallel")
     finally:
         engine.close()
+
+
+@pytest.mark.slow
+def test_each_rank_profiles_its_own_gpu_and_the_tightest_sizes_the_group(monkeypatch, tiny_checkpoint):
+    """Simulated GPUs (``KVPILOT_FAKE_DEVICE_MEMORY``): stage 1's rank has a larger activation
+    peak, so though it holds half the layers its budget holds fewer blocks than stage 0's;
+    every rank profiles (the profile step crossing both stages) and allocates stage 1's count."""
+    import json
+
+    from kvpilot.engine.core.kv_layout import KVLayout
+
+    gib = 1 << 30
+    monkeypatch.setenv("KVPILOT_FAKE_DEVICE_MEMORY", json.dumps(
+        {"total_gib": 0.1, "free_gib": 0.1, "weights_gib": 0.01, "ranks": {"1": {"activation_gib": 0.06}}}))
+    llm = LLM(str(tiny_checkpoint("qwen3", num_hidden_layers=NUM_LAYERS)), dtype="float32",
+              pipeline_parallel_size=2, max_model_len=256)
+    try:
+        engine = llm.llm_engine
+        budget = [int(int(0.1 * gib) * 0.9) - int(0.01 * gib) - extra for extra in (0, int(0.06 * gib))]
+        planned = [KVLayout(layers, 2, 32, 4, BLOCK_SIZE).num_blocks(b)
+                   for layers, b in zip(layer_split(NUM_LAYERS, 2), budget, strict=True)]
+        assert engine.num_blocks_per_rank == planned and planned[1] < planned[0]
+        assert engine.runner.num_blocks_per_rank == [planned[1]] * 2
+        out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        assert len(out[0].outputs[0].token_ids) == 4
+        print(f"\n[profiled] blocks per rank {planned} -> {planned[1]} on every rank")
+    finally:
+        llm.llm_engine.close()
