@@ -86,8 +86,13 @@ class PodWatch:
     def __init__(self, store, indices: range, tp: int) -> None:
         self.store = store
         self.tp = tp
+        self.indices = indices
+        self.restart()
+
+    def restart(self) -> None:
+        """Count each pod's silence from now."""
         now = time.monotonic()
-        self._seen = {i: (-1, now) for i in indices}
+        self._seen = {i: (-1, now) for i in self.indices}
 
     def pod_error(self, index: int) -> str | None:
         """What pod ``index`` recorded before it went down, else None."""

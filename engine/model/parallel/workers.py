@@ -171,7 +171,7 @@ class WorkerGroup:
             threading.Thread(target=_watch, args=(weakref.ref(self), rank, process),
                              name=f"kvpilot-tp-monitor-{rank}", daemon=True).start()
         if self.pods is not None:
-            self.pods = PodWatch(self.store, range(1, self.num_stages), tp)   # heartbeats from now on
+            self.pods.restart()      # heartbeats are expected from now on
             threading.Thread(target=_watch_pods, args=(weakref.ref(self), self.pods),
                              name="kvpilot-pod-monitor", daemon=True).start()
         logger.info("%s: %d ranks (TP %d x PP %d) on %s; local worker pids %s%s", self.kind, world_size, tp,
