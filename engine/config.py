@@ -10,8 +10,9 @@ from typing import Any
 
 from kvpilot.engine.core.constants import KV_CACHE_DTYPES, MAX_TENSOR_PARALLEL_SIZE, MODEL_DTYPES
 from kvpilot.engine.core.kv_layout import KV_DTYPE_BYTES, tensor_parallel_split_error
+from kvpilot.engine.core.pipeline_stages import layer_split
 from kvpilot.engine.core.request_queue import SCHEDULING_POLICIES
-from kvpilot.engine.model.hf_config import ArchConfig
+from kvpilot.engine.model.hf_config import GEMMA3_ARCHITECTURES, ArchConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,23 +103,80 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class Rendezvous:
+    """Where the ranks of a pipeline spread over pods (a LeaderWorkerSet group) meet: the
+    leader's ``torch.distributed`` store at ``leader_address:port``. From the environment
+    the LeaderWorkerSet controller gives each pod (``kvpilot.engine.model.parallel.lws``).
+
+    ``worker_index``: this pod's place in the group (0: the leader, which runs the API
+    server, the scheduler and stage 0; ``i``: stage ``i``); ``timeout_s``: how long the
+    leader waits for every pod's ranks to join (and a worker for the leader's store)."""
+
+    leader_address: str
+    port: int
+    group_size: int
+    worker_index: int
+    timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.worker_index < self.group_size:
+            raise ValueError(f"LWS_WORKER_INDEX {self.worker_index} must be in [0, {self.group_size}) "
+                             f"(LWS_GROUP_SIZE)")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"rendezvous port {self.port} must be in [1, 65535]")
+        if not self.timeout_s > 0:
+            raise ValueError(f"rendezvous timeout must be > 0 seconds, got {self.timeout_s}")
+
+
+@dataclass(frozen=True, slots=True)
 class ParallelConfig:
-    """Tensor parallelism: ``tensor_parallel_size`` ranks, one process and one device each
-    (rank 0 is the engine's own process), all on ``devices`` (one per rank)."""
+    """Tensor x pipeline parallelism: ``tensor_parallel_size x pipeline_parallel_size``
+    ranks, one process and one device each, ``rank = stage * TP + tp_rank``
+    (``core.pipeline_stages``; rank 0 is the engine's own process).
+
+    ``devices``: one per rank on this host: every rank's when ``rendezvous`` is None (one
+    host runs them all), else the ``TP`` ranks of this pod's stage (one pod per stage)."""
 
     tensor_parallel_size: int = 1
     devices: tuple[str, ...] = ("cpu",)
+    pipeline_parallel_size: int = 1
+    rendezvous: Rendezvous | None = None
+    # Microbatches a step's batch is cut into through the stages (None: one per stage;
+    # 1: each step runs through the stages whole, one stage at a time).
+    pipeline_microbatches: int | None = None
 
     def __post_init__(self) -> None:
-        tp = self.tensor_parallel_size
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        if self.pipeline_microbatches is not None and self.pipeline_microbatches < 1:
+            raise ValueError(f"pipeline_microbatches must be >= 1, got {self.pipeline_microbatches}")
         if not 1 <= tp <= MAX_TENSOR_PARALLEL_SIZE:
             raise ValueError(f"tensor_parallel_size must be in [1, {MAX_TENSOR_PARALLEL_SIZE}] "
                              f"(GPUs of one node), got {tp}")
-        if len(self.devices) != tp:
-            raise ValueError(f"tensor_parallel_size {tp} needs one device per rank, got {self.devices}")
+        if pp < 1:
+            raise ValueError(f"pipeline_parallel_size must be >= 1, got {pp}")
+        if self.rendezvous is not None and self.rendezvous.group_size != pp:
+            raise ValueError(f"LWS_GROUP_SIZE {self.rendezvous.group_size} must equal "
+                             f"--pipeline-parallel-size {pp} (one pod per pipeline stage)")
+        local = tp if self.rendezvous is not None else tp * pp
+        if len(self.devices) != local:
+            raise ValueError(f"tensor_parallel_size {tp} x pipeline_parallel_size {pp} needs one device "
+                             f"per rank on this host ({local}), got {self.devices}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.pipeline_microbatches or self.pipeline_parallel_size
+
+    def device_of(self, rank: int) -> str:
+        """The device of global rank ``rank`` (a rank of this host)."""
+        return self.devices[rank % self.tensor_parallel_size if self.rendezvous is not None else rank]
 
     def check_model(self, arch: ArchConfig) -> None:
-        """ValueError when the model's heads or MLP cannot be split over the ranks."""
+        """ValueError when the model's heads or MLP cannot be split over the ranks, or its
+        layers over the stages."""
         why = tensor_parallel_split_error(arch.num_attention_heads, arch.num_key_value_heads,
                                           arch.intermediate_size, self.tensor_parallel_size)
         if why is not None:
@@ -128,6 +186,12 @@ class ParallelConfig:
             raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} cannot split "
                              f"{arch.architecture}: {why}; sizes that work: "
                              f"{', '.join(map(str, valid))}")
+        if self.pipeline_parallel_size > 1:
+            layer_split(arch.num_hidden_layers, self.pipeline_parallel_size)   # ValueError past the layers
+            if arch.sliding_window_layers or arch.architecture in GEMMA3_ARCHITECTURES:
+                raise ValueError(f"pipeline parallelism is not implemented for {arch.architecture} with "
+                                 f"sliding-window layers (a hybrid KV cache); use "
+                                 f"--pipeline-parallel-size 1")
 
 
 STRUCTURED_OUTPUT_BACKENDS = ("auto", "xgrammar")

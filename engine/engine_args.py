@@ -14,6 +14,7 @@ from kvpilot.engine.config import (
     CacheConfig,
     ModelConfig,
     ParallelConfig,
+    Rendezvous,
     SchedulerConfig,
     StructuredOutputsConfig,
 )
@@ -75,6 +76,13 @@ class EngineArgs:
     # Ranks (processes, GPUs) one replica of the model is split over: Megatron-style
     # tensor parallelism; ranks use consecutive devices from ``device`` (cuda:N..N+tp-1).
     tensor_parallel_size: int = _default(ParallelConfig, "tensor_parallel_size")
+    # Pipeline parallelism: the decoder layers split into this many stages (vLLM's split,
+    # ``core.pipeline_stages``), TP ranks each; all on this host unless ``rendezvous``
+    # (a LeaderWorkerSet group: one pod per stage, ``model.parallel.lws``).
+    pipeline_parallel_size: int = _default(ParallelConfig, "pipeline_parallel_size")
+    rendezvous: Rendezvous | None = None
+    # microbatches in flight through the stages per step (None: one per stage; 1: none)
+    pipeline_microbatches: int | None = None
     scheduling_policy: str = _default(SchedulerConfig, "policy")
     # KV offload (vLLM's names): CPU tier GiB (None = off), backend, optional disk tier.
     kv_offloading_size: float | None = None
@@ -202,6 +210,9 @@ class EngineArgs:
         if self.tensor_parallel_size > 1:
             raise ValueError("LoRA adapters are not implemented with tensor parallelism; use "
                              "--tensor-parallel-size 1 or turn --enable-lora off")
+        if self.pipeline_parallel_size > 1:
+            raise ValueError("LoRA adapters are not implemented with pipeline parallelism; use "
+                             "--pipeline-parallel-size 1 or turn --enable-lora off")
         if self.kv_offloading_size is not None and self.kv_offloading_backend == "lmcache":
             raise ValueError("LoRA adapters with the lmcache offload backend would share KV across "
                              "adapters (LMCache keys by tokens); use --kv-offloading-backend native")
@@ -212,28 +223,36 @@ class EngineArgs:
 
     def create_parallel_config(self, arch: ArchConfig) -> ParallelConfig:
         """The ranks' devices; ValueError when the model cannot be split over
-        ``tensor_parallel_size`` ranks or there are fewer GPUs than ranks."""
-        tp = self.tensor_parallel_size
+        ``tensor_parallel_size`` ranks (or its layers over ``pipeline_parallel_size``
+        stages) or there are fewer GPUs than this host's ranks."""
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
         device = self.resolve_device()
-        if tp == 1:
+        if tp == 1 and pp == 1:
             return ParallelConfig(1, (device,))
+        micro = self.pipeline_microbatches
+        local = tp if self.rendezvous is not None else tp * pp
         kind, _, index = device.partition(":")
         if kind == "cpu":
-            devices = ("cpu",) * tp
+            devices = ("cpu",) * local
         elif kind == "cuda":
             import torch
 
             first = int(index or 0)
             visible = torch.cuda.device_count()
-            if first + tp > visible:
-                raise ValueError(f"tensor_parallel_size {tp} needs {tp} GPUs (cuda:{first}..cuda:"
-                                 f"{first + tp - 1}) but {visible} are visible; lower "
+            if first + local > visible:
+                what = f"tensor_parallel_size {tp}" if pp == 1 else \
+                    f"tensor_parallel_size {tp} x pipeline_parallel_size {pp}"
+                raise ValueError(f"{what} needs {local} GPUs (cuda:{first}..cuda:"
+                                 f"{first + local - 1}) but {visible} are visible; lower "
                                  f"--tensor-parallel-size or make more GPUs visible")
-            devices = tuple(f"cuda:{first + r}" for r in range(tp))
+            devices = tuple(f"cuda:{first + r}" for r in range(local))
         else:
-            raise ValueError(f"tensor parallelism runs on cuda or cpu devices, not {device!r}")
-        config = ParallelConfig(tp, devices)
+            raise ValueError(f"tensor and pipeline parallelism run on cuda or cpu devices, not {device!r}")
+        config = ParallelConfig(tp, devices, pp, self.rendezvous, micro)
         config.check_model(arch)
+        if pp > 1 and find_gguf(Path(self.model_path())) is not None:
+            raise ValueError("pipeline parallelism is not implemented for GGUF checkpoints; use a "
+                             "safetensors checkpoint or --pipeline-parallel-size 1")
         return config
 
     def create_offload_config(self):
@@ -259,6 +278,10 @@ class EngineArgs:
                     f"KV offloading is not implemented for sliding-window models whose blocks are "
                     f"released outside the window ({arch.architecture}, window "
                     f"{window}); turn offloading off or set max_model_len <= {window}")
+        if self.pipeline_parallel_size > 1:
+            raise ValueError("KV offloading is not implemented with pipeline parallelism (each stage "
+                             "holds its own layers' blocks): use pipeline_parallel_size 1 or turn "
+                             "offloading off")
         if self.tensor_parallel_size > 1:
             raise ValueError("KV offloading is not implemented with tensor parallelism (each rank "
                              "holds its own heads' blocks): use tensor_parallel_size 1 or turn "

@@ -28,8 +28,13 @@ from kvpilot.engine.engine_args import EngineArgs, model_fingerprint
 from kvpilot.engine.exceptions import EngineDeadError
 from kvpilot.engine.kv_events import start_kv_events
 from kvpilot.engine.model.device_memory import device_memory_for
-from kvpilot.engine.model.memory_profiling import KVCacheSizing, determine_num_blocks
+from kvpilot.engine.model.memory_profiling import (
+    KVCacheSizing,
+    determine_num_blocks,
+    stage_num_blocks,
+)
 from kvpilot.engine.model.parallel.group import RanksOutOfStep
+from kvpilot.engine.model.parallel.step_channel import Command
 from kvpilot.engine.model.runner import ModelRunner
 from kvpilot.engine.output_processor import OutputProcessor, SequenceState
 from kvpilot.engine.outputs import RequestOutput
@@ -60,8 +65,10 @@ class FailedRequest:
 class LLMEngine:
     """Start-up is named steps: start the tensor-parallel workers (if any), load the model,
     size the KV cache, allocate it, and build the scheduler side (block tables, prefix
-    cache, KV offload). With ``tensor_parallel_size > 1`` this process is rank 0: it
-    schedules and samples for all ranks (``kvpilot.engine.model.parallel``)."""
+    cache, KV offload). With ``tensor_parallel_size > 1`` or ``pipeline_parallel_size > 1``
+    this process is rank 0 (stage 0's first rank): it schedules and samples for all ranks
+    (``kvpilot.engine.model.parallel``); ``num_blocks_per_rank`` is what each rank's KV
+    budget holds for its own stage's layers (the group allocates the minimum)."""
 
     def __init__(self, args: EngineArgs) -> None:
         model_config, cache_config, scheduler_config = args.create_configs()
@@ -97,7 +104,9 @@ class LLMEngine:
         workers = self.workers
         self.runner = ModelRunner(model_config, cache_config, scheduler_config, device,
                                   args.attention_backend, tp=workers.group if workers else None,
-                                  channel=workers.channel if workers else None)
+                                  channel=workers.channel if workers else None,
+                                  pp=workers.pipeline if workers else None,
+                                  num_microbatches=self.parallel_config.num_microbatches)
         layout = self._kv_layout()
         sizing = self._size_kv_cache(layout)
         self.lora = self._start_lora(device)    # its slots before the KV cache takes the rest
@@ -158,7 +167,7 @@ class LLMEngine:
     def _start_workers(self) -> WorkerGroup | None:
         """Ranks 1..N-1 (their own processes), loading their shards while this one loads."""
         parallel = self.parallel_config
-        if parallel.tensor_parallel_size == 1:
+        if parallel.world_size == 1:
             return None
         from kvpilot.engine.model.parallel.workers import WorkerGroup
 
@@ -179,7 +188,8 @@ class LLMEngine:
 
         groups = self.runner.layer_kv_groups
         if groups is None:
-            return pool(arch.num_hidden_layers, cache.kv_dtype_bytes(self.model_config.dtype), layer_bytes)
+            # this stage's layers (all of them with one stage)
+            return pool(len(layer_bytes), cache.kv_dtype_bytes(self.model_config.dtype), layer_bytes)
         pools = []
         for group in (0, 1):
             group_bytes = tuple(b for b, g in zip(layer_bytes, groups, strict=True) if g == group)
@@ -255,9 +265,17 @@ class LLMEngine:
         """Blocks to allocate (given, from a byte budget checked against profiling, or by
         profiling); must hold one ``max_model_len`` sequence (on a model whose layers all
         slide: its window, one block, and a full prefill chunk)."""
-        sizing = determine_num_blocks(layout, self.cache_config, self.runner, self.scheduler_config,
-                                      self.device_memory, self._memory_baseline,
-                                      lora_bytes=self._lora_device_bytes())
+        if self.parallel_config.pipeline_parallel_size > 1:
+            # every rank sizes its own stage's cache; the group takes the minimum
+            self.runner.channel.send(Command.SIZE)
+            sizing, self.num_blocks_per_rank = stage_num_blocks(
+                self.runner, self.cache_config, self.scheduler_config, self.device_memory,
+                self._memory_baseline)
+        else:
+            sizing = determine_num_blocks(layout, self.cache_config, self.runner, self.scheduler_config,
+                                          self.device_memory, self._memory_baseline,
+                                          lora_bytes=self._lora_device_bytes())
+            self.num_blocks_per_rank = [sizing.num_blocks] * self.parallel_config.world_size
         num_blocks = sizing.num_blocks
         capacity = layout.token_capacity(num_blocks)
         max_len = self.model_config.max_model_len

@@ -28,6 +28,7 @@ from safetensors import safe_open
 from torch import nn
 
 from kvpilot.engine.core.gguf_contract import find_gguf
+from kvpilot.engine.core.pipeline_stages import StageLayers
 from kvpilot.engine.core.weight_quant import Fp8WeightConfig
 from kvpilot.engine.model.checkpoint_checks import (
     check_shard_names,
@@ -124,12 +125,33 @@ def _load_one(module: nn.Module, param_name: str, src: Any, shard: int | None) -
     param.data.copy_(read_shard(src, 0, None).to(param.dtype))
 
 
+def _stage_target(name: str, stage: StageLayers, num_layers: int, tied: bool) -> str | None:
+    """``name`` as this pipeline stage's model names it (decoder layer ``i`` is the stage's
+    ``layers[i - first_layer]``), or None when the tensor belongs to another stage."""
+    m = _LAYER.match(name)
+    if m:
+        layer = int(m.group(1))
+        if layer not in stage.layers(num_layers):
+            return None
+        return f"model.layers.{layer - stage.first_layer}.{m.group(2)}"
+    if name == "model.embed_tokens.weight":
+        return name if stage.is_first or (stage.is_last and tied) else None
+    if name in ("model.norm.weight", "lm_head.weight"):
+        return name if stage.is_last else None
+    return name
+
+
 def load_model(model_dir: str | Path, cfg: ArchConfig, max_model_len: int,
-               dtype: torch.dtype, device: torch.device, tp: TPGroup | None = None) -> LlamaForCausalLM:
+               dtype: torch.dtype, device: torch.device, tp: TPGroup | None = None,
+               stage: StageLayers | None = None) -> LlamaForCausalLM:
     """The model with this rank's shard of the checkpoint's weights (all of them at one
-    rank), in ``dtype`` on ``device``; each rank reads only its own slices. ``model_dir``
-    may also be a GGUF file (or a directory holding one): see ``kvpilot.engine.model.gguf``."""
+    rank), in ``dtype`` on ``device``; each rank reads only its own slices, and a pipeline
+    stage (``stage``) only its own layers' tensors. ``model_dir`` may also be a GGUF file
+    (or a directory holding one): see ``kvpilot.engine.model.gguf``."""
     model_dir = Path(model_dir)
+    stage = stage or StageLayers()
+    if stage.num_stages > 1 and find_gguf(model_dir) is not None:
+        raise ValueError("pipeline parallelism is not implemented for GGUF checkpoints")
     gguf_file = find_gguf(model_dir)
     if gguf_file is not None:
         from kvpilot.engine.model.gguf.weights import GGUFCheckpoint, place_tensor
@@ -144,9 +166,10 @@ def load_model(model_dir: str | Path, cfg: ArchConfig, max_model_len: int,
         shapes, tensors, place = checkpoint_shapes(files), iter_checkpoint(model_dir), _load_one
     check_tensor_list(shapes, cfg, model_dir)  # before allocating
     with torch.device("meta"):
-        model = model_class(cfg.architecture)(cfg, max_model_len, tp).to(dtype)
+        staged = {"stage": stage} if stage.num_stages > 1 else {}
+        model = model_class(cfg.architecture)(cfg, max_model_len, tp, **staged).to(dtype)
         if cfg.quantization is not None:
-            _use_fp8_weights(model, cfg.quantization)
+            _use_fp8_weights(model, cfg.quantization, stage.first_layer)
         kept = _use_gguf_weights(model, checkpoint, device) if gguf_file is not None else None
     model = model.to_empty(device=device)
     modules = dict(model.named_modules())
@@ -155,6 +178,9 @@ def load_model(model_dir: str | Path, cfg: ArchConfig, max_model_len: int,
     unexpected: list[str] = []
     kv_scales: dict[tuple[int, str], float] = {}
     for name, src in tensors:
+        name = _stage_target(name, stage, cfg.num_hidden_layers, cfg.tie_word_embeddings)
+        if name is None:
+            continue
         scale = _KV_SCALE.match(name)
         if scale:
             value = read_shard(src, 0, None).float().reshape(-1)[0]
@@ -187,7 +213,7 @@ def load_model(model_dir: str | Path, cfg: ArchConfig, max_model_len: int,
             f"missing weights {missing or 'none'}; incomplete fused weights {incomplete or 'none'}; "
             f"unexpected weights {unexpected[:10] or 'none'}")
     # Non-persistent buffers (rope tables, kv scales) were created on meta: rebuild them.
-    _materialize_buffers(model, cfg, max_model_len)
+    _materialize_buffers(model, cfg, max_model_len, stage.first_layer)
     model = model.to(device)
     for (layer, kind), value in kv_scales.items():
         getattr(model.layers[layer].self_attn, f"{kind}_scale").fill_(value)
@@ -256,9 +282,9 @@ def _log_gguf_bytes(checkpoint: Any, model: nn.Module, shapes: dict[str, tuple[i
                 float32 / file_bytes, held)
 
 
-def _use_fp8_weights(model: LlamaForCausalLM, config: Fp8WeightConfig) -> None:
+def _use_fp8_weights(model: LlamaForCausalLM, config: Fp8WeightConfig, first_layer: int = 0) -> None:
     """FP8 storage for the linear layers the checkpoint quantized (not those it ignores)."""
-    for i, layer in enumerate(model.layers):
+    for i, layer in enumerate(model.layers, start=first_layer):
         for engine_name, sources in _LINEARS.items():
             quantized = {config.quantizes(f"model.layers.{i}.{src}") for src in sources}
             if len(quantized) != 1:
@@ -268,8 +294,10 @@ def _use_fp8_weights(model: LlamaForCausalLM, config: Fp8WeightConfig) -> None:
                 use_fp8_weight(layer.get_submodule(engine_name), config)
 
 
-def _materialize_buffers(model: LlamaForCausalLM, cfg: ArchConfig, max_model_len: int) -> None:
-    for layer, rotary in zip(model.layers, layer_rotaries(cfg, max_model_len), strict=True):
+def _materialize_buffers(model: LlamaForCausalLM, cfg: ArchConfig, max_model_len: int,
+                         first_layer: int = 0) -> None:
+    rotaries = layer_rotaries(cfg, max_model_len)[first_layer:first_layer + len(model.layers)]
+    for layer, rotary in zip(model.layers, rotaries, strict=True):
         attn = layer.self_attn
         attn.rotary = rotary
         attn.k_scale = torch.tensor(1.0)

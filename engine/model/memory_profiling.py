@@ -21,12 +21,18 @@ the one the planner uses too.
 Under tensor parallelism every rank profiles its own device (its shard, its KV heads)
 in the same worst-case step, and all ranks adopt the profile of the rank that leaves the
 least for the KV cache: the block count is then the same everywhere and fits every GPU.
+
+Under pipeline parallelism the stages hold different layers (and so different bytes per
+block), so profiles are not compared: every rank turns its own budget into blocks of its
+own stage's layout (``stage_num_blocks``, run by every rank at once) and the group takes
+the minimum over the ranks' block counts (an all-gather on the control group), which the
+driver logs with every rank's figure.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -163,3 +169,27 @@ def determine_num_blocks(layout: KVLayout, cache: CacheConfig, runner, scheduler
         raise ValueError(f"no memory left for the KV cache at gpu_memory_utilization="
                          f"{cache.gpu_memory_utilization} ({profile.describe()})")
     return KVCacheSizing(layout.num_blocks(profile.available_kv_bytes), profile)
+
+
+def stage_kv_layout(runner, cache: CacheConfig) -> KVLayout:
+    """This rank's KV cache shape by the shared formula: its stage's layers (all of them
+    with one stage), its KV heads, per-layer dtypes where they differ."""
+    per_layer = tuple(d.itemsize for d in runner.layer_kv_dtypes)
+    return KVLayout(len(per_layer), runner.num_kv_heads, runner.model_config.arch.head_dim,
+                    cache.kv_dtype_bytes(runner.model_config.dtype), cache.block_size,
+                    layer_dtype_bytes=per_layer if len(set(per_layer)) > 1 else ())
+
+
+def stage_num_blocks(runner, cache: CacheConfig, scheduler: SchedulerConfig,
+                     device_memory: DeviceMemory | None = None,
+                     baseline: MemorySnapshot | None = None) -> tuple[KVCacheSizing, list[int]]:
+    """Pipeline parallelism: this rank's block count for its own stage (by
+    ``determine_num_blocks``), then the group's, the minimum over every rank (a collective:
+    every rank calls it). Returns the group's sizing and every rank's count, in rank order."""
+    sizing = determine_num_blocks(stage_kv_layout(runner, cache), cache, runner, scheduler,
+                                  device_memory, baseline)
+    counts = runner.pp.world.all_gather_cpu(torch.tensor([sizing.num_blocks])).flatten().tolist()
+    if runner.pp.is_driver:
+        logger.info("KV blocks each rank's budget holds (its stage's layers): %s; the group "
+                    "allocates the minimum, %d, on every rank", counts, min(counts))
+    return replace(sizing, num_blocks=min(counts)), counts

@@ -16,6 +16,11 @@ holds the persistent batch and samples; before each thing it does that needs the
 workers (a step, the profiling step, allocating the cache) it sends them the command
 through ``channel``, and they run the same thing on their shard
 (``kvpilot.engine.model.parallel.worker``).
+
+Under pipeline parallelism a rank's runner holds its stage's layers and their KV cache
+only (``kv_caches[j]``: the stage's ``j``-th layer); every rank gets the step inputs from
+the driver, a stage after the first takes its input from the previous stage, and the
+last stage's logits come back to the driver (``parallel.pipeline``), which samples.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ from kvpilot.engine.model.hf_config import kv_cache_groups
 from kvpilot.engine.model.input_batch import InputBatch
 from kvpilot.engine.model.loader import load_model
 from kvpilot.engine.model.parallel.group import RanksOutOfStep, TPGroup
+from kvpilot.engine.model.parallel.microbatch import pipelined_forward
+from kvpilot.engine.model.parallel.pipeline import PipelineGroup
 from kvpilot.engine.model.parallel.step_channel import Command, StepSender
 from kvpilot.engine.model.sampler import SampleResult, SamplingMetadata, sample
 from kvpilot.engine.model.step_inputs import StepInputBuilder, StepInputs, per_layer
@@ -112,27 +119,36 @@ def layer_kv_dtypes(model_config: ModelConfig, cache_config: CacheConfig) -> lis
 
 class ModelRunner:
     """Args:
-        tp: this rank among the tensor-parallel ranks (default: the only rank).
+        tp: this rank among its stage's tensor-parallel ranks (default: the only rank).
         channel: the driver's channel to the other ranks (None: no other ranks).
+        pp: this rank's pipeline stage (default: one stage, whose ranks are ``tp``'s).
+        num_microbatches: microbatches a step is cut into through the pipeline's stages
+            (``parallel.microbatch``; 1: none).
     """
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
                  scheduler_config: SchedulerConfig, device: torch.device,
                  attention_backend: str = "auto", tp: TPGroup | None = None,
-                 channel: StepSender | None = None) -> None:
+                 channel: StepSender | None = None, pp: PipelineGroup | None = None,
+                 num_microbatches: int = 1) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
         self.device = device
         self.tp = tp = tp or TPGroup()
+        self.pp = pp = pp or PipelineGroup(0, 1, tp.world_size, tp)
+        self.stage = stage = pp.layers(model_config.arch.num_hidden_layers)
+        self.num_microbatches = num_microbatches if pp.enabled else 1
         self.channel = channel
         self.dtype = TORCH_DTYPES[model_config.dtype]
         self.kv_dtype = TORCH_DTYPES[cache_config.kv_dtype_name(model_config.dtype)]
-        self.layer_kv_dtypes = layer_kv_dtypes(model_config, cache_config)
+        # this stage's layers' (every layer's with one stage); kv_caches[j] is layers[j]'s
+        self.layer_kv_dtypes = layer_kv_dtypes(model_config, cache_config)[
+            stage.first_layer:stage.end_layer]
         self.num_kv_heads = kv_heads_per_rank(model_config.arch.num_key_value_heads, tp.world_size)
         torch.manual_seed(model_config.seed)
         self.model = load_model(model_config.model, model_config.arch, model_config.max_model_len,
-                                self.dtype, device, tp)
-        if device.type == "cpu":
+                                self.dtype, device, tp, stage)
+        if device.type == "cpu" and stage.is_last:
             self.model.use_transposed_output_weight()
         self.backend = select_attention_backend(attention_backend, device)
         if self.backend.name == "triton":
@@ -148,9 +164,9 @@ class ModelRunner:
         # each step's inputs ready-made (``parallel.step_channel``).
         self.input_batch = InputBatch(scheduler_config.max_num_seqs, model_config.max_model_len,
                                       self.block_size, model_config.arch.vocab_size, device,
-                                      num_kv_groups=self.num_kv_groups) if tp.is_driver else None
+                                      num_kv_groups=self.num_kv_groups) if pp.is_driver else None
         self.inputs = StepInputBuilder(self.input_batch, scheduler_config.max_num_batched_tokens,
-                                       device) if tp.is_driver else None
+                                       device) if pp.is_driver else None
         # Decode-step CUDA graphs (capture_cuda_graphs); None: every step runs eagerly.
         self.graphs: DecodeGraphs | None = None
         # Executor half of the KV offload backend (kvpilot.engine.offload), None when off:
@@ -177,9 +193,9 @@ class ModelRunner:
         if self.channel is not None:
             self.channel.send(Command.ALLOCATE, num_blocks, num_sliding_blocks or 0)
         self._allocate(num_blocks, num_sliding_blocks)
-        counts = self.tp.all_gather_cpu(torch.tensor([num_blocks])).flatten().tolist()
+        counts = self.pp.world.all_gather_cpu(torch.tensor([num_blocks])).flatten().tolist()
         if len(set(counts)) != 1:
-            raise RuntimeError(f"tensor-parallel ranks allocated different KV block counts: {counts}")
+            raise RuntimeError(f"the ranks allocated different KV block counts: {counts}")
         self.num_blocks_per_rank = counts
 
     def _allocate(self, num_blocks: int, num_sliding_blocks: int | None = None) -> None:
@@ -213,7 +229,8 @@ class ModelRunner:
         """Capture decode graphs over the allocated cache: CUDA with the Triton backend,
         unless ``enforce_eager``. Call once, after ``allocate_kv_cache``."""
         if (self.device.type != "cuda" or self.model_config.enforce_eager
-                or self.backend.name != "triton" or self.tp.world_size > 1 or self.lora is not None):
+                or self.backend.name != "triton" or self.tp.world_size > 1 or self.lora is not None
+                or self.pp.enabled):
             # NOTE: under tensor parallelism every step runs eagerly (graphs would have to
             # be captured and replayed in lockstep on every rank, collectives included);
             # so does every step with LoRA on (the rows' adapter factors are per step).
@@ -244,8 +261,10 @@ class ModelRunner:
         """A worst-case step for memory profiling: a full token budget of prefill, then the
         sampler over ``max_num_seqs`` rows with every filter on (its float32 logits,
         probabilities and sort buffers are the peak when the vocabulary is large). The
-        other ranks run it too (they sample nothing)."""
-        if self.channel is not None:
+        other ranks run it too (they sample nothing). Under pipeline parallelism every rank
+        is already running it (``Command.SIZE``): each stage runs its layers, the last
+        computes the logits and sends them to the driver, which samples."""
+        if self.channel is not None and not self.pp.enabled:
             self.channel.send(Command.PROFILE, num_tokens, max_num_seqs)
         max_len = self.model_config.max_model_len - 1
         seqs, next_block = [], 0
@@ -256,10 +275,14 @@ class ModelRunner:
             seqs.append(([0] * n, 0, blocks))
         self._allocate(next_block)
         input_ids, positions, metadata = metadata_from_seqs(seqs, self.block_size, self.device)
-        hidden = self.model(input_ids, positions, self.kv_caches, metadata, self.backend)
+        hidden = self._stage_forward(input_ids, positions, metadata)
         self.kv_caches = None
-        rows = torch.arange(max_num_seqs, device=self.device) % hidden.shape[0]
-        logits = self.model.compute_logits(hidden[rows])
+        if hidden is None:        # a pipeline stage before the last
+            logits = (self.pp.recv_logits(max_num_seqs, self.model_config.arch.vocab_size, self.device)
+                      if self.pp.is_driver else None)
+        else:
+            rows = torch.arange(max_num_seqs, device=self.device) % hidden.shape[0]
+            logits = self._last_stage_logits(hidden[rows])
         del hidden
         if logits is None:        # not the driver: nothing to sample
             return
@@ -331,11 +354,42 @@ class ModelRunner:
         if calibrate:
             for layer in self.model.layers:
                 layer.self_attn.calibrate_kv_scales = True
+        num_logits = step.logits_indices.shape[0]
+        if self.num_microbatches > 1 and len(step.metadata.query_lens_cpu) > 1 and not calibrate:
+            return pipelined_forward(self, step, self.num_microbatches)
         if step.padded_size is not None:
             hidden = self.graphs.run(step, step.padded_size)
         else:
-            hidden = self.model(step.input_ids, step.positions, self.kv_caches,
-                                self.layer_metadata(step), self.backend)
-        if step.logits_indices.shape[0] == 0:
+            hidden = self._stage_forward(step.input_ids, step.positions, self.layer_metadata(step))
+        if hidden is None:        # a pipeline stage before the last: the driver gets the logits
+            if self.pp.is_driver and num_logits:
+                return self.pp.recv_logits(num_logits, self.model_config.arch.vocab_size, self.device)
             return None
-        return self.model.compute_logits(hidden[step.logits_indices])
+        if num_logits == 0:
+            return None
+        return self._last_stage_logits(hidden[step.logits_indices])
+
+    def _stage_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata) -> torch.Tensor | None:
+        """This stage's layers: the final hidden states on the last stage; before it, the
+        stage's output goes to the next stage (None). After the first, the input comes
+        from the previous one (``parallel.pipeline``)."""
+        pp = self.pp
+        intermediate = None
+        if not pp.is_first:
+            intermediate = pp.recv_prev(input_ids.shape[0], self.model_config.arch.hidden_size,
+                                        self.dtype, self.device)
+        out = self.model(input_ids, positions, self.kv_caches, metadata, self.backend,
+                         **({"intermediate": intermediate} if pp.enabled else {}))
+        if pp.is_last:
+            return out
+        pp.send_next(*out)
+        return None
+
+    def _last_stage_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The logits of ``hidden``'s rows, on the driver (sent there from the last stage's
+        first rank under pipeline parallelism); None elsewhere."""
+        logits = self.model.compute_logits(hidden)
+        if logits is None or not self.pp.enabled:
+            return logits
+        self.pp.send_logits(logits)
+        return None

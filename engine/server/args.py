@@ -17,6 +17,7 @@ from kvpilot.engine.config import StructuredOutputsConfig
 from kvpilot.engine.core.constants import MAX_TENSOR_PARALLEL_SIZE
 from kvpilot.engine.engine_args import EngineArgs
 from kvpilot.engine.lora.config import RUNTIME_LORA_UPDATING_ENV
+from kvpilot.engine.model.parallel.lws import rendezvous_from_env
 from kvpilot.engine.server.arg_types import parse_size
 from kvpilot.engine.server.flag_table import Flag, add_flags
 from kvpilot.engine.server.vllm_flags import SERVE_FLAGS
@@ -27,8 +28,8 @@ __all__ = ["add_serve_arguments", "engine_args_from_namespace", "make_serve_pars
 # environment variable, or not set from the command line at all (the architecture
 # override and the sliding-window fp8 exemption serve tests and the planner).
 DERIVED_ENGINE_FIELDS = ("model", "served_model_name", "structured_outputs_config",
-                         "compute_nans_in_logits")
-ENGINE_FIELDS_WITHOUT_FLAG = ("architecture", "kv_cache_dtype_skip_sliding_window")
+                         "compute_nans_in_logits", "rendezvous")
+ENGINE_FIELDS_WITHOUT_FLAG = ("architecture", "kv_cache_dtype_skip_sliding_window", "pipeline_microbatches")
 
 
 def engine_flags() -> list[Flag]:
@@ -88,8 +89,8 @@ def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
     if ns.tensor_parallel_size > MAX_TENSOR_PARALLEL_SIZE:
         raise ValueError(
             f"--tensor-parallel-size {ns.tensor_parallel_size} is not supported: one replica "
-            f"spans at most {MAX_TENSOR_PARALLEL_SIZE} GPUs of one node (multi-node replicas are "
-            "not implemented); scale further with replicas"
+            f"spans at most {MAX_TENSOR_PARALLEL_SIZE} GPUs of one node per pipeline stage; span nodes "
+            "with --pipeline-parallel-size, or scale further with replicas"
         )
     kwargs = {f.engine: getattr(ns, f.dest_name) for f in engine_flags()}
     kwargs.update(
@@ -103,5 +104,7 @@ def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
         allow_runtime_lora_updating=ns.allow_runtime_lora_updating
         or os.environ.get(RUNTIME_LORA_UPDATING_ENV, "").lower() in ("1", "true"),
         lora_modules=tuple(ns.lora_modules) if ns.lora_modules else None,
+        # a pipeline over a LeaderWorkerSet group's pods: where they meet (None on one host)
+        rendezvous=rendezvous_from_env(os.environ) if ns.pipeline_parallel_size > 1 else None,
     )
     return EngineArgs(**kwargs)

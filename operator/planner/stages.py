@@ -2,7 +2,8 @@
 
 A replica of ``PP`` pipeline stages runs ``TP`` GPUs per stage (tensor parallelism within
 a node, pipeline parallelism across nodes). The layers are split as vLLM splits them
-(``vllm.distributed.utils.get_pp_indices``): ``num_layers // PP`` each, the remainder one
+(``vllm.distributed.utils.get_pp_indices``; the engine's own rule,
+``kvpilot.engine.core.pipeline_stages.layer_split``): ``num_layers // PP`` each, the remainder one
 extra layer apiece to the stages just before the last (the last holds the LM head and the
 sampler, the first the embedding). Weights per GPU of a stage:
 
@@ -20,17 +21,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kvpilot.engine.core.pipeline_stages import layer_split
 from kvpilot.operator.planner.model_spec import ModelSpec
 
-
-def layer_split(num_layers: int, pp: int) -> tuple[int, ...]:
-    """Layers per stage, vLLM's partition (``get_pp_indices``)."""
-    if not 1 <= pp <= num_layers:
-        raise ValueError(f"pipeline_parallel_size {pp} must be in [1, {num_layers}] (the model's layers)")
-    parts = [num_layers // pp] * pp
-    for i in range(2, num_layers % pp + 2):
-        parts[-i] += 1
-    return tuple(parts)
+__all__ = ["StageShape", "layer_split", "stage_shapes"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,16 +11,15 @@ calibrated on the first batch) two ranks must give exactly the one-rank tokens.
 from __future__ import annotations
 
 import json
-import os
 import random
-import signal
 import time
 
 import pytest
 
 from kvpilot.engine import LLM, EngineArgs, EngineDeadError, LLMEngine, SamplingParams
 
-from support.hf_oracle import MAX_NEW, hf_greedy, make_prompts
+from support.hf_oracle import MAX_NEW, assert_chunked_hits_and_preempted, hf_greedy, make_prompts
+from support.worker_death import kill_worker_mid_request
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
 LAYOUTS = {
@@ -49,10 +48,7 @@ def test_two_ranks_match_hf_with_chunks_prefix_hits_and_preemption(layout, tiny_
         assert (heads.num_heads, heads.num_kv_heads) == (2, 1)     # this rank's share
         assert runner.num_blocks_per_rank == [42, 42]
         assert tokens(llm.generate(prompts, GREEDY)) == expected
-        stats = llm.get_stats()
-        assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
-        assert stats.num_steps > sum(map(len, prompts)) // 64 // 2   # prefills were chunked
-        assert stats.kv_cache_usage == 0.0
+        assert_chunked_hits_and_preempted(llm.get_stats(), prompts, 64)
     finally:
         llm.llm_engine.close()
 
@@ -108,20 +104,8 @@ def test_a_dead_worker_fails_the_next_step_loudly(tiny_checkpoint):
             seen.append(error)
 
         engine.on_dead(slow_listener)
-        engine.add_request("r", list(range(3, 40)), SamplingParams(temperature=0, max_tokens=200))
-        for _ in range(3):
-            engine.step()
-        (pid,) = engine.workers.pids
-        os.kill(pid, signal.SIGKILL)
-        start = time.monotonic()
-        with pytest.raises(EngineDeadError, match=rf"tensor-parallel worker rank 1 \(pid {pid}\) was "
-                                                  r"killed by SIGKILL"):
-            while True:
-                engine.step()
-        assert time.monotonic() - start < 5.0
+        kill_worker_mid_request(engine, "tensor-parallel")
         assert seen == [engine.dead_error] and engine.dead_error is not None
-        with pytest.raises(EngineDeadError):     # and stays dead
-            engine.step()
     finally:
         engine.close()
 

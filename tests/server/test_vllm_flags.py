@@ -106,6 +106,8 @@ HONOURED_CASES = {
     "--scheduling-policy": (["--scheduling-policy", "priority"],
                             lambda ns, ea, sc: ea.scheduling_policy == "priority"),
     "--tensor-parallel-size": (["-tp", "2"], lambda ns, ea, sc: ea.tensor_parallel_size == 2),
+    "--pipeline-parallel-size": (["-pp", "2"], lambda ns, ea, sc: ea.pipeline_parallel_size == 2
+                                 and ea.rendezvous is None),   # no LeaderWorkerSet environment here
     "--structured-outputs-config": (
         ["--structured-outputs-config",
          '{"backend": "xgrammar", "disable_any_whitespace": false, "reasoning_parser": "qwen3"}'],

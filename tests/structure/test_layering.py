@@ -3,7 +3,7 @@
 - ``kvpilot.engine.core`` imports no torch (nor numpy);
 - ``kvpilot.operator`` imports no torch, and from the engine only the torch-free contract
   (the KV formula, the weight-quantization reader, the GGUF contract, the LoRA slots'
-  formula and the shared constants);
+  formula, the pipeline stages' layer split and the shared constants);
 - ``kvpilot.kernels`` imports nothing from ``kvpilot.engine``.
 
 torch is blocked (``sys.modules["torch"] = None``) where it must not be imported, so an
@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 OPERATOR_MAY_IMPORT = {"kvpilot.engine", "kvpilot.engine.core", "kvpilot.engine.core.kv_layout",
                        "kvpilot.engine.core.constants", "kvpilot.engine.core.weight_quant",
                        "kvpilot.engine.core.step_cost", "kvpilot.engine.core.gguf_contract",
+                       "kvpilot.engine.core.pipeline_stages",
                        "kvpilot.engine.lora", "kvpilot.engine.lora.config", "kvpilot.engine.lora.memory"}
 
 

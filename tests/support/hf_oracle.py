@@ -56,3 +56,11 @@ def _argmax_continuation(model, prompt: list[int], max_new: int) -> list[int]:
         past = {"cache": out.cache} if hasattr(out, "cache") else {"past_key_values": out.past_key_values}
         out = model(torch.tensor([new[-1:]]), use_cache=True, **past)   # transformers 5 / 4
     return new
+
+
+def assert_chunked_hits_and_preempted(stats, prompts: list[list[int]], token_budget: int) -> None:
+    """An engine's counters after ``prompts`` ran to the end: preemptions and prefix-cache
+    hits happened, prefills were chunked (``token_budget`` per step), the cache is empty."""
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert stats.num_steps > sum(map(len, prompts)) // token_budget // 2
+    assert stats.kv_cache_usage == 0.0

@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvpilot.engine.core.pipeline_stages import StageLayers
 from kvpilot.engine.model.hf_config import ArchConfig
 from kvpilot.engine.model.layers.norm import GemmaRMSNorm
 from kvpilot.engine.model.layers.rotary import RotaryEmbedding, layer_rotaries
@@ -83,6 +84,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         nn.Module.__init__(self)
         self.cfg = cfg
         self.tp = tp = tp or TPGroup()
+        self.stage = StageLayers()     # one stage: pipeline parallelism is refused for Gemma 3
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.embed_scale = cfg.hidden_size ** 0.5
         rotaries = layer_rotaries(cfg, max_model_len)

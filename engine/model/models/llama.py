@@ -8,6 +8,9 @@ reads and writes the paged KV cache through the explicit ``AttentionMetadata``. 
 q/k/v and gate/up projections are fused (one matmul each); the loader puts the
 checkpoint's separate tensors into their parts.
 
+Under pipeline parallelism (``stage``) the model holds one stage's layers and passes its
+hidden states and residual on (``kvpilot.engine.model.parallel.pipeline``).
+
 Under tensor parallelism (``tp``, see ``kvpilot.engine.model.parallel``) each rank holds
 its query heads, its KV heads (replicated when there are fewer than ranks), its share of
 the MLP and of the vocabulary; o_proj and down_proj all-reduce, the embedding
@@ -24,6 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from kvpilot.engine.core.pipeline_stages import StageLayers
 from kvpilot.engine.model.attention.backend import AttentionBackend
 from kvpilot.engine.model.attention.torch_backend import FP8_DTYPES
 from kvpilot.engine.model.hf_config import ArchConfig
@@ -144,31 +148,45 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """One class for the supported architectures; ``cfg`` switches the variants."""
 
-    def __init__(self, cfg: ArchConfig, max_model_len: int, tp: TPGroup | None = None) -> None:
+    def __init__(self, cfg: ArchConfig, max_model_len: int, tp: TPGroup | None = None,
+                 stage: StageLayers | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         self.tp = tp = tp or TPGroup()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        # Pipeline parallelism: this stage's layers only (``layers[j]`` is decoder layer
+        # ``first_layer + j``), the embedding on the first stage, the final norm and the LM
+        # head on the last (a tied head: the last stage's own copy of the embedding).
+        self.stage = stage = stage or StageLayers()
+        tied = cfg.tie_word_embeddings
+        self.embed_tokens = (VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+                             if stage.is_first or (stage.is_last and tied) else None)
         rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max(max_model_len, 1), cfg.max_position_embeddings)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary, tp) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary, tp) for i in stage.layers(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if stage.is_last else None
         # the LM head is split like the embedding (and is the embedding when tied)
-        self.lm_head = (None if cfg.tie_word_embeddings
+        self.lm_head = (None if tied or not stage.is_last
                         else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
                 metadata: AttentionMetadata | Sequence[AttentionMetadata],
-                backend: AttentionBackend) -> torch.Tensor:
-        """Final hidden states ``[num_tokens, hidden]``; ``kv_caches[layer]`` is one layer's cache.
+                backend: AttentionBackend,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """Final hidden states ``[num_tokens, hidden]``; ``kv_caches[j]`` is ``layers[j]``'s cache.
 
         ``metadata``: one for every layer, or one per layer (a hybrid model's layers read
-        their KV cache group's block table and slot mapping)."""
-        hidden = self.embed(input_ids)
-        residual = None
+        their KV cache group's block table and slot mapping). A pipeline stage after the
+        first starts from the previous stage's ``intermediate`` ``(hidden, residual)``; a
+        stage before the last returns its own (for the next stage)."""
+        if intermediate is None:
+            hidden, residual = self.embed(input_ids), None
+        else:
+            hidden, residual = intermediate
         per_layer = not isinstance(metadata, AttentionMetadata)
         for i, layer in enumerate(self.layers):
             hidden, residual = layer(positions, hidden, residual, kv_caches[i],
                                      metadata[i] if per_layer else metadata, backend)
+        if not self.stage.is_last:
+            return hidden, residual
         return self.norm(hidden, residual)[0]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Tensor parallelism: one model replica split over ranks (processes, one device each).
+"""Tensor and pipeline parallelism: one model replica split over ranks (processes, one
+device each): ``TP`` ranks per pipeline stage, ``rank = stage * TP + tp_rank``.
 
 - ``group``: ``TPGroup``, one engine's ranks and their collectives (its own process
   groups over its own store: no torch.distributed default group, so several engines can
@@ -9,10 +10,18 @@
   (o_proj, down, then an all-reduce), vocab-parallel embedding and LM head.
 - ``step_channel``: the driver's per-step broadcast of flat int64 step inputs and the
   workers' unpacking of them into their own persistent buffers.
+- ``pipeline``: ``PipelineGroup``, a rank's stage, the world-wide groups, the point-to-point
+  sends of hidden states between stages and of the last stage's logits to the driver.
+- ``microbatch``: a step's batch cut at request boundaries into microbatches that are in
+  flight through the stages together.
 - ``workers``: the driver's side: spawning ranks 1..N-1, watching them, shutting down.
 - ``worker``: a rank's process: load its shard, then serve the driver's commands.
+- ``lws``: a pipeline over a LeaderWorkerSet group's pods: the environment, the store
+  keys, the worker pods' heartbeats (watched by the leader).
+- ``stage_pod``: a worker pod's process: start its stage's ranks, heartbeat, fail loudly.
 
 Rank 0 (the driver) is the engine's own process: it schedules, builds each step's
-inputs, runs its shard and samples once from the gathered logits. Workers never see
+inputs, runs its shard (of stage 0) and samples once from the gathered logits (sent back
+by the last stage under pipeline parallelism). Workers never see
 requests, only tensors. May import torch and the rest of ``kvpilot.engine.model``.
 """

@@ -92,20 +92,34 @@ class TPGroup:
                 pg.abort()
 
 
-def create_tp_group(store: dist.Store, rank: int, world_size: int, device: torch.device,
-                    timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> TPGroup:
-    """Join the engine's ranks (blocks until every rank has called this). The ranks share a
-    host (one pod): gloo talks over the loopback interface, whatever the hostname says."""
+def gloo_group(store: dist.Store, prefix: str, rank: int, world_size: int, timeout: datetime.timedelta,
+               hostname: str = "127.0.0.1") -> dist.ProcessGroupGloo:
+    """A gloo process group over ``store`` under ``prefix``, talking on ``hostname``'s
+    interface (the loopback one when every rank shares a host)."""
     options = dist.ProcessGroupGloo._Options()
     options._timeout = timeout
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-    cpu_pg = dist.ProcessGroupGloo(dist.PrefixStore("tp-cpu", store), rank, world_size, options)
-    if device.type != "cuda":
-        return TPGroup(rank, world_size, cpu_pg, cpu_pg)
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=hostname)]
+    return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, world_size, options)
+
+
+def nccl_group(store: dist.Store, prefix: str, rank: int, world_size: int, device: torch.device,
+               timeout: datetime.timedelta):
     from torch.distributed import ProcessGroupNCCL
 
     torch.cuda.set_device(device)
     options = ProcessGroupNCCL.Options()
     options._timeout = timeout
-    device_pg = ProcessGroupNCCL(dist.PrefixStore("tp-nccl", store), rank, world_size, options)
+    return ProcessGroupNCCL(dist.PrefixStore(prefix, store), rank, world_size, options)
+
+
+def create_tp_group(store: dist.Store, rank: int, world_size: int, device: torch.device,
+                    timeout: datetime.timedelta = DEFAULT_TIMEOUT, prefix: str = "tp",
+                    hostname: str = "127.0.0.1") -> TPGroup:
+    """Join the engine's ranks (blocks until every rank has called this). The ranks share a
+    host (one pod): gloo talks over the loopback interface, whatever the hostname says.
+    ``prefix``: the groups' names in the store (one per pipeline stage's ranks)."""
+    cpu_pg = gloo_group(store, f"{prefix}-cpu", rank, world_size, timeout, hostname)
+    if device.type != "cuda":
+        return TPGroup(rank, world_size, cpu_pg, cpu_pg)
+    device_pg = nccl_group(store, f"{prefix}-nccl", rank, world_size, device, timeout)
     return TPGroup(rank, world_size, device_pg, cpu_pg)

@@ -31,6 +31,8 @@ class Command(enum.IntEnum):
     PROFILE = 2       # max_num_batched_tokens, max_num_seqs: the memory-profiling step
     ALLOCATE = 3      # num_blocks, a hybrid model's windowed-pool blocks (0: none): allocate the KV cache
     SHUTDOWN = 4
+    SIZE = 5          # pipeline parallelism: every rank sizes its own stage's KV cache, then the
+                      # minimum over the ranks (memory_profiling.stage_num_blocks)
 
 
 def _payload_len(num_tokens: int, num_seqs: int, width: int, num_logits: int, num_groups: int = 1) -> int:
