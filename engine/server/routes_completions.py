@@ -80,7 +80,8 @@ async def create_completion(body: CompletionRequest, request: Request,
     decode = engine.tokenizer.decode
 
     def events():
-        encode = ChunkEncoder.for_stream(CompletionStreamResponse, body, request_id, created, model)
+        encode = ChunkEncoder.for_stream(CompletionStreamResponse, body, request_id, created, model,
+                                         logprobs=body.logprobs is not None)
         return stream_events(generation, state, encode, _stream_choice_maker(body.logprobs, decode),
                              n=body.n, token_chunks=body.logprobs is not None)
 
@@ -114,7 +115,15 @@ def _choice(delta: ChoiceDelta, logprobs: int | None, decode, text_offset: int =
 
 
 def _stream_choice_maker(logprobs: int | None, decode) -> Callable[[ChoiceDelta], dict]:
-    """Chunk choices of one stream; tracks each choice's ``text_offset`` across chunks."""
+    """Chunk choices of one stream; tracks each choice's ``text_offset`` across chunks.
+    Without logprobs a choice is built as a dict (``CompletionChoice``'s fields in its
+    order, what its ``model_dump(mode="json")`` gives), once per token: no model."""
+    if logprobs is None:
+        def plain(delta: ChoiceDelta) -> dict:
+            return {"index": delta.index, "text": delta.text, "logprobs": None,
+                    "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
+
+        return plain
     text_offsets: dict[int, int] = {}
 
     def make(delta: ChoiceDelta) -> dict:
