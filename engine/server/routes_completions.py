@@ -18,7 +18,7 @@ from kvpilot.engine.server.generation import (
     usage,
 )
 from kvpilot.engine.server.logprobs import completion_logprobs
-from kvpilot.engine.server.prompts import completion_prompt_ids
+from kvpilot.engine.server.prompts import completion_prompt_ids, is_token_ids
 from kvpilot.engine.server.protocol import (
     CompletionChoice,
     CompletionRequest,
@@ -63,8 +63,11 @@ async def create_completion(body: CompletionRequest, request: Request,
     max_model_len = engine.model_config.max_model_len
     defaults = engine.model_config.default_sampling
     requested = body.max_tokens if body.max_tokens is not None else defaults.get("max_tokens")
-    prompts = await state.run_blocking(completion_prompt_ids, body.prompt, engine.tokenizer,
-                                       engine.model_config.arch.vocab_size, state.length_limit)
+    prompt_args = (body.prompt, engine.tokenizer, engine.model_config.arch.vocab_size,
+                   state.length_limit)
+    # Token ids are only checked (here, no thread hop); texts are tokenized on a worker.
+    prompts = (completion_prompt_ids(*prompt_args) if is_token_ids(body.prompt)
+               else await state.run_blocking(completion_prompt_ids, *prompt_args))
     constraint, param = requested_constraint(body, state.config.limits)
     if constraint is not None:
         await check_constraint(constraint, param)
