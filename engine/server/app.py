@@ -71,6 +71,7 @@ def freeze_startup_heap() -> None:
     """
     gc.collect()
     gc.freeze()
+    gc.set_threshold(50_000, *gc.get_threshold()[1:])
 
 
 def build_async_engine(build_engine: Callable, config: ServerConfig,
