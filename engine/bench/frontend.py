@@ -17,8 +17,10 @@ It prints output tokens/s of each (the whole run: first request sent to last tok
 received, prefill included) and each server mode's share of the offline figure, and the
 CPU seconds each process spent on the workload (offline engine; server process, engine
 core process and the benchmark's own clients), which show what limits a server run
-when the machine has fewer free cores than the three processes need. The engine runs
-on ``--threads`` torch threads everywhere (the server's through ``OMP_NUM_THREADS``).
+when the machine has fewer free cores than the three processes need, and each
+process's CPU seconds per 1,000 streamed output tokens: the API (server) process's
+figure is what the frontend costs per token, whatever the machine's free cores. The
+engine runs on ``--threads`` torch threads everywhere (the server's through ``OMP_NUM_THREADS``).
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ class FrontendResult:
     ttft_p50_ms: float | None = None
     itl_p50_ms: float | None = None
     cpu_s: dict[str, float] | None = None    # process -> CPU seconds spent on the workload
+    # process -> CPU seconds per 1,000 streamed output tokens (server runs)
+    cpu_s_per_1k_tokens: dict[str, float] | None = None
 
 
 def cpu_seconds(pid: int | None = None) -> float:
@@ -116,6 +120,9 @@ def measure_serve(model_dir: str, mode: str, args: argparse.Namespace) -> Fronte
         before = {name: cpu_seconds(pid) for name, pid in pids.items()}
         result = asyncio.run(_load(server.base_url, args))
         result.cpu_s = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
+    tokens = args.num_clients * args.output_len
+    result.cpu_s_per_1k_tokens = {name: 1000 * seconds / tokens
+                                  for name, seconds in result.cpu_s.items()}
     result.name = f"serve ({mode})"
     return result
 
@@ -159,6 +166,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {result.name:<24}{result.output_tokens_per_s:>10.0f} output tok/s  "
                   f"{result.share_of_offline:>6.1%} of offline  (TTFT p50 {_ms(result.ttft_p50_ms)}, "
                   f"ITL p50 {_ms(result.itl_p50_ms)}; CPU s: {_cpu_line(result.cpu_s)})",
+                  flush=True)
+            per_1k = result.cpu_s_per_1k_tokens
+            print(f"  {'':<24}CPU s per 1,000 streamed tokens: API process "
+                  f"{per_1k['server']:.4f}"
+                  + "".join(f", {name} {per_1k[name]:.4f}" for name in per_1k if name != "server"),
                   flush=True)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps([asdict(r) for r in results], indent=2))

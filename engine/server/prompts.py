@@ -51,6 +51,12 @@ def encode_text(tokenizer, text: str, add_special_tokens: bool = True) -> list[i
         raise bad_request(f"cannot tokenize the prompt: {exc}", param="prompt") from None
 
 
+def is_token_ids(prompt: str | list) -> bool:
+    """Whether a ``CompletionRequest.prompt`` holds token ids (a list of ids, or of id lists)
+    rather than text: nothing to tokenize."""
+    return not isinstance(prompt, str) and bool(prompt) and not isinstance(prompt[0], str)
+
+
 def completion_prompt_ids(prompt: str | list, tokenizer, vocab_size: int,
                           limit: LengthLimit | None = None) -> list[list[int]]:
     """Token ids of each prompt of a completions request.

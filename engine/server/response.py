@@ -21,8 +21,8 @@ from pydantic import BaseModel
 
 from kvpilot.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from kvpilot.engine.server import sse
-from kvpilot.engine.server.generation import Generation, to_api_error, usage
-from kvpilot.engine.server.protocol import SamplingRequest
+from kvpilot.engine.server.generation import Generation, to_api_error
+from kvpilot.engine.server.protocol import SamplingRequest, UsageInfo
 from kvpilot.engine.server.routes_common import CLIENT_CLOSED
 from kvpilot.engine.server.state import ServerState
 
@@ -59,65 +59,91 @@ def final_choices(final: list[RequestOutput], n: int) -> list[ChoiceDelta]:
 
 @dataclass(frozen=True, slots=True)
 class ChunkEncoder:
-    """Frames one stream's chunks; the envelope (id, object, created, model) is built once.
+    """Frames one stream's chunks; the envelope (id, object, created, model) is encoded once.
 
     ``include_usage`` (``stream_options.include_usage``) adds a ``usage`` field to every
-    chunk (null but in the last one) and a last chunk with the token usage.
+    chunk (null but in the last one) and a last chunk with the token usage. Without
+    ``logprobs`` the choices hold no floats and are encoded with msgspec (the same bytes
+    as the stdlib's, a tenth of the time); with them, with the stdlib.
     """
 
     head: dict
     include_usage: bool
+    logprobs: bool = False
+    prefix: bytes = b""     # b'data: {<head>,"choices":'
+    suffix: bytes = b""     # b',"usage":null}\n\n' or b'}\n\n'
 
     @classmethod
     def for_stream(cls, response_cls: type[BaseModel], body: SamplingRequest, request_id: str,
-                   created: int, model: str) -> ChunkEncoder:
-        """The encoder for chunks of ``response_cls`` (a ``*StreamResponse`` model) answering ``body``."""
+                   created: int, model: str, *, logprobs: bool = False) -> ChunkEncoder:
+        """The encoder for chunks of ``response_cls`` (a ``*StreamResponse`` model) answering
+        ``body``; ``logprobs``: its choices carry logprobs."""
         head = response_cls(id=request_id, created=created, model=model,
                             choices=[]).model_dump(mode="json")
         del head["choices"], head["usage"]
-        return cls(head, bool(body.stream_options and body.stream_options.include_usage))
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        prefix = b"data: " + (sse.json_bytes(head)[:-1] + b"," if head else b"{") + b'"choices":'
+        suffix = b',"usage":null}\n\n' if include_usage else b"}\n\n"
+        return cls(head, include_usage, logprobs, prefix, suffix)
 
-    def __call__(self, choices: list[dict], usage_info: BaseModel | None = None) -> str:
+    def __call__(self, choices: list[dict], usage_info: BaseModel | None = None) -> bytes:
         # Choices are plain dicts: a chat delta carries only the fields it changes.
-        data = {**self.head, "choices": choices}
-        if self.include_usage:
-            data["usage"] = None if usage_info is None else usage_info.model_dump(mode="json")
-        return sse.sse_event(data)
+        # Same bytes as sse.sse_event({**head, "choices": choices[, "usage": ...]}).
+        body = sse.json_bytes(choices) if self.logprobs else sse.fast_json_bytes(choices)
+        if usage_info is None or not self.include_usage:
+            return self.prefix + body + self.suffix
+        usage_json = sse.json_bytes(usage_info.model_dump(mode="json"))
+        return self.prefix + body + b',"usage":' + usage_json + b"}\n\n"
 
 
 @dataclass(slots=True)
 class _Progress:
-    """The finished choice indexes of a stream, and each prompt's output so far (for usage)."""
+    """The finished choice indexes of a stream, and each prompt's token counts so far (for
+    usage): prompt index -> [prompt tokens, completion tokens, cached prompt tokens]."""
 
     done: set[int] = field(default_factory=set)
-    totals: dict[int, RequestOutput] = field(default_factory=dict)
+    counts: dict[int, list[int]] = field(default_factory=dict)
+    num_finished: int = 0   # prompts whose engine request finished
 
     def deltas(self, prompt_index: int, out: RequestOutput, first_index: int,
                token_chunks: bool) -> list[ChoiceDelta]:
         """The choices of delta ``out`` worth a chunk; a choice without new text is skipped
         unless it finished, or ``token_chunks`` is set (logprobs) and it has new tokens."""
         result = []
+        new_tokens = 0
         for c in out.outputs:
+            new_tokens += len(c.token_ids)
             index = first_index + c.index
             if index in self.done:
                 continue
-            delta = ChoiceDelta.of(c, index)
-            if not delta.text and delta.finish_reason is None and not (token_chunks and delta.token_ids):
+            if not c.text and c.finish_reason is None and not (token_chunks and c.token_ids):
                 continue
-            result.append(delta)
+            result.append(ChoiceDelta.of(c, index))
             if c.finish_reason is not None:
                 self.done.add(index)
-        total = self.totals.get(prompt_index)
-        if total is None:
-            self.totals[prompt_index] = out
+        counts = self.counts.get(prompt_index)
+        if counts is None:
+            self.counts[prompt_index] = [len(out.prompt_token_ids), new_tokens, out.num_cached_tokens]
         else:
-            total.add(out)
+            counts[1] += new_tokens
+            counts[2] = out.num_cached_tokens
+        if out.finished:
+            self.num_finished += 1
         return result
+
+    def usage(self) -> UsageInfo:
+        """The token usage of the whole stream so far (``generation.usage``'s figures)."""
+        counts = [self.counts[i] for i in sorted(self.counts)]
+        prompt = sum(c[0] for c in counts)
+        completion = sum(c[1] for c in counts)
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
+                         total_tokens=prompt + completion,
+                         prompt_tokens_details={"cached_tokens": sum(c[2] for c in counts)})
 
 
 async def stream_events(generation: Generation, state: ServerState, encode: ChunkEncoder,
                         make_choice: Callable[[ChoiceDelta], dict | None], *, n: int,
-                        token_chunks: bool, opening: list[dict] | None = None) -> AsyncIterator[str]:
+                        token_chunks: bool, opening: list[dict] | None = None) -> AsyncIterator[bytes]:
     """The SSE frames of a started ``generation``, ending with ``data: [DONE]``.
 
     Args:
@@ -130,17 +156,24 @@ async def stream_events(generation: Generation, state: ServerState, encode: Chun
         opening: choices of a first chunk sent before any output (chat's roles).
     """
     progress = _Progress()
+    num_prompts = len(generation.first)
     try:
         if opening:
             yield encode(opening)
         async for i, out in generation.stream():
             choices = [c for c in map(make_choice, progress.deltas(i, out, i * n, token_chunks))
                        if c is not None]
-            if choices:
-                yield encode(choices)
+            frame = encode(choices) if choices else b""
+            if progress.num_finished == num_prompts:
+                # The stream's last output: its chunk, the usage and [DONE] in one write.
+                if encode.include_usage:
+                    frame += encode([], progress.usage())
+                yield frame + sse.DONE
+                return
+            if frame:
+                yield frame
         if encode.include_usage:
-            totals = progress.totals
-            yield encode([], usage([totals[i] for i in sorted(totals)]))
+            yield encode([], progress.usage())
     except Exception as exc:  # noqa: BLE001 - reported in-band: the status line is already sent
         yield sse.sse_event(to_api_error(exc, state, generation.request_id).body())
     finally:
@@ -149,7 +182,7 @@ async def stream_events(generation: Generation, state: ServerState, encode: Chun
 
 
 async def respond(request: Request, generation: Generation,
-                  events: Callable[[], AsyncIterator[str]] | None,
+                  events: Callable[[], AsyncIterator[bytes]] | None,
                   build: Callable[[list[RequestOutput]], T]) -> T | Response:
     """The route's answer: ``events()`` as an event stream when given, else ``build`` applied
     to the final outputs; 499 when the client disconnects before the response starts."""

@@ -127,7 +127,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
 
     def events():
         encode = ChunkEncoder.for_stream(ChatCompletionStreamResponse, body, request_id, created,
-                                         model)
+                                         model, logprobs=top_logprobs is not None)
         # OpenAI streams open each choice with the assistant role.
         opening = [{"index": i, "delta": {"role": "assistant", "content": ""},
                     "logprobs": None, "finish_reason": None} for i in range(body.n)]

@@ -18,7 +18,7 @@ from kvpilot.engine.server.generation import (
     usage,
 )
 from kvpilot.engine.server.logprobs import completion_logprobs
-from kvpilot.engine.server.prompts import completion_prompt_ids
+from kvpilot.engine.server.prompts import completion_prompt_ids, is_token_ids
 from kvpilot.engine.server.protocol import (
     CompletionChoice,
     CompletionRequest,
@@ -63,8 +63,11 @@ async def create_completion(body: CompletionRequest, request: Request,
     max_model_len = engine.model_config.max_model_len
     defaults = engine.model_config.default_sampling
     requested = body.max_tokens if body.max_tokens is not None else defaults.get("max_tokens")
-    prompts = await state.run_blocking(completion_prompt_ids, body.prompt, engine.tokenizer,
-                                       engine.model_config.arch.vocab_size, state.length_limit)
+    prompt_args = (body.prompt, engine.tokenizer, engine.model_config.arch.vocab_size,
+                   state.length_limit)
+    # Token ids are only checked (here, no thread hop); texts are tokenized on a worker.
+    prompts = (completion_prompt_ids(*prompt_args) if is_token_ids(body.prompt)
+               else await state.run_blocking(completion_prompt_ids, *prompt_args))
     constraint, param = requested_constraint(body, state.config.limits)
     if constraint is not None:
         await check_constraint(constraint, param)
@@ -80,7 +83,8 @@ async def create_completion(body: CompletionRequest, request: Request,
     decode = engine.tokenizer.decode
 
     def events():
-        encode = ChunkEncoder.for_stream(CompletionStreamResponse, body, request_id, created, model)
+        encode = ChunkEncoder.for_stream(CompletionStreamResponse, body, request_id, created, model,
+                                         logprobs=body.logprobs is not None)
         return stream_events(generation, state, encode, _stream_choice_maker(body.logprobs, decode),
                              n=body.n, token_chunks=body.logprobs is not None)
 
@@ -114,7 +118,15 @@ def _choice(delta: ChoiceDelta, logprobs: int | None, decode, text_offset: int =
 
 
 def _stream_choice_maker(logprobs: int | None, decode) -> Callable[[ChoiceDelta], dict]:
-    """Chunk choices of one stream; tracks each choice's ``text_offset`` across chunks."""
+    """Chunk choices of one stream; tracks each choice's ``text_offset`` across chunks.
+    Without logprobs a choice is built as a dict (``CompletionChoice``'s fields in its
+    order, what its ``model_dump(mode="json")`` gives), once per token: no model."""
+    if logprobs is None:
+        def plain(delta: ChoiceDelta) -> dict:
+            return {"index": delta.index, "text": delta.text, "logprobs": None,
+                    "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
+
+        return plain
     text_offsets: dict[int, int] = {}
 
     def make(delta: ChoiceDelta) -> dict:

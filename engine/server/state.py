@@ -97,13 +97,15 @@ def not_serving_message(error: BaseException) -> str:
     return f"the engine is not serving: {type(error).__name__}: {error}"
 
 
-def server_state(request: Request) -> ServerState:
-    """FastAPI dependency: the app's state, whatever the engine's condition."""
+async def server_state(request: Request) -> ServerState:
+    """FastAPI dependency: the app's state, whatever the engine's condition (async: FastAPI
+    runs a plain function dependency on a worker thread, a thread hop per request)."""
     return request.app.state.server
 
 
-def ready_state(request: Request) -> ServerState:
-    """FastAPI dependency: the app's state once the engine serves; 503 before that."""
+async def ready_state(request: Request) -> ServerState:
+    """FastAPI dependency: the app's state once the engine serves; 503 before that (async,
+    as ``server_state``: it only reads flags)."""
     state: ServerState = request.app.state.server
     problem = state.engine_problem()
     if problem is not None:

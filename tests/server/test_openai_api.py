@@ -85,6 +85,34 @@ def test_completion_stream_equals_non_stream(client, settings):
     assert by_index[0].text != by_index[1].text  # child i is seeded seed + i
 
 
+def test_stream_end_written_at_once_is_still_separate_events(client, http, settings):
+    """The last token's chunk, the usage chunk and ``[DONE]`` go out in one body write
+    (issue 28: fewer writes per stream); the SDK still sees each token's chunk, then the
+    finish, then the usage, each its own event, and the raw stream its own frames."""
+    kwargs = dict(model=settings.model, prompt=PROMPTS[0], max_tokens=6, temperature=0,
+                  extra_body={"ignore_eos": True})
+    full = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True},
+                                            **kwargs))
+    content = [c for c in chunks if c.choices]
+    assert "".join(c.choices[0].text for c in content) == full.choices[0].text
+    assert [c.choices[0].finish_reason for c in content] == [None] * (len(content) - 1) + ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == full.usage.model_dump()
+    assert all(c.usage is None for c in chunks[:-1])
+    body = {"model": settings.model, "prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    with http.stream("POST", "/v1/completions", json=body) as resp:
+        raw = b"".join(resp.iter_bytes())
+    frames = raw.split(b"\n\n")
+    assert frames[-1] == b"" and frames[-2] == b"data: [DONE]"
+    events = [json.loads(f.removeprefix(b"data: ")) for f in frames[:-2]]
+    assert all(f.startswith(b"data: {") for f in frames[:-2])
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 6
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+    assert [e["choices"][0]["text"] for e in events[:-1]] == [c.choices[0].text for c in content]
+    assert b" " not in frames[0].split(b'"choices"')[0].removeprefix(b"data: ")  # compact JSON
+
+
 def test_chat_stream_equals_non_stream(client, settings):
     kwargs = dict(model=settings.model, messages=CHAT, max_tokens=8, temperature=0)
     full = client.chat.completions.create(**kwargs)
