@@ -186,9 +186,13 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
 
 def usage(outputs: list[RequestOutput]) -> UsageInfo:
     """Token usage over all prompts and choices of one API request."""
-    prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    cached = sum(o.num_cached_tokens for o in outputs)
+    return usage_of(sum(len(o.prompt_token_ids) for o in outputs),
+                    sum(len(c.token_ids) for o in outputs for c in o.outputs),
+                    sum(o.num_cached_tokens for o in outputs))
+
+
+def usage_of(prompt: int, completion: int, cached: int) -> UsageInfo:
+    """The ``usage`` object for these token counts."""
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
                      total_tokens=prompt + completion,
                      prompt_tokens_details={"cached_tokens": cached})

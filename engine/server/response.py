@@ -21,7 +21,7 @@ from pydantic import BaseModel
 
 from kvpilot.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from kvpilot.engine.server import sse
-from kvpilot.engine.server.generation import Generation, to_api_error
+from kvpilot.engine.server.generation import Generation, to_api_error, usage_of
 from kvpilot.engine.server.protocol import SamplingRequest, UsageInfo
 from kvpilot.engine.server.routes_common import CLIENT_CLOSED
 from kvpilot.engine.server.state import ServerState
@@ -133,12 +133,7 @@ class _Progress:
 
     def usage(self) -> UsageInfo:
         """The token usage of the whole stream so far (``generation.usage``'s figures)."""
-        counts = [self.counts[i] for i in sorted(self.counts)]
-        prompt = sum(c[0] for c in counts)
-        completion = sum(c[1] for c in counts)
-        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
-                         total_tokens=prompt + completion,
-                         prompt_tokens_details={"cached_tokens": sum(c[2] for c in counts)})
+        return usage_of(*(sum(c[k] for c in self.counts.values()) for k in range(3)))
 
 
 async def stream_events(generation: Generation, state: ServerState, encode: ChunkEncoder,

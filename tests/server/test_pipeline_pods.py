@@ -14,11 +14,13 @@ timeout.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import httpx
 import openai
@@ -49,45 +51,17 @@ def _lws_env(index: int, port: int, **extra: str) -> dict[str, str]:
             "KVPILOT_RENDEZVOUS_PORT": str(port), **extra}
 
 
-def _start_worker_pod(path, port: int, log_path, tp: int = 1) -> subprocess.Popen:
-    """The worker pod: its own session (a process group, killed whole like a pod)."""
+@contextlib.contextmanager
+def _worker_pod(path, port: int, log_path, tp: int = 1) -> Iterator[subprocess.Popen]:
+    """The worker pod: its own session (a process group, killed whole like a pod), killed
+    on the way out if it is still there."""
     cmd = [sys.executable, "-m", "kvpilot.engine.cli.main", "serve", "--host", "127.0.0.1",
            "--port", str(free_port()), *_flags(path, tp)]
     with log_path.open("wb") as log:
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "PYTHONSAFEPATH": "1", **_lws_env(1, port)})
-
-
-@pytest.mark.slow
-def test_leader_and_worker_pods_serve_and_a_killed_worker_fails_the_leader(tmp_path, checkpoint,
-                                                                           kill_mid_generation):
-    port = free_port()
-    worker = _start_worker_pod(checkpoint, port, tmp_path / "worker.log")
+        worker = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                  env={**os.environ, "PYTHONSAFEPATH": "1", **_lws_env(1, port)})
     try:
-        with launch_server(_flags(checkpoint), log_path=tmp_path / "leader.log", timeout=240,
-                           env=_lws_env(0, port)) as leader, \
-                httpx.Client(base_url=leader.base_url, timeout=60) as http:
-            assert worker.poll() is None
-            client = openai.OpenAI(base_url=f"{leader.base_url}/v1", api_key="none")
-            prompt = list(range(5, 45))
-            reply = client.completions.create(model="pp", prompt=prompt, max_tokens=8, temperature=0,
-                                              extra_body={"ignore_eos": True})
-            expected = hf_greedy(checkpoint, [prompt], 8)[0]
-            from transformers import AutoTokenizer
-
-            assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == 8
-            assert reply.choices[0].text == AutoTokenizer.from_pretrained(checkpoint).decode(expected)
-            print(f"\n[pipeline pods] completion {reply.choices[0].text!r} == HF's tokens {expected} decoded")
-            death = kill_mid_generation(http, "pp", lambda: os.killpg(worker.pid, signal.SIGKILL),
-                                        DETECTION_LIMIT_S)
-            assert "the engine failed while serving this request (request id" in death.stream_error
-            assert death.health.status_code == 503
-            message = death.health.json()["error"]["message"]
-            assert "worker pod LWS_WORKER_INDEX=1 (pipeline stage 1, rank 1)" in message
-            assert death.plain.status_code == 500 and death.refused.status_code == 503
-            print(f"[pipeline pods] worker pod killed: stream error after {death.stream_failed_s:.2f} s, "
-                  f"/health 503 after {death.health_failed_s:.2f} s: {message}")
-            assert death.stream_failed_s < DETECTION_LIMIT_S and death.health_failed_s < DETECTION_LIMIT_S
+        yield worker
     finally:
         if worker.poll() is None:
             os.killpg(worker.pid, signal.SIGKILL)
@@ -95,12 +69,44 @@ def test_leader_and_worker_pods_serve_and_a_killed_worker_fails_the_leader(tmp_p
 
 
 @pytest.mark.slow
+def test_leader_and_worker_pods_serve_and_a_killed_worker_fails_the_leader(tmp_path, checkpoint,
+                                                                           kill_mid_generation):
+    port = free_port()
+    with (
+        _worker_pod(checkpoint, port, tmp_path / "worker.log") as worker,
+        launch_server(_flags(checkpoint), log_path=tmp_path / "leader.log", timeout=240,
+                      env=_lws_env(0, port)) as leader,
+        httpx.Client(base_url=leader.base_url, timeout=60) as http,
+    ):
+        assert worker.poll() is None
+        client = openai.OpenAI(base_url=f"{leader.base_url}/v1", api_key="none")
+        prompt = list(range(5, 45))
+        reply = client.completions.create(model="pp", prompt=prompt, max_tokens=8, temperature=0,
+                                          extra_body={"ignore_eos": True})
+        expected = hf_greedy(checkpoint, [prompt], 8)[0]
+        from transformers import AutoTokenizer
+
+        assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == 8
+        assert reply.choices[0].text == AutoTokenizer.from_pretrained(checkpoint).decode(expected)
+        print(f"\n[pipeline pods] completion {reply.choices[0].text!r} == HF's tokens {expected} decoded")
+        death = kill_mid_generation(http, "pp", lambda: os.killpg(worker.pid, signal.SIGKILL),
+                                    DETECTION_LIMIT_S)
+        assert "the engine failed while serving this request (request id" in death.stream_error
+        assert death.health.status_code == 503
+        message = death.health.json()["error"]["message"]
+        assert "worker pod LWS_WORKER_INDEX=1 (pipeline stage 1, rank 1)" in message
+        assert death.plain.status_code == 500 and death.refused.status_code == 503
+        print(f"[pipeline pods] worker pod killed: stream error after {death.stream_failed_s:.2f} s, "
+              f"/health 503 after {death.health_failed_s:.2f} s: {message}")
+        assert death.stream_failed_s < DETECTION_LIMIT_S and death.health_failed_s < DETECTION_LIMIT_S
+
+
+@pytest.mark.slow
 def test_tensor_parallel_ranks_inside_each_pod_and_a_clean_stop(tmp_path, checkpoint):
     """TP=2 x PP=2 over two pods: each pod starts its own stage's two ranks (the leader's
     engine rank 1, the worker pod ranks 2 and 3); stopping the leader stops the worker pod."""
     port = free_port()
-    worker = _start_worker_pod(checkpoint, port, tmp_path / "worker.log", tp=2)
-    try:
+    with _worker_pod(checkpoint, port, tmp_path / "worker.log", tp=2) as worker:
         with launch_server(_flags(checkpoint, tp=2), log_path=tmp_path / "leader.log", timeout=240,
                            env=_lws_env(0, port)) as leader:
             client = openai.OpenAI(base_url=f"{leader.base_url}/v1", api_key="none")
@@ -118,10 +124,6 @@ def test_tensor_parallel_ranks_inside_each_pod_and_a_clean_stop(tmp_path, checkp
         print(f"\n[pipeline pods, TP=2 each] {len(prompts)} completions equal HF's; the worker pod "
               f"exited {code} after the leader stopped")
         assert code == 0, (tmp_path / "worker.log").read_text()[-3000:]
-    finally:
-        if worker.poll() is None:
-            os.killpg(worker.pid, signal.SIGKILL)
-        worker.wait(10)
 
 
 @pytest.mark.slow
@@ -131,28 +133,25 @@ def test_a_rank_dying_inside_the_worker_pod_fails_the_leader_with_its_exit(tmp_p
 
     port = free_port()
     worker_log = tmp_path / "worker.log"
-    worker = _start_worker_pod(checkpoint, port, worker_log)
-    try:
-        with launch_server(_flags(checkpoint), log_path=tmp_path / "leader.log", timeout=240,
-                           env=_lws_env(0, port)) as leader, \
-                httpx.Client(base_url=leader.base_url, timeout=60) as http:
-            (pid,) = map(int, re.search(r"started ranks \[1\] \(pids \[(\d+)\]\)", worker_log.read_text()).groups())
-            os.kill(pid, signal.SIGKILL)
-            killed = time.monotonic()
-            while (health := http.get("/health")).status_code == 200 and time.monotonic() < killed + 10:
-                time.sleep(0.05)
-            unready_s = time.monotonic() - killed
-            message = health.json()["error"]["message"]
-            assert health.status_code == 503
-            assert (f"worker pod LWS_WORKER_INDEX=1 (pipeline stage 1, rank 1) failed: rank 1 (pid {pid}) "
-                    f"was killed by SIGKILL") in message
-            print(f"\n[pipeline pods] a worker pod's rank killed: /health 503 after {unready_s:.2f} s: {message}")
-            assert unready_s < DETECTION_LIMIT_S
-            assert worker.wait(10) == 1
-    finally:
-        if worker.poll() is None:
-            os.killpg(worker.pid, signal.SIGKILL)
-        worker.wait(10)
+    with (
+        _worker_pod(checkpoint, port, worker_log) as worker,
+        launch_server(_flags(checkpoint), log_path=tmp_path / "leader.log", timeout=240,
+                      env=_lws_env(0, port)) as leader,
+        httpx.Client(base_url=leader.base_url, timeout=60) as http,
+    ):
+        (pid,) = map(int, re.search(r"started ranks \[1\] \(pids \[(\d+)\]\)", worker_log.read_text()).groups())
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        while (health := http.get("/health")).status_code == 200 and time.monotonic() < killed + 10:
+            time.sleep(0.05)
+        unready_s = time.monotonic() - killed
+        message = health.json()["error"]["message"]
+        assert health.status_code == 503
+        assert (f"worker pod LWS_WORKER_INDEX=1 (pipeline stage 1, rank 1) failed: rank 1 (pid {pid}) "
+                f"was killed by SIGKILL") in message
+        print(f"\n[pipeline pods] a worker pod's rank killed: /health 503 after {unready_s:.2f} s: {message}")
+        assert unready_s < DETECTION_LIMIT_S
+        assert worker.wait(10) == 1
 
 
 def test_a_missing_worker_pod_fails_the_rendezvous_naming_it(tmp_path, checkpoint):
