@@ -62,30 +62,42 @@ CPU_KERNELS = ("kvpilot.kernels.paged_decode_cpu", "kvpilot.kernels.gguf_matmul_
 def build_cpu_kernels(dest: Path, isas: tuple[str | None, ...] | None = None,
                       kernels: tuple[str, ...] = CPU_KERNELS) -> list[Path]:
     """Compile each of ``kernels`` into ``dest`` for each of ``isas`` (None: every variant
-    ``paged_decode_cpu.ISA_FLAGS`` knows on x86, and the baseline); returns the modules."""
+    ``paged_decode_cpu.ISA_FLAGS`` knows on x86, and the baseline); returns the modules.
+
+    The builds are independent, so they run in parallel, one process per CPU (each build
+    changes its process's working folder, hence processes, not threads)."""
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    from kvpilot.kernels.paged_decode_cpu import ISA_FLAGS
+
+    dest.mkdir(parents=True, exist_ok=True)
+    if isas is None:  # the ISA variants are x86's; elsewhere only the baseline
+        isas = (*ISA_FLAGS, None) if platform.machine().lower() in ("x86_64", "amd64") else (None,)
+    jobs = [(kernel, isa) for kernel in kernels for isa in isas]
+    workers = max(1, min(len(jobs), os.cpu_count() or 1))
+    # spawn: a fresh interpreter per build, whatever threads the caller (a test run) holds
+    with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
+        return list(pool.map(_build_one, [dest.resolve()] * len(jobs), *zip(*jobs, strict=True)))
+
+
+def _build_one(dest: Path, kernel_module: str, isa: str | None) -> Path:
+    """Compile one kernel for one ISA into ``dest``, with its digest beside it."""
     from importlib import import_module
 
     from setuptools import setup
     from torch.utils.cpp_extension import BuildExtension, CppExtension
 
-    from kvpilot.kernels.paged_decode_cpu import ISA_FLAGS
-
-    dest.mkdir(parents=True, exist_ok=True)
-    built = []
-    if isas is None:  # the ISA variants are x86's; elsewhere only the baseline
-        isas = (*ISA_FLAGS, None) if platform.machine().lower() in ("x86_64", "amd64") else (None,)
-    for kernel in map(import_module, kernels):
-        for isa in isas:
-            name, flags = kernel.variant(isa)
-            with tempfile.TemporaryDirectory() as tmp, contextlib.chdir(tmp):  # no project config read
-                setup(name=name, packages=[], py_modules=[],
-                      ext_modules=[CppExtension(name, [str(kernel.SOURCE)], extra_compile_args=flags,
-                                                extra_link_args=list(kernel.LDFLAGS))],
-                      cmdclass={"build_ext": BuildExtension.with_options(use_ninja=False)},
-                      script_args=["-q", "build_ext", "--build-lib", str(dest.resolve()), "--build-temp", tmp])
-            (dest / f"{name}.sha256").write_text(kernel_digest(kernel.SOURCE, flags) + "\n")
-            built.append(dest / f"{name}{sysconfig.get_config_var('EXT_SUFFIX')}")
-    return built
+    kernel = import_module(kernel_module)
+    name, flags = kernel.variant(isa)
+    with tempfile.TemporaryDirectory() as tmp, contextlib.chdir(tmp):  # no project config read
+        setup(name=name, packages=[], py_modules=[],
+              ext_modules=[CppExtension(name, [str(kernel.SOURCE)], extra_compile_args=flags,
+                                        extra_link_args=list(kernel.LDFLAGS))],
+              cmdclass={"build_ext": BuildExtension.with_options(use_ninja=False)},
+              script_args=["-q", "build_ext", "--build-lib", str(dest), "--build-temp", tmp])
+    (dest / f"{name}.sha256").write_text(kernel_digest(kernel.SOURCE, flags) + "\n")
+    return dest / f"{name}{sysconfig.get_config_var('EXT_SUFFIX')}"
 
 
 def main(argv: list[str] | None = None) -> int:
