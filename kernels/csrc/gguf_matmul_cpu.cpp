@@ -440,6 +440,8 @@ struct QuantizedX {
   int64_t nb, nbp, kp, ns;   // blocks, blocks padded to pairs, codes per token, sx stride
   std::vector<int8_t> a;
   std::vector<float> dx, sx, dx16;
+  std::vector<float> sxi;   // [batch][ni]: 0, sx0, 0, sx1, ... (to pair with the VNNI tile's d0 m0 d1 m1 ...)
+  int64_t ni;
   std::vector<int32_t> sum;
 };
 
@@ -451,6 +453,8 @@ void quantize_rows(const T* x, int64_t batch, int64_t cols, QuantizedX& q) {
   q.dx.assign(batch * q.nbp, 0.f);
   q.sx.assign(batch * q.ns, 0.f);
   q.dx16.assign(batch * q.nbp * 8, 0.f);
+  q.ni = (2 * q.nbp + 15) / 16 * 16;
+  q.sxi.assign(batch * q.ni, 0.f);
   q.sum.assign(batch * q.nbp, 0);
   at::parallel_for(0, batch, 16, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
@@ -469,17 +473,17 @@ void quantize_rows(const T* x, int64_t batch, int64_t cols, QuantizedX& q) {
         q.dx[t * q.nbp + b] = d;
         q.sum[t * q.nbp + b] = s;
         q.sx[t * q.ns + b] = d * static_cast<float>(s);
+        q.sxi[t * q.ni + 2 * b + 1] = d * static_cast<float>(s);
         for (int i = 0; i < 8; ++i) q.dx16[(t * q.nbp + b) * 8 + i] = d;
       }
     }
   });
 }
 
-// A tile of decoded weight rows: codes [kRowTile][kp], scales dw/dw16, mins mw [ns].
+// A tile of decoded weight rows for the AVX2 path: codes [kRowTile][kp], scales dw, mins mw [ns].
 struct RowTile {
   alignas(64) uint8_t u[kRowTile][4096];
   alignas(64) float dw[kRowTile][128];
-  alignas(64) float dw16[kRowTile][128 * 8];
   alignas(64) float mw[kRowTile][128];
 };
 constexpr int64_t kMaxColumns = 4096;   // (the tile's bound; wider layers take the float path)
@@ -491,7 +495,6 @@ void decode_tile(const uint8_t* src, int64_t bpr, int64_t r0, int n, const Quant
     if (r >= n) {   // rows past the layer's end: zero codes and scales
       std::memset(tile.u[r], 0, q.kp);
       std::memset(tile.dw[r], 0, sizeof(tile.dw[r]));
-      std::memset(tile.dw16[r], 0, sizeof(tile.dw16[r]));
       std::memset(tile.mw[r], 0, sizeof(tile.mw[r]));
       continue;
     }
@@ -501,7 +504,6 @@ void decode_tile(const uint8_t* src, int64_t bpr, int64_t r0, int n, const Quant
       if (b < q.nb) C::decode(row + b * C::type_size, tile.u[r] + b * 32, &d, &m);
       else std::memset(tile.u[r] + b * 32, C::offset, 32);
       tile.dw[r][b] = d, tile.mw[r][b] = m;
-      for (int i = 0; i < 8; ++i) tile.dw16[r][b * 8 + i] = d;
     }
     for (int64_t b = q.nbp; b < q.ns; ++b) tile.mw[r][b] = 0.f;
   }
@@ -514,9 +516,81 @@ inline void store(T* dst, float v) { *dst = static_cast<T>(v); }
 #define KVPILOT_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 #define KVPILOT_AVX2 __attribute__((target("avx2,fma,f16c")))
 
+// Blocks 2p and 2p+1 of a row as one 64-byte vector of codes in activation order and their
+// scales (d16) and mins (m16), each spread over its block's 8 lanes.
+struct PairVnni {
+  __m512i u;
+  __m512 d;
+  __m128 dm;   // d0 m0 d1 m1
+};
+
+alignas(64) constexpr uint8_t kZeroBlock[64] = {};
+
+template <int Type>
+KVPILOT_VNNI inline PairVnni decode_pair_vnni(const uint8_t* b0, const uint8_t* b1) {
+  const __m512i spread_d = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
+  uint16_t d0, d1, m0 = 0, m1 = 0;
+  std::memcpy(&d0, b0, 2), std::memcpy(&d1, b1, 2);
+  constexpr bool has_min = Type == Q4_1 || Type == Q5_1;
+  if (has_min) std::memcpy(&m0, b0 + 2, 2), std::memcpy(&m1, b1 + 2, 2);
+  const __m128 f = _mm_cvtph_ps(_mm_set_epi16(0, 0, 0, 0, m1, d1, m0, d0));   // d0 m0 d1 m1
+  PairVnni out;
+  out.d = _mm512_permutexvar_ps(spread_d, _mm512_castps128_ps512(f));
+  out.dm = f;
+  if (Type == Q8_0) {
+    const __m512i w = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b0 + 2))),
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b1 + 2)), 1);
+    out.u = _mm512_xor_si512(w, _mm512_set1_epi8(static_cast<char>(0x80)));
+    return out;
+  }
+  constexpr int qoff = Type == Q4_0 ? 2 : Type == Q4_1 ? 4 : Type == Q5_0 ? 6 : 8;
+  const __m256i v = _mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b0 + qoff))),
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(b1 + qoff)), 1);
+  const __m256i nib = _mm256_set1_epi8(0x0F);
+  const __m256i lo = _mm256_and_si256(v, nib), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+  const __m512i x = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);   // lo0 lo1 hi0 hi1
+  out.u = _mm512_shuffle_i64x2(x, x, _MM_SHUFFLE(3, 1, 2, 0));              // lo0 hi0 lo1 hi1
+  if (Type == Q5_0 || Type == Q5_1) {     // bit j of qh is bit 4 of code j
+    constexpr int hoff = Type == Q5_0 ? 2 : 4;
+    uint32_t h0, h1;
+    std::memcpy(&h0, b0 + hoff, 4), std::memcpy(&h1, b1 + hoff, 4);
+    const __mmask64 high = static_cast<uint64_t>(h0) | (static_cast<uint64_t>(h1) << 32);
+    out.u = _mm512_or_si512(out.u, _mm512_maskz_mov_epi8(high, _mm512_set1_epi8(0x10)));
+  }
+  return out;
+}
+
+// kRowTile rows (n of them real) decoded once per call: [kRowTile][pairs].
+struct TileVnni {
+  struct Pair {
+    __m512i u;
+    __m512 d;
+  } pair[kRowTile][kMaxColumns / 64];
+  alignas(64) float dm[kRowTile][kMaxColumns / 16 + 16];   // d0 m0 d1 m1 ..., zero-padded to 16
+};
+
+template <int Type>
+KVPILOT_VNNI void decode_tile_vnni(const uint8_t* src, int64_t bpr, int64_t r0, int n, const QuantizedX& q,
+                                   TileVnni& tile) {
+  constexpr int ts = Codes<Type>::type_size;
+  for (int r = 0; r < kRowTile; ++r) {
+    const uint8_t* row = src + (r0 + std::min(r, n - 1)) * bpr;   // rows past the end repeat the last
+    for (int64_t p = 0; p < q.nbp / 2; ++p) {
+      const uint8_t* b0 = row + 2 * p * ts;
+      const uint8_t* b1 = 2 * p + 1 < q.nb ? b0 + ts : kZeroBlock;
+      const PairVnni w = decode_pair_vnni<Type>(b0, b1);
+      tile.pair[r][p] = {w.u, w.d};
+      _mm_store_ps(tile.dm[r] + 4 * p, w.dm);
+    }
+    for (int64_t j = 2 * q.nbp; j < q.ni; ++j) tile.dm[r][j] = 0.f;
+  }
+}
+
 // Tokens t0..t0+NT of a decoded row tile; out[t][r] += bias.
 template <int Type, int NT, typename T>
-KVPILOT_VNNI void dot_tile_vnni(const RowTile& tile, int n, const QuantizedX& q, int64_t t0,
+KVPILOT_VNNI void dot_tile_vnni(const TileVnni& tile, int n, const QuantizedX& q, int64_t t0,
                                 const float* bias, int64_t r0, T* out, int64_t rows) {
   using C = Codes<Type>;
   __m512 acc[kRowTile][NT];
@@ -524,29 +598,24 @@ KVPILOT_VNNI void dot_tile_vnni(const RowTile& tile, int n, const QuantizedX& q,
     for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
   const __m512i off = _mm512_set1_epi8(static_cast<char>(C::offset));
   for (int64_t p = 0; p < q.nbp / 2; ++p) {
-    __m512i w[kRowTile];
-    __m512 dw[kRowTile];
-    for (int r = 0; r < kRowTile; ++r) {
-      w[r] = _mm512_load_si512(tile.u[r] + p * 64);
-      dw[r] = _mm512_load_ps(tile.dw16[r] + p * 16);
-    }
     for (int t = 0; t < NT; ++t) {
       const __m512i a = _mm512_loadu_si512(q.a.data() + (t0 + t) * q.kp + p * 64);
       const __m512 dx = _mm512_loadu_ps(q.dx16.data() + ((t0 + t) * q.nbp + 2 * p) * 8);
       __m512i corr = _mm512_setzero_si512();
       if (C::offset) corr = _mm512_dpbusd_epi32(corr, off, a);
       for (int r = 0; r < kRowTile; ++r) {
-        __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[r], a);
+        const TileVnni::Pair& w = tile.pair[r][p];
+        __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w.u, a);
         if (C::offset) s = _mm512_sub_epi32(s, corr);
-        acc[r][t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s), dx), dw[r], acc[r][t]);
+        acc[r][t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s), dx), w.d, acc[r][t]);
       }
     }
   }
-  if (C::has_min)
-    for (int64_t j = 0; j < q.ns; j += 16)
+  if (C::has_min)   // sum over blocks of m * dx * sum(a)
+    for (int64_t j = 0; j < q.ni; j += 16)
       for (int t = 0; t < NT; ++t) {
-        const __m512 sx = _mm512_loadu_ps(q.sx.data() + (t0 + t) * q.ns + j);
-        for (int r = 0; r < kRowTile; ++r) acc[r][t] = _mm512_fmadd_ps(_mm512_load_ps(tile.mw[r] + j), sx, acc[r][t]);
+        const __m512 sx = _mm512_loadu_ps(q.sxi.data() + (t0 + t) * q.ni + j);
+        for (int r = 0; r < kRowTile; ++r) acc[r][t] = _mm512_fmadd_ps(_mm512_load_ps(tile.dm[r] + j), sx, acc[r][t]);
       }
   for (int t = 0; t < NT; ++t)
     for (int r = 0; r < n; ++r)
@@ -624,23 +693,36 @@ void matmul_q8_as(const QuantizedX& q, const uint8_t* src, int64_t rows, int64_t
   const int64_t work = kRowTile * bpr * ((batch + kTokenTile - 1) / kTokenTile);
   const int64_t grain = std::max<int64_t>(1, kMinTaskBytes / std::max<int64_t>(work, 1));
   at::parallel_for(0, tiles, grain, [&](int64_t i0, int64_t i1) {
+    if (isa == kIsaVnni) {
+      std::unique_ptr<TileVnni> tile(new TileVnni);
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t r0 = i * kRowTile;
+        const int n = static_cast<int>(std::min<int64_t>(kRowTile, rows - r0));
+        decode_tile_vnni<Type>(src, bpr, r0, n, q, *tile);
+        int64_t t0 = 0;
+        for (; t0 + kTokenTile <= batch; t0 += kTokenTile) dot_tile_vnni<Type, kTokenTile, T>(*tile, n, q, t0, bias, r0, out, rows);
+        switch (batch - t0) {
+          case 3: dot_tile_vnni<Type, 3, T>(*tile, n, q, t0, bias, r0, out, rows); break;
+          case 2: dot_tile_vnni<Type, 2, T>(*tile, n, q, t0, bias, r0, out, rows); break;
+          case 1: dot_tile_vnni<Type, 1, T>(*tile, n, q, t0, bias, r0, out, rows); break;
+          default: break;
+        }
+      }
+      return;
+    }
     std::unique_ptr<RowTile> tile(new RowTile);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t r0 = i * kRowTile;
       const int n = static_cast<int>(std::min<int64_t>(kRowTile, rows - r0));
       decode_tile<Type>(src, bpr, r0, n, q, *tile);
       int64_t t0 = 0;
-#define KVPILOT_TOKENS(NT)                                                                      \
-  if (isa == kIsaVnni) dot_tile_vnni<Type, NT, T>(*tile, n, q, t0, bias, r0, out, rows);       \
-  else dot_tile_avx2<Type, NT, T>(*tile, n, q, t0, bias, r0, out, rows);
-      for (; t0 + kTokenTile <= batch; t0 += kTokenTile) { KVPILOT_TOKENS(kTokenTile) }
+      for (; t0 + kTokenTile <= batch; t0 += kTokenTile) dot_tile_avx2<Type, kTokenTile, T>(*tile, n, q, t0, bias, r0, out, rows);
       switch (batch - t0) {
-        case 3: KVPILOT_TOKENS(3) break;
-        case 2: KVPILOT_TOKENS(2) break;
-        case 1: KVPILOT_TOKENS(1) break;
+        case 3: dot_tile_avx2<Type, 3, T>(*tile, n, q, t0, bias, r0, out, rows); break;
+        case 2: dot_tile_avx2<Type, 2, T>(*tile, n, q, t0, bias, r0, out, rows); break;
+        case 1: dot_tile_avx2<Type, 1, T>(*tile, n, q, t0, bias, r0, out, rows); break;
         default: break;
       }
-#undef KVPILOT_TOKENS
     }
   });
 #else
