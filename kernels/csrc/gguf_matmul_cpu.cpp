@@ -345,7 +345,7 @@ using FQ6_K = Format<256, 210, KVPILOT_DECODER(q6_k)>;
 // ---------------------------------------------------------------------------------------
 // The q8-activation path (llama.cpp's vec_dot_q*_q8): each token's activations are
 // quantized per 32-value block to int8 codes a with one float scale dx = amax / 127
-// (a = round-to-nearest-even(x / dx), |a| <= 127), and each weight block is its unsigned
+// (a = round-to-nearest-even(x * 127 / amax), |a| <= 127), and each weight block is its unsigned
 // codes u (0..255) with scale dw, offset o and min mw: value = dw * (u - o) + mw.
 // A block's dot product is then
 //     dw * dx * (sum(u * a) - o * sum(a)) + mw * dx * sum(a),
@@ -462,7 +462,8 @@ void quantize_rows(const T* x, int64_t batch, int64_t cols, QuantizedX& q) {
         float v[32], amax = 0.f;
         const T* xb = x + t * cols + b * 32;
         for (int i = 0; i < 32; ++i) v[i] = to_float(xb[i]), amax = std::max(amax, std::abs(v[i]));
-        const float d = amax * (1.0f / 127.0f), id = d > 0.f ? 1.0f / d : 0.f;
+        // (written so that -ffast-math has nothing to reassociate: the tests model it exactly)
+        const float d = amax * (1.0f / 127.0f), id = amax > 0.f ? 127.0f / amax : 0.f;
         int8_t* a = q.a.data() + t * q.kp + b * 32;
         int32_t s = 0;
         for (int i = 0; i < 32; ++i) {
