@@ -16,10 +16,16 @@ codes by the activation codes (AVX512-VNNI ``dpbusd`` where the CPU has it, else
 ``maddubs`` + ``madd``), scaled in float32; the weight's min (Q4_1, Q5_1) multiplies the
 block's activation sum. The result comes out in the activation dtype. Its numerics differ
 from ``matmul`` by the activation rounding (about 0.4 % of a block's largest value per
-value, like llama.cpp's): the engine uses it for bfloat16/float16 models and keeps the
-exact float path for float32 ones (``gguf_linear``). It serves the 32-value types
-(``Q8_TYPES``); the k-quants keep the float path. ``KVPILOT_GGUF_Q8_ISA`` (``vnni``,
-``avx2``, ``off``) overrides the run-time choice of instruction set (``q8_isa``).
+value, like llama.cpp's). It serves the 32-value types (``Q8_TYPES``); the k-quants keep
+the float path. ``KVPILOT_GGUF_Q8_ISA`` (``vnni``, ``avx2``, ``off``) overrides the
+run-time choice of instruction set (``q8_isa``).
+
+The engine takes it (``gguf_linear``) only where ``$KVPILOT_GGUF_Q8=1`` (``q8_enabled``)
+and the model runs in bfloat16/float16; a float32 model always keeps the exact float path
+(token-identical to transformers). It is opt-in because on SmolLM2-135M-Instruct.Q4_1 in
+bfloat16 it moves the first answer token's log-probabilities by ~0.3 nats against the
+float path (twice bfloat16's own shift from float32), enough to flip a near tie: the
+README's "What is the capital of France?" answers "L'Étoile, ..." instead of "Paris".
 
 The types are ggml's ids (``gguf.GGMLQuantizationType``): ``QTYPES``. ``load()`` returns
 None where the kernel cannot be built; callers then dequantize at load time.
@@ -54,6 +60,7 @@ Q8_MAX_BATCH = 64
 # the widest input the q8 path takes (kMaxColumns in the source)
 Q8_MAX_COLUMNS = 4096
 Q8_ISA_ENV = "KVPILOT_GGUF_Q8_ISA"
+Q8_ENV = "KVPILOT_GGUF_Q8"
 ISA_IDS = {"vnni": 1, "avx2": 2}
 # -fopenmp: ATen's parallel_for is an inline OpenMP region in torch's CPU builds.
 CFLAGS = ["-O3", "-ffast-math", "-fopenmp"]
@@ -100,6 +107,11 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, qtype: int) -> torch.Tensor:
     """``x @ dequantize(weight).T`` in float32, for ``x`` of shape ``[batch, columns]``."""
     _check(weight, qtype)
     return _module().matmul(x.to(torch.float32).contiguous(), weight.contiguous(), qtype)
+
+
+def q8_enabled() -> bool:
+    """Whether the engine's 16-bit GGUF layers take the q8 path (``$KVPILOT_GGUF_Q8=1``)."""
+    return os.environ.get(Q8_ENV, "").strip().lower() in ("1", "on", "true", "yes")
 
 
 def q8_isa() -> str | None:

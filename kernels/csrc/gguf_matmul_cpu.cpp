@@ -252,6 +252,13 @@ int64_t check_weight(const torch::Tensor& w, int type_size, int block) {
 // a smaller layer runs on the calling thread without an OpenMP region.
 int64_t grain_rows(int64_t bytes_per_row) { return std::max<int64_t>(1, (256 << 10) / std::max<int64_t>(bytes_per_row, 1)); }
 
+// Rows per matmul task: 32 KiB of weight, so that every layer of a small model (a few
+// hundred KiB) runs on all threads; the work grows with the batch.
+int64_t matmul_grain_rows(int64_t bytes_per_row, int64_t batch) {
+  const int64_t work = std::max<int64_t>(bytes_per_row, 1) * (1 + batch / 4);
+  return std::max<int64_t>(1, (32 << 10) / work);
+}
+
 template <typename F>
 torch::Tensor dequantize_as(const torch::Tensor& w) {
   const int64_t cols = check_weight(w, F::type_size, F::block), rows = w.size(0), bpr = w.size(1);
@@ -278,7 +285,7 @@ torch::Tensor matmul_as(const torch::Tensor& x, const torch::Tensor& w) {
   const uint8_t* src = w.data_ptr<uint8_t>();
   const float* xs = x.data_ptr<float>();
   float* dst = out.data_ptr<float>();
-  at::parallel_for(0, rows, grain_rows(bpr), [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, rows, matmul_grain_rows(bpr, batch), [&](int64_t r0, int64_t r1) {
     alignas(64) float buf[F::block];
 #ifdef __AVX512F__
     if (batch <= kMaxVectorBatch) {   // one 16-lane accumulator per activation row

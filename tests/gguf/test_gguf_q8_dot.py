@@ -12,7 +12,8 @@ Oracles:
 - float64 ``F.linear`` over the dequantized weight: the activation rounding keeps the
   result within 2 % of its largest value (a kernel that drops a block's min, a scale or a
   block fails it);
-- transformers' GGUF loader in float32 for a tiny GGUF Llama served in bfloat16: first
+- transformers' GGUF loader in float32 for a tiny GGUF Llama served in bfloat16 with
+  ``$KVPILOT_GGUF_Q8=1`` (the engine's switch; off by default): first
   step log-probabilities within 0.15 nats over the top 5 tokens, the first 3 greedy
   tokens equal.
 """
@@ -99,6 +100,8 @@ def test_kernel_is_close_to_f_linear_over_the_dequantized_weight(qtype, isa):
 
 
 def test_the_layer_takes_the_q8_path_for_16_bit_activations_only(monkeypatch):
+    assert not uses_q8(torch.bfloat16, int(T.Q4_1), 1, 256)          # opt-in
+    monkeypatch.setenv(gguf_matmul_cpu.Q8_ENV, "1")
     raw, weight = _weight(T.Q4_1, 40, 256, 3)
     layout = build_layout(256, [40], [int(T.Q4_1)])
     calls = []
@@ -117,6 +120,7 @@ def test_the_layer_takes_the_q8_path_for_16_bit_activations_only(monkeypatch):
 
 
 def test_the_isa_can_be_forced_and_refused(monkeypatch):
+    monkeypatch.setenv(gguf_matmul_cpu.Q8_ENV, "1")
     monkeypatch.setenv(gguf_matmul_cpu.Q8_ISA_ENV, "avx2")
     assert gguf_matmul_cpu.q8_isa() == "avx2"
     monkeypatch.setenv(gguf_matmul_cpu.Q8_ISA_ENV, "off")
@@ -156,6 +160,7 @@ def test_a_bfloat16_engine_follows_transformers_gguf(tmp_path, qtype, monkeypatc
     calls = []
     real = gguf_matmul_cpu.matmul_q8
     monkeypatch.setattr(gguf_matmul_cpu, "matmul_q8", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setenv(gguf_matmul_cpu.Q8_ENV, "1")
     llm = LLM(str(tmp_path / "model.gguf"), dtype="bfloat16", num_gpu_blocks=16, max_model_len=64)
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True,
                                                 logprobs=5))[0].outputs[0]

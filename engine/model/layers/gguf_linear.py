@@ -10,14 +10,14 @@ the bytes before they are copied in (``load_gguf_weight(row_order=...)``).
 
 Forward (``gguf_linear``) takes one of three paths per run of rows of one type:
 
-- bfloat16/float16 activations, a 32-value type (``gguf_matmul_cpu.Q8_TYPES``: Q4_0,
-  Q4_1, Q5_0, Q5_1, Q8_0) and up to ``gguf_matmul_cpu.Q8_MAX_BATCH`` tokens: the q8 path
+- with ``$KVPILOT_GGUF_Q8=1``: bfloat16/float16 activations, a 32-value type
+  (``gguf_matmul_cpu.Q8_TYPES``: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) and up to
+  ``gguf_matmul_cpu.Q8_MAX_BATCH`` tokens take the q8 path
   (``gguf_matmul_cpu.matmul_q8``, llama.cpp's way): activations quantized per block to
   int8, integer dot products with the weight codes, the result written in the activation
-  dtype. It rounds the activations to 8 bits (as llama.cpp does), so it is used only
-  where the model already runs in a 16-bit dtype (``--dtype auto`` on a CPU with
-  AVX512-BF16); a float32 model keeps the exact float path below, token-identical to
-  transformers in float32.
+  dtype. It rounds the activations to 8 bits (as llama.cpp does), so it is never used
+  for a float32 model (which stays token-identical to transformers), and it is opt-in
+  for 16-bit ones (why: ``gguf_matmul_cpu``'s docstring).
 - otherwise up to ``gguf_matmul_cpu.MAX_VECTOR_BATCH`` tokens: the float kernel that
   decodes one block at a time into registers and multiplies every token by it (float32
   accumulation, result in the activation dtype): the weight bytes are read once, and no
@@ -257,6 +257,7 @@ def uses_q8(dtype: torch.dtype, qtype: int, tokens: int, columns: int) -> bool:
     """Whether ``tokens`` activations of ``dtype`` take the q8 path through a ``qtype``
     weight of ``columns`` inputs (module docstring)."""
     return (dtype in (torch.bfloat16, torch.float16) and qtype in gguf_matmul_cpu.Q8_TYPES
+            and gguf_matmul_cpu.q8_enabled()
             and tokens <= gguf_matmul_cpu.Q8_MAX_BATCH and columns <= gguf_matmul_cpu.Q8_MAX_COLUMNS
             and gguf_matmul_cpu.q8_isa() is not None)
 
