@@ -54,9 +54,10 @@ QTYPES = {
 MAX_VECTOR_BATCH = 16
 # the types matmul_q8 multiplies (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)
 Q8_TYPES = frozenset({2, 3, 6, 7, 8})
-# Tokens up to which the q8 path beats decoding tiles for F.linear (measured on a 2-core
-# AVX512-VNNI EPYC with SmolLM2-135M's matrices: `kvpilot bench gguf-matmul`).
-Q8_MAX_BATCH = 64
+# Tokens up to which the q8 path beats decoding tiles for bfloat16 F.linear (measured on
+# an AVX512-VNNI EPYC, one thread, over SmolLM2-135M's matrices: `kvpilot bench
+# gguf-matmul --model-pass`: q8/tiles 0.94 at 24 tokens, 1.06 at 32, 1.25 at 48).
+Q8_MAX_BATCH = 24
 # the widest input the q8 path takes (kMaxColumns in the source)
 Q8_MAX_COLUMNS = 4096
 Q8_ISA_ENV = "KVPILOT_GGUF_Q8_ISA"

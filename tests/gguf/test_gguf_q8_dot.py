@@ -108,7 +108,7 @@ def test_the_layer_takes_the_q8_path_for_16_bit_activations_only(monkeypatch):
     real = gguf_matmul_cpu.matmul_q8
     monkeypatch.setattr(gguf_matmul_cpu, "matmul_q8", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
     flat = raw.reshape(-1)
-    for dtype, batch, q8 in [(torch.bfloat16, 1, True), (torch.float16, 64, True),
+    for dtype, batch, q8 in [(torch.bfloat16, 1, True), (torch.float16, gguf_matmul_cpu.Q8_MAX_BATCH, True),
                              (torch.float32, 1, False), (torch.bfloat16, gguf_matmul_cpu.Q8_MAX_BATCH + 1, False)]:
         calls.clear()
         x = torch.randn(batch, 256).to(dtype)
