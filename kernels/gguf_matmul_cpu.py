@@ -20,15 +20,15 @@ value, like llama.cpp's). It serves the 32-value types (``Q8_TYPES``); the k-qua
 the float path. ``KVPILOT_GGUF_Q8_ISA`` (``vnni``, ``avx2``, ``off``) overrides the
 run-time choice of instruction set (``q8_isa``).
 
-The engine takes it (``gguf_linear``) only where ``$KVPILOT_GGUF_Q8=1`` (``q8_enabled``)
-and the model runs in bfloat16/float16; a float32 model always keeps the exact float path
-(token-identical to transformers). It is opt-in because on SmolLM2-135M-Instruct.Q4_1 in
-bfloat16 it moves the first answer token's log-probabilities by ~0.3 nats against the
-float path (twice bfloat16's own shift from float32), enough to flip a near tie: the
-README's "What is the capital of France?" answers "L'Étoile, ..." instead of "Paris".
-
-The types are ggml's ids (``gguf.GGMLQuantizationType``): ``QTYPES``. ``load()`` returns
-None where the kernel cannot be built; callers then dequantize at load time.
+The engine takes it (``gguf_linear``) where the model runs in bfloat16/float16 (the
+serving default on a CPU with AVX512-BF16, ``--dtype auto``), for up to ``Q8_MAX_BATCH``
+tokens (decode steps, short prefill chunks); a float32 model always keeps the exact float
+path (token-identical to transformers). ``$KVPILOT_GGUF_Q8=0`` turns it off
+(``q8_enabled``). Measured on SmolLM2-135M-Instruct.Q4_1 in bfloat16: it moves the first
+answer token's log-probabilities by up to ~0.3 nats against the float path (twice
+bfloat16's own shift from float32); run over the whole 37-token prompt of the README's
+"What is the capital of France?" it flips a near tie (0.08 nats in float32) and the
+answer derails, which is one reason longer prefill chunks keep the float/tile paths.
 """
 
 from __future__ import annotations
@@ -111,8 +111,9 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, qtype: int) -> torch.Tensor:
 
 
 def q8_enabled() -> bool:
-    """Whether the engine's 16-bit GGUF layers take the q8 path (``$KVPILOT_GGUF_Q8=1``)."""
-    return os.environ.get(Q8_ENV, "").strip().lower() in ("1", "on", "true", "yes")
+    """Whether the engine's 16-bit GGUF layers take the q8 path (default yes;
+    ``$KVPILOT_GGUF_Q8=0`` turns it off)."""
+    return os.environ.get(Q8_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
 
 
 def q8_isa() -> str | None:

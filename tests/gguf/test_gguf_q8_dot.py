@@ -13,7 +13,7 @@ Oracles:
   result within 2 % of its largest value (a kernel that drops a block's min, a scale or a
   block fails it);
 - transformers' GGUF loader in float32 for a tiny GGUF Llama served in bfloat16 with
-  ``$KVPILOT_GGUF_Q8=1`` (the engine's switch; off by default): first
+  the q8 path (the engine's default for 16-bit models): first
   step log-probabilities within 0.15 nats over the top 5 tokens, the first 3 greedy
   tokens equal.
 """
@@ -100,8 +100,9 @@ def test_kernel_is_close_to_f_linear_over_the_dequantized_weight(qtype, isa):
 
 
 def test_the_layer_takes_the_q8_path_for_16_bit_activations_only(monkeypatch):
-    assert not uses_q8(torch.bfloat16, int(T.Q4_1), 1, 256)          # opt-in
-    monkeypatch.setenv(gguf_matmul_cpu.Q8_ENV, "1")
+    monkeypatch.setenv(gguf_matmul_cpu.Q8_ENV, "0")
+    assert not uses_q8(torch.bfloat16, int(T.Q4_1), 1, 256)          # the switch
+    monkeypatch.delenv(gguf_matmul_cpu.Q8_ENV)                        # on by default
     raw, weight = _weight(T.Q4_1, 40, 256, 3)
     layout = build_layout(256, [40], [int(T.Q4_1)])
     calls = []
@@ -160,7 +161,7 @@ def test_a_bfloat16_engine_follows_transformers_gguf(tmp_path, qtype, monkeypatc
     calls = []
     real = gguf_matmul_cpu.matmul_q8
     monkeypatch.setattr(gguf_matmul_cpu, "matmul_q8", lambda *a, **k: calls.append(1) or real(*a, **k))
-    monkeypatch.setenv(gguf_matmul_cpu.Q8_ENV, "1")
+    monkeypatch.delenv(gguf_matmul_cpu.Q8_ENV, raising=False)
     llm = LLM(str(tmp_path / "model.gguf"), dtype="bfloat16", num_gpu_blocks=16, max_model_len=64)
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True,
                                                 logprobs=5))[0].outputs[0]

@@ -10,14 +10,14 @@ the bytes before they are copied in (``load_gguf_weight(row_order=...)``).
 
 Forward (``gguf_linear``) takes one of three paths per run of rows of one type:
 
-- with ``$KVPILOT_GGUF_Q8=1``: bfloat16/float16 activations, a 32-value type
-  (``gguf_matmul_cpu.Q8_TYPES``: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) and up to
-  ``gguf_matmul_cpu.Q8_MAX_BATCH`` tokens take the q8 path
+- bfloat16/float16 activations, a 32-value type (``gguf_matmul_cpu.Q8_TYPES``: Q4_0,
+  Q4_1, Q5_0, Q5_1, Q8_0) and up to ``gguf_matmul_cpu.Q8_MAX_BATCH`` tokens: the q8 path
   (``gguf_matmul_cpu.matmul_q8``, llama.cpp's way): activations quantized per block to
   int8, integer dot products with the weight codes, the result written in the activation
-  dtype. It rounds the activations to 8 bits (as llama.cpp does), so it is never used
-  for a float32 model (which stays token-identical to transformers), and it is opt-in
-  for 16-bit ones (why: ``gguf_matmul_cpu``'s docstring).
+  dtype. It rounds the activations to 8 bits (as llama.cpp does), so it is used only
+  where the model already runs in a 16-bit dtype; a float32 model keeps the exact float
+  path below, token-identical to transformers in float32. ``$KVPILOT_GGUF_Q8=0`` turns
+  it off (the measured numerics: ``gguf_matmul_cpu``'s docstring).
 - otherwise up to ``gguf_matmul_cpu.MAX_VECTOR_BATCH`` tokens: the float kernel that
   decodes one block at a time into registers and multiplies every token by it (float32
   accumulation, result in the activation dtype): the weight bytes are read once, and no
