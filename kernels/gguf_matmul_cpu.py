@@ -9,13 +9,32 @@ values) at a time and multiplies it into every activation row (float32 accumulat
 the weight bytes are read once per call and no dequantized matrix exists. ``dequantize``
 writes float32 rows (the large-batch path decodes a few rows at a time with it).
 
-The types are ggml's ids (``gguf.GGMLQuantizationType``): ``QTYPES``. ``load()`` returns
-None where the kernel cannot be built; callers then dequantize at load time.
+``matmul_q8`` is llama.cpp's way: each token's activations (float32, bfloat16 or float16)
+are quantized per 32-value block to int8 with one float scale (``amax / 127``, codes
+rounded to nearest even), and each block's dot product is an integer one of the weight's
+codes by the activation codes (AVX512-VNNI ``dpbusd`` where the CPU has it, else AVX2
+``maddubs`` + ``madd``), scaled in float32; the weight's min (Q4_1, Q5_1) multiplies the
+block's activation sum. The result comes out in the activation dtype. Its numerics differ
+from ``matmul`` by the activation rounding (about 0.4 % of a block's largest value per
+value, like llama.cpp's). It serves the 32-value types (``Q8_TYPES``); the k-quants keep
+the float path. ``KVPILOT_GGUF_Q8_ISA`` (``vnni``, ``avx2``, ``off``) overrides the
+run-time choice of instruction set (``q8_isa``).
+
+The engine takes it (``gguf_linear``) where the model runs in bfloat16/float16 (the
+serving default on a CPU with AVX512-BF16, ``--dtype auto``), for up to ``Q8_MAX_BATCH``
+tokens (decode steps, short prefill chunks); a float32 model always keeps the exact float
+path (token-identical to transformers). ``$KVPILOT_GGUF_Q8=0`` turns it off
+(``q8_enabled``). Measured on SmolLM2-135M-Instruct.Q4_1 in bfloat16: it moves the first
+answer token's log-probabilities by up to ~0.3 nats against the float path (twice
+bfloat16's own shift from float32); run over the whole 37-token prompt of the README's
+"What is the capital of France?" it flips a near tie (0.08 nats in float32) and the
+answer derails, which is one reason longer prefill chunks keep the float/tile paths.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 from types import ModuleType
 
@@ -33,6 +52,17 @@ QTYPES = {
 # Tokens the vector path multiplies at once (kMaxVectorBatch in the source): one 16-lane
 # accumulator each; past it the caller decodes tiles for F.linear.
 MAX_VECTOR_BATCH = 16
+# the types matmul_q8 multiplies (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)
+Q8_TYPES = frozenset({2, 3, 6, 7, 8})
+# Tokens up to which the q8 path beats decoding tiles for bfloat16 F.linear (measured on
+# an AVX512-VNNI EPYC, one thread, over SmolLM2-135M's matrices: `kvpilot bench
+# gguf-matmul --model-pass`: q8/tiles 0.94 at 24 tokens, 1.06 at 32, 1.25 at 48).
+Q8_MAX_BATCH = 24
+# the widest input the q8 path takes (kMaxColumns in the source)
+Q8_MAX_COLUMNS = 4096
+Q8_ISA_ENV = "KVPILOT_GGUF_Q8_ISA"
+Q8_ENV = "KVPILOT_GGUF_Q8"
+ISA_IDS = {"vnni": 1, "avx2": 2}
 # -fopenmp: ATen's parallel_for is an inline OpenMP region in torch's CPU builds.
 CFLAGS = ["-O3", "-ffast-math", "-fopenmp"]
 LDFLAGS = ("-lm", "-fopenmp")
@@ -78,3 +108,46 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, qtype: int) -> torch.Tensor:
     """``x @ dequantize(weight).T`` in float32, for ``x`` of shape ``[batch, columns]``."""
     _check(weight, qtype)
     return _module().matmul(x.to(torch.float32).contiguous(), weight.contiguous(), qtype)
+
+
+def q8_enabled() -> bool:
+    """Whether the engine's 16-bit GGUF layers take the q8 path (default yes;
+    ``$KVPILOT_GGUF_Q8=0`` turns it off)."""
+    return os.environ.get(Q8_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def q8_isa() -> str | None:
+    """The instruction set ``matmul_q8`` uses here: ``"vnni"`` (AVX512-VNNI), ``"avx2"``,
+    or None (no q8 path: the kernel is missing, the CPU has neither, or
+    ``$KVPILOT_GGUF_Q8_ISA=off``). The environment variable picks a supported one."""
+    return _q8_isa(os.environ.get(Q8_ISA_ENV, "").strip().lower())
+
+
+@functools.cache
+def _q8_isa(wanted: str) -> str | None:
+    module = load()
+    if module is None or wanted == "off":
+        return None
+    best = {1: "vnni", 2: "avx2"}.get(module.q8_isa())
+    if wanted in ("", "auto") or best is None:
+        return best
+    if wanted not in ISA_IDS:
+        raise ValueError(f"${Q8_ISA_ENV}={wanted!r}: expected one of vnni, avx2, off, auto")
+    if wanted == "vnni" and best != "vnni":
+        raise ValueError(f"${Q8_ISA_ENV}=vnni but this CPU lacks AVX512-VNNI")
+    return wanted
+
+
+def matmul_q8(x: torch.Tensor, weight: torch.Tensor, qtype: int, bias: torch.Tensor | None = None,
+              isa: str | None = None) -> torch.Tensor:
+    """``x @ dequantize(weight).T + bias`` through q8 activations (module docstring), in
+    ``x``'s dtype (float32, bfloat16 or float16), for ``x`` of shape ``[batch, columns]``;
+    ``isa``: ``"vnni"`` or ``"avx2"`` (default: ``q8_isa()``)."""
+    _check(weight, qtype)
+    if qtype not in Q8_TYPES:
+        raise ValueError(f"ggml type {qtype} has no q8 path")
+    chosen = isa or q8_isa()
+    if chosen not in ISA_IDS:
+        raise RuntimeError("the q8 path is not available on this machine")
+    b = None if bias is None else bias.to(torch.float32).contiguous()
+    return _module().matmul_q8(x.contiguous(), weight.contiguous(), qtype, b, ISA_IDS[chosen])

@@ -8,6 +8,10 @@ cycled through, so that the weights stream from memory as a model's layers do ra
 than sitting in cache. The quantized types multiply activations of ``--act-dtype``
 (the engine's model dtype; bfloat16 on a CPU with AVX512-BF16). Weights are random
 valid blocks; the fastest of ``--repeats`` rounds is reported, per call.
+
+``--model-pass`` reports instead one decode step over all of SmolLM2-135M's matrices:
+the float kernel vs the q8-activation kernel vs bfloat16 ``F.linear``
+(``bench.gguf_model_pass``), at ``--batches`` (default there: 1,8,32).
 """
 
 from __future__ import annotations
@@ -30,7 +34,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma-separated ROWSxCOLUMNS (default: %(default)s)")
     p.add_argument("--types", default=DEFAULT_TYPES, help="ggml types (default: %(default)s)")
-    p.add_argument("--batches", default="1,8", help="tokens per call (default: %(default)s)")
+    p.add_argument("--batches", default=None, help="tokens per call (default: 1,8; with --model-pass 1,8,32)")
+    p.add_argument("--model-pass", action="store_true",
+                   help="one decode step over SmolLM2-135M's matrices: float vs q8 vs bf16 F.linear")
     p.add_argument("--act-dtype", choices=("bfloat16", "float32"), default="bfloat16",
                    help="activations of the quantized layers (default: %(default)s)")
     p.add_argument("--copies", type=int, default=30, help="weights cycled through (default: %(default)s)")
@@ -130,10 +136,12 @@ def run(args: argparse.Namespace) -> int:
         return 1
     try:
         shapes = [parse_shape(s) for s in args.shapes.split(",")]
-        batches = [int(b) for b in args.batches.split(",")]
+        batches = [int(b) for b in (args.batches or ("1,8,32" if args.model_pass else "1,8")).split(",")]
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.model_pass:
+        return _run_model_pass(args, batches)
     types = [t.strip() for t in args.types.split(",") if t.strip()]
     unknown = [t for t in types if t not in {v[0] for v in gguf_matmul_cpu.QTYPES.values()}]
     if unknown:
@@ -158,6 +166,27 @@ def run(args: argparse.Namespace) -> int:
             print(f"{r.shape:>10} {label:>22}{r.resident_bytes / 1024:>9.1f}{r.resident_bytes / f32:>7.3f}{cells}",
                   flush=True)
         results.extend(rs)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps([asdict(r) for r in results], indent=2))
+    return 0
+
+
+def _run_model_pass(args: argparse.Namespace, batches: list[int]) -> int:
+    import torch
+
+    from kvpilot.engine.bench import gguf_model_pass
+    from kvpilot.engine.bench.machine import cpu_info
+    from kvpilot.kernels import gguf_matmul_cpu
+
+    torch.set_num_threads(args.threads)
+    print(f"CPU: {cpu_info().describe()}; torch threads={torch.get_num_threads()}; "
+          f"q8 path: {gguf_matmul_cpu.q8_isa() or 'none'}; SmolLM2-135M Q4_1 matrices x 30 layers + "
+          f"Q8_0 LM head, ms per pass (median of {args.repeats} alternating rounds)")
+    if gguf_matmul_cpu.q8_isa() is None:
+        print("no q8 path on this machine")
+        return 1
+    results = gguf_model_pass.measure(batches, args.repeats)
+    gguf_model_pass.report(results)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps([asdict(r) for r in results], indent=2))
     return 0

@@ -12,12 +12,14 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
-#ifdef __AVX512F__
+#if defined(__x86_64__)
 #include <immintrin.h>
 #endif
 
 #include <cstdint>
+#include <cmath>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -250,6 +252,13 @@ int64_t check_weight(const torch::Tensor& w, int type_size, int block) {
 // a smaller layer runs on the calling thread without an OpenMP region.
 int64_t grain_rows(int64_t bytes_per_row) { return std::max<int64_t>(1, (256 << 10) / std::max<int64_t>(bytes_per_row, 1)); }
 
+// Rows per matmul task: 32 KiB of weight, so that every layer of a small model (a few
+// hundred KiB) runs on all threads; the work grows with the batch.
+int64_t matmul_grain_rows(int64_t bytes_per_row, int64_t batch) {
+  const int64_t work = std::max<int64_t>(bytes_per_row, 1) * (1 + batch / 4);
+  return std::max<int64_t>(1, (32 << 10) / work);
+}
+
 template <typename F>
 torch::Tensor dequantize_as(const torch::Tensor& w) {
   const int64_t cols = check_weight(w, F::type_size, F::block), rows = w.size(0), bpr = w.size(1);
@@ -276,7 +285,7 @@ torch::Tensor matmul_as(const torch::Tensor& x, const torch::Tensor& w) {
   const uint8_t* src = w.data_ptr<uint8_t>();
   const float* xs = x.data_ptr<float>();
   float* dst = out.data_ptr<float>();
-  at::parallel_for(0, rows, grain_rows(bpr), [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, rows, matmul_grain_rows(bpr, batch), [&](int64_t r0, int64_t r1) {
     alignas(64) float buf[F::block];
 #ifdef __AVX512F__
     if (batch <= kMaxVectorBatch) {   // one 16-lane accumulator per activation row
@@ -339,6 +348,428 @@ using FQ6_K = Format<256, 210, KVPILOT_DECODER(q6_k)>;
     default: TORCH_CHECK(false, "no CPU kernel for ggml type ", qtype);      \
   }
 
+
+// ---------------------------------------------------------------------------------------
+// The q8-activation path (llama.cpp's vec_dot_q*_q8): each token's activations are
+// quantized per 32-value block to int8 codes a with one float scale dx = amax / 127
+// (a = round-to-nearest-even(x * 127 / amax), |a| <= 127), and each weight block is its unsigned
+// codes u (0..255) with scale dw, offset o and min mw: value = dw * (u - o) + mw.
+// A block's dot product is then
+//     dw * dx * (sum(u * a) - o * sum(a)) + mw * dx * sum(a),
+// the parenthesis in exact int32 arithmetic (AVX512-VNNI dpbusd, or AVX2 maddubs + madd),
+// the scales in float32. Types: Q4_0 (o 8), Q4_1 (min), Q5_0 (o 16), Q5_1 (min), Q8_0
+// (o 128: u = q + 128; the AVX2 path multiplies |q| by sign(q) * a, as maddubs would
+// overflow 255 * 127 * 2). A tile of kRowTile rows is decoded once into codes and scales
+// (in L1) and then multiplied into every token, kTokenTile tokens at a time.
+
+constexpr int kRowTile = 4;
+constexpr int kTokenTile = 4;
+
+enum Isa : int64_t { kIsaBest = 0, kIsaVnni = 1, kIsaAvx2 = 2 };
+
+bool cpu_has_vnni() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vnni");
+#else
+  return false;
+#endif
+}
+
+bool cpu_has_avx2() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+  return false;
+#endif
+}
+
+// A weight block's codes (32 unsigned bytes in activation order) and scales.
+template <int Type> struct Codes;
+template <> struct Codes<Q4_0> {
+  static constexpr int type_size = 18, offset = 8;
+  static constexpr bool has_min = false;
+  static inline void decode(const uint8_t* b, uint8_t* u, float* dw, float* mw) {
+    *dw = half(b), *mw = 0.f;
+    for (int i = 0; i < 16; ++i) u[i] = b[2 + i] & 0xF, u[i + 16] = b[2 + i] >> 4;
+  }
+};
+template <> struct Codes<Q4_1> {
+  static constexpr int type_size = 20, offset = 0;
+  static constexpr bool has_min = true;
+  static inline void decode(const uint8_t* b, uint8_t* u, float* dw, float* mw) {
+    *dw = half(b), *mw = half(b + 2);
+    for (int i = 0; i < 16; ++i) u[i] = b[4 + i] & 0xF, u[i + 16] = b[4 + i] >> 4;
+  }
+};
+template <> struct Codes<Q5_0> {
+  static constexpr int type_size = 22, offset = 16;
+  static constexpr bool has_min = false;
+  static inline void decode(const uint8_t* b, uint8_t* u, float* dw, float* mw) {
+    *dw = half(b), *mw = 0.f;
+    uint32_t qh;
+    std::memcpy(&qh, b + 2, 4);
+    for (int i = 0; i < 16; ++i) {
+      u[i] = (b[6 + i] & 0xF) | (((qh >> i) << 4) & 0x10);
+      u[i + 16] = (b[6 + i] >> 4) | ((qh >> (i + 12)) & 0x10);
+    }
+  }
+};
+template <> struct Codes<Q5_1> {
+  static constexpr int type_size = 24, offset = 0;
+  static constexpr bool has_min = true;
+  static inline void decode(const uint8_t* b, uint8_t* u, float* dw, float* mw) {
+    *dw = half(b), *mw = half(b + 2);
+    uint32_t qh;
+    std::memcpy(&qh, b + 4, 4);
+    for (int i = 0; i < 16; ++i) {
+      u[i] = (b[8 + i] & 0xF) | (((qh >> i) << 4) & 0x10);
+      u[i + 16] = (b[8 + i] >> 4) | ((qh >> (i + 12)) & 0x10);
+    }
+  }
+};
+template <> struct Codes<Q8_0> {
+  static constexpr int type_size = 34, offset = 128;
+  static constexpr bool has_min = false;
+  static inline void decode(const uint8_t* b, uint8_t* u, float* dw, float* mw) {
+    *dw = half(b), *mw = 0.f;
+    for (int i = 0; i < 32; ++i) u[i] = b[2 + i] ^ 0x80;
+  }
+};
+
+inline float to_float(float v) { return v; }
+inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
+inline float to_float(c10::Half v) { return static_cast<float>(v); }
+
+// One token's activations as q8 blocks: codes [kp], per block the scale dx, dx * sum(a)
+// (sx), and (VNNI) dx spread over the 8 lanes of its half of a block pair (dx16).
+struct QuantizedX {
+  int64_t nb, nbp, kp, ns;   // blocks, blocks padded to pairs, codes per token, sx stride
+  std::vector<int8_t> a;
+  std::vector<float> dx, sx, dx16;
+  std::vector<float> sxi;   // [batch][ni]: 0, sx0, 0, sx1, ... (to pair with the VNNI tile's d0 m0 d1 m1 ...)
+  int64_t ni;
+  std::vector<int32_t> sum;
+};
+
+// x rows [batch, cols] (cols a multiple of 32) -> q8 blocks, zero-padded to an even number.
+template <typename T>
+void quantize_rows(const T* x, int64_t batch, int64_t cols, QuantizedX& q) {
+  q.nb = cols / 32, q.nbp = (q.nb + 1) / 2 * 2, q.kp = q.nbp * 32, q.ns = (q.nbp + 15) / 16 * 16;
+  q.a.assign(batch * q.kp, 0);
+  q.dx.assign(batch * q.nbp, 0.f);
+  q.sx.assign(batch * q.ns, 0.f);
+  q.dx16.assign(batch * q.nbp * 8, 0.f);
+  q.ni = (2 * q.nbp + 15) / 16 * 16;
+  q.sxi.assign(batch * q.ni, 0.f);
+  q.sum.assign(batch * q.nbp, 0);
+  at::parallel_for(0, batch, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t b = 0; b < q.nb; ++b) {
+        float v[32], amax = 0.f;
+        const T* xb = x + t * cols + b * 32;
+        for (int i = 0; i < 32; ++i) v[i] = to_float(xb[i]), amax = std::max(amax, std::abs(v[i]));
+        // (written so that -ffast-math has nothing to reassociate: the tests model it exactly)
+        const float d = amax * (1.0f / 127.0f), id = amax > 0.f ? 127.0f / amax : 0.f;
+        int8_t* a = q.a.data() + t * q.kp + b * 32;
+        int32_t s = 0;
+        for (int i = 0; i < 32; ++i) {
+          const int c = static_cast<int>(std::nearbyint(v[i] * id));
+          a[i] = static_cast<int8_t>(c);
+          s += c;
+        }
+        q.dx[t * q.nbp + b] = d;
+        q.sum[t * q.nbp + b] = s;
+        q.sx[t * q.ns + b] = d * static_cast<float>(s);
+        q.sxi[t * q.ni + 2 * b + 1] = d * static_cast<float>(s);
+        for (int i = 0; i < 8; ++i) q.dx16[(t * q.nbp + b) * 8 + i] = d;
+      }
+    }
+  });
+}
+
+// A tile of decoded weight rows for the AVX2 path: codes [kRowTile][kp], scales dw, mins mw [ns].
+struct RowTile {
+  alignas(64) uint8_t u[kRowTile][4096];
+  alignas(64) float dw[kRowTile][128];
+  alignas(64) float mw[kRowTile][128];
+};
+constexpr int64_t kMaxColumns = 4096;   // (the tile's bound; wider layers take the float path)
+
+template <int Type>
+void decode_tile(const uint8_t* src, int64_t bpr, int64_t r0, int n, const QuantizedX& q, RowTile& tile) {
+  using C = Codes<Type>;
+  for (int r = 0; r < kRowTile; ++r) {
+    if (r >= n) {   // rows past the layer's end: zero codes and scales
+      std::memset(tile.u[r], 0, q.kp);
+      std::memset(tile.dw[r], 0, sizeof(tile.dw[r]));
+      std::memset(tile.mw[r], 0, sizeof(tile.mw[r]));
+      continue;
+    }
+    const uint8_t* row = src + (r0 + r) * bpr;
+    for (int64_t b = 0; b < q.nbp; ++b) {
+      float d = 0.f, m = 0.f;
+      if (b < q.nb) C::decode(row + b * C::type_size, tile.u[r] + b * 32, &d, &m);
+      else std::memset(tile.u[r] + b * 32, C::offset, 32);
+      tile.dw[r][b] = d, tile.mw[r][b] = m;
+    }
+    for (int64_t b = q.nbp; b < q.ns; ++b) tile.mw[r][b] = 0.f;
+  }
+}
+
+template <typename T>
+inline void store(T* dst, float v) { *dst = static_cast<T>(v); }
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define KVPILOT_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+#define KVPILOT_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+// Blocks 2p and 2p+1 of a row as one 64-byte vector of codes in activation order and their
+// scales (d16) and mins (m16), each spread over its block's 8 lanes.
+struct PairVnni {
+  __m512i u;
+  __m512 d;
+  __m128 dm;   // d0 m0 d1 m1
+};
+
+alignas(64) constexpr uint8_t kZeroBlock[64] = {};
+
+template <int Type>
+KVPILOT_VNNI inline PairVnni decode_pair_vnni(const uint8_t* b0, const uint8_t* b1) {
+  const __m512i spread_d = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
+  uint16_t d0, d1, m0 = 0, m1 = 0;
+  std::memcpy(&d0, b0, 2), std::memcpy(&d1, b1, 2);
+  constexpr bool has_min = Type == Q4_1 || Type == Q5_1;
+  if (has_min) std::memcpy(&m0, b0 + 2, 2), std::memcpy(&m1, b1 + 2, 2);
+  const __m128 f = _mm_cvtph_ps(_mm_set_epi16(0, 0, 0, 0, m1, d1, m0, d0));   // d0 m0 d1 m1
+  PairVnni out;
+  out.d = _mm512_permutexvar_ps(spread_d, _mm512_castps128_ps512(f));
+  out.dm = f;
+  if (Type == Q8_0) {
+    const __m512i w = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b0 + 2))),
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b1 + 2)), 1);
+    out.u = _mm512_xor_si512(w, _mm512_set1_epi8(static_cast<char>(0x80)));
+    return out;
+  }
+  constexpr int qoff = Type == Q4_0 ? 2 : Type == Q4_1 ? 4 : Type == Q5_0 ? 6 : 8;
+  const __m256i v = _mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b0 + qoff))),
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(b1 + qoff)), 1);
+  const __m256i nib = _mm256_set1_epi8(0x0F);
+  const __m256i lo = _mm256_and_si256(v, nib), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+  const __m512i x = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);   // lo0 lo1 hi0 hi1
+  out.u = _mm512_shuffle_i64x2(x, x, _MM_SHUFFLE(3, 1, 2, 0));              // lo0 hi0 lo1 hi1
+  if (Type == Q5_0 || Type == Q5_1) {     // bit j of qh is bit 4 of code j
+    constexpr int hoff = Type == Q5_0 ? 2 : 4;
+    uint32_t h0, h1;
+    std::memcpy(&h0, b0 + hoff, 4), std::memcpy(&h1, b1 + hoff, 4);
+    const __mmask64 high = static_cast<uint64_t>(h0) | (static_cast<uint64_t>(h1) << 32);
+    out.u = _mm512_or_si512(out.u, _mm512_maskz_mov_epi8(high, _mm512_set1_epi8(0x10)));
+  }
+  return out;
+}
+
+// kRowTile rows (n of them real) decoded once per call: [kRowTile][pairs].
+struct TileVnni {
+  struct Pair {
+    __m512i u;
+    __m512 d;
+  } pair[kRowTile][kMaxColumns / 64];
+  alignas(64) float dm[kRowTile][kMaxColumns / 16 + 16];   // d0 m0 d1 m1 ..., zero-padded to 16
+};
+
+template <int Type>
+KVPILOT_VNNI void decode_tile_vnni(const uint8_t* src, int64_t bpr, int64_t r0, int n, const QuantizedX& q,
+                                   TileVnni& tile) {
+  constexpr int ts = Codes<Type>::type_size;
+  for (int r = 0; r < kRowTile; ++r) {
+    const uint8_t* row = src + (r0 + std::min(r, n - 1)) * bpr;   // rows past the end repeat the last
+    for (int64_t p = 0; p < q.nbp / 2; ++p) {
+      const uint8_t* b0 = row + 2 * p * ts;
+      const uint8_t* b1 = 2 * p + 1 < q.nb ? b0 + ts : kZeroBlock;
+      const PairVnni w = decode_pair_vnni<Type>(b0, b1);
+      tile.pair[r][p] = {w.u, w.d};
+      _mm_store_ps(tile.dm[r] + 4 * p, w.dm);
+    }
+    for (int64_t j = 2 * q.nbp; j < q.ni; ++j) tile.dm[r][j] = 0.f;
+  }
+}
+
+// Tokens t0..t0+NT of a decoded row tile; out[t][r] += bias.
+template <int Type, int NT, typename T>
+KVPILOT_VNNI void dot_tile_vnni(const TileVnni& tile, int n, const QuantizedX& q, int64_t t0,
+                                const float* bias, int64_t r0, T* out, int64_t rows) {
+  using C = Codes<Type>;
+  __m512 acc[kRowTile][NT];
+  for (int r = 0; r < kRowTile; ++r)
+    for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
+  const __m512i off = _mm512_set1_epi8(static_cast<char>(C::offset));
+  for (int64_t p = 0; p < q.nbp / 2; ++p) {
+    for (int t = 0; t < NT; ++t) {
+      const __m512i a = _mm512_loadu_si512(q.a.data() + (t0 + t) * q.kp + p * 64);
+      const __m512 dx = _mm512_loadu_ps(q.dx16.data() + ((t0 + t) * q.nbp + 2 * p) * 8);
+      __m512i corr = _mm512_setzero_si512();
+      if (C::offset) corr = _mm512_dpbusd_epi32(corr, off, a);
+      for (int r = 0; r < kRowTile; ++r) {
+        const TileVnni::Pair& w = tile.pair[r][p];
+        __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w.u, a);
+        if (C::offset) s = _mm512_sub_epi32(s, corr);
+        acc[r][t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s), dx), w.d, acc[r][t]);
+      }
+    }
+  }
+  if (C::has_min)   // sum over blocks of m * dx * sum(a)
+    for (int64_t j = 0; j < q.ni; j += 16)
+      for (int t = 0; t < NT; ++t) {
+        const __m512 sx = _mm512_loadu_ps(q.sxi.data() + (t0 + t) * q.ni + j);
+        for (int r = 0; r < kRowTile; ++r) acc[r][t] = _mm512_fmadd_ps(_mm512_load_ps(tile.dm[r] + j), sx, acc[r][t]);
+      }
+  for (int t = 0; t < NT; ++t)
+    for (int r = 0; r < n; ++r)
+      store(out + (t0 + t) * rows + r0 + r, _mm512_reduce_add_ps(acc[r][t]) + (bias ? bias[r0 + r] : 0.f));
+}
+
+KVPILOT_AVX2 inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+template <int Type, int NT, typename T>
+KVPILOT_AVX2 void dot_tile_avx2(const RowTile& tile, int n, const QuantizedX& q, int64_t t0,
+                                const float* bias, int64_t r0, T* out, int64_t rows) {
+  using C = Codes<Type>;
+  __m256 acc[kRowTile][NT];
+  for (int r = 0; r < kRowTile; ++r)
+    for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  const __m256i off = _mm256_set1_epi8(static_cast<char>(C::offset == 128 ? 0 : C::offset));
+  for (int64_t b = 0; b < q.nbp; ++b) {
+    __m256i w[kRowTile];
+    __m256 dw[kRowTile];
+    for (int r = 0; r < kRowTile; ++r) {
+      w[r] = _mm256_load_si256(reinterpret_cast<const __m256i*>(tile.u[r] + b * 32));
+      if (C::offset == 128) w[r] = _mm256_xor_si256(w[r], flip);   // back to the signed q
+      dw[r] = _mm256_broadcast_ss(tile.dw[r] + b);
+    }
+    for (int t = 0; t < NT; ++t) {
+      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.a.data() + (t0 + t) * q.kp + b * 32));
+      const __m256 dx = _mm256_broadcast_ss(q.dx.data() + (t0 + t) * q.nbp + b);
+      __m256i corr = _mm256_setzero_si256();
+      if (C::offset && C::offset != 128) corr = _mm256_madd_epi16(_mm256_maddubs_epi16(off, a), ones);
+      for (int r = 0; r < kRowTile; ++r) {
+        __m256i s;
+        if (C::offset == 128)
+          s = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w[r], w[r]), _mm256_sign_epi8(a, w[r])), ones);
+        else
+          s = _mm256_madd_epi16(_mm256_maddubs_epi16(w[r], a), ones);
+        if (C::offset && C::offset != 128) s = _mm256_sub_epi32(s, corr);
+        acc[r][t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s), dx), dw[r], acc[r][t]);
+      }
+    }
+  }
+  if (C::has_min)
+    for (int64_t j = 0; j < q.ns; j += 8)
+      for (int t = 0; t < NT; ++t) {
+        const __m256 sx = _mm256_loadu_ps(q.sx.data() + (t0 + t) * q.ns + j);
+        for (int r = 0; r < kRowTile; ++r) acc[r][t] = _mm256_fmadd_ps(_mm256_load_ps(tile.mw[r] + j), sx, acc[r][t]);
+      }
+  for (int t = 0; t < NT; ++t)
+    for (int r = 0; r < n; ++r)
+      store(out + (t0 + t) * rows + r0 + r, hsum8(acc[r][t]) + (bias ? bias[r0 + r] : 0.f));
+}
+#endif
+
+int64_t resolve_isa(int64_t isa) {
+  const bool vnni = cpu_has_vnni(), avx2 = cpu_has_avx2();
+  if (isa == kIsaBest) return vnni ? kIsaVnni : avx2 ? kIsaAvx2 : -1;
+  TORCH_CHECK(isa == kIsaVnni || isa == kIsaAvx2, "isa must be 0 (best), 1 (AVX512-VNNI) or 2 (AVX2)");
+  TORCH_CHECK(isa == kIsaVnni ? vnni : avx2, "this CPU lacks ", isa == kIsaVnni ? "AVX512-VNNI" : "AVX2");
+  return isa;
+}
+
+// Weight bytes one task multiplies at the least (rows x bytes per row x token tiles).
+constexpr int64_t kMinTaskBytes = 16 << 10;
+
+template <int Type, typename T>
+void matmul_q8_as(const QuantizedX& q, const uint8_t* src, int64_t rows, int64_t bpr, int64_t batch,
+                  const float* bias, T* out, int64_t isa) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  const int64_t tiles = (rows + kRowTile - 1) / kRowTile;
+  const int64_t work = kRowTile * bpr * ((batch + kTokenTile - 1) / kTokenTile);
+  const int64_t grain = std::max<int64_t>(1, kMinTaskBytes / std::max<int64_t>(work, 1));
+  at::parallel_for(0, tiles, grain, [&](int64_t i0, int64_t i1) {
+    if (isa == kIsaVnni) {
+      std::unique_ptr<TileVnni> tile(new TileVnni);
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t r0 = i * kRowTile;
+        const int n = static_cast<int>(std::min<int64_t>(kRowTile, rows - r0));
+        decode_tile_vnni<Type>(src, bpr, r0, n, q, *tile);
+        int64_t t0 = 0;
+        for (; t0 + kTokenTile <= batch; t0 += kTokenTile) dot_tile_vnni<Type, kTokenTile, T>(*tile, n, q, t0, bias, r0, out, rows);
+        switch (batch - t0) {
+          case 3: dot_tile_vnni<Type, 3, T>(*tile, n, q, t0, bias, r0, out, rows); break;
+          case 2: dot_tile_vnni<Type, 2, T>(*tile, n, q, t0, bias, r0, out, rows); break;
+          case 1: dot_tile_vnni<Type, 1, T>(*tile, n, q, t0, bias, r0, out, rows); break;
+          default: break;
+        }
+      }
+      return;
+    }
+    std::unique_ptr<RowTile> tile(new RowTile);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t r0 = i * kRowTile;
+      const int n = static_cast<int>(std::min<int64_t>(kRowTile, rows - r0));
+      decode_tile<Type>(src, bpr, r0, n, q, *tile);
+      int64_t t0 = 0;
+      for (; t0 + kTokenTile <= batch; t0 += kTokenTile) dot_tile_avx2<Type, kTokenTile, T>(*tile, n, q, t0, bias, r0, out, rows);
+      switch (batch - t0) {
+        case 3: dot_tile_avx2<Type, 3, T>(*tile, n, q, t0, bias, r0, out, rows); break;
+        case 2: dot_tile_avx2<Type, 2, T>(*tile, n, q, t0, bias, r0, out, rows); break;
+        case 1: dot_tile_avx2<Type, 1, T>(*tile, n, q, t0, bias, r0, out, rows); break;
+        default: break;
+      }
+    }
+  });
+#else
+  TORCH_CHECK(false, "the q8 path needs an x86-64 CPU");
+#endif
+}
+
+template <typename T>
+torch::Tensor matmul_q8_typed(const torch::Tensor& x, const torch::Tensor& w, int64_t qtype,
+                              const c10::optional<torch::Tensor>& bias, int64_t isa) {
+  const int64_t batch = x.size(0), cols = x.size(1), rows = w.size(0), bpr = w.size(1);
+  QuantizedX q;
+  quantize_rows<T>(x.data_ptr<T>(), batch, cols, q);
+  auto out = torch::empty({batch, rows}, x.options());
+  const float* b = bias ? bias->data_ptr<float>() : nullptr;
+  T* dst = out.data_ptr<T>();
+  const uint8_t* src = w.data_ptr<uint8_t>();
+  switch (qtype) {
+    case Q4_0: matmul_q8_as<Q4_0, T>(q, src, rows, bpr, batch, b, dst, isa); break;
+    case Q4_1: matmul_q8_as<Q4_1, T>(q, src, rows, bpr, batch, b, dst, isa); break;
+    case Q5_0: matmul_q8_as<Q5_0, T>(q, src, rows, bpr, batch, b, dst, isa); break;
+    case Q5_1: matmul_q8_as<Q5_1, T>(q, src, rows, bpr, batch, b, dst, isa); break;
+    case Q8_0: matmul_q8_as<Q8_0, T>(q, src, rows, bpr, batch, b, dst, isa); break;
+    default: TORCH_CHECK(false, "no q8 path for ggml type ", qtype);
+  }
+  return out;
+}
+
+int64_t q8_type_size(int64_t qtype) {
+  switch (qtype) {
+    case Q4_0: return Codes<Q4_0>::type_size;
+    case Q4_1: return Codes<Q4_1>::type_size;
+    case Q5_0: return Codes<Q5_0>::type_size;
+    case Q5_1: return Codes<Q5_1>::type_size;
+    case Q8_0: return Codes<Q8_0>::type_size;
+    default: return 0;
+  }
+}
+
 }  // namespace
 
 torch::Tensor dequantize(torch::Tensor w, int64_t qtype) {
@@ -353,7 +784,38 @@ torch::Tensor matmul(torch::Tensor x, torch::Tensor w, int64_t qtype) {
 #undef KVPILOT_CALL
 }
 
+// x [batch, columns] float32/bfloat16/float16 times the weight's transpose through q8
+// activations (see above), plus bias (float32 [rows]) if given: [batch, rows] in x's dtype.
+torch::Tensor matmul_q8(torch::Tensor x, torch::Tensor w, int64_t qtype, c10::optional<torch::Tensor> bias,
+                        int64_t isa) {
+  const int64_t type_size = q8_type_size(qtype);
+  TORCH_CHECK(type_size, "no q8 path for ggml type ", qtype);
+  const int64_t cols = check_weight(w, type_size, 32);
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(), "x must be a contiguous CPU [batch, columns] tensor");
+  TORCH_CHECK(x.size(1) == cols, "x has ", x.size(1), " columns; the weight has ", cols);
+  TORCH_CHECK(cols <= kMaxColumns, "the q8 path takes at most ", kMaxColumns, " columns");
+  if (bias) TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == w.size(0),
+                        "the bias must be float32 [rows]");
+  const int64_t chosen = resolve_isa(isa);
+  TORCH_CHECK(chosen > 0, "the q8 path needs AVX2 or AVX512-VNNI");
+  switch (x.scalar_type()) {
+    case torch::kFloat32: return matmul_q8_typed<float>(x, w, qtype, bias, chosen);
+    case torch::kBFloat16: return matmul_q8_typed<c10::BFloat16>(x, w, qtype, bias, chosen);
+    case torch::kHalf: return matmul_q8_typed<c10::Half>(x, w, qtype, bias, chosen);
+    default: TORCH_CHECK(false, "x must be float32, bfloat16 or float16");
+  }
+}
+
+// The q8 path's instruction set here: 1 AVX512-VNNI, 2 AVX2, 0 none.
+int64_t q8_isa() {
+  const int64_t isa = resolve_isa(kIsaBest);
+  return isa < 0 ? 0 : isa;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize", &dequantize, "GGUF block bytes [rows, bytes per row] -> float32 [rows, columns]");
+  m.def("matmul_q8", &matmul_q8, "x [batch, columns] @ weight^T through q8 activations -> [batch, rows] in x's dtype",
+        py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("bias") = py::none(), py::arg("isa") = 0);
+  m.def("q8_isa", &q8_isa, "the q8 path's instruction set on this CPU: 1 AVX512-VNNI, 2 AVX2, 0 none");
   m.def("matmul", &matmul, "x [batch, columns] float32 @ dequantize(weight)^T -> float32 [batch, rows]");
 }

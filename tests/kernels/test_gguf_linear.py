@@ -1,7 +1,7 @@
 """GGUF weights kept as blocks (``engine/model/layers/gguf_linear.py``, the CPU kernel
 ``kvpilot.kernels.gguf_matmul_cpu``) against the ``gguf`` package's own dequantizer:
 ``F.linear(x, gguf.quants.dequantize(blocks))`` is the oracle for every type, batch size
-(the vector path and the tiled prefill path), activation dtype, fused layer of mixed types
+(the q8 path, the vector path and the tiled prefill path), activation dtype, fused layer of mixed types
 and permuted rows."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from kvpilot.engine.model.layers.gguf_linear import (
     load_gguf_weight,
     resident_bytes,
     use_gguf_weight,
+    uses_q8,
 )
 from kvpilot.engine.model.parallel.group import TPGroup
 from kvpilot.engine.model.parallel.linear import ColumnParallelLinear, RowParallelLinear
@@ -40,15 +41,20 @@ def _column_layer(part_rows: list[int], columns: int, qtypes, bias: bool = False
     return layer.to_empty(device="cpu")
 
 
-def _check_close(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+def _check_close(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 q8: bool = False) -> None:
     """``y`` against float32 ``F.linear`` of the same inputs: float32 within float32
-    rounding; bfloat16 at least as close as bfloat16 ``F.linear`` itself gets."""
+    rounding; bfloat16 at least as close as bfloat16 ``F.linear`` itself gets, or on the
+    q8 path (8-bit activations: ``tests/gguf/test_gguf_q8_dot.py``) within 1.5 % of the
+    largest output."""
     truth = F.linear(x.float(), weight, None if bias is None else bias.float())
     assert y.dtype == x.dtype and y.shape == truth.shape
     err = (y.float() - truth).abs().max().item()
     scale = truth.abs().max().item()
     if x.dtype == torch.float32:
         assert err <= 2e-5 * scale, (err, scale)
+    elif q8:
+        assert err <= 1.5e-2 * scale, (err, scale)
     else:
         plain = F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
         assert err <= max(1.25 * (plain.float() - truth).abs().max().item(), 4e-3 * scale), (err, scale)
@@ -74,7 +80,7 @@ def test_layer_matches_f_linear_over_the_dequantized_weight(qtype, dtype):
     assert resident_bytes(layer) == raw.nbytes + rows * layer.bias.element_size()  # the file's bytes, and the bias
     for batch in BATCHES:
         x = torch.randn(batch, columns).to(dtype)
-        _check_close(layer(x), x, weight, layer.bias)
+        _check_close(layer(x), x, weight, layer.bias, uses_q8(dtype, int(qtype), batch, columns))
     x3 = torch.randn(2, 3, columns).to(dtype)                  # leading dims are kept
     assert layer(x3).shape == (2, 3, rows)
 

@@ -8,12 +8,22 @@ Q4_K_M files mix Q4_K and Q6_K within one attention layer). Rows are independent
 permutation of rows (llama.cpp's q/k rope order, ``llama_qk_row_order``) is applied to
 the bytes before they are copied in (``load_gguf_weight(row_order=...)``).
 
-Forward (``gguf_linear``): up to ``kvpilot.kernels.gguf_matmul_cpu.MAX_VECTOR_BATCH``
-tokens go through the CPU kernel that decodes one block at a time into registers and
-multiplies every token by it (float32 accumulation, result in the activation dtype): the
-weight bytes are read once, and no dequantized matrix exists. More tokens (prefill) are
-multiplied a tile of rows at a time: a tile is decoded to the activation dtype and handed
-to ``F.linear`` (a transient of ``TILE_ELEMENTS`` values, not the layer).
+Forward (``gguf_linear``) takes one of three paths per run of rows of one type:
+
+- bfloat16/float16 activations, a 32-value type (``gguf_matmul_cpu.Q8_TYPES``: Q4_0,
+  Q4_1, Q5_0, Q5_1, Q8_0) and up to ``gguf_matmul_cpu.Q8_MAX_BATCH`` tokens: the q8 path
+  (``gguf_matmul_cpu.matmul_q8``, llama.cpp's way): activations quantized per block to
+  int8, integer dot products with the weight codes, the result written in the activation
+  dtype. It rounds the activations to 8 bits (as llama.cpp does), so it is used only
+  where the model already runs in a 16-bit dtype; a float32 model keeps the exact float
+  path below, token-identical to transformers in float32. ``$KVPILOT_GGUF_Q8=0`` turns
+  it off (the measured numerics: ``gguf_matmul_cpu``'s docstring).
+- otherwise up to ``gguf_matmul_cpu.MAX_VECTOR_BATCH`` tokens: the float kernel that
+  decodes one block at a time into registers and multiplies every token by it (float32
+  accumulation, result in the activation dtype): the weight bytes are read once, and no
+  dequantized matrix exists.
+- more tokens (prefill): a tile of rows at a time is decoded to the activation dtype and
+  handed to ``F.linear`` (a transient of ``TILE_ELEMENTS`` values, not the layer).
 
 Layers without a fast path (a type the kernel does not decode, a GPU, no compiler, a
 tensor-parallel split along the blocks) keep a model-dtype weight: ``load_gguf_weight``
@@ -243,11 +253,22 @@ def gguf_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return y.to(x.dtype).reshape(*x.shape[:-1], layout.rows)
 
 
+def uses_q8(dtype: torch.dtype, qtype: int, tokens: int, columns: int) -> bool:
+    """Whether ``tokens`` activations of ``dtype`` take the q8 path through a ``qtype``
+    weight of ``columns`` inputs (module docstring)."""
+    return (dtype in (torch.bfloat16, torch.float16) and qtype in gguf_matmul_cpu.Q8_TYPES
+            and gguf_matmul_cpu.q8_enabled()
+            and tokens <= gguf_matmul_cpu.Q8_MAX_BATCH and columns <= gguf_matmul_cpu.Q8_MAX_COLUMNS
+            and gguf_matmul_cpu.q8_isa() is not None)
+
+
 def _segment(flat: torch.Tensor, weight: torch.Tensor, seg: GgufPart, columns: int,
              bias: torch.Tensor | None) -> torch.Tensor:
     """One segment's outputs (bias added before the one rounding to the activation
-    dtype): float32 from the kernel, the activation dtype from tiles."""
+    dtype): the activation dtype from the q8 path and tiles, float32 from the float kernel."""
     rows = weight[seg.byte_offset:seg.byte_offset + seg.num_bytes].view(seg.rows, seg.bytes_per_row)
+    if uses_q8(flat.dtype, seg.qtype, flat.shape[0], columns):
+        return gguf_matmul_cpu.matmul_q8(flat, rows, seg.qtype, bias)
     if flat.shape[0] <= gguf_matmul_cpu.MAX_VECTOR_BATCH:
         out = gguf_matmul_cpu.matmul(flat, rows, seg.qtype)
         return out if bias is None else out + bias
