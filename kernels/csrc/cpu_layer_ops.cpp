@@ -3,10 +3,10 @@
 // ops whose dispatch, not their arithmetic, is most of a single-stream decode step.
 //
 // NUMERICS: each op rounds where the torch code it replaces (HF transformers' arithmetic)
-// rounds, so float32 results agree with it to the last bit or ulp:
-//   - add + RMSNorm: sum = T(x + r); var = mean(float(sum)^2) (accumulated in double and
-//     rounded once: within an ulp of torch's float32 mean); h = float(sum) * (1 / sqrt(var
-//     + float(eps))); out = T(float(w) * float(T(h))).
+// rounds, so results agree with it to the last bit (SiLU's exp: to an ulp):
+//   - add + RMSNorm: sum = T(x + r); var = sum(float(sum)^2) / hidden in float32, summed in
+//     the order of torch's CPU sum (sum_of_squares below); h = float(sum) * (1 / sqrt(var +
+//     float(eps))); out = T(float(w) * float(T(h))).
 //   - rotary: c = T(cos), s = T(sin) (cos_table[p].to(q.dtype)); x1' = T(T(x1 c) + T(-x2 s)),
 //     x2' = T(T(x2 c) + T(x1 s)).
 //   - SiLU * up: T(float(T(g / (1 + exp(-g)))) * float(u)), exp a Cephes-style polynomial
@@ -18,6 +18,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -35,6 +36,94 @@ inline T from_float(float v) { return static_cast<T>(v); }   // c10: round to ne
 
 template <typename T>
 inline float round_to(float v) { return static_cast<float>(static_cast<T>(v)); }
+
+// torch's float32 sum of a contiguous row (ATen's cascade_sum: kLanes-wide vector
+// accumulators, four rows of them interleaved, combined in levels of 16), here of the
+// rounded squares x*x as ``h.pow(2)`` makes them. Summed in the same order, the mean is
+// bit-identical to torch's (and HF's), not merely within an ulp. Eight lanes is what
+// torch 2.13's sum runs on AVX2 and AVX-512 machines alike (checked against torch.sum by
+// tests/kernels/test_cpu_layer_ops.py; another order would still be within an ulp).
+constexpr int64_t kLanes = 8;
+
+struct Lanes {
+  float v[kLanes];
+};
+
+inline int64_t ceil_log2(int64_t x) {
+  int64_t bits = 0;
+  while ((int64_t(1) << bits) < x) ++bits;
+  return bits;
+}
+
+// ATen's multi_row_sum: 4 interleaved rows, each a cascade of 4 levels; load(i, k) is
+// element k of row i. Acc is float (a scalar row) or Lanes (a vector row).
+template <typename Acc, typename Load, typename Add>
+void multi_row_sum(Acc out[4], int64_t size, Load load, Add add, const Acc& zero) {
+  constexpr int64_t num_levels = 4;
+  const int64_t level_power = std::max<int64_t>(4, ceil_log2(size) / num_levels);
+  const int64_t level_step = int64_t(1) << level_power;
+  const int64_t level_mask = level_step - 1;
+  Acc acc[4][num_levels];
+  for (auto& row : acc)
+    for (auto& a : row) a = zero;
+  int64_t i = 0;
+  for (; i + level_step <= size;) {
+    for (int64_t j = 0; j < level_step; ++j, ++i)
+      for (int k = 0; k < 4; ++k) add(acc[k][0], load(i, k));
+    for (int64_t j = 1; j < num_levels; ++j) {
+      for (int k = 0; k < 4; ++k) {
+        add(acc[k][j], acc[k][j - 1]);
+        acc[k][j - 1] = zero;
+      }
+      if ((i & (level_mask << (j * level_power))) != 0) break;
+    }
+  }
+  for (; i < size; ++i)
+    for (int k = 0; k < 4; ++k) add(acc[k][0], load(i, k));
+  for (int64_t j = 1; j < num_levels; ++j)
+    for (int k = 0; k < 4; ++k) add(acc[k][0], acc[k][j]);
+  for (int k = 0; k < 4; ++k) out[k] = acc[k][0];
+}
+
+template <typename T>
+float sum_of_squares(const T* x, int64_t n) {
+  auto sq = [x](int64_t i) {
+    const float v = static_cast<float>(x[i]);
+    return v * v;
+  };
+  if (n >= kLanes) {   // vectorized_inner_sum: row_sum over vectors, then a scalar tail
+    const int64_t vec_count = n / kLanes, size_ilp = vec_count / 4;
+    Lanes zero{}, parts[4];
+    auto load = [&](int64_t i, int k) {
+      Lanes l;
+      const int64_t base = (i * 4 + k) * kLanes;
+      for (int64_t e = 0; e < kLanes; ++e) l.v[e] = sq(base + e);
+      return l;
+    };
+    auto add = [](Lanes& a, const Lanes& b) {
+      for (int64_t e = 0; e < kLanes; ++e) a.v[e] += b.v[e];
+    };
+    multi_row_sum<Lanes>(parts, size_ilp, load, add, zero);
+    for (int64_t i = size_ilp * 4; i < vec_count; ++i) {
+      Lanes l;
+      for (int64_t e = 0; e < kLanes; ++e) l.v[e] = sq(i * kLanes + e);
+      add(parts[0], l);
+    }
+    for (int k = 1; k < 4; ++k) add(parts[0], parts[k]);
+    float total = 0;
+    for (int64_t i = vec_count * kLanes; i < n; ++i) total += sq(i);
+    for (int64_t e = 0; e < kLanes; ++e) total += parts[0].v[e];
+    return total;
+  }
+  // scalar_inner_sum: row_sum over elements
+  const int64_t size_ilp = n / 4;
+  float parts[4];
+  multi_row_sum<float>(parts, size_ilp, [&](int64_t i, int k) { return sq(i * 4 + k); },
+                       [](float& a, float b) { a += b; }, 0.0f);
+  for (int64_t i = size_ilp * 4; i < n; ++i) parts[0] += sq(i);
+  for (int k = 1; k < 4; ++k) parts[0] += parts[k];
+  return parts[0];
+}
 
 template <typename T>
 void add_rms_norm_rows(const torch::Tensor& x, const torch::Tensor* residual, const torch::Tensor& weight,
@@ -59,21 +148,7 @@ void add_rms_norm_rows(const torch::Tensor& x, const torch::Tensor* residual, co
         for (int64_t i = 0; i < hidden; ++i) srow[i] = from_float<T>(to_float(xr[i]) + to_float(rr[i]));
         src = srow;
       }
-      // Eight partial sums in double: exact enough that the one rounding to float matches
-      // torch's float32 mean to within an ulp, whatever its summation order.
-      double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      int64_t i = 0;
-      for (; i + 8 <= hidden; i += 8)
-        for (int j = 0; j < 8; ++j) {
-          const double v = to_float(src[i + j]);
-          acc[j] += v * v;
-        }
-      for (; i < hidden; ++i) {
-        const double v = to_float(src[i]);
-        acc[0] += v * v;
-      }
-      const double total = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-      const float var = static_cast<float>(total / static_cast<double>(hidden));
+      const float var = sum_of_squares<T>(src, hidden) / static_cast<float>(hidden);
       const float inv = 1.0f / std::sqrt(var + eps_f);
       for (int64_t k = 0; k < hidden; ++k) {
         const float h = round_to<T>(to_float(src[k]) * inv);
