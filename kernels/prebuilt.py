@@ -2,8 +2,9 @@
 
 Two things are otherwise compiled on a serving machine at first use:
 
-- the CPU kernels (``CPU_KERNELS``: the paged-decode kernel ``paged_decode_cpu`` and the
-  GGUF matmul ``gguf_matmul_cpu``): ``build_cpu_kernels(dest)`` compiles each as one
+- the CPU kernels (``CPU_KERNELS``: the paged-decode kernel ``paged_decode_cpu``, the
+  GGUF matmul ``gguf_matmul_cpu`` and the fused layer ops ``cpu_layer_ops``):
+  ``build_cpu_kernels(dest)`` compiles each as one
   module per ISA variant (AVX-512, AVX2, baseline) with torch's ``BuildExtension``,
   without importing any (an AVX-512 build never runs on the builder's CPU), each with a
   digest of its source, flags and torch version beside it. The kernel's ``load()``
@@ -56,7 +57,8 @@ def find_cpu_kernel(name: str, flags: list[str], source: Path | None = None) -> 
 
 
 # the CPU kernel modules (each defines SOURCE, LDFLAGS and variant(isa) -> (name, flags))
-CPU_KERNELS = ("kvpilot.kernels.paged_decode_cpu", "kvpilot.kernels.gguf_matmul_cpu")
+CPU_KERNELS = ("kvpilot.kernels.paged_decode_cpu", "kvpilot.kernels.gguf_matmul_cpu",
+               "kvpilot.kernels.cpu_layer_ops")
 
 
 def build_cpu_kernels(dest: Path, isas: tuple[str | None, ...] | None = None,

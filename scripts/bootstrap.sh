@@ -61,4 +61,7 @@ fi
 # dequantized at load).
 "$venv/bin/python" -I -c "from kvpilot.kernels import gguf_matmul_cpu; gguf_matmul_cpu.load()" \
   || echo "WARNING: the CPU GGUF kernel was not built; GGUF weights will be dequantized at load" >&2
+# And the fused CPU layer ops (norms, rotary, SiLU * up, KV store; without them: torch ops).
+"$venv/bin/python" -I -c "from kvpilot.kernels import cpu_layer_ops; cpu_layer_ops.load()" \
+  || echo "WARNING: the fused CPU layer ops were not built; the layers will use torch ops" >&2
 touch "$stamp"

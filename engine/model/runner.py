@@ -153,6 +153,8 @@ class ModelRunner:
         self.backend = select_attention_backend(attention_backend, device)
         if self.backend.name == "triton":
             self.model.use_triton_kernels()
+        elif self.backend.name == "cpu":   # the compiled CPU path (not the pure-torch reference)
+            self.model.use_cpu_layer_ops(self.dtype)
         self.kv_caches: torch.Tensor | list[torch.Tensor] | None = None
         self.block_size = cache_config.block_size
         # KV blocks each rank allocated (checked equal across ranks at allocation)

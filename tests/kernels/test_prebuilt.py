@@ -18,7 +18,7 @@ import textwrap
 import pytest
 import torch
 
-from kvpilot.kernels import gguf_matmul_cpu, paged_decode_cpu
+from kvpilot.kernels import cpu_layer_ops, gguf_matmul_cpu, paged_decode_cpu
 from kvpilot.kernels.prebuilt import build_cpu_kernels, find_cpu_kernel
 
 pytestmark = pytest.mark.slow
@@ -34,9 +34,10 @@ def _run(code: str, env: dict) -> subprocess.CompletedProcess:
 
 def test_the_cpu_kernel_prebuilt_loads_where_nothing_can_compile(tmp_path, monkeypatch):
     isa = torch.backends.cpu.get_cpu_capability()
-    path, gguf_path = build_cpu_kernels(tmp_path, isas=(isa,))
+    path, gguf_path, ops_path = build_cpu_kernels(tmp_path, isas=(isa,))
     name, flags = paged_decode_cpu.variant(isa)
     assert gguf_path.name.startswith(gguf_matmul_cpu.variant(isa)[0])
+    assert ops_path.name.startswith(cpu_layer_ops.variant(isa)[0])
     monkeypatch.setenv("KVPILOT_PREBUILT_KERNELS", str(tmp_path))
     assert find_cpu_kernel(name, flags) == path
     assert find_cpu_kernel(name, [*flags, "-DOTHER"]) is None   # other flags: not this build
@@ -65,10 +66,15 @@ def test_the_cpu_kernel_prebuilt_loads_where_nothing_can_compile(tmp_path, monke
         blocks = torch.cat([torch.tensor([[0, 60]] * 3, dtype=torch.uint8), codes.view(torch.uint8)], 1)
         x = torch.randn(2, 32)
         print("gguf", torch.allclose(gguf_matmul_cpu.matmul(x, blocks, 8), x @ codes.float().T, atol=1e-4))
+        from kvpilot.kernels import cpu_layer_ops
+        ops = cpu_layer_ops.load()
+        assert ops is not None and ops.__file__.startswith({str(tmp_path)!r}), ops
+        h, w = torch.randn(3, 40).bfloat16(), torch.rand(40).bfloat16()
+        print("ops", torch.equal(cpu_layer_ops.add_rms_norm(h, w, 1e-6), cpu_layer_ops.add_rms_norm_ref(h, w, 1e-6)))
     """
     done = _run(check, {**NO_COMPILER, "KVPILOT_PREBUILT_KERNELS": str(tmp_path)})
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "close True" in done.stdout and "gguf True" in done.stdout, done.stdout
+    assert "close True" in done.stdout and "gguf True" in done.stdout and "ops True" in done.stdout, done.stdout
     stale = _run("from kvpilot.kernels import paged_decode_cpu; print(paged_decode_cpu.load())",
                  {**NO_COMPILER, "KVPILOT_PREBUILT_KERNELS": str(tmp_path / "elsewhere")})
     assert stale.stdout.strip() == "None"   # nothing prebuilt, nothing to build with: the torch path

@@ -47,10 +47,11 @@ def select_attention_backend(name: str, device: torch.device) -> AttentionBacken
     from kvpilot.engine.model.attention.torch_backend import TorchAttentionBackend
 
     if name == "cpu" and device.type == "cpu":
-        from kvpilot.kernels import paged_decode_cpu
+        from kvpilot.kernels import cpu_layer_ops, paged_decode_cpu
 
         if paged_decode_cpu.load() is not None:
-            return TorchAttentionBackend(paged_decode_cpu, name="cpu")
+            writer = cpu_layer_ops if cpu_layer_ops.load() is not None else None
+            return TorchAttentionBackend(paged_decode_cpu, name="cpu", kv_writer=writer)
         if not explicit:
             return TorchAttentionBackend()
         raise ValueError("attention_backend 'cpu' needs the CPU paged-decode kernel, which could "

@@ -107,7 +107,6 @@ def paged_attention(
     manager may have released them). ``decode_kernel``: attends the decode rows instead
     of the padded torch batches where it ``supports`` the query and cache.
     """
-    out = torch.zeros_like(query)
     rows = metadata.torch_scratch.get("rows")
     if rows is None:   # host copies: no device sync
         query_lens = metadata.query_lens_cpu
@@ -116,7 +115,15 @@ def paged_attention(
             [i for i, q in enumerate(query_lens) if q == 1],
             [i for i, q in enumerate(query_lens) if q > 1])
     starts, decode_ids, other_ids = rows
-    if decode_ids and decode_kernel is not None and decode_kernel.supports(query, kv_cache):
+    use_kernel = bool(decode_ids) and decode_kernel is not None and decode_kernel.supports(query, kv_cache)
+    n = len(decode_ids)
+    if use_kernel and n == len(metadata.query_lens_cpu) == query.shape[0] == metadata.num_actual_tokens:
+        # every row is one sequence's decode row, in order: the kernel's output is the result
+        tables, lens = metadata.block_tables, metadata.seq_lens
+        return decode_kernel.paged_decode(query, kv_cache, tables if tables.shape[0] == n else tables[:n],
+                                          lens if lens.shape[0] == n else lens[:n], scale, sliding_window)
+    out = torch.zeros_like(query)
+    if use_kernel:
         _decode_with_kernel(out, query, kv_cache, metadata, scale, sliding_window, decode_ids, starts,
                             decode_kernel)
     elif decode_ids:
@@ -301,16 +308,33 @@ def _decode_rows(metadata, sliding_window, lens: list[int], idx: torch.Tensor | 
     return DecodeRows(len(lens), rows, tables, width, mask)
 
 
-class TorchAttentionBackend:
-    """The pure-torch path; with ``decode_kernel``, its decode rows go to that kernel."""
+class KVWriter(Protocol):
+    """A kernel that writes K and V rows into their cache slots, such as
+    ``kvpilot.kernels.cpu_layer_ops`` (no fp8: ``store_kv`` above handles those)."""
 
-    def __init__(self, decode_kernel: DecodeKernel | None = None, name: str = "torch") -> None:
+    def supports(self, x: torch.Tensor) -> bool: ...
+
+    def store_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor, num_tokens: int | None = None) -> None: ...
+
+
+class TorchAttentionBackend:
+    """The pure-torch path; with ``decode_kernel``, its decode rows go to that kernel, and
+    with ``kv_writer`` the new K/V of a cache of their own dtype are written by that one."""
+
+    def __init__(self, decode_kernel: DecodeKernel | None = None, name: str = "torch",
+                 kv_writer: KVWriter | None = None) -> None:
         self.name = name
         self.decode_kernel = decode_kernel
+        self.kv_writer = kv_writer
 
     def forward(self, query, key, value, kv_cache, metadata, scale, k_scale, v_scale,
                 sliding_window=None):
-        store_kv(key, value, kv_cache, metadata.slot_mapping, k_scale, v_scale,
-                 metadata.num_actual_tokens)
+        writer = self.kv_writer
+        if writer is not None and kv_cache.dtype == key.dtype and writer.supports(key):
+            writer.store_kv(key, value, kv_cache, metadata.slot_mapping, metadata.num_actual_tokens)
+        else:
+            store_kv(key, value, kv_cache, metadata.slot_mapping, k_scale, v_scale,
+                     metadata.num_actual_tokens)
         return paged_attention(query, kv_cache, metadata, scale, k_scale, v_scale, sliding_window,
                                self.decode_kernel)

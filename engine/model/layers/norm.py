@@ -3,8 +3,8 @@ and as its Gemma 3 does (``GemmaRMSNorm``: a ``1 + weight`` gain, rounded once).
 
 ``forward(x, residual)`` also adds the residual first and returns the sum as the new
 residual (vLLM's fused add + norm), so a decoder layer hands one tensor pair from norm
-to norm. With the Triton kernels on (``use_kernel``: the CUDA path) the whole thing is
-one kernel per call; otherwise torch ops.
+to norm. With a kernel on (``use_kernel``: Triton's on the CUDA path, the fused C++ op
+on CPU) the whole thing is one kernel per call; otherwise torch ops.
 """
 
 from __future__ import annotations
@@ -23,12 +23,17 @@ class RMSNorm(nn.Module):
         self._kernel: Callable | None = None
 
     def use_kernel(self, kernel: Callable) -> None:
-        """Run ``kernel`` (``kvpilot.kernels.rms_norm.rms_norm``) instead of torch ops."""
+        """Run ``kernel`` (``kvpilot.kernels.rms_norm.rms_norm``, or on CPU
+        ``kvpilot.kernels.cpu_layer_ops.add_rms_norm``) instead of torch ops."""
         self._kernel = kernel
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """``norm(x)``, or with ``residual``: ``(norm(x + residual), x + residual)``."""
         if self._kernel is not None:
+            if x.dim() == 2:   # the decoder's [tokens, hidden]: no reshapes
+                if residual is None:
+                    return self._kernel(x, self.weight, self.eps)
+                return self._kernel(x, self.weight, self.eps, residual)
             shape = x.shape
             flat = x.reshape(-1, shape[-1])
             if residual is None:

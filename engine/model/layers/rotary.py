@@ -102,7 +102,8 @@ class RotaryEmbedding(nn.Module):
         self._table_len = length
 
     def use_kernel(self, kernel) -> None:
-        """Rotate with ``kernel`` (``kvpilot.kernels.rotary.rotary_embedding``, in place)."""
+        """Rotate with ``kernel`` (``kvpilot.kernels.rotary.rotary_embedding``, or on CPU
+        ``kvpilot.kernels.cpu_layer_ops.rotary_inplace``; in place)."""
         self._kernel = kernel
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,7 +20,7 @@ layers are plain linear / embedding layers.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -79,10 +79,9 @@ class Attention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
-        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        # One view as heads, one split: [tokens, heads, head_dim] views of the projection.
+        q, k, v = self.qkv_proj(x).reshape(num_tokens, -1, self.head_dim).split(
+            [self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
@@ -119,8 +118,15 @@ class MLP(nn.Module):
         if cfg.hidden_act not in ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act {cfg.hidden_act!r}; supported: {list(ACTIVATIONS)}")
         self.act = ACTIVATIONS[cfg.hidden_act]
+        self._act_mul: Callable | None = None
+
+    def use_act_mul(self, kernel: Callable) -> None:
+        """Compute ``act(gate) * up`` with ``kernel(gate_up)`` (one fused op) instead of torch ops."""
+        self._act_mul = kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._act_mul is not None:
+            return self.down_proj(self._act_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
@@ -204,6 +210,25 @@ class LlamaForCausalLM(nn.Module):
                 module.use_kernel(rms_norm)
             elif isinstance(module, RotaryEmbedding):
                 module.use_kernel(rotary_embedding)
+
+    def use_cpu_layer_ops(self, dtype: torch.dtype) -> bool:
+        """RMSNorm (+ residual add), rotary and SiLU * up through the fused C++ CPU ops
+        (``kvpilot.kernels.cpu_layer_ops``) for activations of ``dtype``; False, with the
+        torch ops kept, where those ops cannot be built or do not take ``dtype``. Gemma's
+        norms (``GemmaRMSNorm``) and other activations keep their torch code."""
+        from kvpilot.kernels import cpu_layer_ops
+
+        if dtype not in cpu_layer_ops.DTYPES or cpu_layer_ops.load() is None:
+            return False
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                if module.weight.dtype == dtype and module.weight.device.type == "cpu":
+                    module.use_kernel(cpu_layer_ops.add_rms_norm)
+            elif isinstance(module, RotaryEmbedding):
+                module.use_kernel(cpu_layer_ops.rotary_inplace)
+            elif isinstance(module, MLP) and module.act is F.silu:
+                module.use_act_mul(cpu_layer_ops.silu_mul)
+        return True
 
     @property
     def output_weight(self) -> torch.Tensor:
