@@ -23,7 +23,7 @@ from types import ModuleType
 import torch
 
 from kvpilot.kernels.cpu_extension import load_cpu_extension
-from kvpilot.kernels.paged_decode_cpu import ISA_FLAGS
+from kvpilot.kernels.paged_decode_cpu import isa_variant
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_layer_ops.cpp"
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -34,8 +34,7 @@ LDFLAGS = ("-lm",)
 
 def variant(isa: str | None) -> tuple[str, list[str]]:
     """The module name and compiler flags of the ops for ``isa`` (None or unknown: baseline)."""
-    flags = ISA_FLAGS.get(isa or "", [])
-    return f"kvpilot_cpu_layer_ops_{isa.lower() if flags else 'baseline'}", [*CFLAGS, *flags]
+    return isa_variant("kvpilot_cpu_layer_ops", isa, CFLAGS)
 
 
 @functools.cache

@@ -41,7 +41,7 @@ from types import ModuleType
 import torch
 
 from kvpilot.kernels.cpu_extension import load_cpu_extension
-from kvpilot.kernels.paged_decode_cpu import ISA_FLAGS
+from kvpilot.kernels.paged_decode_cpu import isa_variant
 
 SOURCE = Path(__file__).parent / "csrc" / "gguf_matmul_cpu.cpp"
 # ggml type id -> (values per block, bytes per block), as ggml-common.h defines them
@@ -70,8 +70,7 @@ LDFLAGS = ("-lm", "-fopenmp")
 
 def variant(isa: str | None) -> tuple[str, list[str]]:
     """The module name and compiler flags of the kernel for ``isa`` (None or unknown: baseline)."""
-    flags = ISA_FLAGS.get(isa or "", [])
-    return f"kvpilot_gguf_matmul_cpu_{isa.lower() if flags else 'baseline'}", [*CFLAGS, *flags]
+    return isa_variant("kvpilot_gguf_matmul_cpu", isa, CFLAGS)
 
 
 @functools.cache

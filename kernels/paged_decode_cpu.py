@@ -43,8 +43,14 @@ ISA_FLAGS = {
 
 def variant(isa: str | None) -> tuple[str, list[str]]:
     """The module name and compiler flags of the kernel for ``isa`` (None or unknown: baseline)."""
+    return isa_variant("kvpilot_paged_decode_cpu", isa, CFLAGS)
+
+
+def isa_variant(stem: str, isa: str | None, cflags: list[str]) -> tuple[str, list[str]]:
+    """A CPU kernel's module name (``stem`` + the ISA) and compiler flags (``cflags`` + the
+    ISA's) for ``isa`` (None or unknown: the baseline); every CPU kernel names its builds so."""
     flags = ISA_FLAGS.get(isa or "", [])
-    return f"kvpilot_paged_decode_cpu_{isa.lower() if flags else 'baseline'}", [*CFLAGS, *flags]
+    return f"{stem}_{isa.lower() if flags else 'baseline'}", [*cflags, *flags]
 
 
 @functools.cache

@@ -384,6 +384,19 @@ bool cpu_has_avx2() {
 #endif
 }
 
+// 4-bit codes: byte i holds value i (low nibble) and value i + 16 (high nibble).
+inline void unpack4(const uint8_t* q, uint8_t* u) {
+  for (int i = 0; i < 16; ++i) u[i] = q[i] & 0xF, u[i + 16] = q[i] >> 4;
+}
+// 5-bit codes: the 4-bit ones, bit 4 of value j from bit j of the 32-bit `qh` at `h`.
+inline void unpack5(const uint8_t* h, const uint8_t* q, uint8_t* u) {
+  uint32_t qh;
+  std::memcpy(&qh, h, 4);
+  for (int i = 0; i < 16; ++i) {
+    u[i] = (q[i] & 0xF) | (((qh >> i) << 4) & 0x10);
+    u[i + 16] = (q[i] >> 4) | ((qh >> (i + 12)) & 0x10);
+  }
+}
 // A weight block's codes (32 unsigned bytes in activation order) and scales.
 template <int Type> struct Codes;
 template <> struct Codes<Q4_0> {
@@ -391,7 +404,7 @@ template <> struct Codes<Q4_0> {
   static constexpr bool has_min = false;
   static inline void decode(const uint8_t* b, uint8_t* u, float* dw, float* mw) {
     *dw = half(b), *mw = 0.f;
-    for (int i = 0; i < 16; ++i) u[i] = b[2 + i] & 0xF, u[i + 16] = b[2 + i] >> 4;
+    unpack4(b + 2, u);
   }
 };
 template <> struct Codes<Q4_1> {
@@ -399,7 +412,7 @@ template <> struct Codes<Q4_1> {
   static constexpr bool has_min = true;
   static inline void decode(const uint8_t* b, uint8_t* u, float* dw, float* mw) {
     *dw = half(b), *mw = half(b + 2);
-    for (int i = 0; i < 16; ++i) u[i] = b[4 + i] & 0xF, u[i + 16] = b[4 + i] >> 4;
+    unpack4(b + 4, u);
   }
 };
 template <> struct Codes<Q5_0> {
@@ -407,12 +420,7 @@ template <> struct Codes<Q5_0> {
   static constexpr bool has_min = false;
   static inline void decode(const uint8_t* b, uint8_t* u, float* dw, float* mw) {
     *dw = half(b), *mw = 0.f;
-    uint32_t qh;
-    std::memcpy(&qh, b + 2, 4);
-    for (int i = 0; i < 16; ++i) {
-      u[i] = (b[6 + i] & 0xF) | (((qh >> i) << 4) & 0x10);
-      u[i + 16] = (b[6 + i] >> 4) | ((qh >> (i + 12)) & 0x10);
-    }
+    unpack5(b + 2, b + 6, u);
   }
 };
 template <> struct Codes<Q5_1> {
@@ -420,12 +428,7 @@ template <> struct Codes<Q5_1> {
   static constexpr bool has_min = true;
   static inline void decode(const uint8_t* b, uint8_t* u, float* dw, float* mw) {
     *dw = half(b), *mw = half(b + 2);
-    uint32_t qh;
-    std::memcpy(&qh, b + 4, 4);
-    for (int i = 0; i < 16; ++i) {
-      u[i] = (b[8 + i] & 0xF) | (((qh >> i) << 4) & 0x10);
-      u[i + 16] = (b[8 + i] >> 4) | ((qh >> (i + 12)) & 0x10);
-    }
+    unpack5(b + 4, b + 8, u);
   }
 };
 template <> struct Codes<Q8_0> {
