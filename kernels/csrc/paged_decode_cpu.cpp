@@ -10,6 +10,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
 #include <limits>
 #include <vector>
 
@@ -36,6 +39,57 @@ acc_t dot(const acc_t* q, const scalar_t* k, int64_t n) {
   return total;
 }
 
+// Lanes of the vector path: GCC vector extensions sized to the build's ISA (16 float lanes
+// with AVX-512, 8 with AVX2, 4 otherwise).
+#if defined(__AVX512F__)
+constexpr int64_t kLanes = 16;
+#elif defined(__AVX2__)
+constexpr int64_t kLanes = 8;
+#else
+constexpr int64_t kLanes = 4;
+#endif
+typedef float VecF __attribute__((vector_size(kLanes * 4)));
+typedef uint32_t VecU __attribute__((vector_size(kLanes * 4)));
+typedef uint16_t VecH __attribute__((vector_size(kLanes * 2)));
+
+inline VecF load_lanes(const float* p) {
+  VecF v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline VecF load_lanes(const c10::BFloat16* p) {   // bfloat16 -> float by bits
+  VecH h;
+  std::memcpy(&h, p, sizeof(h));
+  const VecU u = __builtin_convertvector(h, VecU) << 16;
+  return reinterpret_cast<const VecF&>(u);
+}
+inline float lane_sum(VecF v) {   // -ffast-math: a tree of shuffles and adds
+  float total = 0;
+  for (int64_t i = 0; i < kLanes; ++i) total += v[i];
+  return total;
+}
+
+// The scalar types the vector path reads (float16 and double take the generic loop).
+template <typename scalar_t>
+constexpr bool kVectorType = std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>;
+// The widest head the vector path holds in registers (head_dim / kLanes vectors per row).
+constexpr int64_t kMaxHeadVectors = 16;
+
+// The keys and values of one (sequence, KV head) visited a block at a time: fn(row, t)
+// for t = 0..count-1, row the cache row of token first + t (no division per token).
+template <typename scalar_t, typename Fn>
+inline void for_each_row(const scalar_t* cache, const int32_t* table, int64_t first, int64_t len,
+                         int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t head_offset,
+                         Fn fn) {
+  int64_t t = 0;
+  for (int64_t b = first / block_size; b * block_size < len; ++b) {
+    const scalar_t* base = cache + table[b] * block_stride + head_offset;
+    const int64_t lo = std::max<int64_t>(first, b * block_size) - b * block_size;
+    const int64_t hi = std::min<int64_t>(len, (b + 1) * block_size) - b * block_size;
+    for (int64_t i = lo; i < hi; ++i, ++t) fn(base + i * token_stride, t);
+  }
+}
+
 template <typename scalar_t>
 void decode_rows(const torch::Tensor& query, const torch::Tensor& key_cache,
                  const torch::Tensor& value_cache, const torch::Tensor& block_tables,
@@ -54,51 +108,93 @@ void decode_rows(const torch::Tensor& query, const torch::Tensor& key_cache,
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   scalar_t* o = out.data_ptr<scalar_t>();
   const acc_t sm_scale = static_cast<acc_t>(scale);
+  const int64_t nvec = head_dim / kLanes;
+  const bool vector_path = kVectorType<scalar_t> && head_dim % kLanes == 0 && nvec <= kMaxHeadVectors;
+
+  for (int64_t seq = 0; seq < num_seqs; ++seq) {   // block tables checked once, before any work
+    const int64_t len = lens[seq];
+    TORCH_CHECK(len > 0 && len <= max_blocks * block_size, "sequence ", seq, " has ", len,
+                " tokens; its block table holds ", max_blocks * block_size);
+    const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
+    const int32_t* table = tables + seq * max_blocks;
+    for (int64_t b = first / block_size; b <= (len - 1) / block_size; ++b) {
+      TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "sequence ", seq, " block ", b,
+                  " is ", table[b], ", outside the cache's ", num_blocks, " blocks");
+    }
+  }
 
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     // per chunk of work items: the scaled queries of one KV head's group, their output
     // accumulators and scores (one row of ``count`` per query head)
     std::vector<acc_t> q_rows(group * head_dim), acc(group * head_dim), scores;
+    std::vector<VecF> q_vecs(vector_path ? group * nvec : 0), acc_vecs(vector_path ? group * nvec : 0);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;
       const int64_t len = lens[seq];
-      TORCH_CHECK(len > 0 && len <= max_blocks * block_size, "sequence ", seq, " has ", len,
-                  " tokens; its block table holds ", max_blocks * block_size);
       const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
       const int64_t count = len - first;
       const int32_t* table = tables + seq * max_blocks;
-      for (int64_t b = first / block_size; b <= (len - 1) / block_size; ++b) {
-        TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "sequence ", seq, " block ", b,
-                    " is ", table[b], ", outside the cache's ", num_blocks, " blocks");
-      }
+      const int64_t head_offset = kv_head * head_dim;
       for (int64_t g = 0; g < group; ++g) {
         const scalar_t* src = q + (seq * num_heads + kv_head * group + g) * head_dim;
         for (int64_t d = 0; d < head_dim; ++d) q_rows[g * head_dim + d] = static_cast<acc_t>(src[d]) * sm_scale;
       }
       scores.resize(group * count);
-      for (int64_t t = 0; t < count; ++t) {
-        const int64_t pos = first + t;
-        const scalar_t* k = k_cache + table[pos / block_size] * block_stride
-                            + (pos % block_size) * token_stride + kv_head * head_dim;
-        for (int64_t g = 0; g < group; ++g) scores[g * count + t] = dot(q_rows.data() + g * head_dim, k, head_dim);
+      if constexpr (kVectorType<scalar_t>) {
+        if (vector_path) {
+          for (int64_t i = 0; i < group * nvec; ++i) q_vecs[i] = load_lanes(q_rows.data() + i * kLanes);
+          for_each_row(k_cache, table, first, len, block_size, block_stride, token_stride, head_offset,
+                       [&](const scalar_t* k, int64_t t) {
+            VecF kv[kMaxHeadVectors];
+            for (int64_t j = 0; j < nvec; ++j) kv[j] = load_lanes(k + j * kLanes);
+            for (int64_t g = 0; g < group; ++g) {
+              const VecF* qg = q_vecs.data() + g * nvec;
+              VecF sum = qg[0] * kv[0];
+              for (int64_t j = 1; j < nvec; ++j) sum += qg[j] * kv[j];
+              scores[g * count + t] = lane_sum(sum);
+            }
+          });
+        }
       }
-      std::fill(acc.begin(), acc.end(), acc_t(0));
+      if (!vector_path) {
+        for_each_row(k_cache, table, first, len, block_size, block_stride, token_stride, head_offset,
+                     [&](const scalar_t* k, int64_t t) {
+          for (int64_t g = 0; g < group; ++g) scores[g * count + t] = dot(q_rows.data() + g * head_dim, k, head_dim);
+        });
+      }
       for (int64_t g = 0; g < group; ++g) {
         acc_t* s = scores.data() + g * count;
         const acc_t best = *std::max_element(s, s + count);
         const acc_t inv_total = acc_t(1) / exp_shifted(s, count, best);
         for (int64_t t = 0; t < count; ++t) s[t] *= inv_total;
       }
-      for (int64_t t = 0; t < count; ++t) {
-        const int64_t pos = first + t;
-        const scalar_t* v = v_cache + table[pos / block_size] * block_stride
-                            + (pos % block_size) * token_stride + kv_head * head_dim;
-        for (int64_t g = 0; g < group; ++g) {
-          const acc_t p = scores[g * count + t];
-          acc_t* a = acc.data() + g * head_dim;
-#pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * static_cast<acc_t>(v[d]);
+      if constexpr (kVectorType<scalar_t>) {
+        if (vector_path) {
+          std::fill(acc_vecs.begin(), acc_vecs.end(), VecF{});
+          for_each_row(v_cache, table, first, len, block_size, block_stride, token_stride, head_offset,
+                       [&](const scalar_t* v, int64_t t) {
+            VecF vv[kMaxHeadVectors];
+            for (int64_t j = 0; j < nvec; ++j) vv[j] = load_lanes(v + j * kLanes);
+            for (int64_t g = 0; g < group; ++g) {
+              const float p = scores[g * count + t];
+              VecF* a = acc_vecs.data() + g * nvec;
+              for (int64_t j = 0; j < nvec; ++j) a[j] += p * vv[j];
+            }
+          });
+          for (int64_t i = 0; i < group * nvec; ++i) std::memcpy(acc.data() + i * kLanes, &acc_vecs[i], sizeof(VecF));
         }
+      }
+      if (!vector_path) {
+        std::fill(acc.begin(), acc.end(), acc_t(0));
+        for_each_row(v_cache, table, first, len, block_size, block_stride, token_stride, head_offset,
+                     [&](const scalar_t* v, int64_t t) {
+          for (int64_t g = 0; g < group; ++g) {
+            const acc_t p = scores[g * count + t];
+            acc_t* a = acc.data() + g * head_dim;
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; ++d) a[d] += p * static_cast<acc_t>(v[d]);
+          }
+        });
       }
       for (int64_t g = 0; g < group; ++g) {
         scalar_t* dst = o + (seq * num_heads + kv_head * group + g) * head_dim;

@@ -62,6 +62,7 @@ def _windowed_ref(batch, window):
     (torch.bfloat16, 8, 2, 80, 16),    # GQA 4, head 80
     (torch.float32, 6, 2, 96, 32),     # GQA 3
     (torch.bfloat16, 4, 1, 96, 16),    # MQA
+    (torch.bfloat16, 4, 2, 40, 16),    # a head that is not a whole number of 16-lane vectors
 ])
 def test_decode_rows_match_the_dense_reference(dtype, num_heads, num_kv_heads, head_dim, block_size):
     batch = stored(make_paged_batch(DECODE, num_heads=num_heads, num_kv_heads=num_kv_heads,
