@@ -55,8 +55,9 @@ MAX_VECTOR_BATCH = 16
 # the types matmul_q8 multiplies (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)
 Q8_TYPES = frozenset({2, 3, 6, 7, 8})
 # Tokens up to which the q8 path beats decoding tiles for bfloat16 F.linear (measured on
-# an AVX512-VNNI EPYC, one thread, over SmolLM2-135M's matrices: `kvpilot bench
-# gguf-matmul --model-pass`: q8/tiles 0.94 at 24 tokens, 1.06 at 32, 1.25 at 48).
+# an AVX512-VNNI EPYC, two threads, over SmolLM2-135M's matrices, tiles decoded straight to
+# bfloat16: `kvpilot bench gguf-matmul --model-pass`: tiles/q8 1.32 at 16 tokens, 0.92 at
+# 24, 0.86 at 32).
 Q8_MAX_BATCH = 24
 # the widest input the q8 path takes (kMaxColumns in the source)
 Q8_MAX_COLUMNS = 4096
@@ -97,10 +98,13 @@ def _check(weight: torch.Tensor, qtype: int) -> None:
                          f"{tuple(weight.shape)} on {weight.device}")
 
 
-def dequantize(weight: torch.Tensor, qtype: int) -> torch.Tensor:
-    """float32 ``[rows, columns]`` of a GGUF weight's bytes."""
+def dequantize(weight: torch.Tensor, qtype: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``[rows, columns]`` of a GGUF weight's bytes in ``dtype`` (float32, or bfloat16/float16
+    rounded once from the decoded float32 value)."""
     _check(weight, qtype)
-    return _module().dequantize(weight.contiguous(), qtype)
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"dequantize writes float32, bfloat16 or float16; got {dtype}")
+    return _module().dequantize(weight.contiguous(), qtype, dtype)
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, qtype: int) -> torch.Tensor:

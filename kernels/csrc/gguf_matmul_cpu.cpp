@@ -259,18 +259,51 @@ int64_t matmul_grain_rows(int64_t bytes_per_row, int64_t batch) {
   return std::max<int64_t>(1, (32 << 10) / work);
 }
 
-template <typename F>
-torch::Tensor dequantize_as(const torch::Tensor& w) {
+// float -> bfloat16 bits, round to nearest even with NaN kept quiet (c10::BFloat16's
+// rounding), branch-free so that a block's loop vectorizes.
+inline uint16_t bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return uint16_t((u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : rounded);
+}
+
+inline void store_block(const float* y, int n, float* dst) { std::memcpy(dst, y, n * sizeof(float)); }
+inline void store_block(const float* y, int n, c10::BFloat16* dst) {
+  uint16_t* bits = reinterpret_cast<uint16_t*>(dst);
+  for (int i = 0; i < n; ++i) bits[i] = bf16_bits(y[i]);
+}
+inline void store_block(const float* y, int n, c10::Half* dst) {
+  for (int i = 0; i < n; ++i) dst[i] = c10::Half(y[i]);
+}
+
+// The weight's values in Out (float32, or rounded once to bfloat16/float16: what the
+// large-batch path hands F.linear, without a float32 copy converted afterwards).
+template <typename F, typename Out>
+torch::Tensor dequantize_as(const torch::Tensor& w, at::ScalarType dtype) {
   const int64_t cols = check_weight(w, F::type_size, F::block), rows = w.size(0), bpr = w.size(1);
-  auto out = torch::empty({rows, cols}, torch::kFloat32);
+  auto out = torch::empty({rows, cols}, torch::TensorOptions().dtype(dtype));
   const uint8_t* src = w.data_ptr<uint8_t>();
-  float* dst = out.data_ptr<float>();
+  Out* dst = out.data_ptr<Out>();
   at::parallel_for(0, rows, grain_rows(bpr), [&](int64_t r0, int64_t r1) {
+    alignas(64) float buf[F::block];
     for (int64_t r = r0; r < r1; ++r)
-      for (int64_t b = 0; b < cols / F::block; ++b)
-        F::decode(src + r * bpr + b * F::type_size, dst + r * cols + b * F::block);
+      for (int64_t b = 0; b < cols / F::block; ++b) {
+        F::decode(src + r * bpr + b * F::type_size, buf);
+        store_block(buf, F::block, dst + r * cols + b * F::block);
+      }
   });
   return out;
+}
+
+template <typename F>
+torch::Tensor dequantize_as(const torch::Tensor& w, at::ScalarType dtype) {
+  switch (dtype) {
+    case torch::kFloat32: return dequantize_as<F, float>(w, dtype);
+    case torch::kBFloat16: return dequantize_as<F, c10::BFloat16>(w, dtype);
+    case torch::kHalf: return dequantize_as<F, c10::Half>(w, dtype);
+    default: TORCH_CHECK(false, "dequantize writes float32, bfloat16 or float16; got ", dtype);
+  }
 }
 
 // x [batch, columns] float32 times the weight's transpose: float32 [batch, rows].
@@ -775,8 +808,8 @@ int64_t q8_type_size(int64_t qtype) {
 
 }  // namespace
 
-torch::Tensor dequantize(torch::Tensor w, int64_t qtype) {
-#define KVPILOT_CALL(F) dequantize_as<F>(w)
+torch::Tensor dequantize(torch::Tensor w, int64_t qtype, at::ScalarType dtype) {
+#define KVPILOT_CALL(F) dequantize_as<F>(w, dtype)
   KVPILOT_GGUF_DISPATCH(qtype, KVPILOT_CALL)
 #undef KVPILOT_CALL
 }
@@ -816,7 +849,8 @@ int64_t q8_isa() {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("dequantize", &dequantize, "GGUF block bytes [rows, bytes per row] -> float32 [rows, columns]");
+  m.def("dequantize", &dequantize, "GGUF block bytes [rows, bytes per row] -> [rows, columns] of dtype",
+        py::arg("w"), py::arg("qtype"), py::arg("dtype") = torch::kFloat32);
   m.def("matmul_q8", &matmul_q8, "x [batch, columns] @ weight^T through q8 activations -> [batch, rows] in x's dtype",
         py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("bias") = py::none(), py::arg("isa") = 0);
   m.def("q8_isa", &q8_isa, "the q8 path's instruction set on this CPU: 1 AVX512-VNNI, 2 AVX2, 0 none");

@@ -67,6 +67,20 @@ def test_dequantize_matches_the_gguf_package(qtype):
     torch.testing.assert_close(got, torch.from_numpy(reference_dequantize(raw, qtype)), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("qtype", FAST_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_16_bit_dequantize_rounds_the_gguf_packages_values_once(qtype, dtype):
+    # the large-batch path's tiles: decoded straight to the activation dtype
+    raw = random_blocks(qtype, 24, 512, np.random.default_rng(int(qtype) + 7))
+    raw[0, :2] = np.frombuffer(np.float16(np.nan).tobytes(), dtype=np.uint8)   # a NaN scale stays NaN
+    got = gguf_matmul_cpu.dequantize(torch.from_numpy(raw), int(qtype), dtype)
+    want = torch.from_numpy(reference_dequantize(raw, qtype)).to(dtype)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
+        gguf_matmul_cpu.dequantize(torch.from_numpy(raw), int(qtype), torch.float64)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("qtype", FAST_TYPES, ids=lambda t: t.name)
 def test_layer_matches_f_linear_over_the_dequantized_weight(qtype, dtype):

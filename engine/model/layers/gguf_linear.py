@@ -184,7 +184,9 @@ def gguf_embedding(input_ids: torch.Tensor, weight: torch.Tensor, layout: GgufLa
     """The embeddings of ``input_ids`` in ``dtype``, decoding only their rows."""
     (part,) = layout.parts
     rows = weight.view(part.rows, part.bytes_per_row).index_select(0, input_ids.reshape(-1))
-    return gguf_matmul_cpu.dequantize(rows, part.qtype).to(dtype).reshape(*input_ids.shape, layout.columns)
+    direct = dtype in (torch.float32, torch.bfloat16, torch.float16)
+    values = gguf_matmul_cpu.dequantize(rows, part.qtype, dtype if direct else torch.float32)
+    return values.to(dtype).reshape(*input_ids.shape, layout.columns)
 
 
 def _as_tensor(raw: np.ndarray | torch.Tensor) -> torch.Tensor:
@@ -275,7 +277,7 @@ def _segment(flat: torch.Tensor, weight: torch.Tensor, seg: GgufPart, columns: i
     tile = max(1, TILE_ELEMENTS // columns)
     out = torch.empty(flat.shape[0], seg.rows, dtype=flat.dtype)
     for start in range(0, seg.rows, tile):
-        block = gguf_matmul_cpu.dequantize(rows[start:start + tile], seg.qtype).to(flat.dtype)
+        block = gguf_matmul_cpu.dequantize(rows[start:start + tile], seg.qtype, flat.dtype)
         out[:, start:start + block.shape[0]] = F.linear(
             flat, block, None if bias is None else bias[start:start + block.shape[0]])
     return out
