@@ -88,12 +88,17 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     # Distinct LoRA adapters in one batch (--max-loras); None: LoRA is off.
     max_loras: int | None = None
+    # Tokens a streamed request's outputs gather before one is sent (vLLM's
+    # --stream-interval): its first token and its end always go at once.
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
         if self.policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling policy must be one of {SCHEDULING_POLICIES}, got {self.policy!r}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:

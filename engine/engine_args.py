@@ -63,6 +63,7 @@ class EngineArgs:
     num_gpu_blocks: int | None = None
     max_num_seqs: int = _default(SchedulerConfig, "max_num_seqs")
     max_num_batched_tokens: int | None = None   # None => DEFAULT_MAX_NUM_BATCHED_TOKENS or more
+    stream_interval: int = _default(SchedulerConfig, "stream_interval")
     max_model_len: int | None = None
     kv_cache_dtype: str = _default(CacheConfig, "kv_cache_dtype")
     calculate_kv_scales: bool = _default(CacheConfig, "calculate_kv_scales")
@@ -170,6 +171,7 @@ class EngineArgs:
             max_model_len=max_model_len, policy=self.scheduling_policy,
             enable_chunked_prefill=self.enable_chunked_prefill,
             max_loras=self.max_loras if self.enable_lora else None,
+            stream_interval=self.stream_interval,
         )
         return model_config, cache_config, scheduler_config
 

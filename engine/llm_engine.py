@@ -145,7 +145,8 @@ class LLMEngine:
             reasoning_parser=None if structured.enable_in_reasoning else structured.reasoning_parser,
             compile_timeout=structured.compile_timeout)
         self._thread_share = StepThreadShare(device)
-        self.output_processor = OutputProcessor(self.tokenizer, model_config.max_model_len)
+        self.output_processor = OutputProcessor(self.tokenizer, model_config.max_model_len,
+                                                scheduler_config.stream_interval)
         self._num_steps = 0
         self._iteration_tokens: list[int] = []
         self._cost_model = self._make_cost_model(layout) if args.enable_mfu_metrics else None

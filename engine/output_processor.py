@@ -6,7 +6,10 @@ match (the newest characters plus the longest stop string). Outputs are built on
 for requests whose output kind asks for one this step (``SamplingParams.output_kind``):
 ``FINAL_ONLY`` requests (``LLM.generate``) build one output when they finish,
 ``DELTA`` requests (the server) one small output per step with what it added, and
-``CUMULATIVE`` requests (the default) everything so far, every step.
+``CUMULATIVE`` requests (the default) everything so far, every step. With a
+``stream_interval`` of N > 1 (vLLM's ``--stream-interval``) a running request's output is
+built only once one of its sequences has N tokens not yet handed out; its first token
+and its end are handed out at once whatever N.
 
 NOTE (invariant the server relies on): every output gets fresh lists (``outputs``,
 ``token_ids``, ``logprobs``); a list handed out is never appended to later.
@@ -46,6 +49,7 @@ class SequenceState:
     final_len: int | None = None  # text length once finished (a stop string may cut it)
     num_sent_chars: int = 0      # DELTA: already returned
     num_sent_tokens: int = 0
+    num_emitted_tokens: int = 0  # tokens when an output of this sequence was last built (any kind)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -57,6 +61,7 @@ class SequenceState:
     def output(self, kind: RequestOutputKind) -> CompletionOutput:
         tokens = self.request.output_token_ids
         end = self.visible_len()
+        self.num_emitted_tokens = len(tokens)
         if kind is DELTA:
             start, first = self.num_sent_chars, self.num_sent_tokens
             text = self.detok.text[start:end] if end > start else ""
@@ -88,6 +93,18 @@ class RequestState:
     @property
     def finished(self) -> bool:
         return self.num_unfinished == 0
+
+    def due(self, interval: int) -> bool:
+        """Whether an output is due this step, under a stream interval of ``interval``
+        tokens: finished, a sequence's first token, or ``interval`` tokens gathered."""
+        if interval == 1 or self.finished:
+            return True
+        for c in self.children:
+            emitted = c.num_emitted_tokens
+            if (emitted == 0 and c.request.output_token_ids) or \
+                    len(c.request.output_token_ids) - emitted >= interval or c.finish_reason is not None:
+                return True
+        return False
 
     def metrics(self) -> RequestMetrics:
         if len(self.children) == 1:
@@ -123,13 +140,18 @@ class OutputProcessor:
     Args:
         tokenizer: the engine's tokenizer (detokenizing, and logprob entries' text).
         max_model_len: the context limit (a length stop).
+        stream_interval: tokens a running request gathers before its output is built
+            (``SchedulerConfig.stream_interval``; 1: every step).
 
     ``process`` returns the step's outputs; the children that stopped in it are marked
     finished here and handed to the engine by ``take_finished`` (it frees their blocks,
     batch rows and adapters): the processor never calls back into the engine.
     """
 
-    def __init__(self, tokenizer: Tokenizer, max_model_len: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int, stream_interval: int = 1) -> None:
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
+        self._stream_interval = stream_interval
         self._tokenizer = tokenizer
         self._decode_token = lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
         self._max_model_len = max_model_len
@@ -192,8 +214,9 @@ class OutputProcessor:
             if parent.kind is not FINAL_ONLY or parent.finished:
                 touched[parent.request_id] = parent
         outputs = []
+        interval = self._stream_interval
         for rid, parent in touched.items():
-            if rid in failed:
+            if rid in failed or not parent.due(interval):
                 continue
             outputs.append(parent.output())
             if parent.finished:

@@ -8,7 +8,8 @@ twice or more, with the same engine settings:
 - offline: ``--num-clients`` requests at once through the engine the way
   ``LLM.generate`` runs them (``--prompt-len`` prompt tokens, ``--output-len`` output
   tokens each, ``ignore_eos``);
-- through ``kvpilot serve`` on loopback, once per ``--modes`` entry: ``core`` (the
+- through ``kvpilot serve`` on loopback, once per ``--modes`` entry (and per
+  ``--stream-intervals`` value, serve's ``--stream-interval``): ``core`` (the
   engine core in its own process, the default) and ``in-process`` (the engine on a
   thread of the server's process, ``--engine-in-process``): ``--num-clients``
   concurrent streaming ``/v1/completions`` clients, one request each, the same prompts.
@@ -50,6 +51,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--modes", default="core,in-process",
                    help=f"server modes to run, comma-separated from {sorted(MODES)} "
                         "(default: %(default)s)")
+    p.add_argument("--stream-intervals", default="1",
+                   help="serve's --stream-interval values to run each mode with, comma-separated "
+                        "(tokens a stream gathers per chunk; default: %(default)s)")
     p.add_argument("--json-out", default=None, help="also write the results to this JSON file")
     p.set_defaults(func=run)
 
@@ -107,11 +111,12 @@ async def _load(base_url: str, args: argparse.Namespace) -> FrontendResult:
                           itl_p50_ms=summary.itl_p50_ms)
 
 
-def measure_serve(model_dir: str, mode: str, args: argparse.Namespace) -> FrontendResult:
+def measure_serve(model_dir: str, mode: str, args: argparse.Namespace, stream_interval: int = 1) -> FrontendResult:
     from kvpilot.engine.bench.server_process import launch_server
 
     env = {"OMP_NUM_THREADS": str(args.threads)}
-    with launch_server([*serve_flags(model_dir, args), *MODES[mode]], env=env) as server:
+    flags = [*serve_flags(model_dir, args), *MODES[mode], "--stream-interval", str(stream_interval)]
+    with launch_server(flags, env=env) as server:
         found = re.search(r"engine core process started \(pid (\d+)\)", server.log_path.read_text())
         pids: dict[str, int | None] = {"server": server.process.pid}
         if found:
@@ -123,7 +128,7 @@ def measure_serve(model_dir: str, mode: str, args: argparse.Namespace) -> Fronte
     tokens = args.num_clients * args.output_len
     result.cpu_s_per_1k_tokens = {name: 1000 * seconds / tokens
                                   for name, seconds in result.cpu_s.items()}
-    result.name = f"serve ({mode})"
+    result.name = f"serve ({mode})" if stream_interval == 1 else f"serve ({mode}, interval {stream_interval})"
     return result
 
 
@@ -144,6 +149,13 @@ def run(args: argparse.Namespace) -> int:
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
         raise SystemExit(f"kvpilot bench frontend: unknown mode(s) {unknown}; choose from {sorted(MODES)}")
+    try:
+        intervals = [int(v) for v in args.stream_intervals.split(",") if v]
+    except ValueError:
+        intervals = [0]
+    if not intervals or min(intervals) < 1:
+        raise SystemExit(f"kvpilot bench frontend: --stream-intervals must be positive integers; "
+                         f"got {args.stream_intervals!r}")
     torch.set_num_threads(args.threads)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     results: list[FrontendResult] = []
@@ -157,18 +169,18 @@ def run(args: argparse.Namespace) -> int:
         offline = measure(model_dir, args.num_clients, args.prompt_len, args.output_len, "final")
         results.append(FrontendResult("offline (LLM.generate)", offline.output_tokens_per_s,
                                       cpu_s={"engine": cpu_seconds() - start}))
-        print(f"  {results[0].name:<24}{offline.output_tokens_per_s:>10.0f} output tok/s  "
+        print(f"  {results[0].name:<30}{offline.output_tokens_per_s:>10.0f} output tok/s  "
               f"(CPU s: {_cpu_line(results[0].cpu_s)}, engine build included)", flush=True)
-        for mode in modes:
-            result = measure_serve(model_dir, mode, args)
+        for mode, interval in ((m, i) for m in modes for i in intervals):
+            result = measure_serve(model_dir, mode, args, interval)
             result.share_of_offline = result.output_tokens_per_s / offline.output_tokens_per_s
             results.append(result)
-            print(f"  {result.name:<24}{result.output_tokens_per_s:>10.0f} output tok/s  "
+            print(f"  {result.name:<30}{result.output_tokens_per_s:>10.0f} output tok/s  "
                   f"{result.share_of_offline:>6.1%} of offline  (TTFT p50 {_ms(result.ttft_p50_ms)}, "
                   f"ITL p50 {_ms(result.itl_p50_ms)}; CPU s: {_cpu_line(result.cpu_s)})",
                   flush=True)
             per_1k = result.cpu_s_per_1k_tokens
-            print(f"  {'':<24}CPU s per 1,000 streamed tokens: API process "
+            print(f"  {'':<30}CPU s per 1,000 streamed tokens: API process "
                   f"{per_1k['server']:.4f}"
                   + "".join(f", {name} {per_1k[name]:.4f}" for name in per_1k if name != "server"),
                   flush=True)

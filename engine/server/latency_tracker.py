@@ -111,9 +111,10 @@ class RequestStatsTracker:
             state = self._requests.get(out.request_id)
             if state is None:
                 continue
-            new_tokens = 0
+            new_tokens = steps = 0
             for c in out.outputs:
                 new_tokens += len(c.token_ids)
+                steps = max(steps, len(c.token_ids))
                 state.tokens_by_choice[c.index] = state.tokens_by_choice.get(c.index, 0) + len(c.token_ids)
             if new_tokens:
                 if state.last_token_time is None:
@@ -121,7 +122,10 @@ class RequestStatsTracker:
                     ttfts.append(max(0.0, first - state.arrival_time))
                     state.last_token_time = first
                 else:
-                    itls.append(max(0.0, now - state.last_token_time))
+                    # a delta gathered over several steps (--stream-interval): its gap shared
+                    # evenly by the steps' tokens, so the histogram's sum and count stay true
+                    gap = max(0.0, now - state.last_token_time) / steps
+                    itls.extend([gap] * steps)
                     state.last_token_time = now
                 state.num_tokens += new_tokens
             if out.finished:

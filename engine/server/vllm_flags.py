@@ -201,6 +201,8 @@ SERVE_FLAGS: tuple[Flag, ...] = (
         _h("--max-num-batched-tokens", "token budget of one engine step (chunked prefill)",
            engine="max_num_batched_tokens", type=positive_int, metavar="TOKENS",
            default_text=f"{DEFAULT_MAX_NUM_BATCHED_TOKENS}, or --max-model-len if larger without chunked prefill"),
+        _h("--stream-interval", "output tokens a stream gathers before a chunk is sent (its first token and its end go at once): fewer SSE frames and less API-process work per token, at the cost of burstier streams",
+           engine="stream_interval", type=positive_int, metavar="TOKENS"),
         _h("--enable-chunked-prefill", "split long prompts across steps; without it a prompt is admitted only when it fits one step's token budget whole",
            engine="enable_chunked_prefill", action=OnOff),
         _h("--scheduling-policy", "`fcfs`, or `priority`: requests' `priority` field (lower first) orders the queue, and a waiting request preempts running ones of lower priority",

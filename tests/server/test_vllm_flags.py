@@ -101,6 +101,7 @@ HONOURED_CASES = {
     "--max-num-seqs": (["--max-num-seqs", "8"], lambda ns, ea, sc: ea.max_num_seqs == 8),
     "--max-num-batched-tokens": (["--max-num-batched-tokens", "512"],
                                  lambda ns, ea, sc: ea.max_num_batched_tokens == 512),
+    "--stream-interval": (["--stream-interval", "8"], lambda ns, ea, sc: ea.stream_interval == 8),
     "--enable-chunked-prefill": (["--no-enable-chunked-prefill"],
                                  lambda ns, ea, sc: ea.enable_chunked_prefill is False),
     "--scheduling-policy": (["--scheduling-policy", "priority"],
