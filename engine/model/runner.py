@@ -150,6 +150,8 @@ class ModelRunner:
                                 self.dtype, device, tp, stage)
         if device.type == "cpu" and stage.is_last:
             self.model.use_transposed_output_weight()
+        if device.type == "cpu":
+            self.model.use_packed_weights()
         self.backend = select_attention_backend(attention_backend, device)
         if self.backend.name == "triton":
             self.model.use_triton_kernels()

@@ -32,6 +32,7 @@ from kvpilot.engine.model.attention.backend import AttentionBackend
 from kvpilot.engine.model.attention.torch_backend import FP8_DTYPES
 from kvpilot.engine.model.hf_config import ArchConfig
 from kvpilot.engine.model.layers.gguf_linear import gguf_linear
+from kvpilot.engine.model.layers.packed_linear import can_pack, pack, packed_linear
 from kvpilot.engine.model.layers.norm import RMSNorm
 from kvpilot.engine.model.layers.rotary import RotaryEmbedding
 from kvpilot.engine.model.parallel.group import TPGroup
@@ -250,16 +251,28 @@ class LlamaForCausalLM(nn.Module):
         """
         if self.output_module.gguf is not None:
             return
+        if can_pack(self.output_weight):   # bfloat16: oneDNN's packing (layers.packed_linear)
+            self.register_buffer("output_weight_packed", pack(self.output_weight), persistent=False)
+            return
         self.register_buffer("output_weight_t", self.output_weight.detach().t().contiguous(),
                              persistent=False)
+
+    def use_packed_weights(self) -> int:
+        """Prepack every plain bfloat16 CPU projection for oneDNN (``layers.packed_linear``):
+        the weights replaced by their packing, results unchanged. Returns how many."""
+        return sum(module.use_packed_weight() for module in self.modules()
+                   if isinstance(module, (ColumnParallelLinear, RowParallelLinear)))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Float32 logits ``[rows, vocab]`` on the driver; None on other ranks, which must
         call it too (the logits are gathered from every rank's vocabulary shard)."""
         transposed = getattr(self, "output_weight_t", None)
+        packed = getattr(self, "output_weight_packed", None)
         head = self.output_module
         if head.gguf is not None:
             local = gguf_linear(hidden, head.weight, None, head.gguf)
+        elif packed is not None:
+            local = packed_linear(hidden, packed)
         elif transposed is not None:
             local = hidden @ transposed
         else:

@@ -32,6 +32,7 @@ from torch import nn
 
 from kvpilot.engine.model.layers.fp8_linear import fp8_linear
 from kvpilot.engine.model.layers.gguf_linear import gguf_embedding, gguf_linear
+from kvpilot.engine.model.layers.packed_linear import can_pack, pack, packed_linear
 from kvpilot.engine.model.parallel.group import TPGroup
 from kvpilot.engine.model.parallel.sharding import (
     Shard,
@@ -60,6 +61,17 @@ def _copy(dst: torch.Tensor, rows: torch.Tensor) -> None:
     dst.copy_(rows.to(dst.dtype))
 
 
+def _use_packed_weight(layer: nn.Module) -> bool:
+    """Replace a loaded plain bfloat16 CPU weight by its oneDNN packing (``layers.
+    packed_linear``; same bytes, same results, no per-call reorder); False where the
+    layer keeps its weight (FP8, GGUF blocks, another dtype or device)."""
+    if layer.packed or layer.fp8 is not None or layer.gguf is not None or not can_pack(layer.weight):
+        return layer.packed
+    layer.weight = nn.Parameter(pack(layer.weight), requires_grad=False)
+    layer.packed = True
+    return True
+
+
 class ColumnParallelLinear(nn.Module):
     """``y = x W^T + b`` with W's output rows split across ranks.
 
@@ -79,6 +91,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(self.offsets[-1])) if bias else None
         self.fp8 = None    # an Fp8WeightConfig once ``use_fp8_weight`` made the weight FP8
         self.gguf = None   # a GgufLayout once ``use_gguf_weight`` gave it GGUF blocks
+        self.packed = False   # the weight prepacked for oneDNN (``use_packed_weight``)
 
     @property
     def output_sizes(self) -> list[int]:
@@ -104,7 +117,12 @@ class ColumnParallelLinear(nn.Module):
             return
         _copy(param.data[start:start + rows.shape[0]], rows)
 
+    def use_packed_weight(self) -> bool:
+        return _use_packed_weight(self)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return packed_linear(x, self.weight, self.bias)
         if self.fp8 is not None:
             return fp8_linear(x, self.weight, self.weight_scale, self.bias, self.fp8)
         if self.gguf is not None:
@@ -124,6 +142,7 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(output_size)) if bias else None
         self.fp8 = None    # an Fp8WeightConfig once ``use_fp8_weight`` made the weight FP8
         self.gguf = None   # a GgufLayout once ``use_gguf_weight`` gave it GGUF blocks
+        self.packed = False   # the weight prepacked for oneDNN (``use_packed_weight``)
 
     def load_weight(self, name: str, src: Any, shard_id: int | None) -> None:
         param = getattr(self, name)
@@ -133,7 +152,12 @@ class RowParallelLinear(nn.Module):
             check_shape(src, tuple(param.shape))
         _copy(param.data, read_shard(src, 1, self.shard))
 
+    def use_packed_weight(self) -> bool:
+        return _use_packed_weight(self)
+
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.packed:
+            return packed_linear(x, self.weight, bias)
         if self.fp8 is not None:
             return fp8_linear(x, self.weight, self.weight_scale, bias, self.fp8)
         if self.gguf is not None:
