@@ -11,7 +11,11 @@ Sections (each also printed as it runs):
    output tokens each (``ignore_eos``), in the same process one after the other.
 3. ``cuda_graphs``: decode milliseconds per step with CUDA graphs on and off
    (``enforce_eager``), batch 1 and 64, same model.
-4. ``overhead``: ``kvpilot bench overhead``'s micro model at batch 256 on the GPU: ms per
+4. ``quantized_matmul``: FP8-weight projections (per-channel and block scales, 1 and 64
+   tokens) against ``F.linear`` over their dequantized weights: the path taken
+   (``torch._scaled_mm`` on compute capability 9.0+), its error and, on the GPU, its time
+   against the bfloat16 ``F.linear`` of the same shape.
+5. ``overhead``: ``kvpilot bench overhead``'s micro model at batch 256 on the GPU: ms per
    decode step (the host work around a near-free forward).
 
 ``--smoke`` runs every section at toy sizes on whatever device there is (CPU: kernels
@@ -171,6 +175,62 @@ def section_overhead(device: str, smoke: bool) -> dict:
     return {"batch": batch, "ms_per_step": r.ms_per_step, "decode_steps": r.decode_steps}
 
 
+def _time_ms(fn, repeats: int) -> float:
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeats * 1e3
+
+
+def section_quantized_matmul(device: str, smoke: bool) -> dict:
+    """FP8-weight projections (``layers.fp8_linear``) on the device against ``F.linear``
+    over their dequantized weights, per-channel and 128x128-block scales: which path ran
+    (``torch._scaled_mm`` with per-token FP8 activations on a GPU of compute capability
+    9.0+ with per-channel scales, else dequantize-and-multiply), the error, and (not
+    smoke) the time against the bfloat16 ``F.linear`` of the same shape."""
+    import torch.nn.functional as F
+
+    from kvpilot.engine.core.weight_quant import Fp8WeightConfig
+    from kvpilot.engine.model.layers import fp8_linear as q
+
+    rows, columns = (256, 128) if smoke else (6144, 1024)   # Qwen3-0.6B's gate/up
+    dtype = torch.bfloat16
+    gen = torch.Generator().manual_seed(0)
+    weight = (torch.randn(rows, columns, generator=gen) * 0.05).to(device)
+    cases = []
+    for strategy, block in (("channel", None), ("block", (128, 128))):
+        config = Fp8WeightConfig("fp8", strategy, block)
+        sr, sc = q.scale_shape(rows, columns, config)
+        tiles = weight.reshape(sr, rows // sr, sc, columns // sc) if block else weight.reshape(rows, 1, 1, columns)
+        scale = (tiles.abs().amax(dim=(1, 3)) / q.FP8_MAX).clamp(min=1e-12).float()
+        spread = scale.repeat_interleave(rows // sr, 0).repeat_interleave(columns // sc, 1)
+        w8 = (weight / spread).clamp(-q.FP8_MAX, q.FP8_MAX).to(q.FP8)
+        dense = (w8.float() * spread).to(dtype)   # the oracle: dequantized here, not by the layer
+        for batch in (1, 64):
+            x = torch.randn(batch, columns, generator=gen).to(device, dtype)
+            got = q.fp8_linear(x, w8, scale, None, config)
+            want = F.linear(x, dense)
+            path = "scaled_mm" if q._scaled_mm_supported(x, w8, config) else "dequantize"
+            err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+            # per-token FP8 activations cost a few percent; the dequantize path only rounding
+            ok = err <= (0.08 if path == "scaled_mm" else 1e-2)
+            case = {"strategy": strategy, "batch": batch, "path": path, "max_rel_error": err, "ok": ok}
+            if not smoke:
+                case["fp8_ms"] = _time_ms(lambda: q.fp8_linear(x, w8, scale, None, config), 50)
+                case["bf16_ms"] = _time_ms(lambda: F.linear(x, dense), 50)
+            cases.append(case)
+            print(f"fp8 {strategy:7s} batch {batch:3d}: {path:10s} max rel error {err:.4f} "
+                  f"{'ok' if ok else 'FAILED'}"
+                  + (f"; {case['fp8_ms']:.3f} ms vs bf16 {case['bf16_ms']:.3f} ms" if not smoke else ""),
+                  flush=True)
+    return {"rows": rows, "columns": columns, "cases": cases}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--json-out", default="gpu-check.json")
@@ -202,6 +262,14 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:   # keep the other sections' figures
             failures.append(f"engine: {type(e).__name__}: {e}")
             print(f"engine section FAILED: {type(e).__name__}: {e}")
+    print("== quantized matmul (FP8 weights)", flush=True)
+    try:
+        report["quantized_matmul"] = section_quantized_matmul(device, args.smoke)
+        failures += [f"quantized matmul {c['strategy']} batch {c['batch']}: error {c['max_rel_error']:.4f}"
+                     for c in report["quantized_matmul"]["cases"] if not c["ok"]]
+    except Exception as e:
+        failures.append(f"quantized matmul: {type(e).__name__}: {e}")
+        print(f"quantized matmul section FAILED: {type(e).__name__}: {e}")
     print("== per-step overhead", flush=True)
     try:
         report["overhead"] = section_overhead(device, args.smoke)

@@ -42,6 +42,9 @@ def test_every_section_runs_at_toy_sizes(tmp_path, capsys):
         assert any(n.startswith(kind) for n in names), kind
     assert all(c["ok"] for c in report["kernels"]["checks"])
     assert {c["kind"] for c in report["kernels"]["attention_bench"]["cases"]} == {"decode", "prefill"}
+    quantized = report["quantized_matmul"]["cases"]
+    assert {(c["strategy"], c["batch"]) for c in quantized} == {(s, b) for s in ("channel", "block") for b in (1, 64)}
+    assert all(c["ok"] and c["path"] == "dequantize" for c in quantized)   # no GPU: the dequantize path
     ehf = report["engine_vs_hf"]
     assert ehf["ratio"] > 0 and ehf["engine"]["decode_ms_per_step"] > 0
     graphs = report["cuda_graphs"]
