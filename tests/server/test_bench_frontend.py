@@ -15,11 +15,15 @@ import pytest
 def test_frontend_bench_reports_serve_next_to_offline(tmp_path):
     out = tmp_path / "frontend.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "kvpilot.engine.cli.main", "bench", "frontend", "--num-clients", "4",
-         "--prompt-len", "8", "--output-len", "6", "--modes", "core", "--json-out", str(out)],
+        # enough tokens (2,048) that every process spends more than /proc's 10 ms tick
+        [sys.executable, "-m", "kvpilot.engine.cli.main", "bench", "frontend", "--num-clients", "16",
+         "--prompt-len", "8", "--output-len", "128", "--modes", "core", "--stream-intervals", "1,4",
+         "--json-out", str(out)],
         capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    offline, serve = json.loads(out.read_text())
+    offline, serve, gathered = json.loads(out.read_text())
+    assert gathered["name"] == "serve (core, interval 4)" and gathered["output_tokens_per_s"] > 0
+    assert set(gathered["cpu_s_per_1k_tokens"]) == {"server", "core", "clients"}
     assert offline["name"] == "offline (LLM.generate)" and offline["output_tokens_per_s"] > 0
     assert serve["name"] == "serve (core)" and serve["output_tokens_per_s"] > 0
     assert serve["share_of_offline"] == pytest.approx(serve["output_tokens_per_s"]
