@@ -50,6 +50,7 @@ class SequenceState:
     num_sent_chars: int = 0      # DELTA: already returned
     num_sent_tokens: int = 0
     num_emitted_tokens: int = 0  # tokens when an output of this sequence was last built (any kind)
+    end_emitted: bool = False    # an output carrying its finish reason was built
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -62,6 +63,7 @@ class SequenceState:
         tokens = self.request.output_token_ids
         end = self.visible_len()
         self.num_emitted_tokens = len(tokens)
+        self.end_emitted = self.finish_reason is not None
         if kind is DELTA:
             start, first = self.num_sent_chars, self.num_sent_tokens
             text = self.detok.text[start:end] if end > start else ""
@@ -102,7 +104,8 @@ class RequestState:
         for c in self.children:
             emitted = c.num_emitted_tokens
             if (emitted == 0 and c.request.output_token_ids) or \
-                    len(c.request.output_token_ids) - emitted >= interval or c.finish_reason is not None:
+                    len(c.request.output_token_ids) - emitted >= interval or \
+                    (c.finish_reason is not None and not c.end_emitted):
                 return True
         return False
 

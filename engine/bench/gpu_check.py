@@ -27,6 +27,7 @@ when a check failed, else 0.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -221,8 +222,8 @@ def section_quantized_matmul(device: str, smoke: bool) -> dict:
             ok = err <= (0.08 if path == "scaled_mm" else 1e-2)
             case = {"strategy": strategy, "batch": batch, "path": path, "max_rel_error": err, "ok": ok}
             if not smoke:
-                case["fp8_ms"] = _time_ms(lambda: q.fp8_linear(x, w8, scale, None, config), 50)
-                case["bf16_ms"] = _time_ms(lambda: F.linear(x, dense), 50)
+                case["fp8_ms"] = _time_ms(functools.partial(q.fp8_linear, x, w8, scale, None, config), 50)
+                case["bf16_ms"] = _time_ms(functools.partial(F.linear, x, dense), 50)
             cases.append(case)
             print(f"fp8 {strategy:7s} batch {batch:3d}: {path:10s} max rel error {err:.4f} "
                   f"{'ok' if ok else 'FAILED'}"

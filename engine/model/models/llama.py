@@ -32,8 +32,8 @@ from kvpilot.engine.model.attention.backend import AttentionBackend
 from kvpilot.engine.model.attention.torch_backend import FP8_DTYPES
 from kvpilot.engine.model.hf_config import ArchConfig
 from kvpilot.engine.model.layers.gguf_linear import gguf_linear
-from kvpilot.engine.model.layers.packed_linear import can_pack, pack, packed_linear
 from kvpilot.engine.model.layers.norm import RMSNorm
+from kvpilot.engine.model.layers.packed_linear import can_pack, pack, packed_linear
 from kvpilot.engine.model.layers.rotary import RotaryEmbedding
 from kvpilot.engine.model.parallel.group import TPGroup
 from kvpilot.engine.model.parallel.linear import (
