@@ -4,8 +4,9 @@
 // uint8 [rows, blocks_per_row * type_size], the blocks running along the input dimension.
 // `matmul` decodes one block of one row at a time into a float buffer (at most 256 values,
 // in L1) and accumulates its dot product with every activation row, so each weight byte is
-// read once per call whatever the batch; `dequantize` writes float32 rows (the reference
-// and the large-batch path, which multiplies a few rows at a time). Block layouts follow
+// read once per call whatever the batch; `dequantize` writes float32 rows (the reference),
+// or bfloat16/float16 ones rounded once (the large-batch path, which multiplies a few rows
+// at a time, and the embedding lookup). Block layouts follow
 // ggml-quants.c (dequantize_row_*); the type ids are ggml's (GGMLQuantizationType).
 
 #include <torch/extension.h>
