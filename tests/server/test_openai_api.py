@@ -109,7 +109,10 @@ def test_stream_end_written_at_once_is_still_separate_events(client, http, setti
     assert all(f.startswith(b"data: {") for f in frames[:-2])
     assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 6
     assert events[-2]["choices"][0]["finish_reason"] == "length"
-    assert [e["choices"][0]["text"] for e in events[:-1]] == [c.choices[0].text for c in content]
+    # deltas that pile up while the stream is busy are folded into one (engine_client), so
+    # the two streams may cut the text differently: the text, not the cuts, must agree
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == full.choices[0].text
+    assert all(e["choices"][0]["text"] for e in events[:-2])   # no empty chunk before the end
     assert b" " not in frames[0].split(b'"choices"')[0].removeprefix(b"data: ")  # compact JSON
 
 
