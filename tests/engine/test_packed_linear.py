@@ -36,15 +36,18 @@ def test_only_plain_bfloat16_cpu_layers_are_packed():
     column = ColumnParallelLinear(64, [Shard(0, 96, 96)], bias=True).to(torch.bfloat16)
     row = RowParallelLinear(96, 64, bias=False, tp=tp).to(torch.bfloat16)
     f32 = ColumnParallelLinear(64, [Shard(0, 96, 96)], bias=False)
-    for layer in (column, row, f32):
-        torch.nn.init.normal_(layer.weight)
-    x = torch.randn(5, 64).to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():   # every parameter set (an empty bias is uninitialised memory, NaNs included)
+        for layer in (column, row, f32):
+            for param in layer.parameters():
+                param.copy_(torch.randn(param.shape, generator=gen).to(param.dtype))
+    x = torch.randn(5, 64, generator=gen).to(torch.bfloat16)
     want = column(x)
     plain_bytes = sum(p.numel() * p.element_size() for p in column.parameters())
     assert column.use_packed_weight() and column.packed and column.weight.is_mkldnn
     assert torch.equal(column(x), want)
     assert sum(p.numel() * p.element_size() for p in column.parameters()) == plain_bytes
-    h = torch.randn(5, 96).to(torch.bfloat16)
+    h = torch.randn(5, 96, generator=gen).to(torch.bfloat16)
     want_row = row(h)
     assert row.use_packed_weight() and torch.equal(row(h), want_row)
     assert not f32.use_packed_weight() and not f32.weight.is_mkldnn   # float32: F.linear stays
