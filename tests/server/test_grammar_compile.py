@@ -13,7 +13,8 @@ gap was the whole compile (always asserted: no gap near a third of the compile).
 the streams' gaps are uneven with no grammar at all (measured for 6 s before the
 request: a largest gap over twice the median, which a 2-CPU machine shows now and
 then), the test asserts instead that the compile leaves the ratio no worse than that;
-where another process's load came or went between the two windows, it asserts no
+a gap within 25 ms of the median passes either way (steps of a few milliseconds make
+one scheduling hiccup of the OS several medians); where another process's load came or went between the two windows, it asserts no
 ratio. The constrained
 request answers with one of the choices, the same request again is served from the
 grammar cache, and the server log shows the grammar compiled exactly once. Run with -s
@@ -43,6 +44,7 @@ pytestmark = pytest.mark.slow
 
 MODEL = "kvpilot-demo"
 NUM_STREAMS = 4
+JITTER = 0.025                         # seconds of gap above the median that are not a stall
 CHOICES = [f"answer number {i} of the long list" for i in range(20_000)]
 COMPILED = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \S+ compiled a structured-output "
                       r"grammar \(choice, \d+ characters\) in ([\d.]+) s")
@@ -122,6 +124,9 @@ def test_a_cold_grammar_compiles_off_the_step_loop(server):
 
     during, before = gaps(*compiling), gaps(baseline_start, sent)
     arriving, decoding = gaps(sent, compiling[0]), gaps(answer["first"], answer["done"])
+    # A compile on the step loop leaves no two chunks inside its span at all.
+    assert len(during) >= NUM_STREAMS, \
+        f"{len(during)} gaps between chunks in a {seconds:.2f} s compile: the streams stalled"
     median = statistics.median(g for g, _ in during)
     largest, largest_at = max(during)
     print(f"\n[issue 25 acceptance 2] grammar of {len(CHOICES):,} choices compiled once, in "
@@ -143,10 +148,14 @@ def test_a_cold_grammar_compiles_off_the_step_loop(server):
     # more than the compile's own share of the CPUs explains) makes them incomparable.
     quiet_median = statistics.median(g for g, _ in before)
     quiet = max(before)[0] / quiet_median
+    # A step of a few milliseconds makes a ratio alone flaky: one 16 ms scheduling
+    # hiccup of the OS is already three medians. A gap within JITTER of the median is
+    # never a stall (the stall this guards against was the whole compile, seconds).
     if 0.5 <= median / quiet_median <= 3.0:
-        assert largest / median < max(2.0, quiet), \
+        bar = max(2.0 * median, quiet * median, median + JITTER)
+        assert largest < bar, \
             f"largest gap {largest * 1000:.1f} ms while compiling, median {median * 1000:.1f} ms " \
-            f"(before the request {quiet:.2f}x)"
+            f"(before the request {quiet:.2f}x; bar {bar * 1000:.1f} ms)"
     else:
         print(f"  the machine's load changed between the windows (median {quiet_median * 1000:.1f} ms "
               f"before, {median * 1000:.1f} ms while compiling): the ratio is not asserted")
