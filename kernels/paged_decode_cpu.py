@@ -19,6 +19,7 @@ pure-torch path. fp8 caches are not handled here (the torch path dequantizes the
 from __future__ import annotations
 
 import functools
+import hashlib
 from pathlib import Path
 from types import ModuleType
 
@@ -48,9 +49,22 @@ def variant(isa: str | None) -> tuple[str, list[str]]:
 
 def isa_variant(stem: str, isa: str | None, cflags: list[str]) -> tuple[str, list[str]]:
     """A CPU kernel's module name (``stem`` + the ISA) and compiler flags (``cflags`` + the
-    ISA's) for ``isa`` (None or unknown: the baseline); every CPU kernel names its builds so."""
+    ISA's + the shared headers' digest) for ``isa`` (None or unknown: the baseline); every
+    CPU kernel names its builds so."""
     flags = ISA_FLAGS.get(isa or "", [])
-    return f"{stem}_{isa.lower() if flags else 'baseline'}", [*cflags, *flags]
+    return f"{stem}_{isa.lower() if flags else 'baseline'}", [*cflags, *flags, headers_flag()]
+
+
+@functools.cache
+def headers_flag() -> str:
+    """``-D`` of a digest of the headers in csrc/ that the kernels include. torch's build
+    cache and the prebuilt kernels' stamps hash a kernel's one source file and its flags,
+    not what it includes: with the headers' digest among the flags, a changed header
+    rebuilds every kernel, as a changed source rebuilds its own."""
+    digest = hashlib.sha256()
+    for header in sorted(SOURCE.parent.glob("*.h")):
+        digest.update(header.name.encode() + b"\0" + header.read_bytes())
+    return f"-DKVPILOT_CSRC_HEADERS={digest.hexdigest()[:16]}"
 
 
 @functools.cache

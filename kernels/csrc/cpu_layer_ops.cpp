@@ -24,6 +24,8 @@
 #include <cstring>
 #include <type_traits>
 
+#include "vec_lanes.h"
+
 namespace {
 
 // Rows per parallel_for chunk: a decode step's few rows stay on the calling thread.
@@ -199,22 +201,28 @@ void rotary_rows(const torch::Tensor& positions, torch::Tensor& q, torch::Tensor
 
 // exp(x) for x in float: Cephes' expf (range reduction by ln 2 in two parts, a degree-6
 // polynomial, the exponent put in by bits), about 1 ulp; branch-free so loops vectorize.
-inline float exp_approx(float x) {
-  x = std::fmin(std::fmax(x, -87.3f), 88.3f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  float r = x - n * 0.693359375f;
+// exp_reduced is its core for F = float and F = VecF alike, written once: a scalar and
+// every lane run the same operations in the same order, so they give the same bits.
+template <typename F>
+inline F exp_reduced(F x, F n) {   // exp(x) / 2^n for a clamped x, n = floor(x / ln 2 + 1/2)
+  F r = x - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
+  F p = F{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
-  p = p * (r * r) + r + 1.0f;
+  return p * (r * r) + r + 1.0f;
+}
+
+inline float exp_approx(float x) {
+  x = std::fmin(std::fmax(x, -87.3f), 88.3f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
+  return exp_reduced(x, n) * scale;
 }
 
 // SiLU(g) * u over one row, W lanes at a time in GCC's vector extensions (a build for
@@ -223,17 +231,12 @@ inline float exp_approx(float x) {
 // equal what the scalar loop gives; the auto-vectorizer does not take the scalar loop (the
 // exp's clamps and floor). bfloat16 is converted by bits (round to nearest even, NaN kept
 // quiet, as c10::BFloat16 does); float16 and double keep the scalar loop.
-#if defined(__AVX512F__)
-constexpr int kSiluLanes = 16;
-#elif defined(__AVX2__)
-constexpr int kSiluLanes = 8;
-#else
-constexpr int kSiluLanes = 4;
-#endif
-typedef float VecF __attribute__((vector_size(kSiluLanes * 4)));
-typedef int32_t VecI __attribute__((vector_size(kSiluLanes * 4)));
-typedef uint32_t VecU __attribute__((vector_size(kSiluLanes * 4)));
-typedef uint16_t VecH __attribute__((vector_size(kSiluLanes * 2)));
+using vec_lanes::load_lanes;
+using vec_lanes::round_lanes;
+using vec_lanes::store_lanes;
+using vec_lanes::VecF;
+using vec_lanes::VecI;
+constexpr int64_t kSiluLanes = vec_lanes::kVecLanes;
 
 inline VecF exp_approx(VecF x) {   // exp_approx above, lane by lane
   x = x < -87.3f ? VecF{} - 87.3f : x;
@@ -241,45 +244,8 @@ inline VecF exp_approx(VecF x) {   // exp_approx above, lane by lane
   const VecF t = x * 1.44269504088896341f + 0.5f;
   VecF n = __builtin_convertvector(__builtin_convertvector(t, VecI), VecF);   // trunc
   n = n > t ? n - 1.0f : n;                                                   // floor
-  VecF r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  VecF p = VecF{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * (r * r) + r + 1.0f;
   const VecI bits = (__builtin_convertvector(n, VecI) + 127) << 23;
-  return p * reinterpret_cast<const VecF&>(bits);
-}
-
-inline VecF load_lanes(const float* p) {
-  VecF v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline void store_lanes(float* p, VecF v) { std::memcpy(p, &v, sizeof(v)); }
-inline VecF round_lanes(VecF v, float*) { return v; }
-
-inline VecF load_lanes(const c10::BFloat16* p) {
-  VecH h;
-  std::memcpy(&h, p, sizeof(h));
-  const VecU u = __builtin_convertvector(h, VecU) << 16;
-  return reinterpret_cast<const VecF&>(u);
-}
-inline VecU bf16_bits(VecF v) {   // c10::BFloat16's round to nearest even, NaN -> 0x7FC0
-  const VecU u = reinterpret_cast<const VecU&>(v);
-  const VecU rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  return (u & 0x7FFFFFFFu) > 0x7F800000u ? VecU{} + 0x7FC0u : rounded;
-}
-inline void store_lanes(c10::BFloat16* p, VecF v) {
-  const VecH h = __builtin_convertvector(bf16_bits(v), VecH);
-  std::memcpy(p, &h, sizeof(h));
-}
-inline VecF round_lanes(VecF v, c10::BFloat16*) {
-  const VecU u = bf16_bits(v) << 16;
-  return reinterpret_cast<const VecF&>(u);
+  return exp_reduced(x, n) * reinterpret_cast<const VecF&>(bits);
 }
 
 template <typename T>

@@ -16,6 +16,8 @@
 #include <limits>
 #include <vector>
 
+#include "vec_lanes.h"
+
 namespace {
 
 // exp(x - shift) of n contiguous scores, in place; returns their sum. A plain loop that
@@ -39,30 +41,10 @@ acc_t dot(const acc_t* q, const scalar_t* k, int64_t n) {
   return total;
 }
 
-// Lanes of the vector path: GCC vector extensions sized to the build's ISA (16 float lanes
-// with AVX-512, 8 with AVX2, 4 otherwise).
-#if defined(__AVX512F__)
-constexpr int64_t kLanes = 16;
-#elif defined(__AVX2__)
-constexpr int64_t kLanes = 8;
-#else
-constexpr int64_t kLanes = 4;
-#endif
-typedef float VecF __attribute__((vector_size(kLanes * 4)));
-typedef uint32_t VecU __attribute__((vector_size(kLanes * 4)));
-typedef uint16_t VecH __attribute__((vector_size(kLanes * 2)));
+using vec_lanes::load_lanes;
+using vec_lanes::VecF;
+constexpr int64_t kLanes = vec_lanes::kVecLanes;   // the vector path's lanes (vec_lanes.h)
 
-inline VecF load_lanes(const float* p) {
-  VecF v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline VecF load_lanes(const c10::BFloat16* p) {   // bfloat16 -> float by bits
-  VecH h;
-  std::memcpy(&h, p, sizeof(h));
-  const VecU u = __builtin_convertvector(h, VecU) << 16;
-  return reinterpret_cast<const VecF&>(u);
-}
 inline float lane_sum(VecF v) {   // -ffast-math: a tree of shuffles and adds
   float total = 0;
   for (int64_t i = 0; i < kLanes; ++i) total += v[i];

@@ -118,3 +118,23 @@ def test_tritons_cuda_driver_module_is_prebuilt_and_found_without_a_compiler(tmp
     # the oracle of the check: without the prebuilt folder Triton wants a compiler
     without = _run(construct, {k: v for k, v in runtime.items() if k != "KVPILOT_PREBUILT_TRITON"})
     assert without.returncode != 0 and "would compile its CUDA driver module" in without.stderr
+
+
+def test_every_cpu_kernel_build_carries_the_shared_headers_digest():
+    """torch's build cache and the prebuilt stamps hash a kernel's source and flags only: the
+    headers its source includes must reach the flags, or a changed header rebuilds nothing."""
+    import hashlib
+    import re
+
+    csrc = paged_decode_cpu.SOURCE.parent
+    headers = sorted(csrc.glob("*.h"))
+    included = {name for source in csrc.glob("*.cpp")
+                for name in re.findall(r'#include "([^"]+)"', source.read_text())}
+    assert included and included <= {h.name for h in headers}   # every include is one of them
+    digest = hashlib.sha256()
+    for header in headers:
+        digest.update(header.name.encode() + b"\0" + header.read_bytes())
+    expected = f"-DKVPILOT_CSRC_HEADERS={digest.hexdigest()[:16]}"
+    for kernel in (paged_decode_cpu, gguf_matmul_cpu, cpu_layer_ops):
+        for isa in ("AVX512", "AVX2", None):
+            assert expected in kernel.variant(isa)[1], (kernel.__name__, isa)
