@@ -21,7 +21,10 @@ user a session id (``X-Session-ID``) and ``kv_aware`` the router's session affin
 
 It reports per policy the replicas' aggregate prefix-cache hit rate (their
 ``vllm:prefix_cache_hits`` / ``vllm:prefix_cache_queries``), the clients' TTFT p50/p95,
-and the router log lines that show it received and applied the replicas' events.
+and the router log lines that show it received and applied the replicas' events. For
+``kv_aware`` it also sets the prompt tokens the router took as cached on the replica it
+chose (its view of the caches, built from the events alone) against the hits the replicas
+counted: with exact, timely events the two agree.
 
 vLLM's router is not a kvpilot dependency and this command installs nothing: put it on
 PATH (``pip install vllm-router``) or pass ``--router-bin``. Not part of ``make test``.
@@ -98,6 +101,8 @@ class PolicyResult:
     requests_per_replica: list[int]
     router_decisions: int             # kv_aware: routing decisions logged
     router_credited_decisions: int    # ... of which credited a prefix cached per the events
+    router_input_tokens: int          # ... the prompt tokens they routed
+    router_credited_tokens: int       # ... of which the router took as cached on the chosen replica
     router_event_lines: list[str]
 
 
@@ -241,20 +246,30 @@ class Fleet:
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
-_CREDITED = re.compile(r"KV prefix decision .*credited_prefix_tokens=(\d+)")
+_DECISION = re.compile(r"KV prefix decision .*\binput_tokens=(\d+) .*\bcredited_prefix_tokens=(\d+)")
 
 
-def router_log(log_path: Path) -> tuple[int, int, list[str]]:
-    """From the router's debug log: (kv_aware decisions, those that credited a prefix the
-    events reported cached, a few lines showing the subscriptions, the event sequence
-    advancing and credited decisions)."""
+@dataclass(frozen=True, slots=True)
+class RouterLog:
+    """What vllm-router's debug log says of its kv_aware decisions."""
+
+    decisions: int          # routing decisions logged
+    credited_decisions: int  # ... that credited a prefix the events reported cached
+    input_tokens: int       # the prompt tokens of those decisions
+    credited_tokens: int    # ... that the router took as cached on the replica it chose
+    shown: list[str]        # the subscriptions, the event sequence advancing, credited decisions
+
+
+def router_log(log_path: Path) -> RouterLog:
+    """Reads ``log_path``, vllm-router's log at ``--log-level debug``."""
     lines = [_ANSI.sub("", line) for line in log_path.read_text(errors="replace").splitlines()]
-    credited = [int(m.group(1)) for line in lines if (m := _CREDITED.search(line))]
+    decided = [(line, int(m.group(1)), int(m.group(2))) for line in lines if (m := _DECISION.search(line))]
     subscribed = [line for line in lines if "kv_index subscriber for" in line]
     advanced = [line for line in lines if "live sequence advanced" in line]
-    decisions = [line for line in lines if (m := _CREDITED.search(line)) and int(m.group(1)) > 0]
-    shown = subscribed[:3] + advanced[:1] + advanced[-1:] + decisions[:1] + decisions[-1:]
-    return len(credited), sum(1 for c in credited if c > 0), shown
+    credited = [line for line, _, c in decided if c > 0]
+    shown = subscribed[:3] + advanced[:1] + advanced[-1:] + credited[:1] + credited[-1:]
+    return RouterLog(len(decided), len(credited), sum(i for _, i, _ in decided),
+                     sum(c for _, _, c in decided), shown)
 
 
 async def _drive(base_url: str, system_prompts: list[str], args) -> tuple[list[float], float]:
@@ -290,20 +305,26 @@ def run_policy(policy: str, args, router_bin: str, model_dir: str, system_prompt
     hits = sum(_metric(t, "vllm:prefix_cache_hits") for t in texts)
     per_replica = [int(_metric(t, "vllm:request_success")) for t in texts]
     ms = [t * 1000 for t in ttfts]
-    decisions, credited, lines = router_log(fleet.router_log)
+    log = router_log(fleet.router_log)
     return PolicyResult(policy, len(ttfts), duration, int(queries), int(hits),
                         hits / queries if queries else 0.0, percentile(ms, 50), percentile(ms, 95),
-                        per_replica, decisions, credited, lines)
+                        per_replica, log.decisions, log.credited_decisions, log.input_tokens,
+                        log.credited_tokens, log.shown)
+
+
+def find_router(router_bin: str | None) -> str:
+    """``router_bin``, else vllm-router on PATH, else beside this interpreter (a venv's bin/
+    that is not on PATH); SystemExit where there is none."""
+    found = (router_bin or shutil.which("vllm-router")
+             or shutil.which("vllm-router", path=str(Path(sys.executable).parent)))
+    if found is None:
+        raise SystemExit("this benchmark needs vLLM's router, which kvpilot does not install: "
+                         "`pip install vllm-router` (into this environment), or pass --router-bin PATH")
+    return found
 
 
 def run(args: argparse.Namespace) -> int:
-    # PATH, then beside this interpreter (a venv's bin/ that is not on PATH)
-    router_bin = (args.router_bin or shutil.which("vllm-router")
-                  or shutil.which("vllm-router", path=str(Path(sys.executable).parent)))
-    if router_bin is None:
-        raise SystemExit("kvpilot bench routing needs vLLM's router, which kvpilot does not "
-                         "install: `pip install vllm-router` (into this environment), or pass "
-                         "--router-bin PATH")
+    router_bin = find_router(args.router_bin)
     from kvpilot.engine.text.tokenizer import Tokenizer
 
     if args.model_dir is None:
@@ -336,7 +357,15 @@ def run(args: argparse.Namespace) -> int:
     for r in results:
         if r.policy == "kv_aware":
             print(f"\nvllm-router (kv_aware) credited a prefix cached per kvpilot's events in "
-                  f"{r.router_credited_decisions} of {r.router_decisions} routing decisions; its log:")
+                  f"{r.router_credited_decisions} of {r.router_decisions} routing decisions.")
+            # The router's view of the replicas' caches, built from the events alone, against
+            # what the replicas measured: a router fed wrong or late events credits blocks
+            # that are not there (or misses ones that are) and the two part.
+            print(f"It took {r.router_credited_tokens} of {r.router_input_tokens} prompt tokens as "
+                  f"cached where it sent them; the replicas hit {r.prefix_cache_hits} of "
+                  f"{r.prefix_cache_queries} (difference {r.router_credited_tokens - r.prefix_cache_hits:+d} "
+                  f"tokens, {abs(r.router_credited_tokens - r.prefix_cache_hits) / max(r.prefix_cache_queries, 1):.2%}"
+                  f" of the prompts). Its log:")
             for line in r.router_event_lines:
                 print("  " + line[:240])
     if args.json_out:

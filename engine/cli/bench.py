@@ -21,6 +21,7 @@ BENCHMARKS: dict[str, str] = {
     "frontend": "kvpilot.engine.bench.frontend",
     "structured": "kvpilot.engine.bench.structured",
     "routing": "kvpilot.engine.bench.routing",
+    "routing-cost": "kvpilot.engine.bench.routing_cost",
     "peer": "kvpilot.engine.bench.peer",
 }
 
