@@ -14,27 +14,29 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvpilot.engine.config import KVCacheInfo, SchedulerConfig
+from kvpilot.engine.config import SchedulerConfig
 from kvpilot.engine.core.block_hash import root_hash
 from kvpilot.engine.core.constants import MODEL_DTYPE_BYTES
 from kvpilot.engine.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from kvpilot.engine.core.kv_cache_manager import KVCacheManager
-from kvpilot.engine.core.kv_layout import HybridKVLayout, KVLayout, blocks_held, sliding_pool_blocks
+from kvpilot.engine.core.kv_layout import HybridKVLayout, KVLayout
 from kvpilot.engine.core.kv_residency import KVResidencySampler
 from kvpilot.engine.core.request import Request, RequestStatus
 from kvpilot.engine.core.scheduler import Scheduler
 from kvpilot.engine.core.step_cost import StepCostModel
 from kvpilot.engine.engine_args import EngineArgs, model_fingerprint
 from kvpilot.engine.exceptions import EngineDeadError
-from kvpilot.engine.kv_events import start_kv_events
-from kvpilot.engine.model.device_memory import device_memory_for
-from kvpilot.engine.model.memory_profiling import (
-    KVCacheSizing,
-    determine_num_blocks,
-    stage_num_blocks,
+from kvpilot.engine.kv_cache_setup import (
+    allocate_kv_cache,
+    kv_layout,
+    release_window,
+    size_kv_cache,
 )
+from kvpilot.engine.kv_events import start_kv_events
+from kvpilot.engine.lora.startup import device_bytes as lora_device_bytes
+from kvpilot.engine.lora.startup import start_lora
+from kvpilot.engine.model.device_memory import device_memory_for
 from kvpilot.engine.model.parallel.group import RanksOutOfStep
-from kvpilot.engine.model.parallel.step_channel import Command
 from kvpilot.engine.model.runner import ModelRunner
 from kvpilot.engine.output_processor import OutputProcessor, SequenceState
 from kvpilot.engine.outputs import RequestOutput
@@ -107,10 +109,14 @@ class LLMEngine:
                                   channel=workers.channel if workers else None,
                                   pp=workers.pipeline if workers else None,
                                   num_microbatches=self.parallel_config.num_microbatches)
-        layout = self._kv_layout()
-        sizing = self._size_kv_cache(layout)
-        self.lora = self._start_lora(device)    # its slots before the KV cache takes the rest
-        self.cache_info = self._allocate_kv_cache(layout, sizing)
+        layout = kv_layout(self.runner, model_config, cache_config, scheduler_config)
+        sizing, self.num_blocks_per_rank = size_kv_cache(
+            layout, self.runner, model_config, cache_config, scheduler_config, self.parallel_config,
+            self.device_memory, self._memory_baseline, lora_device_bytes(self.lora_config, model_config))
+        # its slots before the KV cache takes the rest
+        self.lora, self._lora_counters = start_lora(self.lora_config, model_config, self.runner, device)
+        self.cache_info = allocate_kv_cache(layout, sizing, self.runner, model_config, cache_config,
+                                            per_gpu=workers is not None)
         num_blocks = sizing.num_blocks
         # The prefix hash chain's root: stable across restarts and processes (the offload
         # tiers key blocks on it), distinct per model, KV dtype and block size.
@@ -131,7 +137,7 @@ class LLMEngine:
             self.kv_cache_manager = KVCacheManager(
                 num_blocks, layout.block_size, cache_config.enable_prefix_caching, hash_root,
                 record_evictions=self.kv_offload is not None, residency=self._residency,
-                release_window=self._release_window())
+                release_window=release_window(model_config))
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager, offload=self.kv_offload)
         self.kv_events = start_kv_events(args.kv_events_config, self.kv_cache_manager, self.kv_offload)
         self.runner.kv_transfer = self.kv_offload
@@ -176,68 +182,6 @@ class LLMEngine:
                            scheduler_config=self.scheduler_config, parallel_config=parallel,
                            attention_backend=self.args.attention_backend)
 
-    def _kv_layout(self) -> KVLayout | HybridKVLayout:
-        """One rank's cache shape per the shared KV formula: its KV heads (all of them at one
-        rank), per-layer dtypes where they differ; a hybrid model's two pools
-        (``HybridKVLayout``: the sliding pool sized by ``sliding_pool_blocks``)."""
-        arch, cache = self.model_config.arch, self.cache_config
-        layer_bytes = tuple(d.itemsize for d in self.runner.layer_kv_dtypes)
-
-        def pool(num_layers: int, dtype_bytes: int, per_layer: tuple[int, ...]) -> KVLayout:
-            return KVLayout(num_layers, self.runner.num_kv_heads, arch.head_dim, dtype_bytes,
-                            cache.block_size, layer_dtype_bytes=per_layer if len(set(per_layer)) > 1 else ())
-
-        groups = self.runner.layer_kv_groups
-        if groups is None:
-            # this stage's layers (all of them with one stage)
-            return pool(len(layer_bytes), cache.kv_dtype_bytes(self.model_config.dtype), layer_bytes)
-        pools = []
-        for group in (0, 1):
-            group_bytes = tuple(b for b, g in zip(layer_bytes, groups, strict=True) if g == group)
-            pools.append(pool(len(group_bytes), group_bytes[0], group_bytes))
-        sched = self.scheduler_config
-        return HybridKVLayout(pools[0], pools[1], arch.sliding_window, sliding_pool_blocks(
-            sched.max_num_seqs, sched.max_num_batched_tokens, self.model_config.max_model_len,
-            cache.block_size, arch.sliding_window))
-
-    def _lora_device_bytes(self) -> int:
-        if self.lora_config is None:
-            return 0
-        from kvpilot.engine.lora.memory import lora_device_bytes
-
-        return lora_device_bytes(self.model_config.arch, self.lora_config, self.model_config.dtype)
-
-    def _start_lora(self, device: torch.device):
-        """The adapter registry over ``max_loras`` device slots, the ``--lora-modules``
-        loaded (a bad one stops start-up); None when LoRA is off."""
-        config = self.lora_config
-        if config is None:
-            return None
-        from kvpilot.engine.lora.checkpoint import read_peft_adapter
-        from kvpilot.engine.lora.config import projection_shapes
-        from kvpilot.engine.lora.counters import LoRACounters
-        from kvpilot.engine.lora.layers import LoRASlots
-        from kvpilot.engine.lora.registry import LoRARegistry
-        from kvpilot.engine.model.runner import TORCH_DTYPES
-
-        arch = self.model_config.arch
-        shapes = projection_shapes(arch)
-        dtype = TORCH_DTYPES[config.dtype_name(self.model_config.dtype)]
-        slots = LoRASlots(shapes, arch.num_hidden_layers, config.max_loras, config.max_lora_rank,
-                          dtype, device)
-        registry = LoRARegistry(
-            lambda path: read_peft_adapter(path, shapes, arch.num_hidden_layers,
-                                           config.max_lora_rank, dtype),
-            slots, config.host_capacity)
-        for module in config.modules:
-            registry.add(module.name, module.path, module.base_model_name)
-        self.runner.enable_lora(registry)
-        self._lora_counters = LoRACounters()
-        logger.info("LoRA: %d device slots of rank %d (%.1f MiB), %d adapters in host memory at most",
-                    config.max_loras, config.max_lora_rank, slots.num_bytes / (1 << 20),
-                    config.host_capacity)
-        return registry
-
     # ---- adapters -------------------------------------------------------------
     def add_lora(self, name: str, path: str, base_model_name: str | None = None):
         """Load a PEFT adapter under ``name``; ValueError (``LoRACheckpointError``,
@@ -255,70 +199,6 @@ class LLMEngine:
     def list_loras(self) -> list:
         """The loaded adapters (``registry.AdapterInfo``)."""
         return [] if self.lora is None else self.lora.adapters()
-
-    def _release_window(self) -> int | None:
-        """The sliding window outside which blocks are released (all layers slide and a
-        sequence can outgrow the window), else None."""
-        window = self.model_config.arch.kv_release_window
-        return window if window is not None and self.model_config.max_model_len > window else None
-
-    def _size_kv_cache(self, layout: KVLayout) -> KVCacheSizing:
-        """Blocks to allocate (given, from a byte budget checked against profiling, or by
-        profiling); must hold one ``max_model_len`` sequence (on a model whose layers all
-        slide: its window, one block, and a full prefill chunk)."""
-        if self.parallel_config.pipeline_parallel_size > 1:
-            # every rank sizes its own stage's cache; the group takes the minimum
-            self.runner.channel.send(Command.SIZE)
-            sizing, self.num_blocks_per_rank = stage_num_blocks(
-                self.runner, self.cache_config, self.scheduler_config, self.device_memory,
-                self._memory_baseline)
-        else:
-            sizing = determine_num_blocks(layout, self.cache_config, self.runner, self.scheduler_config,
-                                          self.device_memory, self._memory_baseline,
-                                          lora_bytes=self._lora_device_bytes())
-            self.num_blocks_per_rank = [sizing.num_blocks] * self.parallel_config.world_size
-        num_blocks = sizing.num_blocks
-        capacity = layout.token_capacity(num_blocks)
-        max_len = self.model_config.max_model_len
-        window = self._release_window()
-        if window is not None:
-            chunk = self.scheduler_config.max_num_batched_tokens
-            # a chunk's queries see from window - 1 keys before it to its end
-            needed = blocks_held(max_len, layout.block_size, window - 1 + chunk)
-            if num_blocks >= needed:
-                return sizing
-        if capacity < max_len:
-            raise ValueError(
-                f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {layout.block_size}), "
-                f"fewer than max_model_len={max_len}; the largest max_model_len "
-                f"that fits is {capacity}. Give the cache more memory (kv_cache_memory_bytes / "
-                f"gpu_memory_utilization) or lower max_model_len.")
-        return sizing
-
-    def _allocate_kv_cache(self, layout: KVLayout, sizing: KVCacheSizing) -> KVCacheInfo:
-        cache, num_blocks = self.cache_config, sizing.num_blocks
-        if isinstance(layout, HybridKVLayout):
-            self.runner.allocate_kv_cache(num_blocks, layout.num_sliding_blocks(num_blocks))
-            logger.info("hybrid KV cache: %d full-attention layers in %d blocks, %d sliding-window "
-                        "layers (window %d) in %d blocks", layout.full.num_layers, num_blocks,
-                        layout.sliding.num_layers, layout.sliding_window,
-                        layout.num_sliding_blocks(num_blocks))
-        else:
-            self.runner.allocate_kv_cache(num_blocks)
-        self.runner.capture_cuda_graphs()
-        info = KVCacheInfo(
-            num_gpu_blocks=num_blocks, block_size=layout.block_size,
-            kv_cache_dtype=cache.kv_dtype_name(self.model_config.dtype),
-            bytes_per_block=layout.bytes_per_block, kv_cache_memory_bytes=layout.memory_for_blocks(num_blocks),
-            enable_prefix_caching=cache.enable_prefix_caching,
-            gpu_memory_utilization=cache.gpu_memory_utilization,
-            profiled_available_bytes=(sizing.profile.available_kv_bytes if sizing.profile is not None else None),
-        )
-        logger.info("KV cache%s: %d blocks x %d tokens (%s, %.2f GiB); max_model_len %d",
-                    " per GPU" if self.workers is not None else "", num_blocks, layout.block_size,
-                    info.kv_cache_dtype, info.kv_cache_memory_bytes / (1 << 30),
-                    self.model_config.max_model_len)
-        return info
 
     def _create_offload(self, offload_config, layout: KVLayout, hash_root: bytes):
         """The KV offload backend over the allocated cache, or None when offload is off."""
