@@ -11,15 +11,18 @@ reading each decision from the router's own debug log:
    running. The figure is how many were decoding on the holder when the router first sent
    one to the other replica (recomputing the prefix).
 2. **A prefill in flight.** With the prefix cached on one replica, a request with that
-   prefix and ``--long-tokens`` more tokens starts prefilling there; a short request with
-   the same prefix follows at once. The figure is where the router sent it, and how many
-   prompt tokens it took as cached there.
+   prefix and ``--long-tokens`` more tokens starts prefilling there (streamed, with a long
+   decode); a short request with the same prefix follows at once. The figures are where
+   the router sent it, and how many of its prompt tokens it took as cached there.
+3. **After the first token.** As (2) on fresh replicas, but the short request is sent once
+   the long one has streamed its first token (its prefill done, its decode going on).
 
-Where (2) goes to the other replica, the router counts the holder's prefill in flight
-against the cached prefix, which ``cache_aware`` (text-affinity, balancing only past a
-load gap of ``--balance-abs-threshold`` requests) does not; on a workload whose requests
-are mostly prefill, ``kv_aware`` recomputes shared prefixes that ``cache_aware`` would
-have reused. vLLM's router is not installed by kvpilot: ``pip install vllm-router`` or
+Where (2) goes to the other replica and (3) to the holder, the router counts the holder's
+prefill in flight, from its routing to its first token, against the cached prefix, which
+``cache_aware`` (text affinity, balancing only past a load gap of
+``--balance-abs-threshold`` requests) does not; on a workload whose requests are mostly
+prefill, ``kv_aware`` recomputes shared prefixes that ``cache_aware`` would have reused.
+vLLM's router is not installed by kvpilot: ``pip install vllm-router`` or
 ``--router-bin``. Not part of ``make test``.
 """
 
@@ -100,24 +103,46 @@ async def _decoding_load(base_url: str, log_path: Path, prefix: str, limit: int)
             await asyncio.gather(*running, return_exceptions=True)
 
 
-async def _prefill_in_flight(base_url: str, log_path: Path, prefix: str, long_text: str) -> list[Decision]:
-    """The router's decisions for: the prefix warmed, a long request with it, a short one at once."""
+async def _prefill_in_flight(base_url: str, log_path: Path, prefix: str, long_text: str,
+                             prefilling: bool) -> list[Decision]:
+    """The router's decisions for: the prefix warmed; a long request with it (streamed, with
+    a long decode); a short one, sent while the long one prefills (``prefilling``) or once
+    it has streamed its first token (its prefill done, its decode still running)."""
     import httpx
 
     async with httpx.AsyncClient(base_url=base_url, timeout=600) as http:
         model = (await http.get("/v1/models")).json()["data"][0]["id"]
+
+        async def short(text: str) -> None:
+            reply = await http.post("/v1/completions", json={"model": model, "prompt": prefix + text,
+                                                             "max_tokens": 4})
+            reply.raise_for_status()
+
         before = len(decisions(log_path))
-        warm = await http.post("/v1/completions", json={"model": model, "prompt": prefix + "warm", "max_tokens": 1})
-        warm.raise_for_status()
-        await asyncio.sleep(0.5)
-        long_request = asyncio.create_task(http.post(
-            "/v1/completions", json={"model": model, "prompt": prefix + long_text, "max_tokens": 4}))
-        while len(decisions(log_path)) < before + 2:
-            await asyncio.sleep(0.01)
-        short = await http.post("/v1/completions", json={"model": model, "prompt": prefix + "a short question",
-                                                         "max_tokens": 4})
-        short.raise_for_status()
-        (await long_request).raise_for_status()
+        await short("warm")
+        await asyncio.sleep(0.5)                 # the prefix's events reach the router
+        first_token = asyncio.Event()
+
+        async def long_request() -> None:
+            body = {"model": model, "prompt": prefix + long_text, "max_tokens": 2000, "ignore_eos": True,
+                    "stream": True}
+            async with http.stream("POST", "/v1/completions", json=body) as reply:
+                reply.raise_for_status()
+                async for line in reply.aiter_lines():
+                    if line.startswith("data: {"):
+                        first_token.set()
+
+        running = asyncio.create_task(long_request())
+        try:
+            while len(decisions(log_path)) < before + 2:
+                await asyncio.sleep(0.01)
+            if not prefilling:
+                await first_token.wait()
+                await asyncio.sleep(0.3)
+            await short("a short question")
+        finally:
+            running.cancel()
+            await asyncio.gather(running, return_exceptions=True)
         return decisions(log_path)[before:]
 
 
@@ -136,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="kvpilot-bench-routing-cost-"))
     print(f"2 replicas behind vllm-router --policy kv_aware; a {args.prefix_tokens}-token prefix; "
           f"logs in {workdir}", flush=True)
-    for probe in ("decoding", "prefill"):   # fresh replicas and router for each
+    for probe in ("decoding", "prefilling", "decoding-long"):   # fresh replicas and router for each
         (workdir / probe).mkdir()
         fleet = Fleet(2, shlex.split(args.serve_args), router_bin, "kv_aware", args.model_dir, workdir / probe)
         try:
@@ -150,16 +175,18 @@ def run(args: argparse.Namespace) -> int:
                     print(f"(1) decoding load: the router sent the prefix to the other replica (recomputing "
                           f"it) once {moved} requests were decoding on the holder")
             else:
-                steps = asyncio.run(_prefill_in_flight(fleet.base_url, fleet.router_log,
-                                                       other_prefix, long_text))
-                warm, long_step, short_step = steps[0], steps[1], steps[-1]
-                where = "the holder" if short_step.worker == warm.worker else "the other replica"
-                print(f"(2) a prefill in flight: the long request went to "
-                      f"{'the holder' if long_step.worker == warm.worker else 'the other replica'} "
-                      f"({long_step.new_prefill_tokens} tokens to prefill, {long_step.credited_prefix_tokens} "
-                      f"cached); the short one after it to {where}, taking "
-                      f"{short_step.credited_prefix_tokens} of its {short_step.input_tokens} tokens as cached "
-                      f"({short_step.new_prefill_tokens} to prefill)")
+                warm, long_step, then = asyncio.run(_prefill_in_flight(
+                    fleet.base_url, fleet.router_log, other_prefix, long_text, probe == "prefilling"))[:3]
+                where = "the holder" if then.worker == warm.worker else "the other replica"
+                if probe == "prefilling":
+                    print(f"(2) a prefill in flight: a request with the prefix and {long_step.new_prefill_tokens} "
+                          f"more tokens went to {'the holder' if long_step.worker == warm.worker else 'the other replica'}; "
+                          f"a short one while it prefilled went to {where}, taking "
+                          f"{then.credited_prefix_tokens} of its {then.input_tokens} tokens as cached")
+                else:
+                    print(f"(3) after its first token: the same, but the short one sent once the long one "
+                          f"had streamed its first token (decoding on) went to {where}, taking "
+                          f"{then.credited_prefix_tokens} of its {then.input_tokens} tokens as cached")
         finally:
             fleet.stop()
     return 0
