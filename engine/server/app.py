@@ -13,6 +13,9 @@ from anyio import CapacityLimiter
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
+from kvpilot.engine.runtime.client import EngineClient
+from kvpilot.engine.runtime.thread_channel import ThreadTransport
+from kvpilot.engine.runtime.zmq_channel import ProcessTransport
 from kvpilot.engine.server import (
     routes_chat,
     routes_completions,
@@ -22,11 +25,9 @@ from kvpilot.engine.server import (
     routes_probes,
 )
 from kvpilot.engine.server.api_key import APIKeyGuard, open_paths
-from kvpilot.engine.server.async_engine import AsyncEngine
 from kvpilot.engine.server.body_limit import BodyLimit
 from kvpilot.engine.server.body_timeout import BodyReadTimeout
 from kvpilot.engine.server.config import ServerConfig
-from kvpilot.engine.server.core_client import CoreClient
 from kvpilot.engine.server.drain import DrainGate
 from kvpilot.engine.server.errors import install_error_handlers
 from kvpilot.engine.server.metrics import ServerMetrics
@@ -74,34 +75,40 @@ def freeze_startup_heap() -> None:
     gc.set_threshold(50_000, *gc.get_threshold()[1:])
 
 
-def build_async_engine(build_engine: Callable, config: ServerConfig,
-                       registry: CollectorRegistry) -> tuple[AsyncEngine, ServerState]:
-    """An engine on a thread of this process (``--engine-in-process``) whose metrics are
-    created, in ``registry``, once the engine is built.
+def build_in_process_client(build_engine: Callable, config: ServerConfig,
+                            registry: CollectorRegistry) -> tuple[EngineClient, ServerState]:
+    """The engine core on a thread of this process (``--engine-in-process``); its metrics
+    are created, in ``registry``, once the engine is built.
 
     Args:
-        build_engine: no-argument callable returning an ``LLMEngine``.
+        build_engine: no-argument callable returning an ``LLMEngine`` (called on the
+            engine thread).
         config: server settings (waiting-queue bound, served model names, hang timeout,
             tokenizer threads).
         registry: the Prometheus registry the metrics go to.
     """
-    async_engine = AsyncEngine(build_engine, max_waiting_requests=config.max_waiting_requests,
-                               on_ready=_metrics_recorder(config, registry, lambda: async_engine.stats),
-                               hang_timeout=config.engine_hang_timeout)
-    return async_engine, _state(async_engine, config, registry)
+    return _client(ThreadTransport(build_engine), config, registry)
 
 
-def build_core_client(engine_args, config: ServerConfig,
-                      registry: CollectorRegistry) -> tuple[CoreClient, ServerState]:
+def build_core_process_client(engine_args, config: ServerConfig,
+                              registry: CollectorRegistry) -> tuple[EngineClient, ServerState]:
     """The engine core in its own process (the default of ``kvpilot serve``), built from
     ``engine_args`` there; its metrics are created in ``registry`` here once it serves."""
-    client = CoreClient(engine_args, max_waiting_requests=config.max_waiting_requests,
-                        on_ready=_metrics_recorder(config, registry, lambda: client.stats),
-                        hang_timeout=config.engine_hang_timeout)
+    from kvpilot.engine.runtime.process import CoreSpec
+
+    level = logging.getLogger("kvpilot").getEffectiveLevel() or logging.INFO
+    return _client(ProcessTransport(lambda commands, results: CoreSpec(engine_args, commands, results, level)),
+                   config, registry)
+
+
+def _client(transport, config: ServerConfig, registry: CollectorRegistry) -> tuple[EngineClient, ServerState]:
+    client = EngineClient(transport, max_waiting_requests=config.max_waiting_requests,
+                          on_ready=_metrics_recorder(config, registry, lambda: client.stats),
+                          hang_timeout=config.engine_hang_timeout)
     return client, _state(client, config, registry)
 
 
-def _state(engine, config: ServerConfig, registry: CollectorRegistry) -> ServerState:
+def _state(engine: EngineClient, config: ServerConfig, registry: CollectorRegistry) -> ServerState:
     return ServerState(client=engine, config=config, registry=registry,
                        tokenizer_limiter=CapacityLimiter(config.tokenizer_threads))
 

@@ -16,9 +16,7 @@ from collections.abc import AsyncIterator, Mapping
 from http import HTTPStatus
 from typing import Any
 
-from kvpilot.engine.outputs import RequestOutput
-from kvpilot.engine.sampling_params import SamplingParams, StructuredOutputsParams
-from kvpilot.engine.server.engine_client import (
+from kvpilot.engine.exceptions import (
     AdapterNotFound,
     EngineDead,
     EngineNotReady,
@@ -28,6 +26,8 @@ from kvpilot.engine.server.engine_client import (
     RequestRejected,
     StepTimeout,
 )
+from kvpilot.engine.outputs import RequestOutput
+from kvpilot.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from kvpilot.engine.server.errors import (
     NOT_FOUND,
     RATE_LIMIT,

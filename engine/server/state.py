@@ -13,9 +13,9 @@ from anyio import CapacityLimiter
 from fastapi import Request
 from prometheus_client import CollectorRegistry
 
+from kvpilot.engine.runtime.client import EngineClient
 from kvpilot.engine.server.config import ServerConfig
 from kvpilot.engine.server.drain import Drain
-from kvpilot.engine.server.engine_client import EngineClient
 from kvpilot.engine.server.errors import NOT_FOUND, UNAVAILABLE, UNAVAILABLE_RETRY_AFTER, APIError
 from kvpilot.engine.server.prompts import LengthLimit
 
@@ -26,7 +26,7 @@ T = TypeVar("T")
 class ServerState:
     """Per-app state, reached from a route as ``request.app.state.server``."""
 
-    client: EngineClient   # AsyncEngine (in-process thread) or CoreClient (core process)
+    client: EngineClient   # the engine core's client (on a thread of this process, or in its own)
     config: ServerConfig
     registry: CollectorRegistry
     tokenizer_limiter: CapacityLimiter

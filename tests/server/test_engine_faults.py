@@ -26,9 +26,9 @@ import pytest
 import uvicorn
 
 from kvpilot.engine.bench.server_process import free_port, launch_server
-from kvpilot.engine.server.app import build_app, build_async_engine
+from kvpilot.engine.runtime.messages import MAX_CONSECUTIVE_STEP_FAILURES
+from kvpilot.engine.server.app import build_app, build_in_process_client
 from kvpilot.engine.server.config import ServerConfig
-from kvpilot.engine.server.engine_client import MAX_CONSECUTIVE_STEP_FAILURES
 from kvpilot.engine.server.metrics import make_registry
 
 pytestmark = pytest.mark.slow
@@ -92,7 +92,7 @@ async def clients(base_url: str):
 @contextlib.contextmanager
 def serving(engine, config: ServerConfig) -> Iterator[str]:
     """The app around ``engine`` under uvicorn on a thread; yields its base URL."""
-    _, state = build_async_engine(lambda: engine, config, make_registry())
+    _, state = build_in_process_client(lambda: engine, config, make_registry())
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(build_app(state), host="127.0.0.1", port=port,
                                            log_level="warning"))
