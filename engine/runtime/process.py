@@ -1,6 +1,6 @@
 """The engine core process: ``python -m kvpilot.engine.runtime.process``.
 
-Started by ``zmq_channel.ProcessTransport`` with its ``CoreSpec`` on stdin (a
+Started by ``zmq_channel.ProcessTransport`` with its ``zmq_channel.CoreSpec`` on stdin (a
 length-prefixed pickle; unlike multiprocessing's spawn this never re-runs the caller's
 main script). It builds the ``LLMEngine`` (with tensor or pipeline parallelism it is the
 driver, rank 0, and starts the workers), reports ``Ready`` (or ``StartFailed``), and runs
@@ -16,56 +16,15 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
-import struct
 import sys
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import zmq
 
 from kvpilot.engine.runtime.core import EngineCore
 from kvpilot.engine.runtime.messages import CoreInfo, Ready, StartFailed
-from kvpilot.engine.runtime.zmq_channel import LINGER_MS, CoreEnd
-
-if TYPE_CHECKING:
-    from kvpilot.engine.engine_args import EngineArgs
+from kvpilot.engine.runtime.zmq_channel import LINGER_MS, CoreEnd, read_spec
 
 logger = logging.getLogger(__name__)
-
-SPEC_HEADER = struct.Struct("<Q")
-
-
-@dataclass(frozen=True, slots=True)
-class CoreSpec:
-    """What the core process is started with."""
-
-    engine_args: EngineArgs
-    input_address: str    # commands from the API process (it binds, the core connects)
-    output_address: str   # messages to the API process
-    log_level: int
-
-
-def encode_spec(spec: CoreSpec) -> bytes:
-    data = pickle.dumps(spec)
-    return SPEC_HEADER.pack(len(data)) + data
-
-
-def _read_exactly(fd: int, size: int) -> bytes:
-    chunks, left = [], size
-    while left:
-        chunk = os.read(fd, left)
-        if not chunk:
-            raise EOFError("stdin closed before the core's spec was read")
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)
-
-
-def read_spec(fd: int) -> CoreSpec:
-    (size,) = SPEC_HEADER.unpack(_read_exactly(fd, SPEC_HEADER.size))
-    return pickle.loads(_read_exactly(fd, size))
-
 
 def main() -> int:
     parent_fd = sys.stdin.fileno()

@@ -28,11 +28,13 @@ import logging
 import os
 import pickle
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -43,7 +45,7 @@ from kvpilot.engine.outputs import CompletionOutput, RequestMetrics, RequestOutp
 from kvpilot.engine.runtime.messages import Command, Dead, Message, StepReport
 
 if TYPE_CHECKING:
-    from kvpilot.engine.runtime.process import CoreSpec
+    from kvpilot.engine.engine_args import EngineArgs
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +57,38 @@ EXIT_GRACE_S = 0.05
 # a StepReport on the wire: (_STEP, rows, stats, step_stats, num_adds, rejected, failed_alone,
 # failed_step)
 _STEP = "step"
+SPEC_HEADER = struct.Struct("<Q")   # the spec's length, before it on the core's stdin
+
+
+@dataclass(frozen=True, slots=True)
+class CoreSpec:
+    """What the core process is started with."""
+
+    engine_args: EngineArgs
+    input_address: str    # commands from the API process (it binds, the core connects)
+    output_address: str   # messages to the API process
+    log_level: int
+
+
+def encode_spec(spec: CoreSpec) -> bytes:
+    data = pickle.dumps(spec)
+    return SPEC_HEADER.pack(len(data)) + data
+
+
+def _read_exactly(fd: int, size: int) -> bytes:
+    chunks, left = [], size
+    while left:
+        chunk = os.read(fd, left)
+        if not chunk:
+            raise EOFError("stdin closed before the core's spec was read")
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def read_spec(fd: int) -> CoreSpec:
+    (size,) = SPEC_HEADER.unpack(_read_exactly(fd, SPEC_HEADER.size))
+    return pickle.loads(_read_exactly(fd, size))
 
 
 def pack(message: Any) -> bytes:
@@ -120,8 +154,6 @@ class ProcessTransport:
         return self._process.pid if self._process is not None else None
 
     def start(self, loop: asyncio.AbstractEventLoop, on_message: Callable[[Message], None]) -> None:
-        from kvpilot.engine.runtime.process import encode_spec
-
         self._dir = tempfile.mkdtemp(prefix="kvpilot-core-")
         results, commands = f"ipc://{self._dir}/results", f"ipc://{self._dir}/commands"
         self._async_context = zmq.asyncio.Context()

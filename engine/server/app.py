@@ -24,12 +24,9 @@ from kvpilot.engine.server import (
     routes_model,
     routes_probes,
 )
-from kvpilot.engine.server.api_key import APIKeyGuard, open_paths
-from kvpilot.engine.server.body_limit import BodyLimit
-from kvpilot.engine.server.body_timeout import BodyReadTimeout
 from kvpilot.engine.server.config import ServerConfig
-from kvpilot.engine.server.drain import DrainGate
 from kvpilot.engine.server.errors import install_error_handlers
+from kvpilot.engine.server.guards import RequestGuard, open_paths
 from kvpilot.engine.server.metrics import ServerMetrics
 from kvpilot.engine.server.middleware import install_middleware
 from kvpilot.engine.server.routes_probes import server_version
@@ -94,7 +91,7 @@ def build_core_process_client(engine_args, config: ServerConfig,
                               registry: CollectorRegistry) -> tuple[EngineClient, ServerState]:
     """The engine core in its own process (the default of ``kvpilot serve``), built from
     ``engine_args`` there; its metrics are created in ``registry`` here once it serves."""
-    from kvpilot.engine.runtime.process import CoreSpec
+    from kvpilot.engine.runtime.zmq_channel import CoreSpec
 
     level = logging.getLogger("kvpilot").getEffectiveLevel() or logging.INFO
     return _client(ProcessTransport(lambda commands, results: CoreSpec(engine_args, commands, results, level)),
@@ -119,9 +116,9 @@ def build_app(state: ServerState) -> FastAPI:
     The lifespan starts the engine (thread or core process; it builds the engine in the
     background, so the port opens at once and /health answers 503 until the engine
     is ready), runs the periodic stats log line, and stops the engine at shutdown.
-    Request bodies over ``--max-request-body-bytes`` get 413 (``BodyLimit``);
-    ``DrainGate`` refuses new requests once ``state.drain`` began; with ``--api-key``,
-    ``APIKeyGuard`` answers 401 to a request without the key before its body is read.
+    ``RequestGuard`` (``guards``) answers 401 to a request without the ``--api-key`` before
+    its body is read, refuses new requests once ``state.drain`` began, and bounds the body's
+    size and read time.
     """
 
     @asynccontextmanager
@@ -146,14 +143,11 @@ def build_app(state: ServerState) -> FastAPI:
                   description="OpenAI-compatible API of the kvpilot inference engine", **docs)
     app.state.server = state
     install_error_handlers(app)
-    app.add_middleware(DrainGate, drain=state.drain)   # inside CORS and request ids
-    if config.max_request_body_bytes is not None:
-        app.add_middleware(BodyLimit, max_bytes=config.max_request_body_bytes)
-    if config.body_read_timeout is not None:
-        app.add_middleware(BodyReadTimeout, timeout=config.body_read_timeout)
-    if config.api_key is not None:   # outside the body limit: no key, no body read
-        app.add_middleware(APIKeyGuard, api_key=config.api_key,
-                           unguarded=open_paths(config.metrics_require_api_key))
+    # inside CORS and request ids; the key before the body is read
+    app.add_middleware(RequestGuard, drain=state.drain, api_key=config.api_key,
+                       unguarded=open_paths(config.metrics_require_api_key),
+                       max_body_bytes=config.max_request_body_bytes,
+                       body_timeout=config.body_read_timeout)
     install_middleware(app, config)
     app.include_router(routes_completions.router)
     app.include_router(routes_chat.router)

@@ -79,7 +79,7 @@ def uvicorn_config(ns: argparse.Namespace, app):
     protocol class of ``header_timeout``)."""
     import uvicorn
 
-    from kvpilot.engine.server.header_timeout import header_timeout_protocol
+    from kvpilot.engine.server.guards import header_timeout_protocol
 
     http = header_timeout_protocol(ns.header_read_timeout) if ns.header_read_timeout else "auto"
     return uvicorn.Config(

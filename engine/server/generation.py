@@ -40,7 +40,7 @@ from kvpilot.engine.server.errors import (
 from kvpilot.engine.server.log_fields import capped_repr
 from kvpilot.engine.server.prompts import check_token_ids
 from kvpilot.engine.server.protocol import SamplingRequest, UsageInfo
-from kvpilot.engine.server.request_limits import check_stop
+from kvpilot.engine.server.request_checks import check_stop
 from kvpilot.engine.server.state import ServerState
 
 logger = logging.getLogger(__name__)

@@ -15,8 +15,8 @@ from prometheus_client import CollectorRegistry
 
 from kvpilot.engine.runtime.client import EngineClient
 from kvpilot.engine.server.config import ServerConfig
-from kvpilot.engine.server.drain import Drain
 from kvpilot.engine.server.errors import NOT_FOUND, UNAVAILABLE, UNAVAILABLE_RETRY_AFTER, APIError
+from kvpilot.engine.server.guards import Drain
 from kvpilot.engine.server.prompts import LengthLimit
 
 T = TypeVar("T")
