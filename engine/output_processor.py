@@ -29,7 +29,7 @@ from kvpilot.engine.model.sampler import SampleResult
 from kvpilot.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvpilot.engine.sampling_params import RequestOutputKind, SamplingParams
 from kvpilot.engine.text.detokenizer import IncrementalDetokenizer
-from kvpilot.engine.text.stop import StopMatcher, check_token_stop
+from kvpilot.engine.text.stop import StopMatcher
 from kvpilot.engine.text.tokenizer import Tokenizer
 
 CUMULATIVE, DELTA, FINAL_ONLY = (RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA,
@@ -258,7 +258,7 @@ class OutputProcessor:
         if child.logprobs is not None and result is not None:
             self._record_logprobs(child, result)
         delta = child.detok.add_token(request.output_token_ids[-1])
-        status, stop_token = check_token_stop(request, self._max_model_len)
+        status, stop_token = token_stop(request, self._max_model_len)
         if child.stop_matcher is not None and delta:
             tail = child.tail + delta
             hit = child.stop_matcher.find(tail, len(delta))
@@ -284,3 +284,17 @@ class OutputProcessor:
                 entry[tid] = Logprob(lp, rank, decode(tid))
         child.logprobs.append(entry)
         child.cumulative_logprob += result.logprob
+
+
+def token_stop(request: Request, max_model_len: int) -> tuple[RequestStatus | None, int | None]:
+    """Status (or None to continue) after the request's newest token, and the stop token:
+    a stop token (after ``min_tokens``), ``max_tokens``, ``max_model_len``."""
+    params = request.sampling_params
+    last = request.output_token_ids[-1]
+    if request.num_output_tokens > params.min_tokens - 1 and last in params.all_stop_token_ids:
+        # vLLM reports the id only for explicit stop_token_ids, not for EOS.
+        reason = last if last in (params.stop_token_ids or ()) else None
+        return RequestStatus.FINISHED_STOPPED, reason
+    if request.num_output_tokens >= request.max_tokens or request.num_tokens >= max_model_len:
+        return RequestStatus.FINISHED_LENGTH, None
+    return None, None

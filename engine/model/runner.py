@@ -35,9 +35,12 @@ import torch
 from kvpilot.engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from kvpilot.engine.core.kv_layout import kv_heads_per_rank
 from kvpilot.engine.core.scheduler import SchedulerOutput
-from kvpilot.engine.model.attention import AttentionMetadata, select_attention_backend
+from kvpilot.engine.model.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    select_attention_backend,
+)
 from kvpilot.engine.model.cuda_graphs import DecodeGraphs, capture_sizes
-from kvpilot.engine.model.forward import LocalForward
 from kvpilot.engine.model.hf_config import kv_cache_groups
 from kvpilot.engine.model.input_batch import InputBatch
 from kvpilot.engine.model.loader import load_model
@@ -115,6 +118,36 @@ def layer_kv_dtypes(model_config: ModelConfig, cache_config: CacheConfig) -> lis
     keep = set(arch.sliding_window_layers) if cache_config.kv_cache_dtype_skip_sliding_window else set()
     model_dtype = TORCH_DTYPES[model_config.dtype]
     return [model_dtype if i in keep else kv for i in range(arch.num_hidden_layers)]
+
+
+class LocalForward:
+    """One step's forward pass on a single device: the model over the step's tokens, then
+    the logits of its sampling rows (tensor parallelism happens inside the model's
+    layers). Pipeline parallelism has its own executor with the same two calls
+    (``parallel.pipeline_forward.PipelineForward``); the runner picks one when built."""
+
+    def __init__(self, model: torch.nn.Module, backend: AttentionBackend) -> None:
+        self.model = model
+        self.backend = backend
+
+    def step(self, step: StepInputs, kv_caches, metadata, graphs: DecodeGraphs | None,
+             calibrate: bool) -> torch.Tensor | None:
+        """The logits of ``step``'s sampling rows (None if it samples nothing); a padded
+        decode step replays its captured CUDA graph."""
+        if step.padded_size is not None:
+            hidden = graphs.run(step, step.padded_size)
+        else:
+            hidden = self.model(step.input_ids, step.positions, kv_caches, metadata, self.backend)
+        if step.logits_indices.shape[0] == 0:
+            return None
+        return self.model.compute_logits(hidden[step.logits_indices])
+
+    def rows(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, metadata,
+             rows: torch.Tensor) -> torch.Tensor | None:
+        """The logits of the hidden rows ``rows`` (repeats allowed) after a forward pass over
+        the given tokens: the memory profile's worst case."""
+        hidden = self.model(input_ids, positions, kv_caches, metadata, self.backend)
+        return self.model.compute_logits(hidden[rows % hidden.shape[0]])
 
 
 class ModelRunner:

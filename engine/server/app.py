@@ -30,7 +30,7 @@ from kvpilot.engine.server.guards import RequestGuard, open_paths
 from kvpilot.engine.server.metrics import ServerMetrics
 from kvpilot.engine.server.middleware import install_middleware
 from kvpilot.engine.server.routes_probes import server_version
-from kvpilot.engine.server.state import ServerState
+from kvpilot.engine.server.state import ServerState, reported_model_name
 from kvpilot.engine.server.stats_logger import run_stats_logger
 from kvpilot.engine.stats import EngineStats
 
@@ -46,7 +46,7 @@ def _metrics_recorder(config: ServerConfig, registry: CollectorRegistry,
 
     def on_ready(engine):
         _ = engine.tokenizer.max_chars_per_token   # computed here, not in the first request
-        model_name = config.reported_model_name(engine.model_config.served_model_name)
+        model_name = reported_model_name(config, engine.model_config.served_model_name)
         metrics = ServerMetrics(registry, model_name, engine.cache_info,
                                 engine.model_config.max_model_len, stats,
                                 kv_cache_metrics=engine.args.kv_cache_metrics,

@@ -1,4 +1,4 @@
-"""One step's forward pass through the pipeline's stages (``LocalForward``'s counterpart).
+"""One step's forward pass through the pipeline's stages (``runner.LocalForward``'s counterpart).
 
 Every rank of the pipeline runs it for the same step: a stage after the first takes its
 input from the previous stage, a stage before the last sends its output on, the last
