@@ -1,5 +1,6 @@
-"""Errors the engine raises to say it can no longer serve, and how a process it needed
-ended (torch-free).
+"""The engine's errors (torch-free): why it can no longer serve, how a process it needed
+ended, and what a client of the engine core (``kvpilot.engine.runtime``) raises to its
+caller.
 
 ``EngineDeadError``: a part of the engine the step needs is gone for good (a
 tensor-parallel worker process died, or a collective between the ranks failed, which
@@ -26,3 +27,37 @@ def describe_exit(code: int | None) -> str:
         except ValueError:
             return f"was killed by signal {-code}"
     return f"exited with status {code}"
+
+
+# ---- what a client of the engine core raises to its caller (the routes, ``LLM``) ----------
+
+class EngineNotReady(RuntimeError):
+    """The engine is still being built."""
+
+
+class EngineDead(RuntimeError):
+    """The engine failed to build, broke down or is shutting down."""
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is at ``max_waiting_requests``."""
+
+
+class RequestRejected(ValueError):
+    """The engine refused the request (its input can never be served)."""
+
+
+class AdapterNotFound(RequestRejected):
+    """The request names a LoRA adapter the engine does not serve (any more)."""
+
+
+class RequestFailed(RuntimeError):
+    """The engine raised while serving the request."""
+
+
+class StepTimeout(RequestFailed):
+    """The engine made no progress on the request for longer than ``hang_timeout``."""
+
+
+class EngineStalled(RuntimeError):
+    """The engine has made no progress for ``hang_timeout``; no request is accepted until it does."""

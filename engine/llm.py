@@ -11,6 +11,9 @@ from tqdm import tqdm
 from kvpilot.engine.engine_args import EngineArgs
 from kvpilot.engine.llm_engine import LLMEngine
 from kvpilot.engine.outputs import RequestOutput
+from kvpilot.engine.runtime.core import EngineCore
+from kvpilot.engine.runtime.inproc import run_to_completion
+from kvpilot.engine.runtime.messages import AddRequest
 from kvpilot.engine.sampling_params import RequestOutputKind, SamplingParams
 from kvpilot.engine.stats import EngineStats
 from kvpilot.engine.structured_output.backend import validate_constraint
@@ -22,10 +25,15 @@ class LLM:
     """``LLM(model=path, block_size=16, max_num_seqs=..., kv_cache_memory_bytes=..., ...)``.
 
     Keyword arguments are ``EngineArgs`` fields; ``model=None`` uses the built-in model (SmolLM2-135M-Instruct), ``model="demo"`` the random-weight demo model.
+
+    ``generate`` runs the engine core's loop (``kvpilot.engine.runtime``) in the caller's
+    thread until its batch is done; a request the engine refuses raises (a ValueError when
+    it was the request's fault) after the rest of the batch is aborted.
     """
 
     def __init__(self, model: str | None = None, **kwargs) -> None:
         self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+        self._core = EngineCore(self.llm_engine)
         self._ids = itertools.count()
 
     def get_tokenizer(self):
@@ -70,13 +78,18 @@ class LLM:
         final_only = {id(p): dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
                       for p in params_list}
         params_list = [final_only[id(p)] for p in params_list]
-        ids = []
-        for i, (prompt, p) in enumerate(zip(prompts, params_list, strict=True)):
-            rid = f"offline-{next(self._ids)}"
-            self.llm_engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0,
-                                        cache_salt=salts[i], lora_name=loras[i])
-            ids.append(rid)
-        return self._run(ids, use_tqdm)
+        adds = [AddRequest(f"offline-{next(self._ids)}", prompt, p, priority=priority[i] if priority else 0,
+                           cache_salt=salts[i], lora_name=loras[i])
+                for i, (prompt, p) in enumerate(zip(prompts, params_list, strict=True))]
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(adds), desc="Generating", disable=not use_tqdm) as bar:
+            def collect(out: RequestOutput) -> None:
+                if out.finished:   # FINAL_ONLY: the only output a request gets
+                    finished[out.request_id] = out
+                    bar.update(1)
+
+            run_to_completion(self._core, adds, collect)
+        return [finished[add.request_id] for add in adds]
 
     def chat(self, messages: list[dict] | Sequence[list[dict]],
              sampling_params: SamplingParams | None = None, *, use_tqdm: bool = False,
@@ -87,26 +100,6 @@ class LLM:
         prompts = [tok.encode(tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt),
                               add_special_tokens=False) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
-
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        finished: dict[str, RequestOutput] = {}
-        pending = set(ids)
-        with tqdm(total=len(ids), desc="Generating", disable=not use_tqdm) as bar:
-            while pending:
-                outputs = self.llm_engine.step()
-                failed = self.llm_engine.take_failed_requests()
-                if failed:   # e.g. a grammar that parsed but did not compile: stop the batch
-                    self.llm_engine.abort_request(pending)
-                    error = ValueError if failed[0].invalid else RuntimeError
-                    raise error(f"request {failed[0].request_id}: {failed[0].message}")
-                if not outputs and not self.llm_engine.has_unfinished_requests():
-                    raise RuntimeError(f"engine went idle with {len(pending)} requests unfinished")
-                for out in outputs:
-                    if out.finished and out.request_id in pending:
-                        finished[out.request_id] = out
-                        pending.discard(out.request_id)
-                        bar.update(1)
-        return [finished[rid] for rid in ids]
 
     def get_stats(self) -> EngineStats:
         return self.llm_engine.get_stats()

@@ -33,12 +33,12 @@ from kvpilot.engine.kv_cache_setup import (
     size_kv_cache,
 )
 from kvpilot.engine.kv_events import start_kv_events
+from kvpilot.engine.lora.startup import allocate_slots, start_lora
 from kvpilot.engine.lora.startup import device_bytes as lora_device_bytes
-from kvpilot.engine.lora.startup import start_lora
 from kvpilot.engine.model.device_memory import device_memory_for
 from kvpilot.engine.model.parallel.group import RanksOutOfStep
 from kvpilot.engine.model.runner import ModelRunner
-from kvpilot.engine.output_processor import OutputProcessor, SequenceState
+from kvpilot.engine.output_processor import OutputProcessor
 from kvpilot.engine.outputs import RequestOutput
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.stats import EngineStats, StepStats
@@ -104,20 +104,23 @@ class LLMEngine:
         args, model_config, cache_config = self.args, self.model_config, self.cache_config
         scheduler_config = self.scheduler_config
         workers = self.workers
+        self.lora, self._lora_counters = start_lora(self.lora_config, model_config, device)
         self.runner = ModelRunner(model_config, cache_config, scheduler_config, device,
                                   args.attention_backend, tp=workers.group if workers else None,
                                   channel=workers.channel if workers else None,
                                   pp=workers.pipeline if workers else None,
-                                  num_microbatches=self.parallel_config.num_microbatches)
+                                  num_microbatches=self.parallel_config.num_microbatches,
+                                  lora=self.lora, count_nan_logits=args.compute_nans_in_logits)
         layout = kv_layout(self.runner, model_config, cache_config, scheduler_config)
         sizing, self.num_blocks_per_rank = size_kv_cache(
             layout, self.runner, model_config, cache_config, scheduler_config, self.parallel_config,
             self.device_memory, self._memory_baseline, lora_device_bytes(self.lora_config, model_config))
-        # its slots before the KV cache takes the rest
-        self.lora, self._lora_counters = start_lora(self.lora_config, model_config, self.runner, device)
+        if self.lora is not None:   # its slots before the KV cache takes the rest
+            allocate_slots(self.lora, self.lora_config)
         self.cache_info = allocate_kv_cache(layout, sizing, self.runner, model_config, cache_config,
                                             per_gpu=workers is not None)
         num_blocks = sizing.num_blocks
+        self._token_capacity = self.cache_info.token_capacity   # read by every add
         # The prefix hash chain's root: stable across restarts and processes (the offload
         # tiers key blocks on it), distinct per model, KV dtype and block size.
         hash_root = root_hash(cache_config.prefix_caching_hash_seed,
@@ -140,9 +143,6 @@ class LLMEngine:
                 release_window=release_window(model_config))
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager, offload=self.kv_offload)
         self.kv_events = start_kv_events(args.kv_events_config, self.kv_cache_manager, self.kv_offload)
-        self.runner.kv_transfer = self.kv_offload
-        self.runner.count_nan_logits = args.compute_nans_in_logits
-        self._num_corrupted = 0
         self._failed_requests: list[FailedRequest] = []   # see take_failed_requests
         structured = args.structured_outputs_config
         self.structured_output = StructuredOutputManager(
@@ -235,7 +235,7 @@ class LLMEngine:
 
         ``lora_name``: the adapter to run it under (None: the base model);
         ``LoRANotFoundError`` (a ValueError) when no adapter of that name is loaded."""
-        if request_id in self.output_processor.parents:
+        if request_id in self.output_processor.parents:   # its outputs are still being built
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self._prompt_ids(prompt)
         max_len = self.model_config.max_model_len
@@ -244,7 +244,7 @@ class LLMEngine:
                 f"prompt is {len(ids)} tokens long, but this model's maximum context length "
                 f"(max_model_len) is {max_len} tokens, which must also leave room for at least "
                 f"one generated token")
-        capacity = self.cache_info.token_capacity
+        capacity = self._token_capacity
         if len(ids) + 1 > capacity:
             raise ValueError(f"prompt of {len(ids)} tokens can never fit the KV cache ({capacity} tokens)")
         self._check_params(params)
@@ -257,17 +257,28 @@ class LLMEngine:
         params = params.with_stop_ids(self.eos_token_ids)
         arrival = time.time() if arrival_time is None else arrival_time
         max_tokens = max_len - len(ids) if params.max_tokens is None else min(params.max_tokens, max_len - len(ids))
+        lora = self._acquire_adapter(lora_name, params.n)
         sequences = [Request(request_id if params.n == 1 else f"{request_id}#{i}", ids,
                              params if params.n == 1 else params.for_child(i), arrival_time=arrival,
-                             priority=priority, cache_salt=cache_salt, max_tokens=max_tokens)
+                             priority=priority, cache_salt=cache_salt, max_tokens=max_tokens,
+                             lora_request=lora, parent_id=request_id)
                      for i in range(params.n)]
         self.output_processor.add_request(request_id, text, ids, arrival, params, sequences)
         for request in sequences:
-            if lora_name is not None:   # a reference per request, dropped when it finishes
-                request.lora_request = self.lora.acquire(lora_name)
+            if lora is not None:
                 self._lora_counters.added(lora_name)
-            self.structured_output.add_request(request)
-            self.scheduler.add_request(request)
+            waits = (params.structured_outputs is not None
+                     and self.structured_output.add_request(request))
+            self.scheduler.add_request(request, waiting_for_grammar=waits)
+
+    def _acquire_adapter(self, lora_name: str | None, n: int):
+        """The adapter's ``LoRARequest``, one reference per sequence (dropped as each finishes)."""
+        if lora_name is None:
+            return None
+        lora = None
+        for _ in range(n):
+            lora = self.lora.acquire(lora_name)
+        return lora
 
     def _check_params(self, params: SamplingParams) -> None:
         """ValueError for parameters this engine's limits refuse, or that would fail the
@@ -287,26 +298,20 @@ class LLMEngine:
 
     def abort_request(self, request_ids: Iterable[str]) -> None:
         """Abort requests (by the id given to add_request); unknown ids are ignored."""
-        for rid in list(request_ids):
-            parent = self.output_processor.parents.pop(rid, None)
-            if parent is None:
-                continue
-            for child in parent.children:
-                if child.finish_reason is None:
-                    self.output_processor.mark_finished(child, RequestStatus.FINISHED_ABORTED)
-                    self._free(child, RequestStatus.FINISHED_ABORTED)
+        self._release(self.scheduler.abort_requests(list(request_ids)))
 
-    def _free(self, child: SequenceState, status: RequestStatus) -> None:
-        """What a finished child held: its blocks and scheduler entry, its batch row, its
-        adapter reference, its grammar."""
-        rid = child.request.request_id
-        self.scheduler.finish_request(rid, status)
-        self.runner.release(rid)
-        lora = child.request.lora_request
-        if lora is not None:
-            self.lora.release(lora)
-            self._lora_counters.finished(child.request)
-        self.structured_output.remove(rid)
+    def _release(self, finished: list[Request]) -> None:
+        """What finished requests held beside their blocks (the scheduler freed those; the
+        runner drops their batch rows at the next step): their output state, adapter
+        references and grammars."""
+        for request in finished:
+            self.output_processor.finish(request)
+            lora = request.lora_request
+            if lora is not None:
+                self.lora.release(lora)
+                self._lora_counters.finished(request)
+            if self.structured_output.active:
+                self.structured_output.remove(request.request_id)
 
     # ---- stepping -----------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -318,21 +323,24 @@ class LLMEngine:
 
     def _step(self) -> list[RequestOutput]:
         structured = self.structured_output
-        self._thread_share.update(structured.compiling)   # a compile's CPUs (cpu_share.py)
-        if structured.num_waiting:   # grammars that compiled (or failed, or are too late)
-            self._fail_requests({self.output_processor.children[r.request_id].parent.request_id: exc
-                                 for r, exc in structured.poll()})
+        if structured.active:
+            self._thread_share.update(structured.compiling)   # a compile's CPUs (cpu_share.py)
+            # grammars that compiled (or failed, or are too late)
+            ready, failed_compiles = structured.poll()
+            for request in ready:
+                self.scheduler.grammar_ready(request)
+            self._fail_requests({r.parent_id: exc for r, exc in failed_compiles})
         sched = self.scheduler.schedule()
         if self.kv_events is not None:
             # As vLLM's scheduler does: the blocks this step registers are announced before
             # its forward, so a router sends the next request with their prefix here now.
             self.kv_events.publish_step()
+        if sched.kv_transfers:   # offload saves and loads, before the forward that reads them
+            self.kv_offload.execute(sched.kv_transfers)
         if sched.is_empty:
-            self.runner.update_batch(sched)   # the preempted leave it
-            if sched.kv_transfers:
-                self.runner.execute_kv_transfers(sched.kv_transfers)
-            if structured.num_waiting:   # only grammars to wait for: no busy loop meanwhile
-                structured.wait(GRAMMAR_POLL_SECONDS)
+            self.runner.update_batch(sched)   # the preempted and finished leave it
+            if structured.active and structured.num_waiting:   # only grammars to wait for:
+                structured.wait(GRAMMAR_POLL_SECONDS)           # no busy loop meanwhile
             return []
         self._num_steps += 1
         self._iteration_tokens.append(sched.num_scheduled_tokens)
@@ -342,23 +350,19 @@ class LLMEngine:
             self._estimated[0] += cost.flops
             self._estimated[1] += cost.read_bytes
             self._estimated[2] += cost.write_bytes
-        result = self._execute(sched, structured.grammar_bitmask(sched))
-        for rid in result.nan_req_ids:
-            request = self.scheduler.requests.get(rid)
-            if request is not None and not request.nan_in_logits:
-                request.nan_in_logits = True
-                self._num_corrupted += 1
-        advanced = self.scheduler.update_from_output(sched, result.sampled())
+        result = self._execute(sched, structured.grammar_bitmask(sched) if structured.active else None)
+        advanced = self.scheduler.update_from_output(sched, result.sampled(), result.nan_req_ids)
         failed: dict[str, BaseException] = {}    # parent request id -> why it failed
-        if len(structured):
+        if structured.active:
             for request in advanced:
                 try:
                     structured.accept(request)
                 except Exception as exc:  # noqa: BLE001 - fails this request only
-                    failed[self.output_processor.children[request.request_id].parent.request_id] = exc
-        outputs = self.output_processor.process(advanced, result.logprobs, failed)
-        for child, status in self.output_processor.take_finished():
-            self._free(child, status)
+                    failed[request.parent_id] = exc
+        output = self.output_processor
+        for status, stop_reasons in _by_status(output.process(advanced, result.logprobs, failed)).items():
+            self._release(self.scheduler.finish_requests(stop_reasons, status, stop_reasons))
+        outputs = output.outputs(failed)
         self._fail_requests(failed)
         if self.kv_offload is not None and not self.scheduler.has_unfinished_requests():
             self._run_pending_kv_transfers()   # save finished requests' blocks now, not next step
@@ -390,14 +394,14 @@ class LLMEngine:
 
     # ---- introspection ------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
-        return bool(self.output_processor.parents)
+        return self.scheduler.has_unfinished_requests()
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.output_processor.parents)
+        return self.scheduler.num_unfinished
 
     def unfinished_request_ids(self) -> list[str]:
         """The ids (as given to ``add_request``) of the requests not finished yet."""
-        return list(self.output_processor.parents)
+        return self.scheduler.unfinished_request_ids()
 
     def get_stats(self) -> EngineStats:
         kv = self.kv_cache_manager
@@ -419,7 +423,7 @@ class LLMEngine:
             prompt_tokens_local_cache_hit=sources.local_cache_hit,
             prompt_tokens_external_kv_transfer=sources.external_kv_transfer,
             prompt_tokens_recomputed=sources.recomputed,
-            num_corrupted_reqs=self._num_corrupted if self.args.compute_nans_in_logits else None,
+            num_corrupted_reqs=self.scheduler.num_corrupted if self.args.compute_nans_in_logits else None,
             **(dict(zip(("estimated_flops", "estimated_read_bytes", "estimated_write_bytes"),
                         self._estimated, strict=True)) if self._cost_model is not None else {}),
             **(self.kv_offload.stats().engine_stat_fields() if self.kv_offload is not None else {}),
@@ -473,7 +477,7 @@ class LLMEngine:
     def _run_pending_kv_transfers(self) -> None:
         transfers = self.scheduler.take_kv_transfers()
         if transfers:
-            self.runner.execute_kv_transfers(transfers)
+            self.kv_offload.execute(transfers)
 
     def close(self) -> None:
         """Finish background work (KV offload saves and disk writes) and release it; stop
@@ -488,3 +492,11 @@ class LLMEngine:
         finally:
             if self.workers is not None:
                 self.workers.close()
+
+
+def _by_status(stops: list[tuple[Request, RequestStatus, int | str | None]]) -> dict:
+    """Per finishing status, its requests' stop reasons by id, in order."""
+    by_status: dict[RequestStatus, dict[str, int | str | None]] = {}
+    for request, status, stop_reason in stops:
+        by_status.setdefault(status, {})[request.request_id] = stop_reason
+    return by_status

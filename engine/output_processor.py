@@ -11,13 +11,17 @@ for requests whose output kind asks for one this step (``SamplingParams.output_k
 built only once one of its sequences has N tokens not yet handed out; its first token
 and its end are handed out at once whatever N.
 
+A step goes through it in two calls around the scheduler: ``process`` digests the
+sampled tokens and returns the stops it found (the scheduler finishes those requests),
+``outputs`` then builds the outputs the step owes. It writes nothing into a request: a
+request's life is the scheduler's.
+
 NOTE (invariant the server relies on): every output gets fresh lists (``outputs``,
 ``token_ids``, ``logprobs``); a list handed out is never appended to later.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 from kvpilot.engine.core.request import Request, RequestStatus
@@ -25,7 +29,7 @@ from kvpilot.engine.model.sampler import SampleResult
 from kvpilot.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvpilot.engine.sampling_params import RequestOutputKind, SamplingParams
 from kvpilot.engine.text.detokenizer import IncrementalDetokenizer
-from kvpilot.engine.text.stop import StopMatcher, check_token_stop
+from kvpilot.engine.text.stop import StopMatcher
 from kvpilot.engine.text.tokenizer import Tokenizer
 
 CUMULATIVE, DELTA, FINAL_ONLY = (RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA,
@@ -146,9 +150,9 @@ class OutputProcessor:
         stream_interval: tokens a running request gathers before its output is built
             (``SchedulerConfig.stream_interval``; 1: every step).
 
-    ``process`` returns the step's outputs; the children that stopped in it are marked
-    finished here and handed to the engine by ``take_finished`` (it frees their blocks,
-    batch rows and adapters): the processor never calls back into the engine.
+    ``process`` returns the stops of the step's tokens, ``finish`` records each end the
+    scheduler applied (stops and aborts alike), ``outputs`` builds the step's outputs: the
+    processor never calls back into the engine.
     """
 
     def __init__(self, tokenizer: Tokenizer, max_model_len: int, stream_interval: int = 1) -> None:
@@ -158,7 +162,7 @@ class OutputProcessor:
         self._tokenizer = tokenizer
         self._decode_token = lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
         self._max_model_len = max_model_len
-        self._finished: list[tuple[SequenceState, RequestStatus]] = []
+        self._touched: dict[str, RequestState] = {}
         self.parents: dict[str, RequestState] = {}
         self.children: dict[str, SequenceState] = {}
         self.prompt_tokens = 0
@@ -184,25 +188,33 @@ class OutputProcessor:
         for child in parent.children:
             self.children[child.request.request_id] = child
 
-    def mark_finished(self, child: SequenceState, status: RequestStatus) -> None:
-        """Record a child's end (its ids are forgotten; the parent when it was the last)."""
-        self.children.pop(child.request.request_id, None)
-        if child.finish_reason is None:
-            child.finish_reason = status.finish_reason
-            if child.final_len is None:
-                child.final_len = child.visible_len()
-            child.parent.num_unfinished -= 1
+    def finish(self, request: Request) -> None:
+        """The scheduler finished ``request`` (a stop ``process`` found, or an abort): its
+        sequence's output ends (its ids are forgotten; an aborted parent's state too, once
+        its last sequence ends: an aborted request gets no output)."""
+        child = self.children.pop(request.request_id, None)
+        if child is None or child.finish_reason is not None:
+            return
+        child.finish_reason = request.status.finish_reason
+        child.stop_reason = request.stop_reason
+        if child.final_len is None:
+            child.final_len = child.visible_len()
+        parent = child.parent
+        parent.num_unfinished -= 1
+        if parent.finished and parent.request_id not in self._touched:
+            self.parents.pop(parent.request_id, None)   # aborted: nothing left to build
 
     def process(self, advanced: list[Request], logprobs: dict[str, SampleResult],
-                failed: dict[str, BaseException] | None = None) -> list[RequestOutput]:
-        """Handle one step's new tokens; returns the outputs their requests ask for.
+                failed: dict[str, BaseException]) -> list[tuple[Request, RequestStatus, int | str | None]]:
+        """Handle one step's new tokens; returns the stops they caused, as ``(request,
+        status, stop_reason)`` (a stop token, a stop string, the length limit).
 
         A failure while handling one sequence's token (detokenizing, a stop check) is
         that request's alone: it is recorded in ``failed`` (parent request id ->
         exception; children already there are skipped) and the others go on.
         """
-        failed = {} if failed is None else failed
-        touched: dict[str, RequestState] = {}
+        stops = []
+        touched = self._touched
         children = self.children
         for request in advanced:
             child = children[request.request_id]
@@ -210,23 +222,33 @@ class OutputProcessor:
             if parent.request_id in failed:
                 continue
             try:
-                self._process_token(child, logprobs.get(request.request_id))
+                stop = self._process_token(child, logprobs.get(request.request_id))
             except Exception as exc:  # noqa: BLE001 - fails this request only (the caller's job)
                 failed[parent.request_id] = exc
                 continue
-            if parent.kind is not FINAL_ONLY or parent.finished:
+            if stop is not None:
+                stops.append((request, *stop))
+            if parent.kind is not FINAL_ONLY or stop is not None:
                 touched[parent.request_id] = parent
+        return stops
+
+    def outputs(self, failed: dict[str, BaseException]) -> list[RequestOutput]:
+        """The outputs the requests touched since the last call ask for (none for a failed
+        request)."""
+        touched, self._touched = self._touched, {}
         outputs = []
         interval = self._stream_interval
         for rid, parent in touched.items():
-            if rid in failed or not parent.due(interval):
-                continue
-            outputs.append(parent.output())
             if parent.finished:
                 self.parents.pop(rid, None)
+            if rid in failed or (parent.kind is FINAL_ONLY and not parent.finished) \
+                    or not parent.due(interval):
+                continue
+            outputs.append(parent.output())
         return outputs
 
-    def _process_token(self, child: SequenceState, result: SampleResult | None) -> None:
+    def _process_token(self, child: SequenceState, result: SampleResult | None):
+        """Digest the sequence's newest token; ``(status, stop_reason)`` if it stopped there."""
         request = child.request
         parent = child.parent
         if not parent.prompt_counted:
@@ -236,7 +258,7 @@ class OutputProcessor:
         if child.logprobs is not None and result is not None:
             self._record_logprobs(child, result)
         delta = child.detok.add_token(request.output_token_ids[-1])
-        status, stop_token = check_token_stop(request, self._max_model_len)
+        status, stop_token = token_stop(request, self._max_model_len)
         if child.stop_matcher is not None and delta:
             tail = child.tail + delta
             hit = child.stop_matcher.find(tail, len(delta))
@@ -248,19 +270,11 @@ class OutputProcessor:
             else:
                 child.tail = tail[-(child.max_stop_len - 1):] if child.max_stop_len > 1 else ""
         if status is None:
-            return
+            return None
         if not isinstance(stop_token, str):
             child.detok.flush()          # emit a held-back partial character, if any
             child.final_len = child.detok.num_chars
-        child.stop_reason = stop_token
-        request.finished_time = time.time()
-        self.mark_finished(child, status)
-        self._finished.append((child, status))
-
-    def take_finished(self) -> list[tuple[SequenceState, RequestStatus]]:
-        """The children that stopped since the previous call, with how they stopped."""
-        finished, self._finished = self._finished, []
-        return finished
+        return status, stop_token
 
     def _record_logprobs(self, child: SequenceState, result: SampleResult) -> None:
         decode = self._decode_token
@@ -270,3 +284,17 @@ class OutputProcessor:
                 entry[tid] = Logprob(lp, rank, decode(tid))
         child.logprobs.append(entry)
         child.cumulative_logprob += result.logprob
+
+
+def token_stop(request: Request, max_model_len: int) -> tuple[RequestStatus | None, int | None]:
+    """Status (or None to continue) after the request's newest token, and the stop token:
+    a stop token (after ``min_tokens``), ``max_tokens``, ``max_model_len``."""
+    params = request.sampling_params
+    last = request.output_token_ids[-1]
+    if request.num_output_tokens > params.min_tokens - 1 and last in params.all_stop_token_ids:
+        # vLLM reports the id only for explicit stop_token_ids, not for EOS.
+        reason = last if last in (params.stop_token_ids or ()) else None
+        return RequestStatus.FINISHED_STOPPED, reason
+    if request.num_output_tokens >= request.max_tokens or request.num_tokens >= max_model_len:
+        return RequestStatus.FINISHED_LENGTH, None
+    return None, None

@@ -37,6 +37,9 @@ class AttentionMetadata:
     # Host bound on seq_lens (None: unknown): lets the Triton backend pick split-KV for
     # long-context decode. A captured CUDA graph carries the bound it was captured with.
     max_seq_len: int | None = None
+    # The step that calibrates fp8 KV scales (the first batch when ``calculate_kv_scales``
+    # is on): every attention layer sets its scales from this batch's K and V first.
+    calibrate_kv_scales: bool = False
     # Scratch of the torch path for this step's sequences: what every layer would derive
     # alike from the fields above (its decode plan), built by the first layer and read by
     # the others. Not an argument, so ``dataclasses.replace`` (a KV cache group's metadata

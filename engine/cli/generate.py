@@ -28,30 +28,41 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from kvpilot.engine import LLMEngine, SamplingParams
     from kvpilot.engine.engine_args import EngineArgs
+    from kvpilot.engine.runtime.core import EngineCore
+    from kvpilot.engine.runtime.inproc import run_to_completion
+    from kvpilot.engine.runtime.messages import AddRequest
 
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                 top_p=args.top_p, top_k=args.top_k, seed=args.seed)
         engine = LLMEngine(EngineArgs(model=args.model, max_model_len=args.max_model_len,
                                       kv_cache_memory_bytes=args.kv_cache_memory_bytes, dtype=args.dtype))
-        prompt = args.prompt
-        if args.chat:
-            tok = engine.tokenizer
-            text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-            prompt = tok.encode(text, add_special_tokens=False)
-        engine.add_request("generate-0", prompt, params)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    prompt = args.prompt
+    if args.chat:
+        tok = engine.tokenizer
+        text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        prompt = tok.encode(text, add_special_tokens=False)
     printed = 0
     finish = None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            text = out.outputs[0].text
-            sys.stdout.write(text[printed:])
-            sys.stdout.flush()
-            printed = len(text)
-            finish = out.outputs[0].finish_reason
+
+    def show(out) -> None:
+        nonlocal printed, finish
+        text = out.outputs[0].text
+        sys.stdout.write(text[printed:])
+        sys.stdout.flush()
+        printed = len(text)
+        finish = out.outputs[0].finish_reason
+
+    try:
+        run_to_completion(EngineCore(engine), [AddRequest("generate-0", prompt, params)], show)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        engine.close()
     sys.stdout.write("\n")
     print(f"[finish_reason={finish}]", file=sys.stderr)
     return 0

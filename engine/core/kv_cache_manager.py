@@ -168,7 +168,8 @@ class KVCacheManager:
         computed = request.num_computed_tokens + (hit.num_tokens if hit else 0)
         required = -(-(computed + num_new_tokens) // self.block_size)
         # hit blocks before the window are never taken (see allocate_slots)
-        skip = num_released_blocks(computed, self.block_size, self.release_window)
+        skip = (0 if self.release_window is None
+                else num_released_blocks(computed, self.block_size, self.release_window))
         revived = sum(1 for b in hit_blocks[skip:] if b.ref_cnt == 0)
         return max(0, required - held - len(hit_blocks)) + revived
 
@@ -211,7 +212,8 @@ class KVCacheManager:
             if hit.blocks:
                 # Hit blocks wholly before the window are entered in the table without a
                 # reference, as if taken and released at once (stale entries, never read).
-                skip = num_released_blocks(computed + hit.num_tokens, self.block_size, self.release_window)
+                skip = (0 if self.release_window is None else
+                        num_released_blocks(computed + hit.num_tokens, self.block_size, self.release_window))
                 self.pool.touch(hit.blocks[skip:])
                 blocks.extend(hit.blocks)
                 self._num_registered[rid] = len(hit.blocks)   # cached already (or placeholders)

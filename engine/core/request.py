@@ -3,6 +3,10 @@
 Every request simply has ``num_computed_tokens``: the scheduler's job each step is to
 move it towards ``num_tokens`` (prompt + generated so far). Prefill, chunked prefill,
 decode and recompute after preemption are all the same operation.
+
+NOTE (ownership): the scheduler is the only writer of a request's life (``status``,
+``num_computed_tokens``, the tokens it gained, its times, ``stop_reason``); everything else
+reads it.
 """
 
 from __future__ import annotations
@@ -49,6 +53,9 @@ class Request:
     cache_salt: str | None = None
     max_tokens: int = 16                 # resolved: never beyond max_model_len
     lora_request: LoRARequest | None = None   # its adapter (None: the base model)
+    # The id ``add_request`` was given: this request's own, or (``n`` > 1) its parent's,
+    # whose ``n`` sequences are aborted together.
+    parent_id: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission

@@ -12,12 +12,19 @@ running request first (vLLM's priority scheduling). With LoRA on, at most ``max_
 distinct adapters run at a time (one device slot each): a waiting request whose adapter
 would be one too many is passed over, in its place in the queue, until a slot frees; so
 is a request whose structured-output grammar is still compiling (``WAITING_FOR_GRAMMAR``).
+
+The scheduler owns every request's life: it admits, preempts and finishes requests (status,
+finish time, stop reason, freeing their blocks), and it knows which are unfinished, by the
+id they were added under (a request with ``n`` > 1 sequences is ``n`` scheduler requests
+under one ``parent_id``). What it finished reaches the runner in the next step's
+``SchedulerOutput.finished_req_ids`` (their batch rows go).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from kvpilot.engine.config import SchedulerConfig
@@ -52,6 +59,8 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
+    # Requests finished (or aborted) since the previous step: the runner drops their rows.
+    finished_req_ids: list[str] = field(default_factory=list)
     # Offload work for the runner to do before the forward pass; None when offload is off.
     kv_transfers: KVTransfers | None = None
 
@@ -93,31 +102,74 @@ class Scheduler:
         self.waiting = make_request_queue(config.policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        # the unfinished requests under each id ``add_request`` was given (see ``Request.parent_id``)
+        self._by_parent: dict[str, list[Request]] = {}
+        self._finished_req_ids: list[str] = []
         self.num_preemptions = 0
+        self.num_corrupted = 0   # requests whose logits held a NaN (when the runner counts them)
         # Prompt tokens run through the model (prefix hits excluded, recomputes included).
         self.num_computed_prompt_tokens = 0
         self.prompt_token_sources = PromptTokenSources()
 
     # ---- queue management -------------------------------------------------
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, waiting_for_grammar: bool = False) -> None:
+        """Queue ``request``; ``waiting_for_grammar``: not schedulable until ``grammar_ready``."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
+        self._by_parent.setdefault(request.parent_id or request.request_id, []).append(request)
+        if waiting_for_grammar:
+            request.status = RequestStatus.WAITING_FOR_GRAMMAR
         self.waiting.add(request)
 
-    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
-        """Finish (or abort) a request wherever it is and free its blocks."""
-        request = self.requests.pop(request_id, None)
-        if request is None:
-            return None
-        if request.status == RequestStatus.RUNNING:
-            self.running.remove(request)
-        else:
-            self.waiting.remove(request)
-        request.status = status
-        request.finished_time = time.time()
-        self._release(request)
-        return request
+    def grammar_ready(self, request: Request) -> None:
+        """``request``'s structured-output grammar compiled: it can be scheduled."""
+        if request.status is RequestStatus.WAITING_FOR_GRAMMAR:
+            request.status = RequestStatus.WAITING
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus,
+                        stop_reasons: Mapping[str, int | str] | None = None) -> list[Request]:
+        """Finish (or abort) requests with ``status`` wherever they are and free their
+        blocks; ``stop_reasons``: the stop token or string of those that stopped on one.
+        Returns the requests that were unfinished (unknown ids are ignored)."""
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        now = time.time()
+        finished = []
+        for request_id in request_ids:
+            request = self.requests.pop(request_id, None)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            request.finished_time = now
+            if stop_reasons:
+                request.stop_reason = stop_reasons.get(request_id)
+            parent = request.parent_id or request_id
+            siblings = self._by_parent[parent]
+            siblings.remove(request)
+            if not siblings:
+                del self._by_parent[parent]
+            self._finished_req_ids.append(request_id)
+            self._release(request)
+            finished.append(request)
+        return finished
+
+    def abort_requests(self, parent_ids) -> list[Request]:
+        """Abort every unfinished request added under ``parent_ids`` (unknown ids ignored)."""
+        ids = [r.request_id for pid in parent_ids for r in self._by_parent.get(pid, ())]
+        return self.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+
+    def unfinished_request_ids(self) -> list[str]:
+        """The ids (as given to the engine's ``add_request``) with a request unfinished."""
+        return list(self._by_parent)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._by_parent)
 
     def _release(self, request: Request) -> None:
         """Free a request's blocks; with offload, list a finished one's blocks for saving."""
@@ -165,6 +217,7 @@ class Scheduler:
             self._schedule_waiting(out, budget)
         self._check_invariants(out)
         out.kv_transfers = self.take_kv_transfers()
+        out.finished_req_ids, self._finished_req_ids = self._finished_req_ids, []
         return out
 
     def _preempt_for_priority(self, out: SchedulerOutput) -> None:
@@ -321,9 +374,16 @@ class Scheduler:
             raise RuntimeError(f"{len(self.running)} running requests over max_num_seqs")
 
     # ---- results ------------------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance computed tokens and append sampled ones; returns requests that got a token."""
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int],
+                           nan_req_ids: tuple[str, ...] = ()) -> list[Request]:
+        """Advance computed tokens and append sampled ones; returns requests that got a token.
+        ``nan_req_ids``: requests whose logits held a NaN this step."""
         now = time.time()
+        for rid in nan_req_ids:
+            request = self.requests.get(rid)
+            if request is not None and not request.nan_in_logits:
+                request.nan_in_logits = True
+                self.num_corrupted += 1
         advanced = []
         update_hashes = self.kv.update_block_hashes if self.kv.enable_caching else None
         # Sliding window: blocks the next query cannot see go back now, not when the request

@@ -47,18 +47,25 @@ class LoRASlots:
     def __init__(self, shapes: dict[str, tuple[int, int]], num_layers: int, num_slots: int,
                  max_rank: int, dtype: torch.dtype, device: torch.device) -> None:
         self.num_slots, self.max_rank, self.dtype, self.device = num_slots, max_rank, dtype, device
-        width = num_slots * max_rank
+        self._shapes, self._num_layers = shapes, num_layers
         # A of a fused projection's parts stacked, so one product serves them all:
         # a[(layer, proj)] is [parts * slots * rank, in]; b[(layer, module)] is [slots * rank, out].
-        self.a = {(layer, proj): torch.zeros(len(modules) * width, shapes[modules[0]][0],
-                                             dtype=dtype, device=device)
-                  for layer in range(num_layers) for (_, proj), modules in FUSED_PROJECTIONS.items()}
-        self.b = {(layer, m): torch.zeros(width, fan_out, dtype=dtype, device=device)
-                  for layer in range(num_layers) for m, (_, fan_out) in shapes.items()}
+        # Empty until ``allocate`` (after the memory profile, which counts them by formula).
+        self.a: dict[tuple[int, str], torch.Tensor] = {}
+        self.b: dict[tuple[int, str], torch.Tensor] = {}
         self.scaling = [0.0] * num_slots
         # [num_tokens, 1, num_slots, 1]: this step's factor per row and slot; None: no row
         # of the step has an adapter (the projections run as the base model's).
         self.mask: torch.Tensor | None = None
+
+    def allocate(self) -> None:
+        """Allocate the slots' device memory (zeroed)."""
+        width, shapes, dtype, device = self.num_slots * self.max_rank, self._shapes, self.dtype, self.device
+        self.a = {(layer, proj): torch.zeros(len(modules) * width, shapes[modules[0]][0],
+                                             dtype=dtype, device=device)
+                  for layer in range(self._num_layers) for (_, proj), modules in FUSED_PROJECTIONS.items()}
+        self.b = {(layer, m): torch.zeros(width, fan_out, dtype=dtype, device=device)
+                  for layer in range(self._num_layers) for m, (_, fan_out) in shapes.items()}
 
     @property
     def num_bytes(self) -> int:

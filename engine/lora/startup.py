@@ -1,9 +1,10 @@
 """LoRA at engine start-up: the adapter registry over ``max_loras`` device slots.
 
-Sized before the KV cache (``device_bytes`` is what the slots take from its budget) and
-built with the ``--lora-modules`` loaded (a bad one stops start-up). ``LLMEngine`` calls
-``start_lora`` once; torch-heavy imports stay inside it, so an engine without LoRA never
-loads them.
+Built before the model runner, which wraps the model's projections around its slots,
+with the ``--lora-modules`` read (a bad one stops start-up); its device slots are
+allocated after the memory profile (``allocate_slots``: ``device_bytes`` is what they
+take from the KV cache's budget). ``LLMEngine`` calls both once; torch-heavy imports stay
+inside them, so an engine without LoRA never loads them.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ def device_bytes(lora_config, model_config: ModelConfig) -> int:
     return lora_device_bytes(model_config.arch, lora_config, model_config.dtype)
 
 
-def start_lora(lora_config, model_config: ModelConfig, runner, device: torch.device):
-    """(the adapter registry, enabled on ``runner``, and its request counters), or
+def start_lora(lora_config, model_config: ModelConfig, device: torch.device):
+    """(the adapter registry, its slots not yet allocated, and its request counters), or
     (None, None) when LoRA is off."""
     if lora_config is None:
         return None, None
@@ -49,8 +50,13 @@ def start_lora(lora_config, model_config: ModelConfig, runner, device: torch.dev
         slots, lora_config.host_capacity)
     for module in lora_config.modules:
         registry.add(module.name, module.path, module.base_model_name)
-    runner.enable_lora(registry)
+    return registry, LoRACounters()
+
+
+def allocate_slots(registry, lora_config) -> None:
+    """The registry's device slots, once the KV cache's budget is known."""
+    slots = registry.slots
+    slots.allocate()
     logger.info("LoRA: %d device slots of rank %d (%.1f MiB), %d adapters in host memory at most",
                 lora_config.max_loras, lora_config.max_lora_rank, slots.num_bytes / (1 << 20),
                 lora_config.host_capacity)
-    return registry, LoRACounters()

@@ -96,11 +96,14 @@ class InputBatch:
         return row
 
     def update(self, out: SchedulerOutput) -> list[int]:
-        """The one place a step changes the batch before its forward pass: preempted
-        requests leave, a request scheduled for the first time (or again, after a
+        """The one place a step changes the batch before its forward pass: finished
+        requests leave (with their generators), preempted ones leave (keeping theirs for
+        the recompute), a request scheduled for the first time (or again, after a
         preemption) gets a row, and block tables that grew are copied. Returns the row of
         each of ``out.scheduled``, in order (sampled tokens are added after the forward
-        pass, ``append_sampled``; finished requests leave by ``release``)."""
+        pass, ``append_sampled``)."""
+        for request_id in out.finished_req_ids:
+            self.release(request_id)
         for request_id in out.preempted_request_ids:
             self.remove(request_id)
         rows_of, num_blocks, group_num_blocks = self.rows, self.num_blocks, self.group_num_blocks

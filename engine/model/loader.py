@@ -215,9 +215,7 @@ def load_model(model_dir: str | Path, cfg: ArchConfig, max_model_len: int,
     # Non-persistent buffers (rope tables, kv scales) were created on meta: rebuild them.
     _materialize_buffers(model, cfg, max_model_len, stage.first_layer)
     model = model.to(device)
-    for (layer, kind), value in kv_scales.items():
-        getattr(model.layers[layer].self_attn, f"{kind}_scale").fill_(value)
-    model.loaded_kv_scales = bool(kv_scales)
+    model.load_kv_scales(kv_scales)
     if gguf_file is not None:
         _log_gguf_bytes(checkpoint, model, shapes, kept)
     return model.eval()

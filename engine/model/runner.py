@@ -25,6 +25,7 @@ last stage's logits come back to the driver (``parallel.pipeline``), which sampl
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 
@@ -33,15 +34,17 @@ import torch
 
 from kvpilot.engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from kvpilot.engine.core.kv_layout import kv_heads_per_rank
-from kvpilot.engine.core.kv_transfer import KVTransfers
 from kvpilot.engine.core.scheduler import SchedulerOutput
-from kvpilot.engine.model.attention import AttentionMetadata, select_attention_backend
+from kvpilot.engine.model.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    select_attention_backend,
+)
 from kvpilot.engine.model.cuda_graphs import DecodeGraphs, capture_sizes
 from kvpilot.engine.model.hf_config import kv_cache_groups
 from kvpilot.engine.model.input_batch import InputBatch
 from kvpilot.engine.model.loader import load_model
 from kvpilot.engine.model.parallel.group import RanksOutOfStep, TPGroup
-from kvpilot.engine.model.parallel.microbatch import pipelined_forward
 from kvpilot.engine.model.parallel.pipeline import PipelineGroup
 from kvpilot.engine.model.parallel.step_channel import Command, StepSender
 from kvpilot.engine.model.sampler import SampleResult, SamplingMetadata, sample
@@ -117,6 +120,36 @@ def layer_kv_dtypes(model_config: ModelConfig, cache_config: CacheConfig) -> lis
     return [model_dtype if i in keep else kv for i in range(arch.num_hidden_layers)]
 
 
+class LocalForward:
+    """One step's forward pass on a single device: the model over the step's tokens, then
+    the logits of its sampling rows (tensor parallelism happens inside the model's
+    layers). Pipeline parallelism has its own executor with the same two calls
+    (``parallel.pipeline_forward.PipelineForward``); the runner picks one when built."""
+
+    def __init__(self, model: torch.nn.Module, backend: AttentionBackend) -> None:
+        self.model = model
+        self.backend = backend
+
+    def step(self, step: StepInputs, kv_caches, metadata, graphs: DecodeGraphs | None,
+             calibrate: bool) -> torch.Tensor | None:
+        """The logits of ``step``'s sampling rows (None if it samples nothing); a padded
+        decode step replays its captured CUDA graph."""
+        if step.padded_size is not None:
+            hidden = graphs.run(step, step.padded_size)
+        else:
+            hidden = self.model(step.input_ids, step.positions, kv_caches, metadata, self.backend)
+        if step.logits_indices.shape[0] == 0:
+            return None
+        return self.model.compute_logits(hidden[step.logits_indices])
+
+    def rows(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, metadata,
+             rows: torch.Tensor) -> torch.Tensor | None:
+        """The logits of the hidden rows ``rows`` (repeats allowed) after a forward pass over
+        the given tokens: the memory profile's worst case."""
+        hidden = self.model(input_ids, positions, kv_caches, metadata, self.backend)
+        return self.model.compute_logits(hidden[rows % hidden.shape[0]])
+
+
 class ModelRunner:
     """Args:
         tp: this rank among its stage's tensor-parallel ranks (default: the only rank).
@@ -124,13 +157,17 @@ class ModelRunner:
         pp: this rank's pipeline stage (default: one stage, whose ranks are ``tp``'s).
         num_microbatches: microbatches a step is cut into through the pipeline's stages
             (``parallel.microbatch``; 1: none).
+        lora: the LoRA adapter registry (``kvpilot.engine.lora.registry``) whose device
+            slots the model's targeted projections read; None when LoRA is off.
+        count_nan_logits: report the requests whose logits hold a NaN (a device sync per
+            step; ``vllm:corrupted_requests``).
     """
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
                  scheduler_config: SchedulerConfig, device: torch.device,
                  attention_backend: str = "auto", tp: TPGroup | None = None,
                  channel: StepSender | None = None, pp: PipelineGroup | None = None,
-                 num_microbatches: int = 1) -> None:
+                 num_microbatches: int = 1, lora=None, count_nan_logits: bool = False) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
         self.device = device
@@ -157,6 +194,19 @@ class ModelRunner:
             self.model.use_triton_kernels()
         elif self.backend.name == "cpu":   # the compiled CPU path (not the pure-torch reference)
             self.model.use_cpu_layer_ops(self.dtype)
+        if lora is not None:   # the model's targeted projections read the registry's slots
+            from kvpilot.engine.lora.layers import apply_lora
+
+            apply_lora(self.model, lora.slots)
+        self.lora = lora
+        self.count_nan_logits = count_nan_logits
+        if pp.enabled:
+            from kvpilot.engine.model.parallel.pipeline_forward import PipelineForward
+
+            self.forward = PipelineForward(self.model, self.backend, pp, self.dtype, device,
+                                           self.num_microbatches)
+        else:
+            self.forward = LocalForward(self.model, self.backend)
         self.kv_caches: torch.Tensor | list[torch.Tensor] | None = None
         self.block_size = cache_config.block_size
         # KV blocks each rank allocated (checked equal across ranks at allocation)
@@ -173,23 +223,8 @@ class ModelRunner:
                                        device) if pp.is_driver else None
         # Decode-step CUDA graphs (capture_cuda_graphs); None: every step runs eagerly.
         self.graphs: DecodeGraphs | None = None
-        # Executor half of the KV offload backend (kvpilot.engine.offload), None when off:
-        # it runs each step's ``SchedulerOutput.kv_transfers`` before the forward pass.
-        self.kv_transfer = None
-        # Count the requests whose logits hold a NaN (vllm:corrupted_requests); the engine sets it.
-        self.count_nan_logits = False
         # Calibrate fp8 scales on the first batch unless the checkpoint brought its own.
         self._calibrate_pending = cache_config.calculate_kv_scales and not self.model.loaded_kv_scales
-        # The LoRA adapters (kvpilot.engine.lora.registry), None when LoRA is off.
-        self.lora = None
-
-    def enable_lora(self, registry) -> None:
-        """Serve LoRA adapters from ``registry``'s device slots: wraps the model's
-        targeted projections (each step then sets which rows run which adapter)."""
-        from kvpilot.engine.lora.layers import apply_lora
-
-        apply_lora(self.model, registry.slots)
-        self.lora = registry
 
     def allocate_kv_cache(self, num_blocks: int, num_sliding_blocks: int | None = None) -> None:
         """Allocate the cache (on every rank: ``num_blocks`` each, checked); a hybrid model's
@@ -245,19 +280,10 @@ class ModelRunner:
                                    self.model_config.max_model_len, self.layer_kv_groups)
         self.graphs.capture()
 
-    def execute_kv_transfers(self, transfers: KVTransfers) -> None:
-        """Copies the blocks a step lists for the offload tiers (saves, then loads)."""
-        if self.kv_transfer is None:
-            raise RuntimeError("KV transfers scheduled but this runner has no offload executor")
-        self.kv_transfer.execute(transfers)
-
-    def release(self, request_id: str) -> None:
-        """A request finished: free its row and its seeded generator."""
-        self.input_batch.release(request_id)
-
     def update_batch(self, out: SchedulerOutput) -> list[int]:
-        """Apply step ``out`` to the persistent batch (``InputBatch.update``: preempted
-        requests leave, keeping their generators for the recompute; new ones join)."""
+        """Apply step ``out`` to the persistent batch (``InputBatch.update``: finished
+        requests leave, preempted ones leave keeping their generators for the recompute,
+        new ones join)."""
         return self.input_batch.update(out)
 
     @torch.inference_mode()
@@ -279,15 +305,9 @@ class ModelRunner:
             seqs.append(([0] * n, 0, blocks))
         self._allocate(next_block)
         input_ids, positions, metadata = metadata_from_seqs(seqs, self.block_size, self.device)
-        hidden = self._stage_forward(input_ids, positions, metadata)
+        logits = self.forward.rows(input_ids, positions, self.kv_caches, metadata,
+                                   torch.arange(max_num_seqs, device=self.device))
         self.kv_caches = None
-        if hidden is None:        # a pipeline stage before the last
-            logits = (self.pp.recv_logits(max_num_seqs, self.model_config.arch.vocab_size, self.device)
-                      if self.pp.is_driver else None)
-        else:
-            rows = torch.arange(max_num_seqs, device=self.device) % hidden.shape[0]
-            logits = self._last_stage_logits(hidden[rows])
-        del hidden
         if logits is None:        # not the driver: nothing to sample
             return
         dev = self.device
@@ -306,8 +326,6 @@ class ModelRunner:
         ``token_bitmask`` (structured outputs): the allowed tokens of constrained rows, in
         the order of the step's sampling requests; see ``sample``.
         """
-        if out.kv_transfers:
-            self.execute_kv_transfers(out.kv_transfers)
         rows = self.update_batch(out)
         calibrate, self._calibrate_pending = self._calibrate_pending, False
         graphs = self.graphs if not calibrate else None
@@ -346,54 +364,18 @@ class ModelRunner:
         counts = np.array([s.num_new_tokens for s in scheduled], dtype=np.int64)
         self.lora.slots.set_token_slots(np.repeat(slots, counts))
 
-    def layer_metadata(self, step: StepInputs) -> AttentionMetadata | list[AttentionMetadata]:
+    def layer_metadata(self, step: StepInputs, calibrate: bool = False
+                       ) -> AttentionMetadata | list[AttentionMetadata]:
         """The step's metadata for the model: one for all layers, or (a hybrid model) each
-        layer's group's."""
-        return per_layer(step.kv_group_metadata, self.layer_kv_groups)
+        layer's group's; ``calibrate``: the step sets the fp8 KV scales."""
+        groups = step.kv_group_metadata
+        if calibrate:
+            groups = [dataclasses.replace(m, calibrate_kv_scales=True) for m in groups]
+        return per_layer(groups, self.layer_kv_groups)
 
     @torch.inference_mode()
     def forward_step(self, step: StepInputs, calibrate: bool = False) -> torch.Tensor | None:
         """The forward pass of one step and the logits of its sampling rows (every rank
         runs this for every step; the logits come back on the driver, else None)."""
-        if calibrate:
-            for layer in self.model.layers:
-                layer.self_attn.calibrate_kv_scales = True
-        num_logits = step.logits_indices.shape[0]
-        if self.num_microbatches > 1 and len(step.metadata.query_lens_cpu) > 1 and not calibrate:
-            return pipelined_forward(self, step, self.num_microbatches)
-        if step.padded_size is not None:
-            hidden = self.graphs.run(step, step.padded_size)
-        else:
-            hidden = self._stage_forward(step.input_ids, step.positions, self.layer_metadata(step))
-        if hidden is None:        # a pipeline stage before the last: the driver gets the logits
-            if self.pp.is_driver and num_logits:
-                return self.pp.recv_logits(num_logits, self.model_config.arch.vocab_size, self.device)
-            return None
-        if num_logits == 0:
-            return None
-        return self._last_stage_logits(hidden[step.logits_indices])
-
-    def _stage_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata) -> torch.Tensor | None:
-        """This stage's layers: the final hidden states on the last stage; before it, the
-        stage's output goes to the next stage (None). After the first, the input comes
-        from the previous one (``parallel.pipeline``)."""
-        pp = self.pp
-        intermediate = None
-        if not pp.is_first:
-            intermediate = pp.recv_prev(input_ids.shape[0], self.model_config.arch.hidden_size,
-                                        self.dtype, self.device)
-        out = self.model(input_ids, positions, self.kv_caches, metadata, self.backend,
-                         **({"intermediate": intermediate} if pp.enabled else {}))
-        if pp.is_last:
-            return out
-        pp.send_next(*out)
-        return None
-
-    def _last_stage_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """The logits of ``hidden``'s rows, on the driver (sent there from the last stage's
-        first rank under pipeline parallelism); None elsewhere."""
-        logits = self.model.compute_logits(hidden)
-        if logits is None or not self.pp.enabled:
-            return logits
-        self.pp.send_logits(logits)
-        return None
+        return self.forward.step(step, self.kv_caches, self.layer_metadata(step, calibrate),
+                                 self.graphs, calibrate)

@@ -13,6 +13,9 @@ from anyio import CapacityLimiter
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
+from kvpilot.engine.runtime.client import EngineClient
+from kvpilot.engine.runtime.thread_channel import ThreadTransport
+from kvpilot.engine.runtime.zmq_channel import ProcessTransport
 from kvpilot.engine.server import (
     routes_chat,
     routes_completions,
@@ -21,18 +24,13 @@ from kvpilot.engine.server import (
     routes_model,
     routes_probes,
 )
-from kvpilot.engine.server.api_key import APIKeyGuard, open_paths
-from kvpilot.engine.server.async_engine import AsyncEngine
-from kvpilot.engine.server.body_limit import BodyLimit
-from kvpilot.engine.server.body_timeout import BodyReadTimeout
 from kvpilot.engine.server.config import ServerConfig
-from kvpilot.engine.server.core_client import CoreClient
-from kvpilot.engine.server.drain import DrainGate
 from kvpilot.engine.server.errors import install_error_handlers
+from kvpilot.engine.server.guards import RequestGuard, open_paths
 from kvpilot.engine.server.metrics import ServerMetrics
 from kvpilot.engine.server.middleware import install_middleware
 from kvpilot.engine.server.routes_probes import server_version
-from kvpilot.engine.server.state import ServerState
+from kvpilot.engine.server.state import ServerState, reported_model_name
 from kvpilot.engine.server.stats_logger import run_stats_logger
 from kvpilot.engine.stats import EngineStats
 
@@ -48,7 +46,7 @@ def _metrics_recorder(config: ServerConfig, registry: CollectorRegistry,
 
     def on_ready(engine):
         _ = engine.tokenizer.max_chars_per_token   # computed here, not in the first request
-        model_name = config.reported_model_name(engine.model_config.served_model_name)
+        model_name = reported_model_name(config, engine.model_config.served_model_name)
         metrics = ServerMetrics(registry, model_name, engine.cache_info,
                                 engine.model_config.max_model_len, stats,
                                 kv_cache_metrics=engine.args.kv_cache_metrics,
@@ -74,34 +72,40 @@ def freeze_startup_heap() -> None:
     gc.set_threshold(50_000, *gc.get_threshold()[1:])
 
 
-def build_async_engine(build_engine: Callable, config: ServerConfig,
-                       registry: CollectorRegistry) -> tuple[AsyncEngine, ServerState]:
-    """An engine on a thread of this process (``--engine-in-process``) whose metrics are
-    created, in ``registry``, once the engine is built.
+def build_in_process_client(build_engine: Callable, config: ServerConfig,
+                            registry: CollectorRegistry) -> tuple[EngineClient, ServerState]:
+    """The engine core on a thread of this process (``--engine-in-process``); its metrics
+    are created, in ``registry``, once the engine is built.
 
     Args:
-        build_engine: no-argument callable returning an ``LLMEngine``.
+        build_engine: no-argument callable returning an ``LLMEngine`` (called on the
+            engine thread).
         config: server settings (waiting-queue bound, served model names, hang timeout,
             tokenizer threads).
         registry: the Prometheus registry the metrics go to.
     """
-    async_engine = AsyncEngine(build_engine, max_waiting_requests=config.max_waiting_requests,
-                               on_ready=_metrics_recorder(config, registry, lambda: async_engine.stats),
-                               hang_timeout=config.engine_hang_timeout)
-    return async_engine, _state(async_engine, config, registry)
+    return _client(ThreadTransport(build_engine), config, registry)
 
 
-def build_core_client(engine_args, config: ServerConfig,
-                      registry: CollectorRegistry) -> tuple[CoreClient, ServerState]:
+def build_core_process_client(engine_args, config: ServerConfig,
+                              registry: CollectorRegistry) -> tuple[EngineClient, ServerState]:
     """The engine core in its own process (the default of ``kvpilot serve``), built from
     ``engine_args`` there; its metrics are created in ``registry`` here once it serves."""
-    client = CoreClient(engine_args, max_waiting_requests=config.max_waiting_requests,
-                        on_ready=_metrics_recorder(config, registry, lambda: client.stats),
-                        hang_timeout=config.engine_hang_timeout)
+    from kvpilot.engine.runtime.zmq_channel import CoreSpec
+
+    level = logging.getLogger("kvpilot").getEffectiveLevel() or logging.INFO
+    return _client(ProcessTransport(lambda commands, results: CoreSpec(engine_args, commands, results, level)),
+                   config, registry)
+
+
+def _client(transport, config: ServerConfig, registry: CollectorRegistry) -> tuple[EngineClient, ServerState]:
+    client = EngineClient(transport, max_waiting_requests=config.max_waiting_requests,
+                          on_ready=_metrics_recorder(config, registry, lambda: client.stats),
+                          hang_timeout=config.engine_hang_timeout)
     return client, _state(client, config, registry)
 
 
-def _state(engine, config: ServerConfig, registry: CollectorRegistry) -> ServerState:
+def _state(engine: EngineClient, config: ServerConfig, registry: CollectorRegistry) -> ServerState:
     return ServerState(client=engine, config=config, registry=registry,
                        tokenizer_limiter=CapacityLimiter(config.tokenizer_threads))
 
@@ -112,9 +116,9 @@ def build_app(state: ServerState) -> FastAPI:
     The lifespan starts the engine (thread or core process; it builds the engine in the
     background, so the port opens at once and /health answers 503 until the engine
     is ready), runs the periodic stats log line, and stops the engine at shutdown.
-    Request bodies over ``--max-request-body-bytes`` get 413 (``BodyLimit``);
-    ``DrainGate`` refuses new requests once ``state.drain`` began; with ``--api-key``,
-    ``APIKeyGuard`` answers 401 to a request without the key before its body is read.
+    ``RequestGuard`` (``guards``) answers 401 to a request without the ``--api-key`` before
+    its body is read, refuses new requests once ``state.drain`` began, and bounds the body's
+    size and read time.
     """
 
     @asynccontextmanager
@@ -139,14 +143,11 @@ def build_app(state: ServerState) -> FastAPI:
                   description="OpenAI-compatible API of the kvpilot inference engine", **docs)
     app.state.server = state
     install_error_handlers(app)
-    app.add_middleware(DrainGate, drain=state.drain)   # inside CORS and request ids
-    if config.max_request_body_bytes is not None:
-        app.add_middleware(BodyLimit, max_bytes=config.max_request_body_bytes)
-    if config.body_read_timeout is not None:
-        app.add_middleware(BodyReadTimeout, timeout=config.body_read_timeout)
-    if config.api_key is not None:   # outside the body limit: no key, no body read
-        app.add_middleware(APIKeyGuard, api_key=config.api_key,
-                           unguarded=open_paths(config.metrics_require_api_key))
+    # inside CORS and request ids; the key before the body is read
+    app.add_middleware(RequestGuard, drain=state.drain, api_key=config.api_key,
+                       unguarded=open_paths(config.metrics_require_api_key),
+                       max_body_bytes=config.max_request_body_bytes,
+                       body_timeout=config.body_read_timeout)
     install_middleware(app, config)
     app.include_router(routes_completions.router)
     app.include_router(routes_chat.router)

@@ -79,7 +79,7 @@ def uvicorn_config(ns: argparse.Namespace, app):
     protocol class of ``header_timeout``)."""
     import uvicorn
 
-    from kvpilot.engine.server.header_timeout import header_timeout_protocol
+    from kvpilot.engine.server.guards import header_timeout_protocol
 
     http = header_timeout_protocol(ns.header_read_timeout) if ns.header_read_timeout else "auto"
     return uvicorn.Config(
@@ -96,7 +96,11 @@ def uvicorn_config(ns: argparse.Namespace, app):
 async def _serve(ns: argparse.Namespace, engine_args, config) -> int:
     import prometheus_client
 
-    from kvpilot.engine.server.app import build_app, build_async_engine, build_core_client
+    from kvpilot.engine.server.app import (
+        build_app,
+        build_core_process_client,
+        build_in_process_client,
+    )
     from kvpilot.engine.server.graceful import DrainingServer
     from kvpilot.engine.server.metrics import make_registry
 
@@ -105,15 +109,15 @@ async def _serve(ns: argparse.Namespace, engine_args, config) -> int:
     if ns.engine_in_process:
         from kvpilot.engine.llm_engine import LLMEngine
 
-        async_engine, state = build_async_engine(
+        client, state = build_in_process_client(
             lambda: LLMEngine.from_engine_args(engine_args), config, make_registry())
     else:
-        async_engine, state = build_core_client(engine_args, config, make_registry())
+        client, state = build_core_process_client(engine_args, config, make_registry())
     server = DrainingServer(uvicorn_config(ns, build_app(state)), state.drain,
                             config.shutdown_timeout)
-    async_engine.start()  # the lifespan would too; starting here overlaps loading with binding
+    client.start()  # the lifespan would too; starting here overlaps loading with binding
     serve_task = asyncio.ensure_future(server.serve())
-    ready_task = asyncio.ensure_future(async_engine.wait_ready())
+    ready_task = asyncio.ensure_future(client.wait_ready())
     await asyncio.wait({serve_task, ready_task}, return_when=asyncio.FIRST_COMPLETED)
     if ready_task.done() and ready_task.exception() is not None:
         exc = ready_task.exception()

@@ -186,11 +186,6 @@ class ServerConfig:
         if self.retry_after_seconds < 0:
             raise ValueError(f"retry_after_seconds must be >= 0, got {self.retry_after_seconds}")
 
-    def reported_model_name(self, engine_model_name: str) -> str:
-        """The name reported in responses and in the metrics' ``model_name`` label: the first
-        served name, else ``engine_model_name`` (the engine's own served model name)."""
-        return self.served_model_names[0] if self.served_model_names else engine_model_name
-
 
 def server_config_from_namespace(ns: argparse.Namespace) -> ServerConfig:
     """Builds a ServerConfig from parsed ``kvpilot serve`` flags.

@@ -16,9 +16,7 @@ from collections.abc import AsyncIterator, Mapping
 from http import HTTPStatus
 from typing import Any
 
-from kvpilot.engine.outputs import RequestOutput
-from kvpilot.engine.sampling_params import SamplingParams, StructuredOutputsParams
-from kvpilot.engine.server.engine_client import (
+from kvpilot.engine.exceptions import (
     AdapterNotFound,
     EngineDead,
     EngineNotReady,
@@ -28,6 +26,8 @@ from kvpilot.engine.server.engine_client import (
     RequestRejected,
     StepTimeout,
 )
+from kvpilot.engine.outputs import RequestOutput
+from kvpilot.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from kvpilot.engine.server.errors import (
     NOT_FOUND,
     RATE_LIMIT,
@@ -40,7 +40,7 @@ from kvpilot.engine.server.errors import (
 from kvpilot.engine.server.log_fields import capped_repr
 from kvpilot.engine.server.prompts import check_token_ids
 from kvpilot.engine.server.protocol import SamplingRequest, UsageInfo
-from kvpilot.engine.server.request_limits import check_stop
+from kvpilot.engine.server.request_checks import check_stop
 from kvpilot.engine.server.state import ServerState
 
 logger = logging.getLogger(__name__)

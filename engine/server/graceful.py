@@ -17,7 +17,7 @@ from types import FrameType
 
 import uvicorn
 
-from kvpilot.engine.server.drain import Drain
+from kvpilot.engine.server.guards import Drain
 
 logger = logging.getLogger(__name__)
 

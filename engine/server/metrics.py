@@ -28,7 +28,7 @@ from prometheus_client import (
     ProcessCollector,
 )
 
-from kvpilot.engine.server.latency_tracker import ABORT, ERROR, IterationStats
+from kvpilot.engine.runtime.latency_tracker import ABORT, ERROR, IterationStats
 from kvpilot.engine.server.metrics_engine_stats import EngineStatsCollector
 from kvpilot.engine.server.metrics_lora import LoRAMetrics
 

@@ -6,27 +6,53 @@ too long, queue full) is an HTTP error; a client that disconnects before then ge
 499 and its engine requests are aborted. The routes supply only their OpenAI shapes:
 a ``build`` function from the final outputs to the body, and, for a stream, a
 function from each ``ChoiceDelta`` to a chunk's choice.
+
+Streams are server-sent events as the OpenAI API uses them: ``data: <json>`` frames (bytes,
+compact JSON, non-ASCII as UTF-8) ending with ``data: [DONE]``. ``json_bytes`` is the
+stdlib's encoding (floats as Python writes them: logprobs), ``fast_json_bytes`` msgspec's,
+byte-identical for payloads without floats (every chunk of a stream without logprobs)
+and about ten times cheaper.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
+import msgspec
 from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from kvpilot.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from kvpilot.engine.server import sse
 from kvpilot.engine.server.generation import Generation, to_api_error, usage_of
 from kvpilot.engine.server.protocol import SamplingRequest, UsageInfo
-from kvpilot.engine.server.routes_common import CLIENT_CLOSED
+from kvpilot.engine.server.routes_common import CLIENT_CLOSED, SSE_MEDIA_TYPE
 from kvpilot.engine.server.state import ServerState
 
 T = TypeVar("T")
+
+DONE = b"data: [DONE]\n\n"
+# Stop proxies (nginx) from buffering the stream.
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+_encode_json = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
+fast_json_bytes = msgspec.json.Encoder().encode
+
+
+def json_bytes(value: Any) -> bytes:
+    """``value`` as compact JSON (stdlib: ``json.dumps(value, separators=(",", ":"),
+    ensure_ascii=False)``), UTF-8."""
+    return _encode_json(value).encode()
+
+
+def sse_event(payload: BaseModel | dict) -> bytes:
+    """One ``data:`` frame holding ``payload`` as compact JSON."""
+    data = payload.model_dump_json().encode() if isinstance(payload, BaseModel) else json_bytes(payload)
+    return b"data: " + data + b"\n\n"
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,17 +108,17 @@ class ChunkEncoder:
                             choices=[]).model_dump(mode="json")
         del head["choices"], head["usage"]
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        prefix = b"data: " + (sse.json_bytes(head)[:-1] + b"," if head else b"{") + b'"choices":'
+        prefix = b"data: " + (json_bytes(head)[:-1] + b"," if head else b"{") + b'"choices":'
         suffix = b',"usage":null}\n\n' if include_usage else b"}\n\n"
         return cls(head, include_usage, logprobs, prefix, suffix)
 
     def __call__(self, choices: list[dict], usage_info: BaseModel | None = None) -> bytes:
         # Choices are plain dicts: a chat delta carries only the fields it changes.
-        # Same bytes as sse.sse_event({**head, "choices": choices[, "usage": ...]}).
-        body = sse.json_bytes(choices) if self.logprobs else sse.fast_json_bytes(choices)
+        # Same bytes as sse_event({**head, "choices": choices[, "usage": ...]}).
+        body = json_bytes(choices) if self.logprobs else fast_json_bytes(choices)
         if usage_info is None or not self.include_usage:
             return self.prefix + body + self.suffix
-        usage_json = sse.json_bytes(usage_info.model_dump(mode="json"))
+        usage_json = json_bytes(usage_info.model_dump(mode="json"))
         return self.prefix + body + b',"usage":' + usage_json + b"}\n\n"
 
 
@@ -163,17 +189,17 @@ async def stream_events(generation: Generation, state: ServerState, encode: Chun
                 # The stream's last output: its chunk, the usage and [DONE] in one write.
                 if encode.include_usage:
                     frame += encode([], progress.usage())
-                yield frame + sse.DONE
+                yield frame + DONE
                 return
             if frame:
                 yield frame
         if encode.include_usage:
             yield encode([], progress.usage())
     except Exception as exc:  # noqa: BLE001 - reported in-band: the status line is already sent
-        yield sse.sse_event(to_api_error(exc, state, generation.request_id).body())
+        yield sse_event(to_api_error(exc, state, generation.request_id).body())
     finally:
         await generation.close()
-    yield sse.DONE
+    yield DONE
 
 
 async def respond(request: Request, generation: Generation,
@@ -184,7 +210,7 @@ async def respond(request: Request, generation: Generation,
     if events is not None:
         if await cancel_on_disconnect(request, generation.start()) is None:
             return Response(status_code=CLIENT_CLOSED)
-        return StreamingResponse(events(), media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
+        return StreamingResponse(events(), media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS)
     final = await cancel_on_disconnect(request, _run(generation))
     if final is None:
         return Response(status_code=CLIENT_CLOSED)

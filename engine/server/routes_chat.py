@@ -26,8 +26,8 @@ from kvpilot.engine.server.generation import (
     usage,
 )
 from kvpilot.engine.server.logprobs import chat_logprobs
-from kvpilot.engine.server.parsing.chat_output import ChoiceOutput, DeltaParts
-from kvpilot.engine.server.parsing.tool_choice import ToolPlan, plan_tools
+from kvpilot.engine.server.parsing.chat_output import ChoiceOutput
+from kvpilot.engine.server.parsing.tool_choice import NO_TOOLS, ToolPlan, plan_tools
 from kvpilot.engine.server.prompts import render_chat
 from kvpilot.engine.server.protocol import (
     ChatChoice,
@@ -39,7 +39,12 @@ from kvpilot.engine.server.protocol import (
     RenderedPrompt,
     ToolCall,
 )
-from kvpilot.engine.server.request_limits import check_fan_out, check_tools
+from kvpilot.engine.server.request_checks import (
+    check_constraint,
+    check_fan_out,
+    check_tools,
+    requested_constraint,
+)
 from kvpilot.engine.server.response import (
     ChoiceDelta,
     ChunkEncoder,
@@ -49,7 +54,6 @@ from kvpilot.engine.server.response import (
 )
 from kvpilot.engine.server.routes_common import ERROR_RESPONSES, generation_responses
 from kvpilot.engine.server.state import ServerState, lora_name, ready_state
-from kvpilot.engine.server.structured import check_constraint, requested_constraint
 
 router = APIRouter()
 
@@ -95,7 +99,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     _check_request(body, state)
     engine = state.client.view
     chat = state.config.chat
-    plan = plan_tools(body, chat)
+    plan = plan_tools(body, chat) if body.tools or body.tool_choice is not None else NO_TOOLS
     constraint, param = requested_constraint(body, state.config.limits)
     if plan.constraint is not None:
         if constraint is not None:
@@ -180,14 +184,13 @@ def _stream_choice_maker(plan: ToolPlan, new_output: Callable[[], ChoiceOutput] 
 
     def make(delta: ChoiceDelta) -> dict | None:
         finish_reason = delta.finish_reason
-        if new_output is None:
-            parts = DeltaParts(content=delta.text)
+        if new_output is None:   # all of it is content
+            fields = {"content": delta.text} if delta.text else {}
         else:
             output = outputs.setdefault(delta.index, new_output())
-            parts = output.feed(delta.text, final=finish_reason is not None)
+            fields = output.feed(delta.text, final=finish_reason is not None).as_delta()
             finish_reason = _finish_reason(finish_reason, output, plan)
         logprobs = _logprobs(delta, top_logprobs, decode)
-        fields = parts.as_delta()
         if not fields and finish_reason is None and logprobs is None:
             return None
         return {"index": delta.index, "delta": fields,

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from http import HTTPStatus
 
-from kvpilot.engine.server import sse
 from kvpilot.engine.server.protocol import ErrorResponse
 
 # nginx's "client closed request": logged for requests whose client went away.
 CLIENT_CLOSED = 499
+# A streamed response's media type (server-sent events).
+SSE_MEDIA_TYPE = "text/event-stream"
 
 ERROR_RESPONSES: dict[int | str, dict] = {
     int(HTTPStatus.BAD_REQUEST): {"model": ErrorResponse, "description": "invalid request or unknown model"},
@@ -23,4 +24,4 @@ ERROR_RESPONSES: dict[int | str, dict] = {
 def generation_responses(description: str) -> dict[int | str, dict]:
     """The documented responses of a generation route: ``description`` of its 200 (JSON,
     or an event stream with ``stream=true``) and the error responses."""
-    return {**ERROR_RESPONSES, 200: {"content": {sse.MEDIA_TYPE: {}}, "description": description}}
+    return {**ERROR_RESPONSES, 200: {"content": {SSE_MEDIA_TYPE: {}}, "description": description}}

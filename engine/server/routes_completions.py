@@ -26,7 +26,12 @@ from kvpilot.engine.server.protocol import (
     CompletionStreamResponse,
     RenderedPrompt,
 )
-from kvpilot.engine.server.request_limits import check_fan_out, num_prompts
+from kvpilot.engine.server.request_checks import (
+    check_constraint,
+    check_fan_out,
+    num_prompts,
+    requested_constraint,
+)
 from kvpilot.engine.server.response import (
     ChoiceDelta,
     ChunkEncoder,
@@ -36,7 +41,6 @@ from kvpilot.engine.server.response import (
 )
 from kvpilot.engine.server.routes_common import ERROR_RESPONSES, generation_responses
 from kvpilot.engine.server.state import ServerState, lora_name, ready_state
-from kvpilot.engine.server.structured import check_constraint, requested_constraint
 
 router = APIRouter()
 

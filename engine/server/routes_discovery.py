@@ -20,8 +20,8 @@ from http import HTTPStatus
 
 from fastapi import APIRouter, Depends
 
-from kvpilot.engine.server.api_key import KV_EVENT_SOURCES_PATH
 from kvpilot.engine.server.errors import NOT_FOUND, APIError
+from kvpilot.engine.server.guards import KV_EVENT_SOURCES_PATH
 from kvpilot.engine.server.state import ServerState, ready_state
 
 # The version of the event payload kvpilot publishes (vLLM's map form), as the router reads it.

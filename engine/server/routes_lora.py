@@ -19,8 +19,8 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvpilot.engine.exceptions import AdapterNotFound
 from kvpilot.engine.lora.config import RUNTIME_LORA_UPDATING_ENV
-from kvpilot.engine.server.engine_client import AdapterNotFound
 from kvpilot.engine.server.errors import NOT_FOUND, APIError
 from kvpilot.engine.server.generation import random_id, to_api_error
 from kvpilot.engine.server.protocol import ErrorResponse

@@ -13,10 +13,10 @@ from anyio import CapacityLimiter
 from fastapi import Request
 from prometheus_client import CollectorRegistry
 
+from kvpilot.engine.runtime.client import EngineClient
 from kvpilot.engine.server.config import ServerConfig
-from kvpilot.engine.server.drain import Drain
-from kvpilot.engine.server.engine_client import EngineClient
 from kvpilot.engine.server.errors import NOT_FOUND, UNAVAILABLE, UNAVAILABLE_RETRY_AFTER, APIError
+from kvpilot.engine.server.guards import Drain
 from kvpilot.engine.server.prompts import LengthLimit
 
 T = TypeVar("T")
@@ -26,7 +26,7 @@ T = TypeVar("T")
 class ServerState:
     """Per-app state, reached from a route as ``request.app.state.server``."""
 
-    client: EngineClient   # AsyncEngine (in-process thread) or CoreClient (core process)
+    client: EngineClient   # the engine core's client (on a thread of this process, or in its own)
     config: ServerConfig
     registry: CollectorRegistry
     tokenizer_limiter: CapacityLimiter
@@ -59,7 +59,7 @@ class ServerState:
     @property
     def model_name(self) -> str:
         """The name reported in responses and in the metrics' ``model_name`` label."""
-        return self.config.reported_model_name(self.client.view.model_config.served_model_name)
+        return reported_model_name(self.config, self.client.view.model_config.served_model_name)
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -85,6 +85,12 @@ class ServerState:
                            f"The model `{name}` does not exist; this server serves: {served}",
                            param="model", code="model_not_found")
         return self.model_name
+
+
+def reported_model_name(config: ServerConfig, engine_model_name: str) -> str:
+    """The name reported in responses and in the metrics' ``model_name`` label: the first
+    served name, else ``engine_model_name`` (the engine's own served model name)."""
+    return config.served_model_names[0] if config.served_model_names else engine_model_name
 
 
 def lora_name(state: ServerState, model: str | None) -> str | None:

@@ -1,12 +1,12 @@
 """One grammar matcher per constrained request, kept in step with its tokens.
 
 ``add_request`` starts a matcher at once when the request's grammar is compiled already;
-otherwise it hands the compile to the manager's worker thread and marks the request
-``WAITING_FOR_GRAMMAR``, which the scheduler passes over, so that a cold grammar (seconds
-for a large schema or choice list) never stalls the step loop and the streams it serves.
-Each step begins with ``poll``: requests whose grammar is ready get their matcher and
-become schedulable; those whose compile failed, or ran past the compile timeout, are
-returned for the engine to fail (``ValueError``s: a 400 for the client). Equal
+otherwise it hands the compile to the manager's worker thread and says the request must
+wait (the scheduler keeps it ``WAITING_FOR_GRAMMAR`` and passes over it), so that a cold
+grammar (seconds for a large schema or choice list) never stalls the step loop and the
+streams it serves. Each step begins with ``poll``: requests whose grammar is ready get
+their matcher and are returned to become schedulable; those whose compile failed, or ran
+past the compile timeout, are returned for the engine to fail (``ValueError``s: a 400 for the client). Equal
 constraints in flight share one compile, and a compile that outlives its request's
 deadline still lands in the backend's cache. Each engine step, ``grammar_bitmask``
 fills one bitmask row per constrained request that samples in that step and ``accept``
@@ -37,7 +37,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvpilot.engine.core.request import Request, RequestStatus
+from kvpilot.engine.core.request import Request
 from kvpilot.engine.core.scheduler import SchedulerOutput
 from kvpilot.engine.structured_output.backend import GrammarBackend
 from kvpilot.engine.structured_output.bitmask import TokenBitmask
@@ -110,6 +110,10 @@ class StructuredOutputManager:
         self._waiting: dict[str, _Waiting] = {}
         self._compiling: dict[tuple[str, str], Future] = {}   # constraint key -> its compile
         self._executor: ThreadPoolExecutor | None = None
+        # Whether any request is constrained or waits for its grammar, or a compile is
+        # under way: the engine leaves the manager alone otherwise (a plain attribute,
+        # read every step).
+        self.active = False
         self._reasoning_end_id: int | None = None
         if reasoning_parser is not None:
             self._reasoning_end_id = tokenizer.token_to_id(REASONING_END_TOKENS[reasoning_parser])
@@ -138,17 +142,21 @@ class StructuredOutputManager:
         """Requests waiting for their grammar to compile."""
         return len(self._waiting)
 
-    def add_request(self, request: Request) -> None:
+    def _update_active(self) -> None:
+        self.active = bool(self._requests or self._waiting or self._compiling)
+
+    def add_request(self, request: Request) -> bool:
         """Start a matcher for ``request`` if its parameters carry a constraint, or, when
-        its grammar is not compiled yet, start compiling it and mark the request
-        ``WAITING_FOR_GRAMMAR`` (``poll`` ends the wait)."""
+        its grammar is not compiled yet, start compiling it; True when the request must
+        wait for it (``poll`` ends the wait)."""
         constraint = request.sampling_params.structured_outputs
         if constraint is None:
-            return
+            return False
+        self.active = True
         grammar = self._backend.cached(constraint) if self._backend is not None else None
         if grammar is not None:
             self._start(request, grammar)
-            return
+            return False
         future = self._compiling.get(constraint.key)
         if future is None:
             if self._executor is None:
@@ -156,21 +164,21 @@ class StructuredOutputManager:
                                                     initializer=_lower_priority)
             future = self._executor.submit(self._compile, constraint)
             self._compiling[constraint.key] = future
-        request.status = RequestStatus.WAITING_FOR_GRAMMAR
         self._waiting[request.request_id] = _Waiting(request, future,
                                                      time.monotonic() + self._compile_timeout)
+        return True
 
     def _compile(self, constraint: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
         return self.backend.compile(constraint)
 
-    def poll(self) -> list[tuple[Request, Exception]]:
-        """End the waits that are over: a request whose grammar compiled gets its matcher
-        and becomes schedulable; one whose compile failed (``InvalidConstraint`` for a
-        bad constraint, anything else for a broken compiler) or is past its deadline
-        (``GrammarCompileTimeout``) is returned, with why, for the engine to fail."""
-        if not self._waiting:
-            return []
+    def poll(self) -> tuple[list[Request], list[tuple[Request, Exception]]]:
+        """End the waits that are over: ``(ready, failed)``. A request whose grammar
+        compiled gets its matcher and is ready to be scheduled; one whose compile failed
+        (``InvalidConstraint`` for a bad constraint, anything else for a broken compiler)
+        or is past its deadline (``GrammarCompileTimeout``) is failed, with why, for the
+        engine to fail."""
         now = time.monotonic()
+        ready: list[Request] = []
         failed: list[tuple[Request, Exception]] = []
         for request_id, waiting in list(self._waiting.items()):
             future = waiting.grammar
@@ -183,7 +191,7 @@ class StructuredOutputManager:
                     except Exception as exc:  # noqa: BLE001 - fails this request only
                         error = exc
                     else:
-                        waiting.request.status = RequestStatus.WAITING
+                        ready.append(waiting.request)
                 if error is not None:
                     failed.append((waiting.request, error))
             elif now >= waiting.deadline:
@@ -193,7 +201,8 @@ class StructuredOutputManager:
                     f"{self._compile_timeout:g} s (--structured-output-compile-timeout); a "
                     f"retry of the same constraint may find it compiled")))
         self._compiling = {key: f for key, f in self._compiling.items() if not f.done()}
-        return failed
+        self._update_active()
+        return ready, failed
 
     def wait(self, timeout: float) -> None:
         """Block for up to ``timeout`` seconds, or until a waited-for grammar is ready
@@ -227,6 +236,7 @@ class StructuredOutputManager:
     def remove(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
         self._waiting.pop(request_id, None)
+        self._update_active()
 
     def accept(self, request: Request) -> None:
         """Advance ``request``'s matcher by the tokens it gained (no-op if unconstrained)."""

@@ -68,19 +68,19 @@ class BlockBooks(RuleBasedStateMachine):
         self._record_hashes()
         for r in advanced:
             if r.num_output_tokens >= r.max_tokens or r.num_tokens >= MAX_LEN:
-                self.sched.finish_request(r.request_id, RequestStatus.FINISHED_LENGTH)
+                self.sched.finish_requests(r.request_id, RequestStatus.FINISHED_LENGTH)
 
     @precondition(lambda self: self.sched.requests)
     @rule(data=st.data())
     def abort(self, data):
         rid = data.draw(st.sampled_from(sorted(self.sched.requests)))
-        self.sched.finish_request(rid, RequestStatus.FINISHED_ABORTED)
+        self.sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
 
     @precondition(lambda self: self.sched.running)
     @rule(data=st.data())
     def finish(self, data):
         req = data.draw(st.sampled_from(self.sched.running))
-        self.sched.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+        self.sched.finish_requests(req.request_id, RequestStatus.FINISHED_STOPPED)
 
     def _record_hashes(self):
         for r in self.sched.requests.values():

@@ -1,19 +1,20 @@
-"""The engine core's turn (``engine/engine_core.py``) on a real demo engine: what
-both transports (engine thread, core process) rely on, checked once here; the end-to-end
-failure tests of both transports are in ``tests/server/test_engine_faults.py``."""
+"""The engine core's turn (``engine/runtime/core.py``) on a real demo engine: what
+every channel (engine thread, core process, the caller's thread) relies on, checked once
+here; the end-to-end failure tests of the channels are in ``tests/server/test_engine_faults.py``
+and ``tests/server/test_failure_channels.py``."""
 
 from __future__ import annotations
 
 import pytest
 
 from kvpilot.engine import LLM, SamplingParams
-from kvpilot.engine.engine_core import (
+from kvpilot.engine.runtime.core import EngineCore
+from kvpilot.engine.runtime.messages import (
     ADAPTER_NOT_FOUND,
     INVALID,
     MAX_CONSECUTIVE_STEP_FAILURES,
     AbortRequest,
     AddRequest,
-    EngineCore,
     Rejected,
 )
 

@@ -62,12 +62,13 @@ def test_deltas_and_final_only_agree_with_cumulative(engine, stop):
 def test_llm_generate_builds_no_per_step_outputs(engine, monkeypatch):
     """LLM.generate asks for final outputs only: no output is built for a running request."""
     from kvpilot.engine.output_processor import RequestState
+    from kvpilot.engine.runtime.core import EngineCore
 
     built = []
     real = RequestState.output
     monkeypatch.setattr(RequestState, "output", lambda self: built.append(self.finished) or real(self))
     llm = LLM.__new__(LLM)
-    llm.llm_engine, llm._ids = engine, iter(range(10**6))
+    llm.llm_engine, llm._ids, llm._core = engine, iter(range(10**6)), EngineCore(engine)
     outs = llm.generate([[5, 6, 7], [8, 9]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     assert [len(o.outputs[0].token_ids) for o in outs] == [6, 6]
     assert built == [True, True]

@@ -53,7 +53,7 @@ def test_inputs_match_the_list_builder_under_random_traffic(seed):
                                       max_tokens=max_tokens))
         if sched.running and rng.random() < 0.05:
             victim = rng.choice(sched.running).request_id
-            sched.finish_request(victim, RequestStatus.FINISHED_ABORTED)
+            sched.finish_requests(victim, RequestStatus.FINISHED_ABORTED)
             batch.release(victim)
         out = sched.schedule()
         rows = batch.update(out)
@@ -83,7 +83,7 @@ def test_inputs_match_the_list_builder_under_random_traffic(seed):
             row = batch.rows[r.request_id]
             assert batch.token_ids[row, :batch.num_tokens[row]].tolist() == r.prompt_token_ids + r.output_token_ids
             if r.num_output_tokens >= r.max_tokens:
-                sched.finish_request(r.request_id, RequestStatus.FINISHED_LENGTH)
+                sched.finish_requests(r.request_id, RequestStatus.FINISHED_LENGTH)
                 batch.release(r.request_id)
     assert preempted > 0, "the traffic should preempt at least once"
 

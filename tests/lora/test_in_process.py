@@ -12,7 +12,7 @@ import pytest
 from kvpilot.engine.engine_args import EngineArgs
 from kvpilot.engine.llm_engine import LLMEngine
 from kvpilot.engine.lora.config import LoRAModule
-from kvpilot.engine.server.app import build_app, build_async_engine
+from kvpilot.engine.server.app import build_app, build_in_process_client
 from kvpilot.engine.server.config import ServerConfig
 from kvpilot.engine.server.metrics import make_registry
 
@@ -23,7 +23,7 @@ PROMPT = [5, 17, 230, 99, 41, 310, 12]
 
 
 def _run(engine_args: EngineArgs, scenario) -> None:
-    async_engine, state = build_async_engine(lambda: LLMEngine(engine_args), ServerConfig(api_key="k"),
+    async_engine, state = build_in_process_client(lambda: LLMEngine(engine_args), ServerConfig(api_key="k"),
                                              make_registry())
     app = build_app(state)
 

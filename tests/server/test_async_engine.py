@@ -15,7 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpilot.engine import SamplingParams
-from kvpilot.engine.server.app import build_app, build_async_engine
+from kvpilot.engine.server.app import build_app, build_in_process_client
 from kvpilot.engine.server.config import ServerConfig
 from kvpilot.engine.server.metrics import make_registry
 
@@ -54,7 +54,7 @@ def test_loading_then_a_failing_step_then_a_dead_engine(offline_llm, monkeypatch
         assert gate.wait(60), "test never opened the gate"
         return engine
 
-    async_engine, state = build_async_engine(build, ServerConfig(), make_registry())
+    async_engine, state = build_in_process_client(build, ServerConfig(), make_registry())
     app = build_app(state)
 
     async def scenario() -> None:

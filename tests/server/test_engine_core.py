@@ -18,7 +18,8 @@ import pytest
 
 from kvpilot.engine import SamplingParams
 from kvpilot.engine.bench.server_process import launch_server
-from kvpilot.engine.server.core_messages import decode_output, encode_outputs, pack, unpack
+from kvpilot.engine.runtime.messages import StepReport
+from kvpilot.engine.runtime.zmq_channel import decode_message, encode_message
 
 DETECTION_LIMIT_S = 5.0
 SMALL = ["--model", "demo", "--device", "cpu", "--kv-cache-memory-bytes", "8Mi", "--max-model-len", "1024",
@@ -62,8 +63,11 @@ def test_step_outputs_cross_the_channel_unchanged(offline_llm):
     while engine.has_unfinished_requests():
         outputs += engine.step()
     assert outputs and outputs[-1].finished
-    rows = unpack(pack(encode_outputs(outputs)))
-    decoded = [decode_output(row, [11, 12, 13, 14]) for row in rows]
+    report = decode_message(encode_message(StepReport(outputs, engine.get_stats(), None, 0)))
+    decoded = report.outputs
+    for out in decoded:   # the prompt stays on the API side; its client attaches the ids
+        assert out.prompt_token_ids is None
+        out.prompt_token_ids = [11, 12, 13, 14]
     assert decoded == outputs
 
 

@@ -17,19 +17,17 @@ import contextlib
 import json
 import threading
 import time
-from collections.abc import Iterator
 
 import httpx
 import openai
 import psutil
 import pytest
-import uvicorn
 
-from kvpilot.engine.bench.server_process import free_port, launch_server
-from kvpilot.engine.server.app import build_app, build_async_engine
+from kvpilot.engine.bench.server_process import launch_server
+from kvpilot.engine.runtime.messages import MAX_CONSECUTIVE_STEP_FAILURES
 from kvpilot.engine.server.config import ServerConfig
-from kvpilot.engine.server.engine_client import MAX_CONSECUTIVE_STEP_FAILURES
-from kvpilot.engine.server.metrics import make_registry
+
+from support.in_process_server import serving
 
 pytestmark = pytest.mark.slow
 
@@ -87,31 +85,6 @@ async def clients(base_url: str):
     sdk = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=60)
     async with sdk, httpx.AsyncClient(base_url=base_url, timeout=60) as http:
         yield sdk, http
-
-
-@contextlib.contextmanager
-def serving(engine, config: ServerConfig) -> Iterator[str]:
-    """The app around ``engine`` under uvicorn on a thread; yields its base URL."""
-    _, state = build_async_engine(lambda: engine, config, make_registry())
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(state), host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{base_url}/health", timeout=5).status_code == 200:
-                    break
-            assert time.monotonic() < deadline and thread.is_alive(), "server never became ready"
-            time.sleep(0.1)
-        yield base_url
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        state.client.shutdown()
 
 
 async def _stream(http: httpx.AsyncClient, first: asyncio.Event) -> list[dict | str]:
@@ -207,7 +180,7 @@ def test_hung_step_fails_readiness_and_requests_then_recovers(llm, faulty):
         faulty.mode = None
         faulty.release.set()
 
-    with serving(engine, ServerConfig(engine_hang_timeout=HANG_TIMEOUT_S)) as base_url:
+    with serving(lambda: engine, ServerConfig(engine_hang_timeout=HANG_TIMEOUT_S)) as base_url:
         figures = asyncio.run(_hang_scenario(base_url, hang, release))
     assert not engine.has_unfinished_requests()
     _report_hang("hung step, engine thread", figures)
@@ -319,7 +292,7 @@ def test_raising_steps_fail_requests_then_readiness_and_liveness(llm, faulty):
         faulty.mode = "raise"
         return time.monotonic()
 
-    with serving(engine, ServerConfig(engine_hang_timeout=HANG_TIMEOUT_S)) as base_url:
+    with serving(lambda: engine, ServerConfig(engine_hang_timeout=HANG_TIMEOUT_S)) as base_url:
         figures = asyncio.run(_raise_scenario(base_url, arm, MAX_CONSECUTIVE_STEP_FAILURES))
     faulty.mode = None
     assert not engine.has_unfinished_requests()

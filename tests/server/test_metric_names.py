@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 from kvpilot.engine.config import KVCacheInfo
 from kvpilot.engine.core.kv_residency import BlockResidency
 from kvpilot.engine.lora.stats import AdapterCounters, LoRAStats
-from kvpilot.engine.server.latency_tracker import FinishedRequestStats, IterationStats
+from kvpilot.engine.runtime.latency_tracker import FinishedRequestStats, IterationStats
 from kvpilot.engine.server.metrics import ServerMetrics, token_buckets
 from kvpilot.engine.stats import EngineStats
 
@@ -104,7 +104,7 @@ def test_a_finished_request_splits_into_vllms_phases():
     """The tracker fed the engine's real output objects: queue, prefill, decode and
     inference time, time per output token and the request's parameters."""
     from kvpilot.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-    from kvpilot.engine.server.latency_tracker import RequestStatsTracker
+    from kvpilot.engine.runtime.latency_tracker import RequestStatsTracker
 
     tracker = RequestStatsTracker()
     tracker.add("r", n=2, arrival_time=100.0, max_tokens=8)

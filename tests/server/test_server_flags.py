@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from kvpilot.engine.bench.server_process import free_port
-from kvpilot.engine.server.app import build_app, build_async_engine
+from kvpilot.engine.server.app import build_app, build_in_process_client
 from kvpilot.engine.server.args import make_serve_parser
 from kvpilot.engine.server.cli import uvicorn_config
 from kvpilot.engine.server.config import ChatConfig, CORSConfig, ServerConfig
@@ -29,7 +29,7 @@ CHAT = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 
 def run_app(engine, config: ServerConfig, scenario, root_path: str = "") -> None:
     """Runs ``await scenario(client)`` against the app serving ``engine`` with ``config``;
     ``root_path`` is what uvicorn puts into each request's scope."""
-    async_engine, state = build_async_engine(lambda: engine, config, make_registry())
+    async_engine, state = build_in_process_client(lambda: engine, config, make_registry())
     app = build_app(state)
 
     async def main() -> None:
@@ -180,7 +180,7 @@ def test_tls_and_access_log_flags(offline_llm, tmp_path):
         "--host", "127.0.0.1", "--port", str(port), "--ssl-keyfile", str(key_file),
         "--ssl-certfile", str(cert_file), "--disable-uvicorn-access-log",
         "--uvicorn-log-level", "warning"])
-    async_engine, state = build_async_engine(lambda: offline_llm.llm_engine, ServerConfig(),
+    async_engine, state = build_in_process_client(lambda: offline_llm.llm_engine, ServerConfig(),
                                              make_registry())
     config = uvicorn_config(ns, build_app(state))
     assert config.access_log is False

@@ -21,7 +21,7 @@ import pytest
 from kvpilot.engine.bench.structured import PET_SCHEMA
 from kvpilot.engine.engine_args import EngineArgs
 from kvpilot.engine.llm_engine import LLMEngine
-from kvpilot.engine.server.app import build_app, build_async_engine
+from kvpilot.engine.server.app import build_app, build_in_process_client
 from kvpilot.engine.server.config import ChatConfig, ServerConfig
 from kvpilot.engine.server.metrics import make_registry
 
@@ -56,7 +56,7 @@ def engine():
 
 def run_with_client(engine, config: ServerConfig, scenario) -> None:
     """``await scenario(client)`` with an ``openai.AsyncOpenAI`` client of the app."""
-    async_engine, state = build_async_engine(lambda: engine, config, make_registry())
+    async_engine, state = build_in_process_client(lambda: engine, config, make_registry())
     app = build_app(state)
 
     async def main() -> None:

@@ -93,6 +93,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = (None if cfg.tie_word_embeddings
                         else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp))
+        self._is_last_stage = True
+        self.loaded_kv_scales = False
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The scaled embeddings: the normaliser is rounded to the model dtype first, as

@@ -74,8 +74,6 @@ class Attention(nn.Module):
         # Per-tensor fp8 KV scales (1.0 unless calibrated or loaded from the checkpoint).
         self.register_buffer("k_scale", torch.tensor(1.0), persistent=False)
         self.register_buffer("v_scale", torch.tensor(1.0), persistent=False)
-        # Set by the runner for the first batch when calculate_kv_scales is on.
-        self.calibrate_kv_scales = False
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
@@ -86,7 +84,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        if self.calibrate_kv_scales:
+        if metadata.calibrate_kv_scales:
             self._calibrate(k, v, kv_cache.dtype)
         out = backend.forward(q, k, v, kv_cache, metadata, self.scale, self.k_scale, self.v_scale,
                               sliding_window=self.sliding_window)
@@ -98,7 +96,6 @@ class Attention(nn.Module):
 
         The amax is over all ranks' heads, so every rank (and a one-rank engine) gets the
         same scales."""
-        self.calibrate_kv_scales = False
         if cache_dtype not in FP8_DTYPES:
             return
         limit = torch.finfo(cache_dtype).max
@@ -173,6 +170,16 @@ class LlamaForCausalLM(nn.Module):
         # the LM head is split like the embedding (and is the embedding when tied)
         self.lm_head = (None if tied or not stage.is_last
                         else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp))
+        self._is_last_stage = stage.is_last
+        # Whether the checkpoint brought fp8 KV scales (``load_kv_scales``).
+        self.loaded_kv_scales = False
+
+    def load_kv_scales(self, scales: dict[tuple[int, str], float]) -> None:
+        """The checkpoint's fp8 KV scales, ``(layer, "k" | "v") -> scale`` (``layer``: this
+        stage's index)."""
+        for (layer, kind), value in scales.items():
+            getattr(self.layers[layer].self_attn, f"{kind}_scale").fill_(value)
+        self.loaded_kv_scales = bool(scales)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
                 metadata: AttentionMetadata | Sequence[AttentionMetadata],
@@ -192,7 +199,7 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             hidden, residual = layer(positions, hidden, residual, kv_caches[i],
                                      metadata[i] if per_layer else metadata, backend)
-        if not self.stage.is_last:
+        if not self._is_last_stage:
             return hidden, residual
         return self.norm(hidden, residual)[0]
 

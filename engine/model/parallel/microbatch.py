@@ -87,10 +87,11 @@ def split_step(step: StepInputs, num_microbatches: int) -> list[Microbatch]:
     return out
 
 
-def pipelined_forward(runner, step: StepInputs, num_microbatches: int) -> torch.Tensor | None:
-    """One step through this rank's stage, microbatch by microbatch; the step's logits on
-    the driver, else None. Every rank of the pipeline calls it for the same step."""
-    pp, model, arch = runner.pp, runner.model, runner.model_config.arch
+def pipelined_forward(forward, step: StepInputs, kv_caches, num_microbatches: int) -> torch.Tensor | None:
+    """One step through this rank's stage (``forward``: its ``PipelineForward``), microbatch
+    by microbatch; the step's logits on the driver, else None. Every rank of the pipeline
+    calls it for the same step."""
+    pp, model = forward.pp, forward.model
     pending = []               # sends still in flight: (work, tensor kept alive until done)
     microbatches = split_step(step, num_microbatches)
     trace = logger.isEnabledFor(logging.DEBUG)
@@ -98,10 +99,10 @@ def pipelined_forward(runner, step: StepInputs, num_microbatches: int) -> torch.
         part = mb.step
         intermediate = None
         if not pp.is_first:
-            intermediate = pp.recv_prev(part.input_ids.shape[0], arch.hidden_size, runner.dtype,
-                                        runner.device, i)
+            intermediate = pp.recv_prev(part.input_ids.shape[0], forward.hidden_size, forward.dtype,
+                                        forward.device, i)
         start = time.monotonic()
-        out = model(part.input_ids, part.positions, runner.kv_caches, part.metadata, runner.backend,
+        out = model(part.input_ids, part.positions, kv_caches, part.metadata, forward.backend,
                     intermediate=intermediate)
         if trace:   # when each stage computed each microbatch (CLOCK_MONOTONIC: one host's clock)
             logger.debug("microbatch %d/%d (%d tokens) on stage %d rank %d: %.6f-%.6f", i,
@@ -117,6 +118,6 @@ def pipelined_forward(runner, step: StepInputs, num_microbatches: int) -> torch.
         work.wait()
     if not pp.is_driver:
         return None
-    logits = [pp.recv_logits(mb.num_logits, arch.vocab_size, runner.device, i)
+    logits = [pp.recv_logits(mb.num_logits, forward.vocab_size, forward.device, i)
               for i, mb in enumerate(microbatches) if mb.num_logits]
     return torch.cat(logits) if logits else None

@@ -48,6 +48,9 @@ class ToolPlan:
     finish_with_tool_calls: bool = False
 
 
+NO_TOOLS = ToolPlan()   # a request without tools (and without tool_choice)
+
+
 def required_schema(tools: list[dict], parallel: bool) -> dict:
     """JSON schema of ``tool_choice: "required"``'s answer: an array of calls."""
     calls = [{"type": "object",
