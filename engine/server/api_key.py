@@ -16,7 +16,7 @@ from http import HTTPStatus
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvpilot.engine.core.constants import LIVENESS_PATH, READINESS_PATH
+from kvpilot.contract.constants import LIVENESS_PATH, READINESS_PATH
 from kvpilot.engine.server.drain import app_path
 from kvpilot.engine.server.errors import INVALID_REQUEST, APIError, error_json_response
 

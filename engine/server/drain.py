@@ -19,7 +19,7 @@ from http import HTTPStatus
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvpilot.engine.core.constants import LIVENESS_PATH, READINESS_PATH
+from kvpilot.contract.constants import LIVENESS_PATH, READINESS_PATH
 from kvpilot.engine.server.errors import UNAVAILABLE, UNAVAILABLE_RETRY_AFTER, error_body
 
 # Paths answered while draining: the probes and what monitoring reads.

@@ -24,14 +24,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvpilot.engine.config import REASONING_PARSERS, STRUCTURED_OUTPUT_BACKENDS
-from kvpilot.engine.core.constants import (
+from kvpilot.contract.constants import (
     ATTENTION_BACKENDS,
     KV_CACHE_DTYPES,
     MAX_TENSOR_PARALLEL_SIZE,
     MODEL_DTYPES,
     OFFLOAD_BACKENDS,
 )
+from kvpilot.engine.config import REASONING_PARSERS, STRUCTURED_OUTPUT_BACKENDS
 from kvpilot.engine.core.request_queue import SCHEDULING_POLICIES
 from kvpilot.engine.engine_args import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_MAX_NUM_BATCHED_TOKENS
 from kvpilot.engine.lora.config import LORA_DTYPES, RUNTIME_LORA_UPDATING_ENV

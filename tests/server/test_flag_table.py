@@ -21,8 +21,9 @@ from kvpilot.engine.server.args import (
     engine_args_from_namespace,
     engine_flags,
     make_serve_parser,
+    server_config_from_namespace,
 )
-from kvpilot.engine.server.config import ServerConfig, server_config_from_namespace
+from kvpilot.engine.server.config import ServerConfig
 from kvpilot.engine.server.flag_table import HONOURED
 from kvpilot.engine.server.vllm_flags import SERVE_FLAGS, render_serve_flags, update_readme
 

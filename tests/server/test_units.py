@@ -13,8 +13,13 @@ import pytest
 
 from kvpilot.engine.cli.main import main
 from kvpilot.engine.engine_args import EngineArgs
-from kvpilot.engine.server.args import engine_args_from_namespace, make_serve_parser, parse_size
-from kvpilot.engine.server.config import ServerConfig, server_config_from_namespace
+from kvpilot.engine.server.args import (
+    engine_args_from_namespace,
+    make_serve_parser,
+    parse_size,
+    server_config_from_namespace,
+)
+from kvpilot.engine.server.config import ServerConfig
 from kvpilot.engine.server.metrics import token_buckets
 from kvpilot.engine.server.stats_logger import StatsLogger
 from kvpilot.engine.stats import EngineStats

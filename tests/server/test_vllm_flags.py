@@ -14,8 +14,11 @@ import pytest
 
 from kvpilot.engine.cli.main import main
 from kvpilot.engine.config import StructuredOutputsConfig
-from kvpilot.engine.server.args import engine_args_from_namespace, make_serve_parser
-from kvpilot.engine.server.config import server_config_from_namespace
+from kvpilot.engine.server.args import (
+    engine_args_from_namespace,
+    make_serve_parser,
+    server_config_from_namespace,
+)
 from kvpilot.engine.server.vllm_flags import (
     HONOURED,
     VLLM_FLAGS,

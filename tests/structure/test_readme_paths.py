@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-FOLDERS = ("tests", "e2e", "scripts", "engine", "operator", "kernels", "crds", "charts", ".ci")
+FOLDERS = ("tests", "e2e", "scripts", "engine", "operator", "kernels", "contract", "crds", "charts", ".ci")
 PATH = re.compile(rf"`((?:{'|'.join(re.escape(f) for f in FOLDERS)})/[^`\s]*)`")
 
 
