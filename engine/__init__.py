@@ -1,8 +1,8 @@
 """kvpilot's paged-KV inference engine.
 
 The public offline API mirrors vLLM's: ``from kvpilot.engine import LLM, SamplingParams``.
-Heavy names are imported lazily (PEP 562) so that torch-free modules such as
-``kvpilot.engine.core.kv_layout`` can be imported by the operator, whose image has no torch.
+Heavy names are imported lazily (PEP 562) so that importing a torch-free sub-package
+(``core``, ``text``) does not import torch.
 
 Layout, by the path a request takes (each sub-package's docstring says what it may import):
 
@@ -12,18 +12,27 @@ Layout, by the path a request takes (each sub-package's docstring says what it m
   ``RequestOutput`` (``outputs.py``), ``EngineStats`` (``stats.py``), the frozen
   configs (``config.py``) and ``EngineDeadError`` (``exceptions.py``).
 - ``core/`` (torch-free): what a step decides: block hashing, the block pool, the KV cache
-  manager, requests, queues, the scheduler, the KV transfer list, shared constants and the
-  KV formula.
-- ``model/`` (torch): what a step computes: the model runner, checkpoint loading, HF
-  config reading, sampling, memory profiling, attention backends, layers and models
-  (the demo model included).
+  manager, requests, queues, the scheduler, the KV transfer list, the KV event log.
+- ``model/`` (torch): what a step computes: the model runner, checkpoint loading, the
+  engine's checks on a config.json, sampling, memory profiling, attention backends,
+  layers and models (the demo model included); ``model/parallel/``: one replica over
+  ranks (tensor and pipeline parallelism).
 - ``text/`` (no torch): tokens <-> text: tokenizer, tiktoken conversion, detokenizer, stop
   checks, chat templates.
 - ``offload/``: KV offload tiers (host memory, disk, LMCache).
 - ``lora/``: LoRA adapters: PEFT checkpoints, the adapter registry (device slots, host
   LRU), the batched low-rank delta in the model's projections.
+- ``deploy/``: a replica over the pods of a LeaderWorkerSet group (the environment, the
+  pods' heartbeats, a worker pod's process).
+- ``structured_output/``: grammars for constrained outputs; ``kv_events/``: the KV-event
+  publisher.
 - ``server/``: the OpenAI-compatible HTTP server; ``cli/``: the ``kvpilot`` command;
   ``bench/``: benchmarks.
+
+What the engine shares with the planner (the config.json reader, the KV formula, the
+GGUF contract, the pipeline split, a step's cost, the shared names) is
+``kvpilot.contract``, outside the engine. May import: ``kvpilot.contract`` and
+``kvpilot.kernels``; never ``kvpilot.operator`` (``tests/structure/test_layering.py``).
 """
 
 from importlib import import_module

@@ -8,11 +8,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpilot.engine.core.constants import KV_CACHE_DTYPES, MAX_TENSOR_PARALLEL_SIZE, MODEL_DTYPES
-from kvpilot.engine.core.kv_layout import KV_DTYPE_BYTES, tensor_parallel_split_error
-from kvpilot.engine.core.pipeline_stages import layer_split
+from kvpilot.contract.arch_config import GEMMA3_ARCHITECTURES, ArchConfig
+from kvpilot.contract.constants import KV_CACHE_DTYPES, MAX_TENSOR_PARALLEL_SIZE, MODEL_DTYPES
+from kvpilot.contract.kv_layout import KV_DTYPE_BYTES, tensor_parallel_split_error
+from kvpilot.contract.pipeline_stages import layer_split
 from kvpilot.engine.core.request_queue import SCHEDULING_POLICIES
-from kvpilot.engine.model.hf_config import GEMMA3_ARCHITECTURES, ArchConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +111,7 @@ class SchedulerConfig:
 class Rendezvous:
     """Where the ranks of a pipeline spread over pods (a LeaderWorkerSet group) meet: the
     leader's ``torch.distributed`` store at ``leader_address:port``. From the environment
-    the LeaderWorkerSet controller gives each pod (``kvpilot.engine.model.parallel.lws``).
+    the LeaderWorkerSet controller gives each pod (``kvpilot.engine.deploy.lws``).
 
     ``worker_index``: this pod's place in the group (0: the leader, which runs the API
     server, the scheduler and stage 0; ``i``: stage ``i``); ``timeout_s``: how long the
@@ -137,7 +137,7 @@ class Rendezvous:
 class ParallelConfig:
     """Tensor x pipeline parallelism: ``tensor_parallel_size x pipeline_parallel_size``
     ranks, one process and one device each, ``rank = stage * TP + tp_rank``
-    (``core.pipeline_stages``; rank 0 is the engine's own process).
+    (``contract.pipeline_stages``; rank 0 is the engine's own process).
 
     ``devices``: one per rank on this host: every rank's when ``rendezvous`` is None (one
     host runs them all), else the ``TP`` ranks of this pod's stage (one pod per stage)."""

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvpilot.contract.arch_config import ArchConfig, kv_cache_groups
+from kvpilot.contract.gguf import find_gguf
 from kvpilot.engine.config import (
     CacheConfig,
     ModelConfig,
@@ -18,14 +20,13 @@ from kvpilot.engine.config import (
     SchedulerConfig,
     StructuredOutputsConfig,
 )
-from kvpilot.engine.core.gguf_contract import find_gguf
 from kvpilot.engine.generation_defaults import load_generation_defaults
 from kvpilot.engine.kv_events.config import KVEventsConfig
 from kvpilot.engine.lora.config import LoRAConfig, LoRAModule
 from kvpilot.engine.model.auto_dtype import resolve_auto_dtype
 from kvpilot.engine.model.builtin_model import BUILTIN_MODEL_NAME, DEMO_MODEL, packaged_smollm2
 from kvpilot.engine.model.device_memory import FAKE_DEVICE_MEMORY_ENV
-from kvpilot.engine.model.hf_config import ArchConfig, kv_cache_groups, load_arch_config
+from kvpilot.engine.model.hf_config import load_arch_config
 
 logger = logging.getLogger(__name__)
 
@@ -78,8 +79,8 @@ class EngineArgs:
     # tensor parallelism; ranks use consecutive devices from ``device`` (cuda:N..N+tp-1).
     tensor_parallel_size: int = _default(ParallelConfig, "tensor_parallel_size")
     # Pipeline parallelism: the decoder layers split into this many stages (vLLM's split,
-    # ``core.pipeline_stages``), TP ranks each; all on this host unless ``rendezvous``
-    # (a LeaderWorkerSet group: one pod per stage, ``model.parallel.lws``).
+    # ``contract.pipeline_stages``), TP ranks each; all on this host unless ``rendezvous``
+    # (a LeaderWorkerSet group: one pod per stage, ``engine.deploy.lws``).
     pipeline_parallel_size: int = _default(ParallelConfig, "pipeline_parallel_size")
     rendezvous: Rendezvous | None = None
     # microbatches in flight through the stages per step (None: one per stage; 1: none)

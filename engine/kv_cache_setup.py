@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 
+from kvpilot.contract.kv_layout import HybridKVLayout, KVLayout, blocks_held, sliding_pool_blocks
 from kvpilot.engine.config import (
     CacheConfig,
     KVCacheInfo,
@@ -18,7 +19,6 @@ from kvpilot.engine.config import (
     ParallelConfig,
     SchedulerConfig,
 )
-from kvpilot.engine.core.kv_layout import HybridKVLayout, KVLayout, blocks_held, sliding_pool_blocks
 from kvpilot.engine.model.memory_profiling import (
     KVCacheSizing,
     determine_num_blocks,

@@ -14,16 +14,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvpilot.contract.constants import MODEL_DTYPE_BYTES
+from kvpilot.contract.kv_layout import HybridKVLayout, KVLayout
+from kvpilot.contract.step_cost import StepCostModel
 from kvpilot.engine.config import SchedulerConfig
 from kvpilot.engine.core.block_hash import root_hash
-from kvpilot.engine.core.constants import MODEL_DTYPE_BYTES
 from kvpilot.engine.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from kvpilot.engine.core.kv_cache_manager import KVCacheManager
-from kvpilot.engine.core.kv_layout import HybridKVLayout, KVLayout
 from kvpilot.engine.core.kv_residency import KVResidencySampler
 from kvpilot.engine.core.request import Request, RequestStatus
 from kvpilot.engine.core.scheduler import Scheduler
-from kvpilot.engine.core.step_cost import StepCostModel
 from kvpilot.engine.engine_args import EngineArgs, model_fingerprint
 from kvpilot.engine.exceptions import EngineDeadError
 from kvpilot.engine.kv_cache_setup import (

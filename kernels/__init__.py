@@ -3,8 +3,9 @@
 Names are resolved lazily so that importing ``kvpilot.kernels`` does not import triton
 before the caller had a chance to set ``TRITON_INTERPRET``.
 
-May import: torch, triton, numpy. Never ``kvpilot.engine`` (the engine builds on the
-kernels, not the other way round; ``tests/test_layering.py`` checks it).
+May import: torch, triton, numpy. Never ``kvpilot.engine`` or ``kvpilot.operator`` (the
+engine builds on the kernels, not the other way round; ``tests/structure/test_layering.py``
+checks it).
 
 - ``store_kv_cache`` / ``store_kv_cache_ref``: write new K/V into their cache slots
   (fp8 quantization with per-tensor scales).

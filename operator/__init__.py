@@ -17,8 +17,9 @@
   patch; ``kube_api``: raw REST access; ``status``: pure conditions.
 - ``model_fetch``: the init container's model downloader.
 
-May import: kopf, kubernetes, pyyaml, and from the engine only its torch-free contract:
-``kvpilot.engine.core.kv_layout`` (the KV formula), ``kvpilot.engine.core.step_cost`` (the
-FLOPs and bytes of a step), ``kvpilot.engine.core.weight_quant`` and
-``kvpilot.engine.core.constants`` (names and limits shared with the engine). Never torch: the operator image has none (``tests/structure/test_layering.py`` checks it).
+May import: kopf, kubernetes, pyyaml, and from outside itself only ``kvpilot.contract``
+(what it shares with the engine: the config.json reader, the KV formula, a step's cost,
+the GGUF contract, the pipeline split, the LoRA slots, the shared names). Nothing of
+``kvpilot.engine`` or ``kvpilot.kernels``, and never torch: the operator image has none
+(``tests/structure/test_layering.py`` checks both).
 """

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvpilot.engine.core.constants import DEFAULT_OFFLOAD_DISK_PATH
+from kvpilot.contract.constants import DEFAULT_OFFLOAD_DISK_PATH
 
 GROUP = "serving.kvpilot.dev"
 VERSION = "v1alpha1"

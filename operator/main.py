@@ -24,7 +24,7 @@
 
 kopf keeps a finalizer (``serving.kvpilot.dev/finalizer``) on each InferenceService so
 that its daemon is stopped before the object goes: deleting one while the operator is
-down leaves it terminating until the operator is back (README, "Operator").
+down leaves it terminating until the operator is back (docs/operator.md, "Deleting while the operator is down").
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any
 
-from kvpilot.engine.core.constants import MAX_TENSOR_PARALLEL_SIZE
+from kvpilot.contract.constants import MAX_TENSOR_PARALLEL_SIZE
 from kvpilot.operator.planner.catalog import model_presets, preset_key, preset_model
 from kvpilot.operator.planner.gpu import get_gpu
 from kvpilot.operator.planner.model_spec import ModelSpec

@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("engine", "kernels", "operator")
+PACKAGES = ("engine", "kernels", "operator", "contract")   # contract/: absent before issue 42
 OFFLINE_LINE = re.compile(r"kvpilot engine\s+(\S+):\s+[\d.]+ s\s+([\d.]+) output tok/s")
 
 
@@ -41,7 +41,7 @@ def overlay_for(revision: str, worktree: Path) -> Path:
     package.mkdir(parents=True, exist_ok=True)
     for name in PACKAGES:
         link = package / name
-        if not link.exists():
+        if not link.exists() and (worktree / name).exists():
             link.symlink_to(worktree / name)
     return overlay
 

@@ -10,7 +10,7 @@ venv=.venv
 stamp="$venv/.kvpilot-$want"
 py="${PYTHON:-python3}"
 
-if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && [ "$stamp" -nt scripts/bootstrap.sh ]; then
+if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && [ "$stamp" -nt setup.py ] && [ "$stamp" -nt scripts/bootstrap.sh ]; then
   exit 0
 fi
 

@@ -128,7 +128,7 @@ def _small_scales(blocks, qtype) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from kvpilot.engine.bench.machine import cpu_info
+    from kvpilot.engine.model.cpu_info import cpu_info
     from kvpilot.kernels import gguf_matmul_cpu
 
     if gguf_matmul_cpu.load() is None:
@@ -175,7 +175,7 @@ def _run_model_pass(args: argparse.Namespace, batches: list[int]) -> int:
     import torch
 
     from kvpilot.engine.bench import gguf_model_pass
-    from kvpilot.engine.bench.machine import cpu_info
+    from kvpilot.engine.model.cpu_info import cpu_info
     from kvpilot.kernels import gguf_matmul_cpu
 
     torch.set_num_threads(args.threads)

@@ -196,7 +196,7 @@ def section_quantized_matmul(device: str, smoke: bool) -> dict:
     smoke) the time against the bfloat16 ``F.linear`` of the same shape."""
     import torch.nn.functional as F
 
-    from kvpilot.engine.core.weight_quant import Fp8WeightConfig
+    from kvpilot.contract.weight_quant import Fp8WeightConfig
     from kvpilot.engine.model.layers import fp8_linear as q
 
     rows, columns = (256, 128) if smoke else (6144, 1024)   # Qwen3-0.6B's gate/up

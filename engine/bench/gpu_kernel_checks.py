@@ -78,7 +78,7 @@ def check_rms_norm(device, *, smoke: bool) -> list[dict]:
 
 
 def check_rotary(device, *, smoke: bool) -> list[dict]:
-    from kvpilot.engine.model.hf_config import RopeConfig
+    from kvpilot.contract.rope import RopeConfig
     from kvpilot.engine.model.layers.rotary import RotaryEmbedding
     from kvpilot.kernels.rotary import rotary_embedding, rotary_embedding_ref
 

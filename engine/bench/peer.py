@@ -133,10 +133,10 @@ def _print_ratios(table: dict[tuple[str, str], dict[str, float]], names: list[st
 
 def run(args: argparse.Namespace) -> int:
     from kvpilot.engine.bench import peer_models
-    from kvpilot.engine.bench.machine import cpu_info
     from kvpilot.engine.bench.peer_load import Workload, measure
     from kvpilot.engine.bench.peer_servers import ServerSettings, start
     from kvpilot.engine.bench.server_process import free_port
+    from kvpilot.engine.model.cpu_info import cpu_info
 
     cpu = cpu_info()
     print(f"CPU: {cpu.describe()}", flush=True)

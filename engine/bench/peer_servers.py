@@ -31,8 +31,8 @@ from pathlib import Path
 
 import httpx
 
-from kvpilot.engine.bench.machine import CPUInfo
 from kvpilot.engine.bench.server_process import stop_process
+from kvpilot.engine.model.cpu_info import CPUInfo
 
 DEFAULT_PEERS_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvpilot" / "peers"
 LLAMA_CPP_SDIST = "llama-cpp-python"

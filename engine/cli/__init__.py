@@ -1,1 +1,5 @@
-"""The `kvpilot` command line."""
+"""The `kvpilot` command line: ``serve``, ``generate``, ``plan``, ``operator``, ``bench``.
+
+May import anything (each subcommand imports its side lazily, so ``kvpilot operator``
+never loads torch); nothing below the command line imports it but the server's parser.
+"""

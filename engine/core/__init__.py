@@ -1,10 +1,5 @@
-"""The engine's torch-free core: what each step decides.
+"""The engine's torch-free core: what each step decides (the scheduler side).
 
-- ``constants``: names and limits shared with the CLI and the operator (one source each).
-- ``kv_layout``: the KV-cache memory formula (``KVLayout``; ``HybridKVLayout`` for mixed
-  full / sliding-window layers), shared with the planner.
-- ``weight_quant``: a checkpoint's FP8 weight format from config.json, shared with the planner.
-- ``step_cost``: FLOPs and memory traffic of a step, for the MFU metrics and the planner's latency.
 - ``block_hash``: hash-chained block hashes for prefix caching.
 - ``block_pool``: blocks, ref counts, the LRU free queue and the hash -> block map.
 - ``kv_cache_manager``: per-request block tables and prefix-cache lookups.
@@ -14,7 +9,11 @@
 - ``kv_transfer``: the offload saves and loads a step carries to the runner.
 - ``kv_event_log``: what each step changed in each KV tier, for the KV-event publisher.
 
-May import: the standard library, ``kvpilot.engine.config``, ``kvpilot.engine.sampling_params``
-and ``kvpilot.engine.model.hf_config`` (all torch-free). Never torch, numpy or tokenizers:
-``tests/test_layering.py`` imports every module here with torch blocked.
+What the engine shares with the planner (the KV formula, the config.json reader, the
+shared constants, ...) is ``kvpilot.contract``.
+
+May import: the standard library, ``kvpilot.contract``, ``kvpilot.engine.config`` and
+``kvpilot.engine.sampling_params`` (all torch-free). Never torch, numpy or tokenizers, the
+model side, the server or the operator: ``tests/structure/test_layering.py`` imports
+every module here with torch and numpy blocked, and checks the import graph.
 """

@@ -26,10 +26,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvpilot.contract.kv_layout import num_released_blocks
 from kvpilot.engine.core.block_hash import BlockHash, extend_block_hashes
 from kvpilot.engine.core.block_pool import BlockPool, KVCacheBlock
 from kvpilot.engine.core.kv_event_log import MEDIUM_GPU, STORED, KVEventLog
-from kvpilot.engine.core.kv_layout import num_released_blocks
 from kvpilot.engine.core.kv_residency import KVResidencySampler
 from kvpilot.engine.core.request import Request
 

@@ -23,7 +23,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from kvpilot.engine.lora.config import TARGET_MODULES
+from kvpilot.contract.lora_slots import TARGET_MODULES
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -111,7 +111,7 @@ def read_peft_adapter(path: str | Path, shapes: dict[str, tuple[int, int]], num_
     """The adapter at ``path`` checked against the base model.
 
     Args:
-        shapes: ``(in, out)`` of each targeted projection (``config.projection_shapes``).
+        shapes: ``(in, out)`` of each targeted projection (``contract.lora_slots.projection_shapes``).
         num_layers: the base model's layers.
         max_rank: ``--max-lora-rank``.
         dtype: the slots' dtype.

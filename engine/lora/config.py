@@ -1,18 +1,11 @@
-"""LoRA settings and the shapes of the projections an adapter may target (torch-free)."""
+"""LoRA settings (torch-free). The projections an adapter may target and their shapes are
+``kvpilot.contract.lora_slots``'s (the planner counts the slots with them)."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from kvpilot.engine.model.hf_config import ArchConfig
-
-# PEFT's module names of the projections kvpilot applies adapters to, in layer order.
-ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
-TARGET_MODULES = ATTENTION_MODULES + MLP_MODULES
 LORA_DTYPES = ("auto", "float16", "bfloat16", "float32")
 # vLLM's environment switch for /v1/load_lora_adapter and /v1/unload_lora_adapter.
 RUNTIME_LORA_UPDATING_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
@@ -90,11 +83,3 @@ class LoRAConfig:
     def dtype_name(self, model_dtype: str) -> str:
         return model_dtype if self.lora_dtype == "auto" else self.lora_dtype
 
-
-def projection_shapes(arch: ArchConfig) -> dict[str, tuple[int, int]]:
-    """``(in_features, out_features)`` of each targeted projection of one layer."""
-    q = arch.num_attention_heads * arch.head_dim
-    kv = arch.num_key_value_heads * arch.head_dim
-    h, inter = arch.hidden_size, arch.intermediate_size
-    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}

@@ -41,7 +41,7 @@ class LoRASlots:
     """``num_slots`` adapters of rank <= ``max_rank`` on ``device``.
 
     Args:
-        shapes: ``(in, out)`` per targeted module (``config.projection_shapes``).
+        shapes: ``(in, out)`` per targeted module (``contract.lora_slots.projection_shapes``).
     """
 
     def __init__(self, shapes: dict[str, tuple[int, int]], num_layers: int, num_slots: int,

@@ -32,8 +32,8 @@ def start_lora(lora_config, model_config: ModelConfig, device: torch.device):
     (None, None) when LoRA is off."""
     if lora_config is None:
         return None, None
+    from kvpilot.contract.lora_slots import projection_shapes
     from kvpilot.engine.lora.checkpoint import read_peft_adapter
-    from kvpilot.engine.lora.config import projection_shapes
     from kvpilot.engine.lora.counters import LoRACounters
     from kvpilot.engine.lora.layers import LoRASlots
     from kvpilot.engine.lora.registry import LoRARegistry

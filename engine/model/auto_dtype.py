@@ -12,8 +12,8 @@ Torch-free; ``resolve_auto_dtype`` returns the reason beside the choice, for the
 
 from __future__ import annotations
 
-from kvpilot.engine.bench.machine import CPUInfo, cpu_info
-from kvpilot.engine.core.constants import MODEL_DTYPES
+from kvpilot.contract.constants import MODEL_DTYPES
+from kvpilot.engine.model.cpu_info import CPUInfo, cpu_info
 
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 

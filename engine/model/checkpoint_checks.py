@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvpilot.engine.model.hf_config import ArchConfig
+    from kvpilot.contract.arch_config import ArchConfig
 
 MAX_CONFIG_BYTES = 4 << 20
 # field -> inclusive upper bound (each also >= 1)

@@ -27,15 +27,15 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from kvpilot.engine.core.gguf_contract import find_gguf
-from kvpilot.engine.core.pipeline_stages import StageLayers
-from kvpilot.engine.core.weight_quant import Fp8WeightConfig
+from kvpilot.contract.arch_config import ArchConfig
+from kvpilot.contract.gguf import find_gguf
+from kvpilot.contract.pipeline_stages import StageLayers
+from kvpilot.contract.weight_quant import Fp8WeightConfig
 from kvpilot.engine.model.checkpoint_checks import (
     check_shard_names,
     check_tensor_list,
     checkpoint_shapes,
 )
-from kvpilot.engine.model.hf_config import ArchConfig
 from kvpilot.engine.model.layers.fp8_linear import use_fp8_weight
 from kvpilot.engine.model.layers.rotary import layer_rotaries
 from kvpilot.engine.model.models import model_class
@@ -43,22 +43,11 @@ from kvpilot.engine.model.models.llama import LlamaForCausalLM
 from kvpilot.engine.model.parallel.group import TPGroup
 from kvpilot.engine.model.parallel.linear import ShapeMismatch, check_shape
 from kvpilot.engine.model.parallel.sharding import read_shard
+from kvpilot.engine.model.param_names import LAYER, param_target
 
 logger = logging.getLogger(__name__)
 
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-# checkpoint sub-name -> (fused parameter, shard index among the fused parts)
-_FUSED = {
-    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
-    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
-    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
-    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-    "mlp.up_proj": ("mlp.gate_up_proj", 1),
-}
 _KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:attn\.)?([kv])_scale$")
-# checkpoint suffix -> engine parameter (FP8 scales: both formats multiply)
-_SUFFIXES = {".weight": ".weight", ".bias": ".bias", ".weight_scale": ".weight_scale",
-             ".weight_scale_inv": ".weight_scale"}
 # engine linear layer -> the checkpoint modules fused into it
 _LINEARS = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -95,24 +84,6 @@ def iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, Any]]:
                 yield name, f.get_slice(name)
 
 
-def _target(name: str) -> tuple[str, int | None]:
-    """Engine parameter name (and fused shard index) for a checkpoint tensor name."""
-    m = _LAYER.match(name)
-    if m:
-        layer, rest = m.groups()
-        for suffix, param in _SUFFIXES.items():
-            if rest.endswith(suffix):
-                base = rest[: -len(suffix)]
-                if base in _FUSED:
-                    fused, shard = _FUSED[base]
-                    return f"layers.{layer}.{fused}{param}", shard
-                return f"layers.{layer}.{base}{param}", None
-        return f"layers.{layer}.{rest}", None
-    if name.startswith("model."):
-        return name[len("model."):], None
-    return name, None
-
-
 def _load_one(module: nn.Module, param_name: str, src: Any, shard: int | None) -> None:
     """This rank's part of ``src`` into ``module``'s parameter (tensor-parallel layers
     shard it; anything else is replicated whole)."""
@@ -128,7 +99,7 @@ def _load_one(module: nn.Module, param_name: str, src: Any, shard: int | None) -
 def _stage_target(name: str, stage: StageLayers, num_layers: int, tied: bool) -> str | None:
     """``name`` as this pipeline stage's model names it (decoder layer ``i`` is the stage's
     ``layers[i - first_layer]``), or None when the tensor belongs to another stage."""
-    m = _LAYER.match(name)
+    m = LAYER.match(name)
     if m:
         layer = int(m.group(1))
         if layer not in stage.layers(num_layers):
@@ -190,7 +161,7 @@ def load_model(model_dir: str | Path, cfg: ArchConfig, max_model_len: int,
             continue
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
-        target, shard = _target(name)
+        target, shard = param_target(name)
         if target not in params:
             unexpected.append(name)
             continue

@@ -36,8 +36,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from kvpilot.contract.kv_layout import KVLayout
 from kvpilot.engine.config import CacheConfig, SchedulerConfig
-from kvpilot.engine.core.kv_layout import KVLayout
 from kvpilot.engine.model.device_memory import DeviceMemory, MemorySnapshot
 
 logger = logging.getLogger(__name__)

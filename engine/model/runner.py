@@ -5,7 +5,7 @@ num_kv_heads, head_dim]`` and the persistent batch (``InputBatch``: per-request 
 tokens, block tables, sampling parameters and seeded generators), which a step updates
 with what changed rather than rebuilding from the scheduler's request objects.
 
-A hybrid model (full-attention and sliding-window layers, ``hf_config.kv_cache_groups``)
+A hybrid model (full-attention and sliding-window layers, ``contract.arch_config.kv_cache_groups``)
 keeps each kind of layer in its own cache tensors, with their own block count, block
 tables and slot mappings (KV cache group 0: full attention, 1: sliding window); each
 layer reads its group's metadata.
@@ -32,8 +32,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvpilot.contract.arch_config import kv_cache_groups
+from kvpilot.contract.kv_layout import kv_heads_per_rank
 from kvpilot.engine.config import CacheConfig, ModelConfig, SchedulerConfig
-from kvpilot.engine.core.kv_layout import kv_heads_per_rank
 from kvpilot.engine.core.scheduler import SchedulerOutput
 from kvpilot.engine.model.attention import (
     AttentionBackend,
@@ -41,7 +42,6 @@ from kvpilot.engine.model.attention import (
     select_attention_backend,
 )
 from kvpilot.engine.model.cuda_graphs import DecodeGraphs, capture_sizes
-from kvpilot.engine.model.hf_config import kv_cache_groups
 from kvpilot.engine.model.input_batch import InputBatch
 from kvpilot.engine.model.loader import load_model
 from kvpilot.engine.model.parallel.group import RanksOutOfStep, TPGroup

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvpilot.engine.core.constants import OFFLOAD_BACKENDS
+from kvpilot.contract.constants import OFFLOAD_BACKENDS
 
 GIB = 1 << 30
 

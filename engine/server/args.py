@@ -1,5 +1,5 @@
 """The ``kvpilot serve`` argument parser, built from the flag table (``vllm_flags``), and
-the mapping of parsed flags onto ``EngineArgs``.
+the mapping of parsed flags onto ``EngineArgs`` and the ``ServerConfig``.
 
 Torch-free on purpose: the operator parses the arguments it puts into a Deployment
 with this very parser, and its image has no torch. Flag names follow vLLM's wherever
@@ -11,14 +11,23 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+from types import MappingProxyType
 
+from kvpilot.contract.constants import MAX_TENSOR_PARALLEL_SIZE
 from kvpilot.engine.cli.parser import ArgumentParser
 from kvpilot.engine.config import StructuredOutputsConfig
-from kvpilot.engine.core.constants import MAX_TENSOR_PARALLEL_SIZE
+from kvpilot.engine.deploy.lws import rendezvous_from_env
 from kvpilot.engine.engine_args import EngineArgs
 from kvpilot.engine.lora.config import RUNTIME_LORA_UPDATING_ENV
-from kvpilot.engine.model.parallel.lws import rendezvous_from_env
 from kvpilot.engine.server.arg_types import parse_size
+from kvpilot.engine.server.config import (
+    API_KEY_ENV,
+    ChatConfig,
+    CORSConfig,
+    RequestLimits,
+    ServerConfig,
+    load_chat_template,
+)
 from kvpilot.engine.server.flag_table import Flag, add_flags
 from kvpilot.engine.server.vllm_flags import SERVE_FLAGS
 
@@ -108,3 +117,44 @@ def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
         rendezvous=rendezvous_from_env(os.environ) if ns.pipeline_parallel_size > 1 else None,
     )
     return EngineArgs(**kwargs)
+
+
+def server_config_from_namespace(ns: argparse.Namespace) -> ServerConfig:
+    """Builds a ServerConfig from parsed ``kvpilot serve`` flags.
+
+    Without ``--api-key`` the key comes from ``$KVPILOT_API_KEY`` (how a Kubernetes
+    Secret reaches the server without showing on the command line).
+    """
+    chat = ChatConfig(
+        chat_template=load_chat_template(ns.chat_template),
+        default_template_kwargs=MappingProxyType(dict(ns.default_chat_template_kwargs or {})),
+        enable_auto_tool_choice=ns.enable_auto_tool_choice,
+        tool_call_parser=ns.tool_call_parser,
+        exclude_tools_when_tool_choice_none=ns.exclude_tools_when_tool_choice_none,
+        reasoning_parser=structured_outputs_config(ns).reasoning_parser,
+    )
+    return ServerConfig(
+        served_model_names=tuple(ns.served_model_name or ()),
+        api_key=ns.api_key or os.environ.get(API_KEY_ENV) or None,
+        max_waiting_requests=ns.max_waiting_requests,
+        log_stats_interval=0.0 if ns.disable_log_stats else ns.log_stats_interval,
+        enable_log_requests=ns.enable_log_requests,
+        max_log_len=ns.max_log_len,
+        disable_fastapi_docs=ns.disable_fastapi_docs,
+        enable_request_id_headers=ns.enable_request_id_headers,
+        cors=CORSConfig(tuple(ns.allowed_origins), tuple(ns.allowed_methods),
+                        tuple(ns.allowed_headers), ns.allow_credentials),
+        chat=chat,
+        max_request_body_bytes=ns.max_request_body_bytes or None,
+        tokenizer_threads=ns.tokenizer_threads,
+        engine_hang_timeout=ns.engine_hang_timeout or None,
+        shutdown_timeout=ns.shutdown_timeout,
+        metrics_require_api_key=ns.metrics_require_api_key,
+        body_read_timeout=ns.body_read_timeout or None,
+        limits=RequestLimits(
+            max_stop_strings=ns.max_stop_strings, max_stop_string_chars=ns.max_stop_string_chars,
+            max_choices=ns.max_structured_choices,
+            max_constraint_bytes=ns.max_structured_output_bytes, max_tools=ns.max_tools,
+            max_tools_bytes=ns.max_tools_bytes,
+            max_sequences_per_request=ns.max_sequences_per_request),
+    )

@@ -12,8 +12,11 @@ import contextlib
 import logging
 import sys
 
-from kvpilot.engine.server.args import add_serve_arguments, engine_args_from_namespace
-from kvpilot.engine.server.config import server_config_from_namespace
+from kvpilot.engine.server.args import (
+    add_serve_arguments,
+    engine_args_from_namespace,
+    server_config_from_namespace,
+)
 
 logger = logging.getLogger("kvpilot.engine.server")
 # What uvicorn grants connections still open after the drain (or on SIGINT) before it
@@ -52,7 +55,7 @@ def run(ns: argparse.Namespace) -> int:
         return 2
     if engine_args.rendezvous is not None and engine_args.rendezvous.worker_index > 0:
         # a LeaderWorkerSet worker pod: no server, this pod's pipeline stage for the leader
-        from kvpilot.engine.model.parallel.stage_pod import serve_stage
+        from kvpilot.engine.deploy.stage_pod import serve_stage
 
         return serve_stage(engine_args)
     with asyncio.Runner(loop_factory=event_loop_factory()) as runner:

@@ -1,8 +1,8 @@
 """A ``kvpilot serve`` flag as one row, and what is built from rows: the argparse parser,
-its ``--help`` text and the README's flag tables.
+its ``--help`` text and the flag tables of ``docs/serving.md``.
 
 A row says everything about a flag once: its names, how argparse reads it, its default
-and one help text, which ``--help`` and the README both print. A flag that sets an
+and one help text, which ``--help`` and the docs both print. A flag that sets an
 ``EngineArgs`` field names it (``engine=``): its default is then that field's default
 (read, never repeated) and ``args.engine_args_from_namespace`` copies the value over, so
 adding an engine flag is one row here plus its ``EngineArgs`` field. Other defaults live
@@ -33,7 +33,7 @@ class Flag:
     Args:
         name: the long option (``--enable-lora``), or ``MODEL`` for the positional model.
         help: what it does in kvpilot, or (refused) why kvpilot cannot honour it; the
-            ``--help`` text and the README's meaning column.
+            ``--help`` text and the docs' meaning column.
         status: ``HONOURED`` or ``REFUSED`` (refused: the flag stops start-up with one
             line naming it, and is hidden from ``--help``).
         vllm: a ``vllm serve`` flag (False: kvpilot's own).
@@ -41,7 +41,7 @@ class Flag:
         group: the ``--help`` section (set by ``section``).
         engine: the ``EngineArgs`` field this flag sets; the default is that field's.
         default: the default of a flag that sets no ``EngineArgs`` field.
-        default_text: how ``--help`` and the README state a default that is not a plain
+        default_text: how ``--help`` and the docs state a default that is not a plain
             value (``"the model's"``); None: the value itself, nothing for None.
         type, choices, action, nargs, metavar, dest: as for ``add_argument``.
     """
@@ -76,7 +76,7 @@ class Flag:
 
     @property
     def meaning(self) -> str:
-        """The README's name for ``help``."""
+        """The docs' name for ``help``."""
         return self.help
 
     @property
@@ -96,7 +96,7 @@ class Flag:
 
     @property
     def default_label(self) -> str | None:
-        """The default as ``--help`` and the README state it; None when there is none to state."""
+        """The default as ``--help`` and the docs state it; None when there is none to state."""
         if self.default_text is not None:
             return self.default_text
         value = self.resolved_default

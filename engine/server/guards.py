@@ -39,7 +39,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvpilot.engine.core.constants import LIVENESS_PATH, READINESS_PATH
+from kvpilot.contract.constants import LIVENESS_PATH, READINESS_PATH
 from kvpilot.engine.server.errors import (
     INVALID_REQUEST,
     UNAVAILABLE,

@@ -15,7 +15,7 @@ from fastapi import APIRouter, Depends, Response
 from fastapi.responses import JSONResponse
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 
-from kvpilot.engine.core.constants import LIVENESS_PATH, READINESS_PATH
+from kvpilot.contract.constants import LIVENESS_PATH, READINESS_PATH
 from kvpilot.engine.server.errors import UNAVAILABLE, error_body
 from kvpilot.engine.server.protocol import ErrorResponse, VersionResponse
 from kvpilot.engine.server.state import ServerState, not_serving_message, server_state

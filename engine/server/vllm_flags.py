@@ -8,8 +8,8 @@ naming it and saying why, instead of argparse's "unrecognized arguments" or, wor
 being silently ignored. kvpilot's own flags (``_k``) sit beside the vLLM flags of their
 concern.
 
-The parser (``args.make_serve_parser``), its ``--help`` text and the README's two flag
-tables (``render_serve_flags``, ``render_markdown``) are built from this table, and
+The parser (``args.make_serve_parser``), its ``--help`` text and the two flag tables of
+``docs/serving.md`` (``render_serve_flags``, ``render_markdown``) are built from this table, and
 ``tests/server/test_vllm_flags.py`` exercises every row; a row's fields are described in
 ``flag_table.Flag``. An engine flag names its ``EngineArgs`` field (``engine=``) and takes
 its default from there.
@@ -24,14 +24,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvpilot.engine.config import REASONING_PARSERS, STRUCTURED_OUTPUT_BACKENDS
-from kvpilot.engine.core.constants import (
+from kvpilot.contract.constants import (
     ATTENTION_BACKENDS,
     KV_CACHE_DTYPES,
     MAX_TENSOR_PARALLEL_SIZE,
     MODEL_DTYPES,
     OFFLOAD_BACKENDS,
 )
+from kvpilot.engine.config import REASONING_PARSERS, STRUCTURED_OUTPUT_BACKENDS
 from kvpilot.engine.core.request_queue import SCHEDULING_POLICIES
 from kvpilot.engine.engine_args import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_MAX_NUM_BATCHED_TOKENS
 from kvpilot.engine.lora.config import LORA_DTYPES, RUNTIME_LORA_UPDATING_ENV
@@ -404,33 +404,33 @@ def refused() -> list[Flag]:
 
 
 def render_serve_flags() -> str:
-    """The README's table of every flag ``kvpilot serve`` honours (its serve-flags block)."""
+    """The table of every flag ``kvpilot serve`` honours (docs/serving.md's serve-flags block)."""
     return (render_flags_table(SERVE_FLAGS)
             + "\n† kvpilot's own flag (not a `vllm serve` flag).\n")
 
 
 def render_markdown() -> str:
-    """The README's table of the vLLM flags kvpilot refuses (its vllm-flags block)."""
+    """The table of the vLLM flags kvpilot refuses (docs/serving.md's vllm-flags block)."""
     return (f"{len(honoured())} of vLLM's flags are honoured (the table above), "
             f"{len(refused())} refused:\n\n" + render_refused_table(VLLM_FLAGS))
 
 
-def readme_blocks() -> dict[str, str]:
-    """The README's rendered flag tables by marker name (``<!-- NAME:begin -->``)."""
+def flag_table_blocks() -> dict[str, str]:
+    """The rendered flag tables by marker name (``<!-- NAME:begin -->``)."""
     return {"serve-flags": render_serve_flags(), "vllm-flags": render_markdown()}
 
 
-def update_readme(text: str) -> str:
-    """``text`` (the README) with its rendered flag tables replaced by the current ones;
-    ValueError when a pair of markers is missing."""
-    for name, body in readme_blocks().items():
+def update_flag_tables(text: str) -> str:
+    """``text`` (a page: ``docs/serving.md``) with its rendered flag tables replaced by the
+    current ones; ValueError when a pair of markers is missing."""
+    for name, body in flag_table_blocks().items():
         pattern = re.compile(rf"(<!-- {name}:begin -->\n).*?(<!-- {name}:end -->)", re.DOTALL)
         if not pattern.search(text):
-            raise ValueError(f"the README lacks the <!-- {name}:begin/end --> markers")
+            raise ValueError(f"the page lacks the <!-- {name}:begin/end --> markers")
         text = pattern.sub(lambda m, body=body: m.group(1) + body + m.group(2), text)
     return text
 
 
-if __name__ == "__main__":   # python -m kvpilot.engine.server.vllm_flags README.md
-    readme = Path(sys.argv[1])
-    readme.write_text(update_readme(readme.read_text()))
+if __name__ == "__main__":   # python -m kvpilot.engine.server.vllm_flags docs/serving.md
+    page = Path(sys.argv[1])
+    page.write_text(update_flag_tables(page.read_text()))

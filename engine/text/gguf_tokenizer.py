@@ -1,4 +1,6 @@
-"""The tokenizer a GGUF file describes in its metadata, as the engine's ``Tokenizer``.
+"""The tokenizer a GGUF file describes in its metadata, as the arguments of the engine's
+``Tokenizer`` (``Tokenizer.from_pretrained`` builds it from them: this module does not
+import ``tokenizer``, which imports it).
 
 A GGUF file has no ``tokenizer.json``: it lists the vocabulary (``tokenizer.ggml.tokens``,
 with ``scores`` and ``token_type``), the merges and the special token ids. They are built
@@ -27,8 +29,6 @@ from typing import Any
 
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
-
-from kvpilot.engine.text.tokenizer import Tokenizer
 
 CONTROL, USER_DEFINED = 3, 4
 SPIECE_SPACE = "\u2581"
@@ -154,8 +154,10 @@ def read_tokenizer_metadata(path: str | Path) -> dict[str, Any]:
     return {key: reader.fields[key].contents() for key in _KEYS if key in reader.fields}
 
 
-def gguf_tokenizer(path: str | Path) -> Tokenizer:
-    """The engine's ``Tokenizer`` for the vocabulary in GGUF file ``path`` (module docstring).
+def gguf_tokenizer_args(path: str | Path) -> dict[str, Any]:
+    """The ``Tokenizer`` arguments (the ``tokenizers`` backend, the special tokens, the chat
+    templates, the ids that end generation) of the vocabulary in GGUF file ``path``
+    (module docstring).
 
     Raises:
         ValueError: the file has no vocabulary, or one of a kind not supported.
@@ -185,6 +187,6 @@ def gguf_tokenizer(path: str | Path) -> Tokenizer:
     stop = [i for i in (meta.get("tokenizer.ggml.eos_token_id"), meta.get("tokenizer.ggml.eot_token_id"))
             if i is not None]
     template = meta.get("tokenizer.chat_template")
-    return Tokenizer(backend, special_tokens=special,
-                     chat_templates={"default": template} if template else {},
-                     generation_eos_token_ids=list(dict.fromkeys(stop)))
+    return {"backend": backend, "special_tokens": special,
+            "chat_templates": {"default": template} if template else {},
+            "generation_eos_token_ids": list(dict.fromkeys(stop))}

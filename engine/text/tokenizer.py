@@ -185,13 +185,13 @@ class Tokenizer:
             ValueError: a malformed configuration file.
         """
         path = Path(path)
-        from kvpilot.engine.core.gguf_contract import find_gguf
+        from kvpilot.contract.gguf import find_gguf
 
         gguf_file = find_gguf(path)
         if gguf_file is not None:   # the vocabulary in a GGUF file's metadata
-            from kvpilot.engine.text.gguf_tokenizer import gguf_tokenizer
+            from kvpilot.engine.text.gguf_tokenizer import gguf_tokenizer_args
 
-            return gguf_tokenizer(gguf_file)
+            return cls(**gguf_tokenizer_args(gguf_file))
         if not path.is_dir():
             raise FileNotFoundError(f"tokenizer directory {path} does not exist")
         tokenizer_file = path / "tokenizer.json"

@@ -4,4 +4,9 @@
 - ``rules``: CEL rules from one expression vocabulary, rendered and evaluated.
 - ``inference_service`` / ``inference_service_status``: the tables (one row per field).
 - ``crd``: the CustomResourceDefinition document rendered from them.
+
+Not to be confused with ``kvpilot.contract``, what the engine and the planner share (this
+package takes the engine's dtype and backend names from it). May import: pyyaml,
+``kvpilot.contract``, ``kvpilot.operator.constants`` / ``settings`` and the planner's GPU
+catalogue.
 """

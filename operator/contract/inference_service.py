@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 
-from kvpilot.engine.core.constants import KV_CACHE_DTYPES, OFFLOAD_BACKENDS
+from kvpilot.contract.constants import KV_CACHE_DTYPES, OFFLOAD_BACKENDS
 from kvpilot.operator.constants import HTTP_PORT
 from kvpilot.operator.contract.rules import Rule, each, f, has
 from kvpilot.operator.contract.schema import Arr, Bool, Free, Int, IntOrStr, Map, Num, Obj, Str

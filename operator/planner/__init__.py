@@ -1,6 +1,9 @@
 """The planner: SLOs + the KV memory formula -> engine parameters, with the derivation.
 
-Torch-free (the operator image has no torch). Public API, stable for the operator::
+Torch-free (the operator image has no torch). May import: the standard library, pyyaml,
+safetensors (header reads), ``gguf`` (GGUF headers) and ``kvpilot.contract``, where the
+engine's own rules live (the config.json reader, the KV formula, the step cost, the
+pipeline split, the LoRA slots); nothing else of kvpilot. Public API, stable for the operator::
 
     from kvpilot.operator.planner import PlanRequest, make_plan
 

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kvpilot.engine.core.gguf_contract import find_gguf
+from kvpilot.contract.gguf import find_gguf
 from kvpilot.operator.planner.gguf_model import gguf_model
 from kvpilot.operator.planner.model_spec import ModelSpec, model_from_config
 from kvpilot.operator.planner.weights import checkpoint_weight_bytes

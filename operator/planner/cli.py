@@ -21,7 +21,7 @@ import sys
 from dataclasses import fields
 from typing import Any
 
-from kvpilot.engine.core.constants import KV_CACHE_DTYPES, OFFLOAD_BACKENDS
+from kvpilot.contract.constants import KV_CACHE_DTYPES, OFFLOAD_BACKENDS
 from kvpilot.operator.planner.catalog import model_presets
 from kvpilot.operator.planner.gpu import GPU_CATALOG
 from kvpilot.operator.planner.plan import make_plan

@@ -24,13 +24,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from kvpilot.engine.core.kv_layout import (
+from kvpilot.contract.kv_layout import (
     HybridKVLayout,
     KVLayout,
     kv_heads_per_rank,
     sliding_pool_blocks,
 )
-from kvpilot.engine.core.step_cost import StepCostModel
+from kvpilot.contract.step_cost import StepCostModel
 from kvpilot.operator.planner import kv_dtype
 from kvpilot.operator.planner.checks import Check, run_checks
 from kvpilot.operator.planner.latency import (

@@ -6,7 +6,7 @@ milliseconds. Each line is one step of ``evaluate`` in the order it happens.
 
 from __future__ import annotations
 
-from kvpilot.engine.core.kv_layout import HybridKVLayout
+from kvpilot.contract.kv_layout import HybridKVLayout
 from kvpilot.operator.planner import kv_dtype
 from kvpilot.operator.planner.evaluate import Evaluation
 from kvpilot.operator.planner.latency import FLOPS_EFFICIENCY, HBM_EFFICIENCY, REPLICA_UTILIZATION

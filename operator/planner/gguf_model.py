@@ -1,7 +1,7 @@
 """A GGUF file as a planner model, from its header (torch-free; the ``gguf`` package reads
 it, imported only when a GGUF file is planned for).
 
-The config is the engine's reading of the metadata (``engine.core.gguf_contract``), in
+The config is the engine's reading of the metadata (``contract.gguf``), in
 bfloat16 as the engine serves it on a GPU (``--dtype auto``); the weight bytes are what
 the engine holds, tensor by tensor, by the engine's rule (``resident_tensor_bytes``). The
 planner plans GPUs, where the engine dequantizes every GGUF tensor at load (its block
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvpilot.engine.core.gguf_contract import (
+from kvpilot.contract.gguf import (
     TOKENIZER_ARRAYS,
     gguf_config_dict,
     resident_tensor_bytes,

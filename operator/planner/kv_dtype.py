@@ -18,7 +18,7 @@ explicit ``kv_cache_dtype`` override is used as given, with the same warnings.
 
 from __future__ import annotations
 
-from kvpilot.engine.core.kv_layout import FP8_KV_DTYPES, kv_dtype_bytes
+from kvpilot.contract.kv_layout import FP8_KV_DTYPES, kv_dtype_bytes
 from kvpilot.operator.planner.model_spec import ModelSpec
 from kvpilot.operator.planner.slo import Overrides, ServiceLevel
 

@@ -7,7 +7,7 @@ of reading memory and computing::
     memory  = (weights / TP + batch x KV bytes of one sequence / TP) / (HBM_EFFICIENCY x bandwidth)
     compute = tokens x FLOPs/token / (FLOPS_EFFICIENCY x TP x dense BF16 FLOP/s)
 
-The bytes and FLOPs are the engine's own model of a step (``kvpilot.engine.core.step_cost``,
+The bytes and FLOPs are the engine's own model of a step (``kvpilot.contract.step_cost``,
 the one behind its MFU metrics): FLOPs/token of a prompt of P tokens is 2 x the linear
 weights of the layers, the LM head once per prompt (2 x vocab x hidden / P) and
 attention's 4 x heads x head_dim x (P + 1) / 2 keys per query summed over layers (at
@@ -35,7 +35,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvpilot.engine.core.step_cost import StepCostModel
+from kvpilot.contract.step_cost import StepCostModel
 from kvpilot.operator.planner.model_spec import ModelSpec
 
 HBM_EFFICIENCY = 0.80

@@ -7,8 +7,8 @@ every layer: A ``[rank, in]`` and B ``[rank, out]``::
     LoRA bytes = max_loras x max_lora_rank x sum(in + out) of the 7 projections x layers x dtype bytes
 
 and subtracts them from the KV budget before sizing the cache. The shapes and the product
-are the engine's own (``kvpilot.engine.lora.config.projection_shapes``,
-``kvpilot.engine.lora.memory.lora_slot_bytes``), so the planner's figure is the engine's
+are the engine's own (``kvpilot.contract.lora_slots``: ``projection_shapes``,
+``lora_slot_bytes``), so the planner's figure is the engine's
 byte for byte (``tests/operator/test_planner_lora.py``). The engine serves LoRA on one GPU
 per replica only (no tensor parallelism).
 """
@@ -17,23 +17,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvpilot.engine.lora.config import LoRAConfig, projection_shapes
-from kvpilot.engine.lora.memory import lora_slot_bytes
+from kvpilot.contract.lora_slots import ProjectionSizes, lora_slot_bytes, projection_shapes
 from kvpilot.operator.planner.model_spec import ModelSpec
 
 DEFAULT_MAX_LORA_RANK = 16   # the engine's --max-lora-rank default
-
-
-@dataclass(frozen=True, slots=True)
-class _ArchShape:
-    """The architecture numbers ``projection_shapes`` reads, from a ``ModelSpec``."""
-
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,9 +50,8 @@ def lora_slots(model: ModelSpec, max_loras: int | None, max_lora_rank: int | Non
         return None
     rank = max_lora_rank or DEFAULT_MAX_LORA_RANK
     layers = num_layers or model.num_layers
-    arch = _ArchShape(model.num_attention_heads, model.num_kv_heads, model.head_dim, model.hidden_size,
+    arch = ProjectionSizes(model.num_attention_heads, model.num_kv_heads, model.head_dim, model.hidden_size,
                       model.intermediate_size, layers)
     per_layer = sum(i + o for i, o in projection_shapes(arch).values())
-    num_bytes = lora_slot_bytes(arch, LoRAConfig(max_loras=max_loras, max_lora_rank=rank), model.dtype,
-                                max_loras)
+    num_bytes = lora_slot_bytes(arch, rank, model.dtype_bytes, max_loras)
     return LoRASlots(max_loras, rank, model.dtype, model.dtype_bytes, per_layer, layers, num_bytes)

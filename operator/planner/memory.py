@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kvpilot.engine.core.kv_layout import blocks_held
+from kvpilot.contract.kv_layout import blocks_held
 from kvpilot.operator.planner.model_spec import ModelSpec
 from kvpilot.operator.planner.reserve import Reserve
 

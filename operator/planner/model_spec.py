@@ -1,18 +1,11 @@
-"""A model's architecture as the planner needs it, read from an HF ``config.json`` dict.
+"""A model's architecture as the planner needs it (``ModelSpec``).
 
-Both config layouts are read: transformers 4.x (``torch_dtype``, top-level ``rope_theta``
-and ``rope_scaling``) and 5.x (``dtype``, ``rope_parameters``). Defaults follow
-transformers: ``num_key_value_heads`` defaults to ``num_attention_heads`` and
-``head_dim`` to ``hidden_size // num_attention_heads`` (Qwen3 and Gemma 2 set it
-explicitly to something else). A missing dtype means float32, as in transformers
-and in the engine's own config reader, so ``kv_cache_dtype=auto`` means the same
-bytes on both sides.
-
-Sliding-window layers: ``layer_types`` when present; otherwise Gemma 2 alternates
-(even-indexed layers slide), Gemma 3 slides all but every ``sliding_window_pattern``-th
-layer, Qwen2/Qwen3 slide layers from ``max_window_layers`` on when
-``use_sliding_window`` is true, and any other config with ``sliding_window`` slides
-every layer (Mistral v0.1).
+From an HF ``config.json`` dict it is read by the engine's own reader
+(``kvpilot.contract.arch_config.read_arch_config``: both transformers layouts, the
+defaults of ``num_key_value_heads``, ``head_dim`` and the dtype, which layers slide), so
+the planner sizes the model the engine builds; ``max_position_embeddings`` here is the
+longest context (``ArchConfig.max_context``: stretched by a yarn / dynamic / linear rope).
+Mixture-of-experts configs are refused: the planner sizes dense decoders.
 """
 
 from __future__ import annotations
@@ -20,18 +13,15 @@ from __future__ import annotations
 from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any
 
-from kvpilot.engine.core.kv_layout import tensor_parallel_split_error
+from kvpilot.contract.arch_config import hybrid_kv, kv_release_window, read_arch_config, text_config
+from kvpilot.contract.kv_layout import tensor_parallel_split_error
 from kvpilot.operator.planner.weights import (
     DTYPE_BYTES,
     WEIGHT_QUANT_BYTES,
-    checkpoint_quantization,
     estimate_num_params,
     quantized_weight_bytes,
-    ties_embeddings,
 )
 
-# rope scaling types whose factor stretches the usable context beyond the trained length
-_STRETCHING_ROPE = ("yarn", "dynamic", "linear")
 _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
@@ -126,17 +116,14 @@ class ModelSpec:
         block table: only when every layer slides (mixed layers: ``hybrid_kv``, where the
         full-attention pool holds every block); ``kv_layout.blocks_held`` counts what a
         sequence holds."""
-        if self.num_sliding_layers and self.num_sliding_layers == self.num_layers:
-            return self.sliding_window
-        return None
+        return kv_release_window(self.num_layers, self.num_sliding_layers, self.sliding_window)
 
     def hybrid_kv(self, max_context: int) -> bool:
         """Whether the engine keeps the sliding-window layers' KV in a pool of their own
-        (``hf_config.kv_cache_groups``, the engine's rule): both kinds of layer and a
+        (``contract.arch_config.hybrid_kv``, the engine's rule): both kinds of layer and a
         context that can outgrow the window. The full-attention layers then hold every
         block; the sliding pool is sized by ``kv_layout.sliding_pool_blocks``."""
-        return (0 < self.num_sliding_layers < self.num_layers and self.sliding_window is not None
-                and max_context > self.sliding_window)
+        return hybrid_kv(self.num_layers, self.num_sliding_layers, self.sliding_window, max_context)
 
     def releases_kv_blocks(self, max_context: int) -> bool:
         """Whether the engine releases a sequence's blocks outside a sliding window at this
@@ -185,55 +172,10 @@ class ModelSpec:
         return cls(**data)
 
 
-def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Multimodal checkpoints nest the language model's config under ``text_config``."""
-    return {**cfg, **cfg["text_config"]} if isinstance(cfg.get("text_config"), dict) else cfg
-
-
-def _sliding_layers(cfg: dict[str, Any], num_layers: int) -> tuple[int | None, int]:
-    window = cfg.get("sliding_window")
-    types = cfg.get("layer_types")
-    if isinstance(types, list) and types:
-        count = sum(1 for t in types if t == "sliding_attention")
-        return (int(window), count) if count and window else (None, 0)
-    if not window:
-        return None, 0
-    model_type = cfg.get("model_type", "")
-    if model_type == "gemma2":
-        return int(window), (num_layers + 1) // 2
-    if model_type in ("gemma3", "gemma3_text"):
-        pattern = int(cfg.get("sliding_window_pattern") or 6)
-        return int(window), num_layers - num_layers // pattern
-    if "use_sliding_window" in cfg:
-        if not cfg["use_sliding_window"]:
-            return None, 0
-        first = int(cfg.get("max_window_layers") or 0)
-        count = max(0, num_layers - first)
-        return (int(window), count) if count else (None, 0)
-    return int(window), num_layers
-
-
-def _rope(cfg: dict[str, Any]) -> tuple[float | None, dict[str, Any]]:
-    params = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
-    theta = params.get("rope_theta", cfg.get("rope_theta"))
-    return (float(theta) if theta is not None else None), params
-
-
-def _max_positions(cfg: dict[str, Any], rope: dict[str, Any]) -> int:
-    max_pos = int(cfg.get("max_position_embeddings") or 2048)
-    if cfg.get("model_type") in ("gemma3", "gemma3_text"):
-        return max_pos   # its rope scaling (global layers only) is already counted in it
-    rope_type = rope.get("rope_type", rope.get("type"))
-    factor = rope.get("factor")
-    if rope_type in _STRETCHING_ROPE and factor:
-        original = rope.get("original_max_position_embeddings") or max_pos
-        return max(max_pos, int(original * float(factor)))
-    return max_pos
-
-
 def model_from_config(cfg: dict[str, Any], name: str, *, num_params: int | None = None,
                       weight_bytes: int | None = None, weight_source: str | None = None) -> ModelSpec:
-    """Build a ModelSpec from a config.json dict.
+    """Build a ModelSpec from a config.json dict, read as the engine reads it
+    (``kvpilot.contract.arch_config``).
 
     Args:
         cfg: the parsed config.json.
@@ -242,35 +184,19 @@ def model_from_config(cfg: dict[str, Any], name: str, *, num_params: int | None 
         weight_bytes: measured checkpoint bytes (safetensors); None = num_params x dtype.
         weight_source: how weight_bytes / num_params were obtained (for the derivation).
     """
-    cfg = _text_config(cfg)
+    cfg = text_config(cfg)
     moe = [k for k in _MOE_KEYS if cfg.get(k)]
     if moe:
         raise ValueError(f"{name}: mixture-of-experts configs ({moe[0]}={cfg[moe[0]]}) are not "
                          "supported by the planner; it sizes dense decoder models")
-    try:
-        hidden = int(cfg["hidden_size"])
-        heads = int(cfg["num_attention_heads"])
-        num_layers = int(cfg["num_hidden_layers"])
-        intermediate = int(cfg["intermediate_size"])
-        vocab = int(cfg["vocab_size"])
-    except KeyError as exc:
-        raise ValueError(f"{name}: config.json is missing required field {exc.args[0]!r}") from None
-    except (TypeError, ValueError):
-        raise ValueError(f"{name}: config.json has a non-integer size field") from None
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    head_dim = int(cfg.get("head_dim") or hidden // heads)
-    dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
-    dtype = {"half": "float16", "bf16": "bfloat16", "fp16": "float16", "float": "float32"}.get(dtype, dtype)
-    theta, rope = _rope(cfg)
-    window, num_sliding = _sliding_layers(cfg, num_layers)
-    if num_params is None:
-        num_params = estimate_num_params(cfg, hidden=hidden, heads=heads, kv_heads=kv_heads,
-                                         head_dim=head_dim, num_layers=num_layers,
-                                         intermediate=intermediate, vocab=vocab)
+    arch = read_arch_config(cfg, source=f"{name}: config.json")
     source = weight_source or ("safetensors" if weight_bytes else "parameter-count estimate")
-    return ModelSpec(name=name, num_layers=num_layers, num_attention_heads=heads, num_kv_heads=kv_heads,
-                     head_dim=head_dim, hidden_size=hidden, intermediate_size=intermediate,
-                     vocab_size=vocab, max_position_embeddings=_max_positions(cfg, rope), dtype=dtype,
-                     num_params=num_params, weight_bytes=weight_bytes, weight_source=source,
-                     sliding_window=window, num_sliding_layers=num_sliding, rope_theta=theta,
-                     tied_embeddings=ties_embeddings(cfg), weight_quantization=checkpoint_quantization(cfg))
+    return ModelSpec(name=name, num_layers=arch.num_hidden_layers, num_attention_heads=arch.num_attention_heads,
+                     num_kv_heads=arch.num_key_value_heads, head_dim=arch.head_dim, hidden_size=arch.hidden_size,
+                     intermediate_size=arch.intermediate_size, vocab_size=arch.vocab_size,
+                     max_position_embeddings=arch.max_context, dtype=arch.dtype,
+                     num_params=estimate_num_params(arch) if num_params is None else num_params,
+                     weight_bytes=weight_bytes, weight_source=source, sliding_window=arch.sliding_window,
+                     num_sliding_layers=len(arch.sliding_window_layers), rope_theta=arch.rope.theta,
+                     tied_embeddings=arch.tie_word_embeddings,
+                     weight_quantization="fp8" if arch.quantization is not None else None)

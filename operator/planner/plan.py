@@ -22,8 +22,8 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from kvpilot.engine.core.constants import MAX_TENSOR_PARALLEL_SIZE
-from kvpilot.engine.core.kv_layout import HybridKVLayout
+from kvpilot.contract.constants import MAX_TENSOR_PARALLEL_SIZE
+from kvpilot.contract.kv_layout import HybridKVLayout
 from kvpilot.operator.planner import kv_dtype
 from kvpilot.operator.planner.evaluate import Evaluation, evaluate
 from kvpilot.operator.planner.explain import derivation

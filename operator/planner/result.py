@@ -12,8 +12,8 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpilot.engine.core.constants import DEFAULT_OFFLOAD_DISK_PATH
-from kvpilot.engine.core.kv_layout import HybridKVLayout, KVLayout
+from kvpilot.contract.constants import DEFAULT_OFFLOAD_DISK_PATH
+from kvpilot.contract.kv_layout import HybridKVLayout, KVLayout
 from kvpilot.operator.planner.checks import Check
 
 DEFAULT_DISK_PATH = DEFAULT_OFFLOAD_DISK_PATH

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from kvpilot.engine.core.constants import KV_CACHE_DTYPES, OFFLOAD_BACKENDS
+from kvpilot.contract.constants import KV_CACHE_DTYPES, OFFLOAD_BACKENDS
 from kvpilot.operator.planner.weights import WEIGHT_QUANT_BYTES
 
 

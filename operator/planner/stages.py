@@ -3,7 +3,7 @@
 A replica of ``PP`` pipeline stages runs ``TP`` GPUs per stage (tensor parallelism within
 a node, pipeline parallelism across nodes). The layers are split as vLLM splits them
 (``vllm.distributed.utils.get_pp_indices``; the engine's own rule,
-``kvpilot.engine.core.pipeline_stages.layer_split``): ``num_layers // PP`` each, the remainder one
+``kvpilot.contract.pipeline_stages.layer_split``): ``num_layers // PP`` each, the remainder one
 extra layer apiece to the stages just before the last (the last holds the LM head and the
 sampler, the first the embedding). Weights per GPU of a stage:
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kvpilot.engine.core.pipeline_stages import layer_split
+from kvpilot.contract.pipeline_stages import layer_split
 from kvpilot.operator.planner.model_spec import ModelSpec
 
 __all__ = ["StageShape", "layer_split", "stage_shapes"]

@@ -18,9 +18,9 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
 
-from kvpilot.engine.core.constants import MODEL_DTYPE_BYTES
+from kvpilot.contract.arch_config import ArchConfig
+from kvpilot.contract.constants import MODEL_DTYPE_BYTES
 
 DTYPE_BYTES = MODEL_DTYPE_BYTES
 
@@ -39,21 +39,7 @@ _SAFETENSORS_BITS: dict[str, int] = {
 WEIGHT_QUANT_BYTES: dict[str, float] = {"fp8": 1.0}
 
 
-def checkpoint_quantization(cfg: dict[str, Any]) -> str | None:
-    """``fp8`` when config.json declares FP8 weights the engine serves, None when it is
-    unquantized; ValueError (naming the method) for a quantization the engine refuses."""
-    from kvpilot.engine.core.weight_quant import parse_quantization_config
-
-    return "fp8" if parse_quantization_config(cfg) is not None else None
-
-
 _GATED_NORMS = {"gemma2": 4, "gemma3": 4, "gemma3_text": 4}
-_TIED_BY_DEFAULT = ("gemma", "gemma2", "gemma3", "gemma3_text")
-
-
-def ties_embeddings(cfg: dict[str, Any]) -> bool:
-    """Whether the LM head reuses the input embedding (transformers' default per family)."""
-    return bool(cfg.get("tie_word_embeddings", cfg.get("model_type", "") in _TIED_BY_DEFAULT))
 
 
 def quantized_weight_bytes(num_params: int, embedding_params: int, dtype_bytes: int, quant: str) -> int:
@@ -62,22 +48,23 @@ def quantized_weight_bytes(num_params: int, embedding_params: int, dtype_bytes: 
     return math.ceil(quantised * WEIGHT_QUANT_BYTES[quant]) + min(num_params, embedding_params) * dtype_bytes
 
 
-def estimate_num_params(cfg: dict[str, Any], *, hidden: int, heads: int, kv_heads: int, head_dim: int,
-                        num_layers: int, intermediate: int, vocab: int) -> int:
+def estimate_num_params(arch: ArchConfig) -> int:
     """Parameter count of a dense decoder from its config (tied embeddings counted once)."""
-    model_type = cfg.get("model_type", "")
-    q_out, kv_out = heads * head_dim, kv_heads * head_dim
+    model_type = arch.model_type
+    hidden, head_dim = arch.hidden_size, arch.head_dim
+    q_out, kv_out = arch.num_attention_heads * head_dim, arch.num_key_value_heads * head_dim
     attention = hidden * q_out + 2 * hidden * kv_out + q_out * hidden
-    if cfg.get("attention_bias") or model_type == "qwen2":
+    if arch.attention_bias or model_type == "qwen2":
         attention += q_out + 2 * kv_out
-    if cfg.get("attention_bias") and model_type != "qwen2":
+    if arch.attention_bias and model_type != "qwen2":
         attention += hidden                       # o_proj bias (Llama-style attention_bias)
     if model_type in ("qwen3", "gemma3", "gemma3_text"):
         attention += 2 * head_dim                 # per-head q and k RMSNorm
-    mlp = 3 * hidden * intermediate + (2 * intermediate + hidden if cfg.get("mlp_bias") else 0)
+    inter = arch.intermediate_size
+    mlp = 3 * hidden * inter + (2 * inter + hidden if arch.mlp_bias else 0)
     norms = _GATED_NORMS.get(model_type, 2) * hidden
-    embeddings = vocab * hidden * (1 if ties_embeddings(cfg) else 2)
-    return num_layers * (attention + mlp + norms) + embeddings + hidden
+    embeddings = arch.vocab_size * hidden * (1 if arch.tie_word_embeddings else 2)
+    return arch.num_hidden_layers * (attention + mlp + norms) + embeddings + hidden
 
 
 def weight_bytes_from_index(index_path: Path) -> int | None:

@@ -16,6 +16,11 @@
 | router Deployment, Service, ServiceAccount, Role, RoleBinding, PodDisruptionBudget (PodMonitor with the API) | spec.routing.router = vllm-router (``router.py``) |
 | ServiceAccount          | always: the engine pods' own identity, no API token          |
 | NetworkPolicy           | KVPILOT_NETWORK_POLICY on (the default): the engine pods' fence |
+
+Builders are pure (dicts in, dicts out, no API calls). May import: the operator's typed
+spec, settings, constants and security rules, the contract (``kvpilot.operator.contract``,
+``kvpilot.contract``) and the init container's fetcher (``model_fetch``, for its command);
+never ``reconcile``, the API client or kopf.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kvpilot.engine.core.constants import LIVENESS_PATH, READINESS_PATH
+from kvpilot.contract.constants import LIVENESS_PATH, READINESS_PATH
 from kvpilot.operator import constants as c
 from kvpilot.operator.resources import placement
 from kvpilot.operator.resources.adapters import adapter_delivery, lora_args

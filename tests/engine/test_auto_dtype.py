@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from kvpilot.engine import LLM, EngineArgs
-from kvpilot.engine.bench.machine import cpu_info
 from kvpilot.engine.model.auto_dtype import resolve_auto_dtype
+from kvpilot.engine.model.cpu_info import cpu_info
 
 SAPPHIRE_RAPIDS = "flags\t\t: fpu sse2 avx2 avx512f avx512bw avx512_bf16 amx_bf16 amx_tile\n"
 ZEN3 = "flags\t\t: fpu sse2 avx2 fma f16c\n"

@@ -24,9 +24,9 @@ import shutil
 import pytest
 import torch
 
+from kvpilot.contract.kv_layout import sliding_pool_blocks
 from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.core.hybrid_kv_cache_manager import HybridKVCacheManager
-from kvpilot.engine.core.kv_layout import sliding_pool_blocks
 
 from support.gemma3_checkpoints import WINDOW, as_4x_layout, build_gemma3
 from support.hf_oracle import hf_greedy

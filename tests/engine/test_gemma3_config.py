@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvpilot.engine.model.hf_config import kv_cache_groups, parse_arch_config
+from kvpilot.contract.arch_config import kv_cache_groups
+from kvpilot.engine.model.hf_config import parse_arch_config
 from kvpilot.operator.planner.model_spec import model_from_config
 
 GEMMA_3_1B = {

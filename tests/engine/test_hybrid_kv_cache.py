@@ -17,10 +17,10 @@ import random
 import pytest
 import torch
 
+from kvpilot.contract.kv_layout import blocks_held, sliding_pool_blocks
 from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.core.block_hash import root_hash
 from kvpilot.engine.core.hybrid_kv_cache_manager import HybridKVCacheManager
-from kvpilot.engine.core.kv_layout import blocks_held, sliding_pool_blocks
 from kvpilot.engine.core.request import Request
 
 from support.hf_oracle import hf_greedy

@@ -8,11 +8,11 @@ import dataclasses
 
 import pytest
 
+from kvpilot.contract.step_cost import StepCostModel
 from kvpilot.engine.core.block_hash import root_hash
 from kvpilot.engine.core.kv_cache_manager import KVCacheManager
 from kvpilot.engine.core.kv_residency import KVResidencySampler
 from kvpilot.engine.core.request import Request
-from kvpilot.engine.core.step_cost import StepCostModel
 from kvpilot.engine.sampling_params import SamplingParams
 
 

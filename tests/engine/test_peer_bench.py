@@ -8,9 +8,9 @@ import json
 import subprocess
 import sys
 
-from kvpilot.engine.bench.machine import CPUInfo, cpu_info
 from kvpilot.engine.bench.peer import ratios
 from kvpilot.engine.bench.peer_servers import LLAMA_CPP, VLLM_CPU
+from kvpilot.engine.model.cpu_info import CPUInfo, cpu_info
 
 
 def test_cpu_info_reads_the_model_and_the_kernel_flags(tmp_path):

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import pytest
 
+from kvpilot.contract.kv_layout import KVLayout, kv_heads_per_rank
+from kvpilot.contract.pipeline_stages import layer_split
 from kvpilot.engine import LLM, SamplingParams
-from kvpilot.engine.core.kv_layout import KVLayout, kv_heads_per_rank
-from kvpilot.engine.core.pipeline_stages import layer_split
 
 from support.hf_oracle import MAX_NEW, assert_chunked_hits_and_preempted, hf_greedy, make_prompts
 from support.worker_death import kill_worker_mid_request
@@ -154,7 +154,7 @@ def test_each_rank_profiles_its_own_gpu_and_the_tightest_sizes_the_group(monkeyp
     every rank profiles (the profile step crossing both stages) and allocates stage 1's count."""
     import json
 
-    from kvpilot.engine.core.kv_layout import KVLayout
+    from kvpilot.contract.kv_layout import KVLayout
 
     gib = 1 << 30
     monkeypatch.setenv("KVPILOT_FAKE_DEVICE_MEMORY", json.dumps(

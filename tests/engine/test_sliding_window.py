@@ -17,9 +17,9 @@ import random
 import pytest
 import torch
 
+from kvpilot.contract.kv_layout import blocks_held
 from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.core.hybrid_kv_cache_manager import HybridKVCacheManager
-from kvpilot.engine.core.kv_layout import blocks_held
 
 from support.hf_oracle import MAX_NEW, hf_greedy
 from support.one_request import steps_of_one_request

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from kvpilot.engine.core.kv_layout import tensor_parallel_split_error
+from kvpilot.contract.kv_layout import tensor_parallel_split_error
 from kvpilot.engine.model.parallel.group import TPGroup
 from kvpilot.engine.model.parallel.linear import ColumnParallelLinear, RowParallelLinear
 from kvpilot.engine.model.parallel.sharding import Shard, even_shard, kv_head_shard, read_shard

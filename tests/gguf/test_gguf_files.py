@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kvpilot.engine.core.gguf_contract import find_gguf
+from kvpilot.contract.gguf import find_gguf
 from kvpilot.engine.engine_args import EngineArgs
 
 from support.gguf_files import hf_model, write_gguf

@@ -18,8 +18,8 @@ import random
 
 import pytest
 
+from kvpilot.contract.gguf import KEPT_QUANTIZED
 from kvpilot.engine import LLM, SamplingParams
-from kvpilot.engine.core.gguf_contract import KEPT_QUANTIZED
 from kvpilot.kernels import gguf_matmul_cpu
 
 from support.gguf_files import KINDS, VOCAB, write_gguf

@@ -1,6 +1,6 @@
 """The planner's weight bytes for a GGUF file (its header, torch-free) match what the
 engine holds once it has loaded the file (within 2%; the rule is shared:
-``engine.core.gguf_contract.resident_tensor_bytes``): in blocks on one CPU rank, and
+``contract.gguf.resident_tensor_bytes``): in blocks on one CPU rank, and
 dequantized where the engine has no block kernel (a GPU, which is what the planner plans
 for by default)."""
 
@@ -47,7 +47,7 @@ def test_tiny_qwen2_planner_bytes_match_the_engine(tmp_path, monkeypatch):
 
 
 def test_the_planners_kept_types_are_the_kernels():
-    from kvpilot.engine.core.gguf_contract import KEPT_QUANTIZED
+    from kvpilot.contract.gguf import KEPT_QUANTIZED
     from kvpilot.kernels.gguf_matmul_cpu import QTYPES
 
     assert {name for name, _, _ in QTYPES.values()} == KEPT_QUANTIZED

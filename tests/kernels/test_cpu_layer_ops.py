@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvpilot.engine.model.hf_config import RopeConfig
+from kvpilot.contract.rope import RopeConfig
 from kvpilot.engine.model.layers.rotary import RotaryEmbedding
 from kvpilot.kernels import cpu_layer_ops as ops
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvpilot.engine.model.hf_config import RopeConfig
+from kvpilot.contract.rope import RopeConfig
 from kvpilot.engine.model.layers.rotary import RotaryEmbedding
 from kvpilot.kernels.rms_norm import rms_norm, rms_norm_ref
 from kvpilot.kernels.rotary import rotary_embedding, rotary_embedding_ref

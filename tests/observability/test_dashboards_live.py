@@ -9,7 +9,7 @@ Prometheus scrapes both pods as the operator's PodMonitor says, and the operator
 second. A load of streaming requests sharing a prefix runs against both engines. Then
 each target of both dashboards, with Grafana's variables substituted (``$__rate_interval``
 = 15s at 1 s scrapes), is run through Prometheus' HTTP API over the last seconds of the
-load (up to 30 s): it must return at least one finite value. The README's metric table is checked
+load (up to 30 s): it must return at least one finite value. docs/metrics.md's metric table is checked
 against the names the live engines export.
 """
 
@@ -30,6 +30,7 @@ from kvpilot.operator import constants as c
 
 from support import crd_schema
 from support.dashboards import substitute, targets
+from support.docs_pages import documented_metrics
 from support.harness import (
     EmulatorThread,
     Kubectl,
@@ -40,7 +41,6 @@ from support.harness import (
 )
 from support.kubelet import DEMO_MODEL_IN_IMAGE, Kubelet
 from support.prometheus_sd import PROMETHEUS, LocalPrometheus, podmonitor_targets
-from support.readme import readme_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -216,8 +216,8 @@ def test_every_dashboard_target_returns_data(stack):
           f"{len(panels - failing_panels)}; targets: {len(checked) + len(empty)}, returning data: {len(checked)}")
     assert empty == [], "targets without data:\n" + "\n".join(f"{d} {p} [{r}]: {e}" for d, p, r, e in empty)
     assert "Traceback" not in operator.log()
-    # the README's table against the live engines (histograms appear as _bucket / _sum / _count)
-    documented = readme_metrics()
+    # docs/metrics.md's table against the live engines (histograms appear as _bucket / _sum / _count)
+    documented = documented_metrics()
     missing = {n for n, kind in documented.items()
                if (n + "_count" if kind == "histogram" else n) not in live}
     # (the profiled figure needs CUDA, the LoRA metrics --enable-lora: tests/lora checks them)

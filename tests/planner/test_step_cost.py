@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
+from kvpilot.contract.step_cost import StepCostModel
 from kvpilot.engine import LLM
-from kvpilot.engine.core.step_cost import StepCostModel
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.operator.planner import PlanRequest, make_plan
 from kvpilot.operator.planner.latency import step_cost_model

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpilot.engine.core.kv_layout import KVLayout
+from kvpilot.contract.kv_layout import KVLayout
 from kvpilot.operator.planner import preset_model
 
 MIB, GIB = 1 << 20, 1 << 30

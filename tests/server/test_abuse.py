@@ -437,13 +437,9 @@ def test_request_log_caps_every_field(server, http):
 
 def test_the_flags_reach_their_settings():
     """Each new flag lands in ServerConfig or uvicorn's Config (and the defaults hold)."""
-    from kvpilot.engine.server.args import make_serve_parser
+    from kvpilot.engine.server.args import make_serve_parser, server_config_from_namespace
     from kvpilot.engine.server.cli import uvicorn_config
-    from kvpilot.engine.server.config import (
-        RequestLimits,
-        ServerConfig,
-        server_config_from_namespace,
-    )
+    from kvpilot.engine.server.config import RequestLimits, ServerConfig
 
     argv = ["--metrics-require-api-key", "--max-stop-strings", "3", "--max-stop-string-chars", "4",
             "--max-structured-choices", "5", "--max-structured-output-bytes", "6Ki",

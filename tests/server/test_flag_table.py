@@ -1,4 +1,4 @@
-"""The ``kvpilot serve`` flag table is the one source of the parser, ``--help``, the README's
+"""The ``kvpilot serve`` flag table is the one source of the parser, ``--help``, docs/serving.md's
 flag tables and the defaults: each is checked against the table here, and the table's
 defaults against the dataclasses that state them (``EngineArgs`` and the engine configs it
 reads, ``ServerConfig``). Flags are matched whole: an abbreviation is an error.
@@ -21,12 +21,13 @@ from kvpilot.engine.server.args import (
     engine_args_from_namespace,
     engine_flags,
     make_serve_parser,
+    server_config_from_namespace,
 )
-from kvpilot.engine.server.config import ServerConfig, server_config_from_namespace
+from kvpilot.engine.server.config import ServerConfig
 from kvpilot.engine.server.flag_table import HONOURED
-from kvpilot.engine.server.vllm_flags import SERVE_FLAGS, render_serve_flags, update_readme
+from kvpilot.engine.server.vllm_flags import SERVE_FLAGS, render_serve_flags, update_flag_tables
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+SERVING_PAGE = Path(__file__).resolve().parents[2] / "docs" / "serving.md"
 
 
 def _long_options(parser: argparse.ArgumentParser) -> list[str]:
@@ -76,20 +77,20 @@ def test_help_is_the_table_text_with_its_default():
         assert action.default == flag.resolved_default, flag.name
 
 
-def test_readme_shows_every_rendered_flag_table():
-    text = README.read_text()
+def test_the_serving_page_shows_every_rendered_flag_table():
+    text = SERVING_PAGE.read_text()
     assert render_serve_flags() in text
-    assert update_readme(text) == text, (
-        "README's flag tables are stale: run `python -m kvpilot.engine.server.vllm_flags README.md`")
+    assert update_flag_tables(text) == text, (
+        "docs/serving.md's flag tables are stale: run `python -m kvpilot.engine.server.vllm_flags docs/serving.md`")
 
 
-def test_update_readme_rewrites_a_stale_table_and_needs_the_markers():
+def test_update_flag_tables_rewrites_a_stale_table_and_needs_the_markers():
     stale = "x\n<!-- serve-flags:begin -->\nSTALE-ROW\n<!-- serve-flags:end -->\n" \
             "<!-- vllm-flags:begin -->\nSTALE-ROW\n<!-- vllm-flags:end -->\ny\n"
-    fresh = update_readme(stale)
+    fresh = update_flag_tables(stale)
     assert "STALE-ROW" not in fresh and render_serve_flags() in fresh and fresh.endswith("y\n")
     with pytest.raises(ValueError, match="serve-flags"):
-        update_readme("no markers")
+        update_flag_tables("no markers")
 
 
 def test_every_engine_args_field_is_set_by_a_row_or_named_as_not():

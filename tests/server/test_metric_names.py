@@ -1,4 +1,4 @@
-"""The server's metrics against the README's table and against vLLM's names, types, labels
+"""The server's metrics against docs/metrics.md's table and against vLLM's names, types, labels
 and buckets (``support/vllm_metric_names.py``). The acceptance test with a real Prometheus
 (``tests/observability/test_dashboards_live.py``) checks the table against live servers too.
 """
@@ -16,7 +16,7 @@ from kvpilot.engine.runtime.latency_tracker import FinishedRequestStats, Iterati
 from kvpilot.engine.server.metrics import ServerMetrics, token_buckets
 from kvpilot.engine.stats import EngineStats
 
-from support.readme import readme_metrics
+from support.docs_pages import documented_metrics
 from support.vllm_metric_names import NOT_APPLICABLE, NOT_EXPORTED, TOKENS, VLLM_METRICS
 
 MAX_MODEL_LEN = 2048
@@ -69,9 +69,9 @@ def registry_metrics() -> dict[str, Exposed]:
     return exposed
 
 
-def test_readme_table_is_exactly_what_the_server_exports():
+def test_the_metrics_page_table_is_exactly_what_the_server_exports():
     exposed = {name: e.kind for name, e in registry_metrics().items()}
-    assert readme_metrics() == exposed
+    assert documented_metrics() == exposed
 
 
 def test_vllm_names_keep_vllm_types_labels_and_buckets():

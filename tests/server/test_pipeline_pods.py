@@ -171,7 +171,7 @@ def test_a_missing_worker_pod_fails_the_rendezvous_naming_it(tmp_path, checkpoin
 
 def test_the_lws_environment_is_read_strictly():
     from kvpilot.engine.config import ParallelConfig
-    from kvpilot.engine.model.parallel.lws import rendezvous_from_env
+    from kvpilot.engine.deploy.lws import rendezvous_from_env
 
     assert rendezvous_from_env({}) is None
     rv = rendezvous_from_env(_lws_env(1, 1234, KVPILOT_RENDEZVOUS_TIMEOUT="7.5"))

@@ -1,5 +1,5 @@
-"""Fast tests without a server: flags, the stats line, metric buckets (README coverage of
-the metrics: ``test_metric_names.py``)."""
+"""Fast tests without a server: flags, the stats line, metric buckets (docs/metrics.md's
+coverage of the metrics: ``test_metric_names.py``)."""
 
 from __future__ import annotations
 
@@ -13,13 +13,18 @@ import pytest
 
 from kvpilot.engine.cli.main import main
 from kvpilot.engine.engine_args import EngineArgs
-from kvpilot.engine.server.args import engine_args_from_namespace, make_serve_parser, parse_size
-from kvpilot.engine.server.config import ServerConfig, server_config_from_namespace
+from kvpilot.engine.server.args import (
+    engine_args_from_namespace,
+    make_serve_parser,
+    parse_size,
+    server_config_from_namespace,
+)
+from kvpilot.engine.server.config import ServerConfig
 from kvpilot.engine.server.metrics import token_buckets
 from kvpilot.engine.server.stats_logger import StatsLogger
 from kvpilot.engine.stats import EngineStats
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+SERVING_PAGE = Path(__file__).resolve().parents[2] / "docs" / "serving.md"
 
 ISSUE_FLAGS = [  # the flags the serve issue asks for, by their vLLM names
     "--model", "--host", "--port", "--served-model-name", "--block-size",
@@ -75,7 +80,7 @@ def test_api_key_from_environment(monkeypatch):
     assert "from-env" not in repr(server_config_from_namespace(ns))
 
 
-def test_reliability_flags_reach_the_server_config_and_the_readme():
+def test_reliability_flags_reach_the_server_config_and_the_serving_page():
     ns = make_serve_parser().parse_args(["--max-request-body-bytes", "1Mi", "--tokenizer-threads", "2",
                                          "--engine-hang-timeout", "0", "--shutdown-timeout", "7.5"])
     config = server_config_from_namespace(ns)
@@ -87,10 +92,10 @@ def test_reliability_flags_reach_the_server_config_and_the_readme():
         assert getattr(defaults, name) == getattr(ServerConfig(), name)
     assert server_config_from_namespace(
         make_serve_parser().parse_args(["--max-request-body-bytes", "0"])).max_request_body_bytes is None
-    readme = README.read_text()
+    page = SERVING_PAGE.read_text()
     for flag in ("--max-request-body-bytes", "--tokenizer-threads", "--engine-hang-timeout",
                  "--shutdown-timeout"):
-        assert re.search(rf"^\| `{flag}", readme, re.MULTILINE), flag
+        assert re.search(rf"^\| `{flag}", page, re.MULTILINE), flag
 
 
 @pytest.mark.parametrize(("text", "value"), [

@@ -14,8 +14,11 @@ import pytest
 
 from kvpilot.engine.cli.main import main
 from kvpilot.engine.config import StructuredOutputsConfig
-from kvpilot.engine.server.args import engine_args_from_namespace, make_serve_parser
-from kvpilot.engine.server.config import server_config_from_namespace
+from kvpilot.engine.server.args import (
+    engine_args_from_namespace,
+    make_serve_parser,
+    server_config_from_namespace,
+)
 from kvpilot.engine.server.vllm_flags import (
     HONOURED,
     VLLM_FLAGS,
@@ -25,7 +28,7 @@ from kvpilot.engine.server.vllm_flags import (
     render_markdown,
 )
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+SERVING_PAGE = Path(__file__).resolve().parents[2] / "docs" / "serving.md"
 TEMPLATE = "{% for m in messages %}{{ m.content }}{% endfor %}"
 
 
@@ -218,12 +221,12 @@ def test_table_is_consistent_and_counts_both_kinds():
         assert flag in names, flag
 
 
-def test_readme_shows_the_rendered_table():
-    text = README.read_text()
+def test_the_serving_page_shows_the_rendered_table():
+    text = SERVING_PAGE.read_text()
     match = re.search(r"<!-- vllm-flags:begin -->\n(.*?)<!-- vllm-flags:end -->", text, re.DOTALL)
-    assert match, "README lacks the vllm-flags markers"
+    assert match, "docs/serving.md lacks the vllm-flags markers"
     assert match.group(1) == render_markdown(), (
-        "README's vLLM flag table is stale: paste kvpilot.engine.server.vllm_flags.render_markdown()")
+        "docs/serving.md's vLLM flag table is stale: paste kvpilot.engine.server.vllm_flags.render_markdown()")
 
 
 def test_bad_values_of_honoured_flags_are_clear(capsys):

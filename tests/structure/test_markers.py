@@ -1,4 +1,4 @@
-"""The markers the README documents do what it says: ``gpu`` tests are skipped, with the
+"""The markers docs/development.md documents do what it says: ``gpu`` tests are skipped, with the
 reason, where there is no CUDA device, and run where there is one."""
 
 from __future__ import annotations
@@ -49,6 +49,6 @@ def test_every_documented_marker_is_registered():
 
     registered = {m.split(":")[0] for m in
                   tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["markers"]}
-    development = (ROOT / "README.md").read_text().split("## Development", 1)[1].split("\n## ", 1)[0]
+    development = (ROOT / "docs" / "development.md").read_text().split("# Development", 1)[1].split("\n## ", 1)[0]
     documented = set(re.findall(r"`(\w+)` \(", development))
     assert documented and documented <= registered, (documented, registered)

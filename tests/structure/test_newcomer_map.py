@@ -1,4 +1,4 @@
-"""The README's "Where things live" table: every file exists and defines the named symbol."""
+"""The "Where things live" table (docs/code-map.md): every file exists and defines the named symbol."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ ROW = re.compile(r"^\| (?P<concept>[^|]+?) \| `(?P<path>[^`]+)` \| `(?P<name>[^`
 
 
 def _rows() -> list[tuple[str, str, str]]:
-    text = (ROOT / "README.md").read_text()
-    section = text.split("### Where things live", 1)[1].split("\n## ", 1)[0]
+    text = (ROOT / "docs" / "code-map.md").read_text()
+    section = text.split("# Where things live", 1)[1].split("\n## ", 1)[0]
     return [(m["concept"], m["path"], m["name"]) for line in section.splitlines()
             if (m := ROW.match(line))]
 
@@ -34,7 +34,7 @@ def test_every_concept_maps_to_one_file_that_defines_it():
     required = ("Block pool", "Scheduler", "Prefix hashing", "Sampler", "Attention backend",
                 "offload", "Planner", "Reconcile", "Builders")
     for word in required:
-        assert any(word.lower() in c.lower() for c in concepts), f"README map lacks {word!r}"
+        assert any(word.lower() in c.lower() for c in concepts), f"the code map lacks {word!r}"
     assert len(set(concepts)) == len(concepts), "a concept is listed twice"
     for concept, rel, name in rows:
         path = ROOT / rel

@@ -1,5 +1,5 @@
 """One source per shared constant: every side that names a dtype, a backend or a limit
-agrees with ``kvpilot.engine.core.constants`` (the engine's CLI and configs, the planner
+agrees with ``kvpilot.contract.constants`` (the engine's CLI and configs, the planner
 and its CLI, the operator's spec parsing and the CRD schema, which cannot import each
 other's modules)."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvpilot.engine.core import constants as c
+from kvpilot.contract import constants as c
 
 ROOT = Path(__file__).resolve().parents[2]
 

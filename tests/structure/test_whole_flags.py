@@ -9,7 +9,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-FOLDERS = ("engine", "kernels", "operator", "scripts", "e2e")
+FOLDERS = ("engine", "kernels", "operator", "contract", "scripts", "e2e")
 
 
 def _parser_calls(tree: ast.AST):

@@ -1,4 +1,7 @@
-"""Attention over the paged KV cache: metadata, backend interface and the torch path."""
+"""Attention over the paged KV cache: metadata, backend interface and the torch path.
+
+May import: torch, ``kvpilot.kernels`` and ``kvpilot.contract``; nothing else of the engine.
+"""
 
 from kvpilot.engine.model.attention.backend import AttentionBackend, select_attention_backend
 from kvpilot.kernels.attention_metadata import AttentionMetadata

@@ -6,7 +6,7 @@ from typing import Protocol
 
 import torch
 
-from kvpilot.engine.core.constants import ATTENTION_BACKENDS
+from kvpilot.contract.constants import ATTENTION_BACKENDS
 from kvpilot.kernels.attention_metadata import AttentionMetadata
 
 

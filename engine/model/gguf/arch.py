@@ -1,5 +1,5 @@
 """A GGUF file's ``ArchConfig`` (torch-free): its metadata read into a ``config.json``-style
-dict by ``engine.core.gguf_contract.gguf_config_dict``, or ``--hf-config-path``'s
+dict by ``contract.gguf.gguf_config_dict``, or ``--hf-config-path``'s
 ``config.json`` instead."""
 
 from __future__ import annotations
@@ -8,10 +8,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kvpilot.engine.core.gguf_contract import TOKENIZER_ARRAYS, gguf_config_dict
+from kvpilot.contract.arch_config import ArchConfig
+from kvpilot.contract.gguf import TOKENIZER_ARRAYS, gguf_config_dict
 from kvpilot.engine.model.checkpoint_checks import check_config_file
 from kvpilot.engine.model.gguf.files import metadata, open_reader
-from kvpilot.engine.model.hf_config import ArchConfig, parse_arch_config
+from kvpilot.engine.model.hf_config import parse_arch_config
 
 
 def load_gguf_arch_config(path: str | Path, architecture: str | None = None,

@@ -1,4 +1,4 @@
-"""Finding a GGUF file (``gguf_contract.find_gguf``) and reading its metadata (torch-free)."""
+"""Finding a GGUF file (``contract.gguf.find_gguf``) and reading its metadata (torch-free)."""
 
 from __future__ import annotations
 

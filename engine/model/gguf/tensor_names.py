@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvpilot.engine.core.gguf_contract import BLOCK_TENSOR
+from kvpilot.contract.gguf import BLOCK_TENSOR
 
 _GLOBAL = {
     "token_embd.weight": "model.embed_tokens.weight",

@@ -21,10 +21,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from kvpilot.engine.core.gguf_contract import BLOCK_TENSOR, IGNORED, KEPT_WHOLE, LINEAR_KINDS
+from kvpilot.contract.arch_config import ArchConfig
+from kvpilot.contract.gguf import BLOCK_TENSOR, IGNORED, KEPT_WHOLE, LINEAR_KINDS
 from kvpilot.engine.model.gguf.files import open_reader
 from kvpilot.engine.model.gguf.tensor_names import map_tensor, rotary_row_order
-from kvpilot.engine.model.hf_config import ArchConfig
+from kvpilot.engine.model.param_names import param_target
 
 logger = logging.getLogger(__name__)
 
@@ -95,13 +96,11 @@ class GGUFCheckpoint:
         """Engine linear layer (``layers.0.self_attn.qkv_proj``, ...) -> the GGML type names
         of the GGUF weights fused into it: where there is one type the layer can hold them
         quantized (``use_gguf_weight`` on the meta-device model, before loading)."""
-        from kvpilot.engine.model.loader import _target
-
         types: dict[str, set[str]] = {}
         for tensor, mapping in self._mapped():
             m = BLOCK_TENSOR.match(tensor.name)
             if mapping is not None and m is not None and m.group(2) in LINEAR_KINDS and m.group(3) == "weight":
-                target, _ = _target(mapping.hf_name)
+                target, _ = param_target(mapping.hf_name)
                 types.setdefault(target.removesuffix(".weight"), set()).add(tensor.tensor_type.name)
         return types
 
@@ -109,14 +108,12 @@ class GGUFCheckpoint:
         """Engine module (``layers.0.self_attn.qkv_proj``, ``embed_tokens``, ``lm_head``) ->
         fused part (None: the whole weight) -> GGML type id of the GGUF weight loaded into
         it, for the decoder's linear layers, the token embedding and the LM head."""
-        from kvpilot.engine.model.loader import _target
-
         types: dict[str, dict[int | None, int]] = {}
         for tensor, mapping in self._mapped():
             m = BLOCK_TENSOR.match(tensor.name)
             linear = m is not None and m.group(2) in LINEAR_KINDS and m.group(3) == "weight"
             if mapping is not None and (linear or tensor.name in KEPT_WHOLE):
-                target, shard = _target(mapping.hf_name)
+                target, shard = param_target(mapping.hf_name)
                 types.setdefault(target.removesuffix(".weight"), {})[shard] = int(tensor.tensor_type)
         return types
 
@@ -131,7 +128,7 @@ def place_tensor(module: nn.Module, param_name: str, src: GGUFWeight, shard: int
     layer): a weight the layer keeps as GGUF blocks (``module.gguf`` set) takes
     ``src.raw`` as stored; anything else is dequantized to the parameter's dtype through
     ``load_one`` (the loader's copy of one tensor). The tensors kept are those
-    ``engine.core.gguf_contract.keeps_quantized`` names (the planner counts by that rule)."""
+    ``contract.gguf.keeps_quantized`` names (the planner counts by that rule)."""
     if param_name == "weight" and getattr(module, "gguf", None) is not None:
         from kvpilot.engine.model.layers.gguf_linear import load_gguf_weight
 

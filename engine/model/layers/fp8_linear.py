@@ -1,4 +1,4 @@
-"""FP8 (e4m3) weights in the decoder's linear layers (``kvpilot.engine.core.weight_quant``).
+"""FP8 (e4m3) weights in the decoder's linear layers (``kvpilot.contract.weight_quant``).
 
 The weight stays in float8 e4m3 (one byte per element) next to a float32 ``weight_scale``
 of shape ``[rows, 1]`` (per-tensor and per-channel scales: a per-tensor scale fills its
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvpilot.engine.core.weight_quant import Fp8WeightConfig
+from kvpilot.contract.weight_quant import Fp8WeightConfig
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max

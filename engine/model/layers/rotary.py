@@ -16,7 +16,8 @@ import math
 import torch
 from torch import nn
 
-from kvpilot.engine.model.hf_config import ArchConfig, RopeConfig
+from kvpilot.contract.arch_config import ArchConfig
+from kvpilot.contract.rope import RopeConfig
 
 
 def _base_inv_freq(base: float, dim: int) -> torch.Tensor:

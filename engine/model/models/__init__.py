@@ -1,15 +1,18 @@
 """Model implementations (decoder-only transformers) and which one runs an architecture.
 
 ``models.llama`` runs the Llama family (Llama, Mistral, Qwen2, Qwen3; switches in the
-config), ``models.gemma3`` Gemma 3; ``hf_config.SUPPORTED_ARCHITECTURES`` lists the
+config), ``models.gemma3`` Gemma 3; ``contract.arch_config.SUPPORTED_ARCHITECTURES`` lists the
 architecture names the engine accepts.
+
+May import: torch, ``kvpilot.kernels``, ``kvpilot.contract`` and the model side's
+``attention/``, ``layers/`` and ``parallel/``.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from kvpilot.engine.model.hf_config import GEMMA3_ARCHITECTURES, SUPPORTED_ARCHITECTURES
+from kvpilot.contract.arch_config import GEMMA3_ARCHITECTURES, SUPPORTED_ARCHITECTURES
 
 
 def model_class(architecture: str) -> type[nn.Module]:

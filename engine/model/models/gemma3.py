@@ -7,7 +7,7 @@ head and tensor-parallel layers are reused):
   in the released checkpoints, ``ArchConfig.sliding_window_layers``), with their own
   rope base (``rope_local_base_freq``, unscaled); global layers use ``rope_theta`` and
   the config's rope scaling. The engine keeps the two kinds in a hybrid KV cache
-  (``hf_config.kv_cache_groups``).
+  (``contract.arch_config.kv_cache_groups``).
 - ``GemmaRMSNorm`` (``1 + weight``, rounded once) everywhere, per-head on q and k too,
   and four norms per layer: after attention and around the MLP as well as before
   attention.
@@ -19,11 +19,11 @@ head and tensor-parallel layers are reused):
 
 Weights: HF's checkpoint names (``model.layers.N.pre_feedforward_layernorm.weight``,
 ``...self_attn.q_norm.weight``, ...); the engine's parameters are those names without
-``model.``, with q/k/v and gate/up fused as for Llama (``loader._target``), and no
+``model.``, with q/k/v and gate/up fused as for Llama (``param_names.param_target``), and no
 ``lm_head.weight`` when tied. Norm weights are zero-centred as HF stores them (the gain
 is ``1 + weight``). A converter from another format feeds the loader tensors under those
 names and values (llama.cpp's GGUF stores Gemma norms as ``1 + weight``: subtract the
-one) with a config.json-style dict ``hf_config.gemma3_arch_fields`` can read.
+one) with a config.json-style dict ``contract.arch_config`` can read.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvpilot.engine.core.pipeline_stages import StageLayers
-from kvpilot.engine.model.hf_config import ArchConfig
+from kvpilot.contract.arch_config import ArchConfig
+from kvpilot.contract.pipeline_stages import StageLayers
 from kvpilot.engine.model.layers.norm import GemmaRMSNorm
 from kvpilot.engine.model.layers.rotary import RotaryEmbedding, layer_rotaries
 from kvpilot.engine.model.models.llama import MLP, Attention, LlamaForCausalLM

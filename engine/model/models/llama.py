@@ -27,10 +27,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from kvpilot.engine.core.pipeline_stages import StageLayers
+from kvpilot.contract.arch_config import ArchConfig
+from kvpilot.contract.pipeline_stages import StageLayers
 from kvpilot.engine.model.attention.backend import AttentionBackend
 from kvpilot.engine.model.attention.torch_backend import FP8_DTYPES
-from kvpilot.engine.model.hf_config import ArchConfig
 from kvpilot.engine.model.layers.gguf_linear import gguf_linear
 from kvpilot.engine.model.layers.norm import RMSNorm
 from kvpilot.engine.model.layers.packed_linear import can_pack, pack, packed_linear

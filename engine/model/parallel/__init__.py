@@ -16,12 +16,14 @@ device each): ``TP`` ranks per pipeline stage, ``rank = stage * TP + tp_rank``.
   flight through the stages together.
 - ``workers``: the driver's side: spawning ranks 1..N-1, watching them, shutting down.
 - ``worker``: a rank's process: load its shard, then serve the driver's commands.
-- ``lws``: a pipeline over a LeaderWorkerSet group's pods: the environment, the store
-  keys, the worker pods' heartbeats (watched by the leader).
-- ``stage_pod``: a worker pod's process: start its stage's ranks, heartbeat, fail loudly.
 
 Rank 0 (the driver) is the engine's own process: it schedules, builds each step's
 inputs, runs its shard (of stage 0) and samples once from the gathered logits (sent back
 by the last stage under pipeline parallelism). Workers never see
-requests, only tensors. May import torch and the rest of ``kvpilot.engine.model``.
+requests, only tensors. A pipeline over the pods of a LeaderWorkerSet group (one stage per
+pod) is ``kvpilot.engine.deploy``: ``workers`` watches those pods with its ``lws``.
+
+May import: torch, ``kvpilot.contract``, ``kvpilot.kernels``, the rest of
+``kvpilot.engine.model`` and ``kvpilot.engine.deploy.lws`` (the pods' environment and
+heartbeats).
 """

@@ -1,6 +1,6 @@
 """``PipelineGroup``: this rank's pipeline stage and the point-to-point sends between stages.
 
-Ranks are numbered ``rank = stage * TP + tp_rank`` (``core.pipeline_stages``). Besides its
+Ranks are numbered ``rank = stage * TP + tp_rank`` (``contract.pipeline_stages``). Besides its
 stage's tensor-parallel ``TPGroup``, every rank is in two world-wide groups (``world``):
 ``world.cpu_pg`` carries control (the driver's step broadcast, the sizing all-gather:
 gloo) and ``world.device_pg`` the activations between stages (gloo on CPU, NCCL on CUDA):
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpilot.engine.core.pipeline_stages import StageLayers, stage_layers, stage_of_rank
+from kvpilot.contract.pipeline_stages import StageLayers, stage_layers, stage_of_rank
 from kvpilot.engine.model.parallel.group import (
     DEFAULT_TIMEOUT,
     TPGroup,

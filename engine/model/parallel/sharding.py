@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from kvpilot.engine.core.kv_layout import kv_heads_per_rank
+from kvpilot.contract.kv_layout import kv_heads_per_rank
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,15 +33,15 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from kvpilot.engine.exceptions import EngineDeadError, describe_exit
-from kvpilot.engine.model.parallel.group import DEFAULT_TIMEOUT
-from kvpilot.engine.model.parallel.lws import (
+from kvpilot.engine.deploy.lws import (
     HEARTBEAT_PERIOD_S,
     HEARTBEAT_TIMEOUT_S,
     PodWatch,
     describe_pod,
     gloo_hostname,
 )
+from kvpilot.engine.exceptions import EngineDeadError, describe_exit
+from kvpilot.engine.model.parallel.group import DEFAULT_TIMEOUT
 from kvpilot.engine.model.parallel.pipeline import create_parallel_groups
 from kvpilot.engine.model.parallel.step_channel import Command, StepSender
 from kvpilot.engine.model.parallel.worker import WorkerSpec, error_key, ready_key
@@ -113,7 +113,7 @@ class WorkerGroup:
 
     Ranks on this host are started here (all of them, or with a ``rendezvous`` only stage
     0's); a LeaderWorkerSet's worker pods start their own stage's ranks
-    (``parallel.stage_pod``), which join this process's store on the rendezvous port and
+    (``engine.deploy.stage_pod``), which join this process's store on the rendezvous port and
     are watched through their pods' heartbeats (``lws.PodWatch``).
 
     Args:

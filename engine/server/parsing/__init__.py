@@ -6,5 +6,6 @@
 - ``tool_choice``: ``tools`` + ``tool_choice`` -> template tools, a constraint, a parser.
 - ``chat_output``: one choice's text, as it streams, -> reasoning, content, tool calls.
 
-Torch-free; used by ``routes_chat``.
+Torch-free; used by ``routes_chat``. May import: ``kvpilot.engine.server.config`` and the
+engine's sampling parameters; nothing that touches the engine.
 """

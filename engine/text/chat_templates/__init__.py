@@ -10,7 +10,7 @@ and the globals ``raise_exception`` and ``strftime_now``. The caller adds the sp
 tokens (``bos_token``, ``eos_token``, ...) as variables.
 
 The ``*.jinja`` files beside this module are kvpilot's own templates
-(:func:`builtin_template`).
+(:func:`builtin_template`). May import: jinja2 only.
 """
 
 from __future__ import annotations

@@ -7,5 +7,5 @@
   the two fitted constants and of the safety margin.
 
 ``python -m kvpilot.operator.planner.calibration`` prints the replay table and the fit.
-Torch-free, like the rest of the planner.
+Torch-free, like the rest of the planner; may import pyyaml and the planner.
 """

@@ -25,9 +25,7 @@ import time
 
 import torch.distributed as dist
 
-from kvpilot.engine.exceptions import describe_exit
-from kvpilot.engine.model.parallel.group import DEFAULT_TIMEOUT
-from kvpilot.engine.model.parallel.lws import (
+from kvpilot.engine.deploy.lws import (
     HEARTBEAT_PERIOD_S,
     describe_pod,
     gloo_hostname,
@@ -35,6 +33,8 @@ from kvpilot.engine.model.parallel.lws import (
     pod_error_key,
     stage_ranks,
 )
+from kvpilot.engine.exceptions import describe_exit
+from kvpilot.engine.model.parallel.group import DEFAULT_TIMEOUT
 from kvpilot.engine.model.parallel.worker import WorkerSpec, error_key
 from kvpilot.engine.model.parallel.workers import start_worker, stop_processes
 

@@ -1,6 +1,7 @@
-"""What machine a benchmark ran on: the CPU model, its cores and the vector ISA flags that
-decide which kernels (ours and the peers') can run. Benchmarks print it beside their
-figures, since machines of the same kind differ (AVX2-only vs AVX-512 with BF16/VNNI)."""
+"""This machine's CPU: its model, its cores and the vector ISA flags that decide which
+code paths run (ours and the peers'): ``--dtype auto`` picks bfloat16 on a CPU with native
+bfloat16 arithmetic (``auto_dtype``), and benchmarks print it beside their figures, since
+machines of the same kind differ (AVX2-only vs AVX-512 with BF16/VNNI)."""
 
 from __future__ import annotations
 

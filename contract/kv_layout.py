@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kvpilot.engine.core.constants import FP8_KV_DTYPES, MODEL_DTYPE_BYTES
+from kvpilot.contract.constants import FP8_KV_DTYPES, MODEL_DTYPE_BYTES
 
 # Bytes per element of each KV cache dtype name accepted by the engine and the CLI.
 KV_DTYPE_BYTES: dict[str, int] = {**MODEL_DTYPE_BYTES, **dict.fromkeys(FP8_KV_DTYPES, 1)}
