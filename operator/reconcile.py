@@ -67,6 +67,7 @@ from kvpilot.operator.resources.monitoring import PODMONITOR_API
 from kvpilot.operator.resources.placement import describe as describe_placement
 from kvpilot.operator.resources.service import endpoint
 from kvpilot.operator.resources.sizing import EngineSizing
+from kvpilot.operator.scheduling import scheduling_problem
 from kvpilot.operator.security import check_spec
 from kvpilot.operator.server_side_apply import applied_config, holds
 from kvpilot.operator.settings import OperatorSettings
@@ -78,7 +79,6 @@ from kvpilot.operator.status import (
     DeploymentState,
     merge_conditions,
     now_rfc3339,
-    scheduling_problem,
     workload_conditions,
 )
 
@@ -416,17 +416,21 @@ async def _load_adapters(loader: AdapterLoader, owner: Owner, spec: InferenceSer
 
 
 def transition_events(current: Any, conditions: list[Condition]) -> list[Event]:
-    """Events for a changed Planned condition, and for Degraded or SizingDrift turning on or off.
+    """Events for a condition whose status or reason changed: Planned, Degraded (turning on,
+    or to another reason, and Recovered when it turns off), AdaptersReady (but not while
+    loading) and SizingDrift turning on or off.
 
-    Only changes post Events, so a spec that stays infeasible or a child that keeps
-    failing is reported once, not on every resync.
+    NOTE: the message alone never posts an Event. It carries what changes while the state
+    does not (the Pending pod count, the scheduler's text, the numbers of a plan), so a
+    service that stays unschedulable, infeasible or failing is reported once per reason,
+    not on every change of its detail or every resync; ``kubectl describe`` shows the
+    latest message in the condition.
     """
     old = {cd.get("type"): cd for cd in current or () if isinstance(cd, Mapping)}
     events = []
     for cond in conditions:
         before = old.get(cond.type) or {}
-        changed = (before.get("status"), before.get("reason"), before.get("message")) != \
-            (cond.status, cond.reason, cond.message)
+        changed = (before.get("status"), before.get("reason")) != (cond.status, cond.reason)
         if cond.type == c.PLANNED and changed:
             events.append(Event("Normal" if cond.status == "True" else "Warning", cond.reason, cond.message))
         elif cond.type == c.DEGRADED and changed and cond.status == "True":
