@@ -21,10 +21,12 @@ happen only where the server's state differs from the desired one.
   says what failed; the caller retries (``ReconcileResult.retry``).
 - Status tells what exists: when applying the Deployment fails, replicas and readiness
   come from the Deployment as last seen, not from "missing".
-- A plan whose replicas span nodes runs as a LeaderWorkerSet (``resources.leader_worker_set``);
-  where the cluster does not serve ``leaderworkerset.x-k8s.io/v1`` nothing is written (no
-  half-built service: no Deployment in its place either) and ``Degraded`` says
-  ``MissingAPI``, naming the API; installing its CRD reconciles the service again.
+- Other projects' APIs (LeaderWorkerSet, KEDA, the inference extension, the Prometheus
+  operator) are discovered once per pass from a cache (``optional_apis``): children of an
+  API not served are not written, read or deleted; an API the spec needs and the cluster
+  lacks is ``Degraded`` ``MissingAPI`` (a plan whose replicas span nodes builds nothing
+  without LeaderWorkerSet: no Deployment in its place either); installing its CRD
+  reconciles every service again.
 """
 
 from __future__ import annotations
@@ -51,6 +53,15 @@ from kvpilot.operator.discovery import Discovery
 from kvpilot.operator.engine_observer import EngineObserver, engine_pods
 from kvpilot.operator.kube_api import FOREIGN_CONTROLLER, KubeError
 from kvpilot.operator.merge_patch import diff
+from kvpilot.operator.optional_apis import (
+    INFERENCE,
+    KEDA,
+    PROMETHEUS,
+    MissingApi,
+    missing_apis,
+    missing_message,
+    served_apis,
+)
 from kvpilot.operator.replica_handover import inherited_replicas
 from kvpilot.operator.resources import (
     WORKLOADS,
@@ -61,9 +72,7 @@ from kvpilot.operator.resources import (
     workload_name,
 )
 from kvpilot.operator.resources.adapters import adapter_paths
-from kvpilot.operator.resources.common import LWS_API, Owner
-from kvpilot.operator.resources.inference_pool import INFERENCE_POOL_API
-from kvpilot.operator.resources.monitoring import PODMONITOR_API
+from kvpilot.operator.resources.common import Owner
 from kvpilot.operator.resources.placement import describe as describe_placement
 from kvpilot.operator.resources.service import endpoint
 from kvpilot.operator.resources.sizing import EngineSizing
@@ -139,7 +148,7 @@ class ReconcileResult:
     failures: list[Failure] = field(default_factory=list)
     sizing: SizingObservation | None = None  # planned vs observed KV capacity (observer on)
     figures: ServiceFigures | None = None
-    missing_api: str | None = None           # the API the plan needs that the cluster does not serve
+    missing_apis: list[MissingApi] = field(default_factory=list)  # needed, not served (optional_apis)
     adapters_settling: bool = False          # adapters being loaded (or waiting for pods): look again soon
 
     @property
@@ -287,7 +296,8 @@ async def reconcile(children: Children, discovery: Discovery, body: Mapping[str,
     scheduling = None
     if sizing is not None and state.exists and state.ready < state.desired:
         scheduling = scheduling_problem(pods, describe_placement(spec, sizing.gpu, settings))
-    conditions = [planned, *workload_conditions(state, apply_error, scheduling, result.missing_api)]
+    conditions = [planned, *workload_conditions(state, apply_error, scheduling,
+                                                missing_message(result.missing_apis) or None)]
     if observer is not None:
         result.sizing = await _observe_engines(observer, owner, desired.get("plan"), pods, settings)
         desired["observed"] = result.sizing.observed
@@ -318,20 +328,18 @@ async def _apply_all(children: Children, discovery: Discovery, body: Mapping[str
                      verified: frozenset[str] = frozenset()) -> None:
     """Apply every desired child and remove the unwanted ones, recording failures;
     ``verified``: the adapters the engine loads at start-up."""
-    apis = {}
-    for api in (PODMONITOR_API, INFERENCE_POOL_API, LWS_API):
-        try:
-            apis[api] = await discovery.has_api(*api)
-        except KubeError as exc:
-            result.failures.append(Failure("discovery of " + "/".join(api), exc))
-            return
-    if sizing.nodes > 1 and not apis[LWS_API]:
-        result.missing_api = "/".join(LWS_API)
+    try:
+        served = await served_apis(discovery)
+    except KubeError as exc:
+        result.failures.append(Failure("discovery of the optional APIs", exc))
+        return
+    result.missing_apis = missing_apis(spec, sizing, served)
+    if any(m.blocking for m in result.missing_apis):
         return
     inherited = inherited_replicas(_workload(children, owner, sizing), spec.autoscaling.enabled)
-    wanted = desired_children(owner, spec, sizing, settings, podmonitor_api=apis[PODMONITOR_API],
-                              inherited_replicas=inherited, inference_pool_api=apis[INFERENCE_POOL_API],
-                              verified_adapters=verified)
+    wanted = desired_children(owner, spec, sizing, settings, podmonitor_api=served[PROMETHEUS],
+                              inherited_replicas=inherited, inference_pool_api=served[INFERENCE],
+                              keda_api=served[KEDA], verified_adapters=verified)
     for child in wanted:
         # Owner reference + the CR's labels on the child (not on the pod template: a
         # label edit on the InferenceService must not restart GPU pods).
@@ -346,7 +354,7 @@ async def _apply_all(children: Children, discovery: Discovery, body: Mapping[str
             continue
         if child.kind in WORKLOADS:
             desired["plan"] = {**sizing.status, "generation": desired["observedGeneration"]}
-    absent = {group for (group, _), served in apis.items() if not served}
+    absent = {api.group for api, is_served in served.items() if not is_served}
     await _remove_unwanted(children, owner, {(ch.kind.kind, ch.name) for ch in wanted}, absent, result)
 
 

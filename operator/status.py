@@ -116,8 +116,8 @@ def workload_conditions(state: DeploymentState, apply_error: str | None = None,
                         scheduling: SchedulingProblem | None = None,
                         missing_api: str | None = None) -> list[Condition]:
     """Ready, Progressing and Degraded from the Deployment (or LeaderWorkerSet), the last
-    apply's error, pods the scheduler cannot place and an API the plan needs that the
-    cluster does not serve (``missing_api``: nothing was built)."""
+    apply's error, pods the scheduler cannot place and the APIs the service needs that the
+    cluster does not serve (``missing_api``: the message, ``optional_apis.missing_message``)."""
     counts = f"{state.ready}/{state.desired} replicas ready"
     if not state.exists:
         ready = Condition(c.READY, "False", "DeploymentMissing", "the engine Deployment does not exist")
@@ -137,10 +137,7 @@ def workload_conditions(state: DeploymentState, apply_error: str | None = None,
                                 counts if state.exists else "")
 
     if missing_api:
-        degraded = Condition(c.DEGRADED, "True", "MissingAPI", (
-            f"the plan's replicas span nodes (pipeline parallelism), which run as a LeaderWorkerSet, but the "
-            f"cluster does not serve {missing_api}: install LeaderWorkerSet (kubernetes-sigs/lws) or plan "
-            "one node per replica (spec.gpu.nodes: 1); nothing was created"))
+        degraded = Condition(c.DEGRADED, "True", "MissingAPI", missing_api)
     elif apply_error:
         degraded = Condition(c.DEGRADED, "True", "ApplyFailed", apply_error)
     elif scheduling is not None:
