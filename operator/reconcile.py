@@ -76,6 +76,7 @@ from kvpilot.operator.resources.common import Owner
 from kvpilot.operator.resources.placement import describe as describe_placement
 from kvpilot.operator.resources.service import endpoint
 from kvpilot.operator.resources.sizing import EngineSizing
+from kvpilot.operator.scaling import kept_plan_note, plan_input, replicas_ignored
 from kvpilot.operator.scheduling import scheduling_problem
 from kvpilot.operator.security import check_spec
 from kvpilot.operator.server_side_apply import applied_config, holds
@@ -268,10 +269,12 @@ async def reconcile(children: Children, discovery: Discovery, body: Mapping[str,
     current = dict(body.get("status") or {})
     result = ReconcileResult()
 
+    planning = None
     try:
         spec = parse_spec(body.get("spec") or {}, owner.name)
         check_spec(spec, owner.name, settings.policy, settings.engine_image)  # before anything is built
-        outcome = plan_service(spec)
+        planning = plan_input(spec, body, current.get("plan"))   # scaling alone keeps the plan
+        outcome = plan_service(planning.spec_to_plan(spec))
     except SpecError as exc:  # a PolicyViolation names its own reason
         spec, outcome = None, PlanOutcome.rejected(getattr(exc, "reason", "InvalidSpec"), str(exc))
     # the sizing is there exactly when the plan is feasible (an invalid spec has none)
@@ -280,9 +283,10 @@ async def reconcile(children: Children, discovery: Discovery, body: Mapping[str,
     desired: dict[str, Any] = {"observedGeneration": generation, "selector": owner.selector,
                                "endpoint": endpoint(owner), "plan": current.get("plan")}
     if sizing is not None:
-        planned = Condition(c.PLANNED, "True", "Planned", outcome.message)
+        note = kept_plan_note(spec, sizing.replicas) if planning.kept else ""
+        planned = Condition(c.PLANNED, "True", "Planned", outcome.message + note)
         await _apply_all(children, discovery, body, owner, spec, sizing, settings, desired, result,
-                         verified_adapters(spec, current.get("adapters")))
+                         verified_adapters(spec, current.get("adapters")), planning.planned_for)
     else:
         planned = Condition(c.PLANNED, "False", outcome.reason, outcome.message)
         desired["planError"] = _plan_error(outcome, generation)
@@ -298,6 +302,8 @@ async def reconcile(children: Children, discovery: Discovery, body: Mapping[str,
         scheduling = scheduling_problem(pods, describe_placement(spec, sizing.gpu, settings))
     conditions = [planned, *workload_conditions(state, apply_error, scheduling,
                                                 missing_message(result.missing_apis) or None)]
+    if spec is not None and (ignored := replicas_ignored(spec, current.get("conditions"))) is not None:
+        conditions.append(ignored)
     if observer is not None:
         result.sizing = await _observe_engines(observer, owner, desired.get("plan"), pods, settings)
         desired["observed"] = result.sizing.observed
@@ -325,9 +331,10 @@ async def reconcile(children: Children, discovery: Discovery, body: Mapping[str,
 async def _apply_all(children: Children, discovery: Discovery, body: Mapping[str, Any], owner: Owner,
                      spec: InferenceServiceSpec, sizing: EngineSizing, settings: OperatorSettings,
                      desired: dict[str, Any], result: ReconcileResult,
-                     verified: frozenset[str] = frozenset()) -> None:
+                     verified: frozenset[str] = frozenset(), planned_for: Mapping[str, Any] | None = None) -> None:
     """Apply every desired child and remove the unwanted ones, recording failures;
-    ``verified``: the adapters the engine loads at start-up."""
+    ``verified``: the adapters the engine loads at start-up; ``planned_for``: what the plan
+    was made from (``status.plan.plannedFor``, ``scaling.PlanInput``)."""
     try:
         served = await served_apis(discovery)
     except KubeError as exc:
@@ -353,7 +360,8 @@ async def _apply_all(children: Children, discovery: Discovery, body: Mapping[str
                 return
             continue
         if child.kind in WORKLOADS:
-            desired["plan"] = {**sizing.status, "generation": desired["observedGeneration"]}
+            desired["plan"] = {**sizing.status, "generation": desired["observedGeneration"],
+                               **({"plannedFor": dict(planned_for)} if planned_for else {})}
     absent = {api.group for api, is_served in served.items() if not is_served}
     await _remove_unwanted(children, owner, {(ch.kind.kind, ch.name) for ch in wanted}, absent, result)
 
@@ -426,7 +434,7 @@ async def _load_adapters(loader: AdapterLoader, owner: Owner, spec: InferenceSer
 def transition_events(current: Any, conditions: list[Condition]) -> list[Event]:
     """Events for a condition whose status or reason changed: Planned, Degraded (turning on,
     or to another reason, and Recovered when it turns off), AdaptersReady (but not while
-    loading) and SizingDrift turning on or off.
+    loading), ReplicasIgnored turning on and SizingDrift turning on or off.
 
     NOTE: the message alone never posts an Event. It carries what changes while the state
     does not (the Pending pod count, the scheduler's text, the numbers of a plan), so a
@@ -447,6 +455,8 @@ def transition_events(current: Any, conditions: list[Condition]) -> list[Event]:
             events.append(Event("Normal", "Recovered", "no longer degraded"))
         elif cond.type == c.ADAPTERS_READY and changed and cond.reason != "AdaptersLoading":
             events.append(Event("Warning" if cond.status == "False" else "Normal", cond.reason, cond.message))
+        elif cond.type == c.REPLICAS_IGNORED and changed and cond.status == "True":
+            events.append(Event("Warning", cond.reason, cond.message))
         elif cond.type == c.SIZING_DRIFT and before.get("status") != cond.status:
             if cond.status == "True":
                 events.append(Event("Warning", "SizingDrift", cond.message))

@@ -191,7 +191,7 @@ def test_examples_name_catalogue_models():
 
 def test_status_schema_keeps_every_field_the_operator_writes():
     plan = SCHEMA["properties"]["status"]["properties"]["plan"]["properties"]
-    assert set(plan) == {camel(f) for f in STATUS_FIELDS} | {"generation", "serveArgs", "kvEstimateBytes"}
+    assert set(plan) == {camel(f) for f in STATUS_FIELDS} | {"generation", "plannedFor", "serveArgs", "kvEstimateBytes"}
     status = SCHEMA["properties"]["status"]["properties"]
     from kvpilot.operator.reconcile import STATUS_KEYS
 
