@@ -120,7 +120,7 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
         children = {(k.group, k.plural) for k in KINDS.values()}
         settings.watching.label_selectors[lambda r: (r.group, r.plural) in children] = _selector(MANAGED)
         settings.watching.label_selectors[lambda r: (r.group, r.plural) == ("", "pods")] = _selector(ENGINE_PODS)
-        metrics = serve_metrics(config.metrics_port) if config.metrics_port else None
+        metrics = serve_metrics(config.metrics_port, config.metrics_bind_address) if config.metrics_port else None
         api = await KubeApi.connect(config.api_timeout_seconds)
         memo.api = api
         memo.ctx = WorkerContext(api=api, settings=config, discovery=Discovery(api.has_api), metrics=metrics,
