@@ -291,7 +291,12 @@ def test_notes_say_what_was_installed_and_what_to_do_next():
     notes = run.stdout.split("NOTES:", 1)[1]
     assert "Deployment kv-kvpilot, 2 replica(s)" in notes
     assert "ghcr.io/kvpilot/kvpilot:" in notes
-    assert "kubectl apply -f crds/examples/qwen3-0.6b.yaml" in notes and "kubectl get kvis" in notes
+    # the example goes into the namespace the release watches (its own, by default), and the
+    # notes say what an InferenceService elsewhere looks like (issue 43)
+    assert "kubectl apply -n ml -f crds/examples/qwen3-0.6b.yaml" in notes and "kubectl get kvis -n ml" in notes
+    assert "Only ml is watched" in notes and "kubectl get kvis -A" in notes
+    cluster = helm("install", "kv", "--namespace", "ml", "--dry-run=client", "--set", "rbac.scope=cluster")
+    assert "in any namespace" in cluster.stdout and "Only " not in cluster.stdout.split("NOTES:", 1)[1]
     assert "kubectl apply --server-side -f crds/" in notes
     assert "Grafana dashboards" in notes
 

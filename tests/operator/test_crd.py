@@ -24,6 +24,7 @@ from kvpilot.operator.spec import SpecError, parse_spec, planner_name
 from kvpilot.operator.spec_to_plan import STATUS_FIELDS, camel, plan_service
 
 from support import crd_schema
+from support.readme import README
 
 CRD = crd_schema.load_crd()
 SCHEMA = crd_schema.version_schema(CRD)
@@ -208,3 +209,13 @@ def test_printer_columns_point_at_schema_fields():
         for part in path:
             node = node["properties"][part]
         assert node  # every column reads a declared field
+
+
+def test_the_readme_lists_the_printer_columns_kubectl_shows():
+    """``kubectl get kvis`` in the README's Operator section names every column, ADAPTERS
+    included (issue 43), in the CRD's order."""
+    text = README.read_text().split("## Operator", 1)[1]
+    line = next(x for x in text.splitlines() if x.startswith("kubectl get kvis") and "# NAME" in x)
+    columns = ["NAME", *(col["name"].upper() for col in
+                         crd_schema.load_crd()["spec"]["versions"][0]["additionalPrinterColumns"])]
+    assert line.split("# ", 1)[1].split() == columns
