@@ -23,6 +23,9 @@ status patch through the status subresource and posts the Events of condition ch
   ``BLOCKED_RETRY_SECONDS`` (or the resync, if sooner). A pass that raises (a bug) is
   logged and retried like a transient failure rather than ending the worker.
 - **Bounded.** At most ``max_concurrent_reconciles`` passes run at once, operator-wide.
+- **Ends with its object.** No finalizer holds an InferenceService for its worker
+  (``main._without_finalizer``): the worker ends after its current pass when the object's
+  DELETED event arrives (``stop``), or when its status write finds the object gone (404).
 """
 
 from __future__ import annotations
