@@ -115,5 +115,5 @@ def test_examples_are_reconciled_and_listed(target, tmp_path):
             for name in examples:
                 kubectl("delete", "inferenceservice", name, "--wait=false")
             wait_for(lambda: kubectl("get", "inferenceservices", "-o", "name").stdout.strip() == "",
-                     timeout, 0.2, "the InferenceServices deleted (finalizers released)")
+                     timeout, 0.2, "the InferenceServices deleted")
         assert "Traceback" not in operator.log(), operator.log()[-4000:]

@@ -29,6 +29,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--liveness", default=None, metavar="URL",
                         help="serve kopf's liveness probe here (default: KVPILOT_LIVENESS_ENDPOINT, "
                              "http://0.0.0.0:8080/healthz; 'off' disables it)")
+    parser.add_argument("--metrics-bind-address", default=None, metavar="ADDR",
+                        help="the address the operator's /metrics listens on, with KVPILOT_METRICS_PORT "
+                             "(default: KVPILOT_METRICS_BIND_ADDRESS, else 127.0.0.1: nothing outside the "
+                             "host or pod reaches it; 0.0.0.0 or :: for every interface)")
     peering = parser.add_mutually_exclusive_group()
     peering.add_argument("--peering", default=None, metavar="NAME",
                          help="elect one replica to reconcile through the kopf peering object NAME "
@@ -44,6 +48,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         settings = OperatorSettings.from_env()
+        if args.metrics_bind_address is not None:
+            settings = dataclasses.replace(settings, metrics_bind_address=args.metrics_bind_address)
     except ValueError as exc:
         print(f"kvpilot operator: {exc}", file=sys.stderr)
         return 1

@@ -23,6 +23,10 @@ FIELD_MANAGER = "kvpilot"
 # autoscaling was switched off: the operator keeps at least that many until spec.replicas
 # is set (kvpilot.operator.replica_handover).
 ANNOTATION_INHERITED_REPLICAS = f"{GROUP}/inherited-replicas"
+# A new value (any) asks for a re-plan: scaling alone keeps the running plan (kvpilot.operator.scaling).
+ANNOTATION_REPLAN = f"{GROUP}/replan"
+# The finalizer operators before issue 43 kept on every InferenceService (kopf's, for its
+# per-object daemon); the operator now removes it where it finds it (kvpilot.operator.main).
 FINALIZER = f"{GROUP}/finalizer"
 
 # Engine container layout.
@@ -41,4 +45,5 @@ PROGRESSING = "Progressing"
 DEGRADED = "Degraded"
 SIZING_DRIFT = "SizingDrift"      # the engines' KV capacity differs from the plan (sizing_drift)
 ADAPTERS_READY = "AdaptersReady"  # every spec.adapters[] entry is served by every ready pod
-CONDITION_TYPES = (PLANNED, READY, PROGRESSING, DEGRADED, SIZING_DRIFT, ADAPTERS_READY)
+REPLICAS_IGNORED = "ReplicasIgnored"  # spec.replicas is set while an autoscaler owns the count
+CONDITION_TYPES = (PLANNED, READY, PROGRESSING, DEGRADED, SIZING_DRIFT, ADAPTERS_READY, REPLICAS_IGNORED)

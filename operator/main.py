@@ -22,16 +22,20 @@
 - CustomResourceDefinition events in a child kind's group: forget the cached discovery
   and poke every worker (PodMonitors / ScaledObjects can be made, or no longer).
 
-kopf keeps a finalizer (``serving.kvpilot.dev/finalizer``) on each InferenceService so
-that its daemon is stopped before the object goes: deleting one while the operator is
-down leaves it terminating until the operator is back (docs/operator.md, "Deleting while the operator is down").
+InferenceServices carry no finalizer: the per-object daemon runs without the one kopf
+would add (``_without_finalizer``), so an InferenceService deleted while no operator runs
+(its namespace deleted with the operator in it) goes at once, and its children with it
+(owner references). The worker ends itself on the object's DELETED event or when its
+status write finds it gone. kopf removes the finalizer older operators left
+(``serving.kvpilot.dev/finalizer``) from every object it sees.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import kopf
@@ -73,6 +77,28 @@ def _selector(labels: Mapping[str, str]) -> str:
     return ",".join(f"{k}={v}" for k, v in labels.items())
 
 
+def _without_finalizer(registry: kopf.OperatorRegistry, fn: Callable[..., Any]) -> None:
+    """Let ``fn``'s daemon run without the finalizer kopf puts on every object a daemon serves.
+
+    kopf holds that finalizer until the daemon has stopped, so that no daemon outlives its
+    object, and its decorator offers no switch (nolar/kopf#896 declined one). Here the
+    finalizer costs more than it guards: an InferenceService deleted while no operator runs
+    (its namespace deleted with the operator in it: issue 43) would stay Terminating for
+    good, and its namespace with it, while its children go with their owner references
+    anyway. The worker instead ends on the object's DELETED event (``service_changed``) or
+    when its status write finds the object gone (404). With no handler requiring it, kopf
+    also removes the finalizer ``settings.persistence.finalizer`` names, which operators
+    before this one left on every InferenceService.
+    """
+    spawning = registry._spawning  # noqa: SLF001 - kopf's daemons and timers; no public setter
+    handlers = spawning._handlers  # noqa: SLF001
+    found = [i for i, h in enumerate(handlers) if h.fn is fn]
+    if not found:
+        raise RuntimeError(f"no kopf daemon of {fn.__name__} to run without a finalizer (kopf changed?)")
+    for i in found:
+        handlers[i] = dataclasses.replace(handlers[i], requires_finalizer=False)
+
+
 def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
     """A registry with the operator's handlers."""
     registry = kopf.OperatorRegistry()
@@ -86,15 +112,15 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
             settings.peering.priority = peering_priority(time.time())
             settings.peering.lifetime = config.peering_lifetime
         settings.posting.reporting_component = c.MANAGER
-        # kopf puts a finalizer on each object while its daemon runs, so that the daemon is
-        # stopped before the object goes; name it after us rather than kopf.
+        # No handler requires a finalizer (_without_finalizer): kopf removes this one, which
+        # operators before issue 43 put on every InferenceService, wherever it finds it.
         settings.persistence.finalizer = c.FINALIZER
         settings.background.instant_exit_timeout = 0.5  # how long kopf waits for an idle worker
         # Only our children travel over the child watches (server-side label selector).
         children = {(k.group, k.plural) for k in KINDS.values()}
         settings.watching.label_selectors[lambda r: (r.group, r.plural) in children] = _selector(MANAGED)
         settings.watching.label_selectors[lambda r: (r.group, r.plural) == ("", "pods")] = _selector(ENGINE_PODS)
-        metrics = serve_metrics(config.metrics_port) if config.metrics_port else None
+        metrics = serve_metrics(config.metrics_port, config.metrics_bind_address) if config.metrics_port else None
         api = await KubeApi.connect(config.api_timeout_seconds)
         memo.api = api
         memo.ctx = WorkerContext(api=api, settings=config, discovery=Discovery(api.has_api), metrics=metrics,
@@ -122,10 +148,14 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
         indexes = {kind: kwargs[index_id(kind)] for kind in KINDS.values() if index_id(kind) in kwargs}
         await ServiceWorker(memo.ctx, body, indexes, kwargs.get(PODS_INDEX)).serve(stopped)
 
+    _without_finalizer(registry, serve)
+
     @kopf.on.event(*RESOURCE, registry=registry)
-    async def service_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    async def service_changed(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
         worker = memo.ctx.workers.get(body.metadata.namespace, body.metadata.name)
-        if worker is not None and not worker.is_echo(body):
+        if worker is not None and type == "DELETED" and worker.serves(body):
+            worker.stop()  # no finalizer held it: kopf does not stop the daemon of a deleted object
+        elif worker is not None and not worker.is_echo(body):
             worker.poke()
 
     async def index_child(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict:

@@ -1,4 +1,5 @@
-"""The operator's Prometheus metrics, served on ``KVPILOT_METRICS_PORT`` (0 = off).
+"""The operator's Prometheus metrics, served on ``KVPILOT_METRICS_BIND_ADDRESS`` (default
+127.0.0.1: only the host or pod itself) port ``KVPILOT_METRICS_PORT`` (0 = off).
 
 | metric                                        | type    | labels   |
 |-----------------------------------------------|---------|----------|
@@ -26,6 +27,8 @@ reconciles nothing, so its counters stay at zero.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
+import socket
 import threading
 from socketserver import ThreadingMixIn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -139,6 +142,10 @@ class _ThreadingServer(ThreadingMixIn, WSGIServer):
     daemon_threads = True
 
 
+class _ThreadingServer6(_ThreadingServer):
+    address_family = socket.AF_INET6
+
+
 class _QuietHandler(WSGIRequestHandler):
     def log_message(self, *args) -> None:  # no access log line per scrape
         pass
@@ -159,13 +166,15 @@ def plain_text_app(registry: CollectorRegistry):
     return plain
 
 
-def serve_metrics(port: int, host: str = "0.0.0.0") -> OperatorMetrics:
-    """A fresh registry with the process collectors, served on ``host:port``."""
+def serve_metrics(port: int, host: str = "127.0.0.1") -> OperatorMetrics:
+    """A fresh registry with the process collectors, served on ``host:port`` (``host``: an
+    IPv4 or IPv6 address; 0.0.0.0 or :: for every interface)."""
     registry = CollectorRegistry()
     ProcessCollector(registry=registry)
     PlatformCollector(registry=registry)
     GCCollector(registry=registry)
     metrics = OperatorMetrics(registry)
-    server = make_server(host, port, plain_text_app(registry), _ThreadingServer, handler_class=_QuietHandler)
+    server_class = _ThreadingServer6 if ipaddress.ip_address(host).version == 6 else _ThreadingServer
+    server = make_server(host, port, plain_text_app(registry), server_class, handler_class=_QuietHandler)
     threading.Thread(target=server.serve_forever, name="kvpilot-metrics", daemon=True).start()
     return metrics

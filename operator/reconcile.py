@@ -21,10 +21,12 @@ happen only where the server's state differs from the desired one.
   says what failed; the caller retries (``ReconcileResult.retry``).
 - Status tells what exists: when applying the Deployment fails, replicas and readiness
   come from the Deployment as last seen, not from "missing".
-- A plan whose replicas span nodes runs as a LeaderWorkerSet (``resources.leader_worker_set``);
-  where the cluster does not serve ``leaderworkerset.x-k8s.io/v1`` nothing is written (no
-  half-built service: no Deployment in its place either) and ``Degraded`` says
-  ``MissingAPI``, naming the API; installing its CRD reconciles the service again.
+- Other projects' APIs (LeaderWorkerSet, KEDA, the inference extension, the Prometheus
+  operator) are discovered once per pass from a cache (``optional_apis``): children of an
+  API not served are not written, read or deleted; an API the spec needs and the cluster
+  lacks is ``Degraded`` ``MissingAPI`` (a plan whose replicas span nodes builds nothing
+  without LeaderWorkerSet: no Deployment in its place either); installing its CRD
+  reconciles every service again.
 """
 
 from __future__ import annotations
@@ -51,6 +53,15 @@ from kvpilot.operator.discovery import Discovery
 from kvpilot.operator.engine_observer import EngineObserver, engine_pods
 from kvpilot.operator.kube_api import FOREIGN_CONTROLLER, KubeError
 from kvpilot.operator.merge_patch import diff
+from kvpilot.operator.optional_apis import (
+    INFERENCE,
+    KEDA,
+    PROMETHEUS,
+    MissingApi,
+    missing_apis,
+    missing_message,
+    served_apis,
+)
 from kvpilot.operator.replica_handover import inherited_replicas
 from kvpilot.operator.resources import (
     WORKLOADS,
@@ -61,12 +72,12 @@ from kvpilot.operator.resources import (
     workload_name,
 )
 from kvpilot.operator.resources.adapters import adapter_paths
-from kvpilot.operator.resources.common import LWS_API, Owner
-from kvpilot.operator.resources.inference_pool import INFERENCE_POOL_API
-from kvpilot.operator.resources.monitoring import PODMONITOR_API
+from kvpilot.operator.resources.common import Owner
 from kvpilot.operator.resources.placement import describe as describe_placement
 from kvpilot.operator.resources.service import endpoint
 from kvpilot.operator.resources.sizing import EngineSizing
+from kvpilot.operator.scaling import kept_plan_note, plan_input, replicas_ignored
+from kvpilot.operator.scheduling import scheduling_problem
 from kvpilot.operator.security import check_spec
 from kvpilot.operator.server_side_apply import applied_config, holds
 from kvpilot.operator.settings import OperatorSettings
@@ -78,7 +89,6 @@ from kvpilot.operator.status import (
     DeploymentState,
     merge_conditions,
     now_rfc3339,
-    scheduling_problem,
     workload_conditions,
 )
 
@@ -139,7 +149,7 @@ class ReconcileResult:
     failures: list[Failure] = field(default_factory=list)
     sizing: SizingObservation | None = None  # planned vs observed KV capacity (observer on)
     figures: ServiceFigures | None = None
-    missing_api: str | None = None           # the API the plan needs that the cluster does not serve
+    missing_apis: list[MissingApi] = field(default_factory=list)  # needed, not served (optional_apis)
     adapters_settling: bool = False          # adapters being loaded (or waiting for pods): look again soon
 
     @property
@@ -259,10 +269,12 @@ async def reconcile(children: Children, discovery: Discovery, body: Mapping[str,
     current = dict(body.get("status") or {})
     result = ReconcileResult()
 
+    planning = None
     try:
         spec = parse_spec(body.get("spec") or {}, owner.name)
         check_spec(spec, owner.name, settings.policy, settings.engine_image)  # before anything is built
-        outcome = plan_service(spec)
+        planning = plan_input(spec, body, current.get("plan"))   # scaling alone keeps the plan
+        outcome = plan_service(planning.spec_to_plan(spec))
     except SpecError as exc:  # a PolicyViolation names its own reason
         spec, outcome = None, PlanOutcome.rejected(getattr(exc, "reason", "InvalidSpec"), str(exc))
     # the sizing is there exactly when the plan is feasible (an invalid spec has none)
@@ -271,9 +283,10 @@ async def reconcile(children: Children, discovery: Discovery, body: Mapping[str,
     desired: dict[str, Any] = {"observedGeneration": generation, "selector": owner.selector,
                                "endpoint": endpoint(owner), "plan": current.get("plan")}
     if sizing is not None:
-        planned = Condition(c.PLANNED, "True", "Planned", outcome.message)
+        note = kept_plan_note(spec, sizing.replicas) if planning.kept else ""
+        planned = Condition(c.PLANNED, "True", "Planned", outcome.message + note)
         await _apply_all(children, discovery, body, owner, spec, sizing, settings, desired, result,
-                         verified_adapters(spec, current.get("adapters")))
+                         verified_adapters(spec, current.get("adapters")), planning.planned_for)
     else:
         planned = Condition(c.PLANNED, "False", outcome.reason, outcome.message)
         desired["planError"] = _plan_error(outcome, generation)
@@ -287,7 +300,10 @@ async def reconcile(children: Children, discovery: Discovery, body: Mapping[str,
     scheduling = None
     if sizing is not None and state.exists and state.ready < state.desired:
         scheduling = scheduling_problem(pods, describe_placement(spec, sizing.gpu, settings))
-    conditions = [planned, *workload_conditions(state, apply_error, scheduling, result.missing_api)]
+    conditions = [planned, *workload_conditions(state, apply_error, scheduling,
+                                                missing_message(result.missing_apis) or None)]
+    if spec is not None and (ignored := replicas_ignored(spec, current.get("conditions"))) is not None:
+        conditions.append(ignored)
     if observer is not None:
         result.sizing = await _observe_engines(observer, owner, desired.get("plan"), pods, settings)
         desired["observed"] = result.sizing.observed
@@ -315,23 +331,22 @@ async def reconcile(children: Children, discovery: Discovery, body: Mapping[str,
 async def _apply_all(children: Children, discovery: Discovery, body: Mapping[str, Any], owner: Owner,
                      spec: InferenceServiceSpec, sizing: EngineSizing, settings: OperatorSettings,
                      desired: dict[str, Any], result: ReconcileResult,
-                     verified: frozenset[str] = frozenset()) -> None:
+                     verified: frozenset[str] = frozenset(), planned_for: Mapping[str, Any] | None = None) -> None:
     """Apply every desired child and remove the unwanted ones, recording failures;
-    ``verified``: the adapters the engine loads at start-up."""
-    apis = {}
-    for api in (PODMONITOR_API, INFERENCE_POOL_API, LWS_API):
-        try:
-            apis[api] = await discovery.has_api(*api)
-        except KubeError as exc:
-            result.failures.append(Failure("discovery of " + "/".join(api), exc))
-            return
-    if sizing.nodes > 1 and not apis[LWS_API]:
-        result.missing_api = "/".join(LWS_API)
+    ``verified``: the adapters the engine loads at start-up; ``planned_for``: what the plan
+    was made from (``status.plan.plannedFor``, ``scaling.PlanInput``)."""
+    try:
+        served = await served_apis(discovery)
+    except KubeError as exc:
+        result.failures.append(Failure("discovery of the optional APIs", exc))
+        return
+    result.missing_apis = missing_apis(spec, sizing, served)
+    if any(m.blocking for m in result.missing_apis):
         return
     inherited = inherited_replicas(_workload(children, owner, sizing), spec.autoscaling.enabled)
-    wanted = desired_children(owner, spec, sizing, settings, podmonitor_api=apis[PODMONITOR_API],
-                              inherited_replicas=inherited, inference_pool_api=apis[INFERENCE_POOL_API],
-                              verified_adapters=verified)
+    wanted = desired_children(owner, spec, sizing, settings, podmonitor_api=served[PROMETHEUS],
+                              inherited_replicas=inherited, inference_pool_api=served[INFERENCE],
+                              keda_api=served[KEDA], verified_adapters=verified)
     for child in wanted:
         # Owner reference + the CR's labels on the child (not on the pod template: a
         # label edit on the InferenceService must not restart GPU pods).
@@ -345,8 +360,9 @@ async def _apply_all(children: Children, discovery: Discovery, body: Mapping[str
                 return
             continue
         if child.kind in WORKLOADS:
-            desired["plan"] = {**sizing.status, "generation": desired["observedGeneration"]}
-    absent = {group for (group, _), served in apis.items() if not served}
+            desired["plan"] = {**sizing.status, "generation": desired["observedGeneration"],
+                               **({"plannedFor": dict(planned_for)} if planned_for else {})}
+    absent = {api.group for api, is_served in served.items() if not is_served}
     await _remove_unwanted(children, owner, {(ch.kind.kind, ch.name) for ch in wanted}, absent, result)
 
 
@@ -416,17 +432,21 @@ async def _load_adapters(loader: AdapterLoader, owner: Owner, spec: InferenceSer
 
 
 def transition_events(current: Any, conditions: list[Condition]) -> list[Event]:
-    """Events for a changed Planned condition, and for Degraded or SizingDrift turning on or off.
+    """Events for a condition whose status or reason changed: Planned, Degraded (turning on,
+    or to another reason, and Recovered when it turns off), AdaptersReady (but not while
+    loading), ReplicasIgnored turning on and SizingDrift turning on or off.
 
-    Only changes post Events, so a spec that stays infeasible or a child that keeps
-    failing is reported once, not on every resync.
+    NOTE: the message alone never posts an Event. It carries what changes while the state
+    does not (the Pending pod count, the scheduler's text, the numbers of a plan), so a
+    service that stays unschedulable, infeasible or failing is reported once per reason,
+    not on every change of its detail or every resync; ``kubectl describe`` shows the
+    latest message in the condition.
     """
     old = {cd.get("type"): cd for cd in current or () if isinstance(cd, Mapping)}
     events = []
     for cond in conditions:
         before = old.get(cond.type) or {}
-        changed = (before.get("status"), before.get("reason"), before.get("message")) != \
-            (cond.status, cond.reason, cond.message)
+        changed = (before.get("status"), before.get("reason")) != (cond.status, cond.reason)
         if cond.type == c.PLANNED and changed:
             events.append(Event("Normal" if cond.status == "True" else "Warning", cond.reason, cond.message))
         elif cond.type == c.DEGRADED and changed and cond.status == "True":
@@ -435,6 +455,8 @@ def transition_events(current: Any, conditions: list[Condition]) -> list[Event]:
             events.append(Event("Normal", "Recovered", "no longer degraded"))
         elif cond.type == c.ADAPTERS_READY and changed and cond.reason != "AdaptersLoading":
             events.append(Event("Warning" if cond.status == "False" else "Normal", cond.reason, cond.message))
+        elif cond.type == c.REPLICAS_IGNORED and changed and cond.status == "True":
+            events.append(Event("Warning", cond.reason, cond.message))
         elif cond.type == c.SIZING_DRIFT and before.get("status") != cond.status:
             if cond.status == "True":
                 events.append(Event("Warning", "SizingDrift", cond.message))

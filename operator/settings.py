@@ -25,6 +25,7 @@
 | KVPILOT_EPP_FAILURE_MODE        | FailClose                                 |
 | KVPILOT_PEERING_LIFETIME        | 60 (seconds a keep-alive stays valid)     |
 | KVPILOT_METRICS_PORT            | 0 (off); the Helm chart serves 8081       |
+| KVPILOT_METRICS_BIND_ADDRESS    | 127.0.0.1 (the host / pod only); the chart: 0.0.0.0, for Prometheus |
 | KVPILOT_ENGINE_METRICS          | pod (read engine pods' /metrics directly; apiserver: through the API server's pod proxy; off) |
 | KVPILOT_ENGINE_SCRAPE_TIMEOUT   | 2 (seconds one read of a pod's /metrics may take) |
 | KVPILOT_ENGINE_SCRAPES_PER_PASS | 4 (engine pods read at most per pass of a service) |
@@ -50,6 +51,7 @@ counter to its per-second rate, ``vllm_num_preemptions_per_second``).
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import os
@@ -88,6 +90,9 @@ class OperatorSettings:
         peering_lifetime: seconds a replica's peering keep-alive stays valid: after a crash
             the next replica takes over within this time (after a clean stop at once).
         metrics_port: port of the operator's Prometheus ``/metrics`` (0 = off).
+        metrics_bind_address: the address ``/metrics`` listens on: 127.0.0.1 by default (nothing
+            outside the host, or the pod, reaches it), 0.0.0.0 / :: for every interface (what the
+            chart sets, so that Prometheus scrapes the pod IP).
         engine_metrics: how the operator reads engine pods' ``/metrics`` to observe their KV
             cache (``engine_observer``): ``pod`` (directly), ``apiserver`` (pod proxy) or ``off``.
         engine_scrape_timeout / engine_scrapes_per_pass: seconds per read; reads per pass.
@@ -129,6 +134,7 @@ class OperatorSettings:
     endpoint_picker_failure_mode: str = "FailClose"
     peering_lifetime: int = 60
     metrics_port: int = 0
+    metrics_bind_address: str = "127.0.0.1"
     engine_metrics: str = "pod"
     engine_scrape_timeout: float = 2.0
     engine_scrapes_per_pass: int = 4
@@ -153,6 +159,11 @@ class OperatorSettings:
             raise ValueError(f"KVPILOT_PEERING_LIFETIME must be >= 1, got {self.peering_lifetime}")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"KVPILOT_METRICS_PORT must be a port (0 = off), got {self.metrics_port}")
+        try:
+            ipaddress.ip_address(self.metrics_bind_address)
+        except ValueError:
+            raise ValueError("KVPILOT_METRICS_BIND_ADDRESS must be an IP address (0.0.0.0 or :: for every "
+                             f"interface), got {self.metrics_bind_address!r}") from None
         if self.engine_metrics not in ENGINE_METRICS_MODES:
             raise ValueError(f"KVPILOT_ENGINE_METRICS must be one of {', '.join(ENGINE_METRICS_MODES)}, "
                              f"got {self.engine_metrics!r}")
@@ -251,6 +262,7 @@ class OperatorSettings:
             or defaults.endpoint_picker_failure_mode,
             peering_lifetime=int(number("KVPILOT_PEERING_LIFETIME", defaults.peering_lifetime)),
             metrics_port=int(number("KVPILOT_METRICS_PORT", defaults.metrics_port)),
+            metrics_bind_address=env.get("KVPILOT_METRICS_BIND_ADDRESS") or defaults.metrics_bind_address,
             engine_metrics=env.get("KVPILOT_ENGINE_METRICS") or defaults.engine_metrics,
             engine_scrape_timeout=number("KVPILOT_ENGINE_SCRAPE_TIMEOUT", defaults.engine_scrape_timeout),
             engine_scrapes_per_pass=int(number("KVPILOT_ENGINE_SCRAPES_PER_PASS",

@@ -8,11 +8,12 @@ every condition records the ``observedGeneration`` it was computed for.
 from __future__ import annotations
 
 import datetime
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kvpilot.operator import constants as c
+from kvpilot.operator.scheduling import SchedulingProblem
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,54 +112,12 @@ class DeploymentState:
         return pending or self.updated < self.desired or self.ready < self.desired
 
 
-# What kube-scheduler writes in a Pending pod's PodScheduled condition when no node has
-# the labels the pod's nodeSelector / required node affinity asks for.
-NODE_MISMATCH = "didn't match Pod's node affinity/selector"
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulingProblem:
-    """Engine pods the scheduler cannot place: ``reason`` is ``NoMatchingNodes`` when no
-    node has the labels they require (the GPU type), else ``Unschedulable``."""
-
-    reason: str
-    message: str
-
-
-def scheduling_problem(pods: Iterable[Mapping[str, Any]], placement: str = "") -> SchedulingProblem | None:
-    """What keeps Pending ``pods`` off the nodes, from their PodScheduled conditions.
-
-    Args:
-        pods: the engine pods as listed (any phase).
-        placement: what the pods require, for the message (``nvidia.com/gpu.product in (...)``).
-    Returns:
-        None when no pod is Pending with ``PodScheduled=False, reason=Unschedulable``.
-    """
-    messages = []
-    for pod in pods:
-        if (pod.get("status") or {}).get("phase", "Pending") != "Pending":
-            continue
-        for cond in (pod.get("status") or {}).get("conditions") or ():
-            if (cond.get("type"), cond.get("status"), cond.get("reason")) == \
-                    ("PodScheduled", "False", "Unschedulable"):
-                messages.append(cond.get("message") or "")
-    if not messages:
-        return None
-    if any(NODE_MISMATCH in m for m in messages):
-        need = f"; the pods require {placement}" if placement else ""
-        first = next(m for m in messages if NODE_MISMATCH in m)
-        return SchedulingProblem("NoMatchingNodes",
-                                 f"{len(messages)} pod(s) Pending: no node matches their placement{need}. "
-                                 f"Scheduler: {first}")
-    return SchedulingProblem("Unschedulable", f"{len(messages)} pod(s) Pending. Scheduler: {messages[0]}")
-
-
 def workload_conditions(state: DeploymentState, apply_error: str | None = None,
                         scheduling: SchedulingProblem | None = None,
                         missing_api: str | None = None) -> list[Condition]:
     """Ready, Progressing and Degraded from the Deployment (or LeaderWorkerSet), the last
-    apply's error, pods the scheduler cannot place and an API the plan needs that the
-    cluster does not serve (``missing_api``: nothing was built)."""
+    apply's error, pods the scheduler cannot place and the APIs the service needs that the
+    cluster does not serve (``missing_api``: the message, ``optional_apis.missing_message``)."""
     counts = f"{state.ready}/{state.desired} replicas ready"
     if not state.exists:
         ready = Condition(c.READY, "False", "DeploymentMissing", "the engine Deployment does not exist")
@@ -178,10 +137,7 @@ def workload_conditions(state: DeploymentState, apply_error: str | None = None,
                                 counts if state.exists else "")
 
     if missing_api:
-        degraded = Condition(c.DEGRADED, "True", "MissingAPI", (
-            f"the plan's replicas span nodes (pipeline parallelism), which run as a LeaderWorkerSet, but the "
-            f"cluster does not serve {missing_api}: install LeaderWorkerSet (kubernetes-sigs/lws) or plan "
-            "one node per replica (spec.gpu.nodes: 1); nothing was created"))
+        degraded = Condition(c.DEGRADED, "True", "MissingAPI", missing_api)
     elif apply_error:
         degraded = Condition(c.DEGRADED, "True", "ApplyFailed", apply_error)
     elif scheduling is not None:

@@ -23,6 +23,9 @@ status patch through the status subresource and posts the Events of condition ch
   ``BLOCKED_RETRY_SECONDS`` (or the resync, if sooner). A pass that raises (a bug) is
   logged and retried like a transient failure rather than ending the worker.
 - **Bounded.** At most ``max_concurrent_reconciles`` passes run at once, operator-wide.
+- **Ends with its object.** No finalizer holds an InferenceService for its worker
+  (``main._without_finalizer``): the worker ends after its current pass when the object's
+  DELETED event arrives (``stop``), or when its status write finds the object gone (404).
 """
 
 from __future__ import annotations
@@ -141,8 +144,9 @@ class WorkerContext:
         return self.settings.resync_seconds * self.rng.uniform(0.75, 1.25)
 
 
-async def _first(*events: asyncio.Event, timeout: float | None) -> None:
-    """Wait until one of ``events`` is set, or ``timeout`` seconds (None: no limit)."""
+async def _first(*events: Any, timeout: float | None) -> None:
+    """Wait until one of ``events`` (asyncio.Event, kopf's DaemonStopped: an awaitable ``wait()``)
+    is set, or ``timeout`` seconds (None: no limit)."""
     waiters = [asyncio.ensure_future(event.wait()) for event in events]
     try:
         await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
@@ -171,13 +175,24 @@ class ServiceWorker:
         self._indexes = indexes
         self._pods = pods
         self._logger = _ServiceLogger(logger, {"service": "/".join(self.key)})
+        self._uid = meta.get("uid")
         self._poked = asyncio.Event()
         self._poked.set()  # the first pass runs at once (creation, operator start)
+        self._gone = asyncio.Event()  # the object was deleted: end after the current pass
         self._written: Mapping[str, Any] | None = None  # what the last status write returned
         self.passes = 0
 
     def poke(self) -> None:
         self._poked.set()
+
+    def stop(self) -> None:
+        """The object is gone: end after the current pass (``serve`` returns)."""
+        self._gone.set()
+
+    def serves(self, body: Mapping[str, Any]) -> bool:
+        """Whether ``body`` is this worker's object (not another of the same name)."""
+        uid = (body.get("metadata") or {}).get("uid")
+        return uid is None or self._uid is None or uid == self._uid
 
     def is_echo(self, body: Mapping[str, Any]) -> bool:
         """Whether a watch event carrying ``body`` is the echo of this worker's status write."""
@@ -196,7 +211,7 @@ class ServiceWorker:
         stopping = asyncio.Event()
 
         async def wait_for_stop() -> None:
-            await stopped.wait()
+            await _first(self._gone, stopped, timeout=None)  # kopf stops it, or its object went
             stopping.set()
 
         stop_watch = asyncio.create_task(wait_for_stop())
@@ -271,7 +286,8 @@ class ServiceWorker:
             try:
                 self._written = await ctx.api.merge_patch(path, {"status": result.status_patch})
             except KubeError as exc:
-                if exc.status == 404:
+                if exc.status == 404:  # deleted, its DELETED event not seen (yet): done
+                    self.stop()
                     return None
                 # Events wait for the status that carries their change: the next pass
                 # computes the same transitions again and posts them then.

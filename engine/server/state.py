@@ -66,12 +66,12 @@ class ServerState:
         return self.config.served_model_names or (self.model_name,)
 
     def check_model(self, name: str | None) -> str:
-        """Returns the name to report; raises 400 for a model this server does not serve.
+        """Returns the name to report; raises 404 for a model this server does not serve.
 
-        400, not OpenAI's 404: kvpilot's API contract (issue 4) files an unknown model
-        with the other invalid request parameters; the code stays ``model_not_found``. A
-        LoRA adapter's name is served under its own name; one unloaded at run time is 404
-        (OpenAI's and vLLM's answer for a model that went away).
+        404 with ``code: model_not_found``, as OpenAI and vLLM answer (the ``openai`` SDK
+        raises ``NotFoundError``); the message lists what this server does serve. A LoRA
+        adapter's name is served under its own name; one unloaded at run time is the same
+        404 (a model that went away).
         """
         adapters = self.client.lora_adapters
         if name is not None and name in adapters:
@@ -81,9 +81,9 @@ class ServerState:
                            type=NOT_FOUND, param="model", code="model_not_found")
         if name is not None and name not in self.model_names:
             served = ", ".join((*self.model_names, *adapters))
-            raise APIError(HTTPStatus.BAD_REQUEST,
+            raise APIError(HTTPStatus.NOT_FOUND,
                            f"The model `{name}` does not exist; this server serves: {served}",
-                           param="model", code="model_not_found")
+                           type=NOT_FOUND, param="model", code="model_not_found")
         return self.model_name
 
 

@@ -1,8 +1,9 @@
 """The InferenceService ``status`` schema: what the operator writes, declared so that the
 API server keeps it (fields a CRD does not declare are pruned).
 
-``status.plan`` holds ``spec_to_plan.STATUS_FIELDS`` (camelCase) plus the generation,
-the serve flags and the KV estimate; tests/operator/test_crd.py keeps them equal.
+``status.plan`` holds ``spec_to_plan.STATUS_FIELDS`` (camelCase) plus the generation, what
+it was planned for (``scaling``), the serve flags and the KV estimate;
+tests/operator/test_crd.py keeps them equal.
 """
 
 from __future__ import annotations
@@ -51,6 +52,12 @@ OBSERVED = Obj(description=(
 
 PLAN = Obj(description="What the running pods were given, with the planner's derivation.", properties={
     "generation": Int(int64=True, description="The spec generation this plan was made for."),
+    "plannedFor": Obj(description=(
+        "What the plan was made from: scaling (spec.replicas alone) keeps it; any other spec change, or a new "
+        "serving.kvpilot.dev/replan annotation, re-plans."), properties={
+        "specDigest": Str(description="Digest of the spec without replicas, and of the replan annotation."),
+        "replicas": Int(description="The replica count the planner was given (absent: its own choice)."),
+    }),
     "model": Str(),
     "gpu": Str(),
     "tensorParallelSize": Int(),

@@ -9,7 +9,7 @@
 | PersistentVolumeClaim   | a disk KV tier and at most one replica (else per-pod claims) |
 | PersistentVolumeClaim   | the hf:// model cache: ReadWriteMany, or at most one replica |
 | HorizontalPodAutoscaler | autoscaling.mode = hpa                                       |
-| ScaledObject (KEDA)     | autoscaling.mode = keda                                      |
+| ScaledObject (KEDA)     | autoscaling.mode = keda and the keda.sh/v1alpha1 API exists  |
 | PodMonitor              | the monitoring.coreos.com/v1 API exists                      |
 | PodDisruptionBudget     | more than one replica (autoscaled: minReplicas > 1)          |
 | InferencePool           | the inference.networking.k8s.io/v1 API exists and spec.routing.inferencePool.enabled |
@@ -140,7 +140,7 @@ def possible_children(owner: Owner) -> list[tuple[ChildKind, str]]:
 def desired_children(owner: Owner, spec: InferenceServiceSpec, sizing: EngineSizing,
                      settings: OperatorSettings, *, podmonitor_api: bool,
                      inherited_replicas: int | None = None,
-                     inference_pool_api: bool = False,
+                     inference_pool_api: bool = False, keda_api: bool = True,
                      verified_adapters: frozenset[str] = frozenset()) -> list[Child]:
     """The children that should exist for ``spec`` planned as ``sizing``.
 
@@ -154,6 +154,8 @@ def desired_children(owner: Owner, spec: InferenceServiceSpec, sizing: EngineSiz
         inherited_replicas: the count an autoscaler left when autoscaling was switched off
             (``kvpilot.operator.replica_handover``), a floor while ``spec.replicas`` is unset.
         inference_pool_api: whether it serves inference.networking.k8s.io/v1 InferencePools.
+        keda_api: whether it serves keda.sh/v1alpha1 ScaledObjects (without: none is built for
+            ``autoscaling.mode: keda``; ``optional_apis`` reports it).
         verified_adapters: the LoRA adapters seen to load (``status.adapters`` verified), which
             the engine loads at start-up (``resources.adapters``).
     """
@@ -181,7 +183,7 @@ def desired_children(owner: Owner, spec: InferenceServiceSpec, sizing: EngineSiz
                               create_only=("spec",)))
     if spec.autoscaling.mode == "hpa":
         children.append(Child(HPA, build_hpa(owner, spec, settings, sizing.nodes)))
-    elif spec.autoscaling.mode == "keda":
+    elif spec.autoscaling.mode == "keda" and keda_api:
         children.append(Child(SCALED_OBJECT, build_scaledobject(owner, spec, sizing.nodes)))
     if podmonitor_api:
         children.append(Child(POD_MONITOR, build_podmonitor(owner)))

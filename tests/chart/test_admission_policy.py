@@ -28,6 +28,8 @@ from support.deputy_specs import (
 )
 
 NAME = "chat"
+SPEC_POLICY = "kvpilot-inferenceservices"               # the spec policy of release kvpilot
+UNWATCHED_POLICY = "kvpilot-unwatched-namespaces"       # the warning about unwatched namespaces
 
 
 def _cel(expression: str, activation: dict):
@@ -64,8 +66,9 @@ def admission(policy: dict, obj: dict, old: dict | None = None) -> list[str] | N
 
 def _policy(sets: list[str] = ()) -> tuple[dict, OperatorSettings]:
     docs = render(sets=sets)
-    (policy,) = of_kind(docs, "ValidatingAdmissionPolicy")
-    (binding,) = of_kind(docs, "ValidatingAdmissionPolicyBinding")
+    (policy,) = [p for p in of_kind(docs, "ValidatingAdmissionPolicy") if p["metadata"]["name"] == SPEC_POLICY]
+    (binding,) = [b for b in of_kind(docs, "ValidatingAdmissionPolicyBinding")
+                  if b["metadata"]["name"] == SPEC_POLICY]
     assert binding["spec"] == {"policyName": policy["metadata"]["name"], "validationActions": ["Deny"]}
     assert policy["spec"]["failurePolicy"] == "Fail"
     assert policy["spec"]["matchConstraints"]["resourceRules"] == [
@@ -147,4 +150,52 @@ def test_the_policy_is_rendered_only_where_the_api_serves_it():
                                 (["security.admissionPolicy.enabled=false"], "1.33.0", False)):
         run = helm("template", "kvpilot", "--kube-version", kube, *[a for s in sets for a in ("--set", s)])
         assert run.returncode == 0, run.stderr
-        assert ("kind: ValidatingAdmissionPolicy\n" in run.stdout) == present, (sets, kube)
+        assert (f"name: {SPEC_POLICY}\n" in run.stdout) == present, (sets, kube)
+        # the warning about unwatched namespaces needs the same API
+        assert (f"name: {UNWATCHED_POLICY}\n" in run.stdout) == (kube != "1.29.5"), (sets, kube)
+
+
+def _selected(selector: dict, namespace: str) -> bool:
+    """Whether a binding's namespaceSelector (matchExpressions on the namespace's name label,
+    which the API server sets on every namespace) selects ``namespace``."""
+    labels = {"kubernetes.io/metadata.name": namespace}
+    for expr in selector.get("matchExpressions") or ():
+        value = labels.get(expr["key"])
+        if expr["operator"] == "NotIn" and value in expr["values"]:
+            return False
+        if expr["operator"] == "In" and value not in expr["values"]:
+            return False
+    return all(labels.get(k) == v for k, v in (selector.get("matchLabels") or {}).items())
+
+
+def _unwatched(sets: list[str]) -> tuple[dict, dict] | None:
+    docs = render(sets=sets)
+    policies = [p for p in of_kind(docs, "ValidatingAdmissionPolicy") if p["metadata"]["name"] == UNWATCHED_POLICY]
+    bindings = [b for b in of_kind(docs, "ValidatingAdmissionPolicyBinding")
+                if b["metadata"]["name"] == UNWATCHED_POLICY]
+    assert len(policies) == len(bindings) <= 1
+    return (policies[0], bindings[0]) if policies else None
+
+
+def test_an_inference_service_outside_the_watched_namespaces_is_warned_about():
+    """Issue 43: an InferenceService in a namespace the release does not watch got no status
+    and no Event, and nothing said why. kubectl apply now prints the API server's warning
+    (the object is still created: the binding only warns)."""
+    policy, binding = _unwatched([])
+    assert binding["spec"]["validationActions"] == ["Warn"]
+    assert policy["spec"]["failurePolicy"] == "Ignore"
+    assert policy["spec"]["matchConstraints"]["resourceRules"][0]["operations"] == ["CREATE"]
+    selector = binding["spec"]["matchResources"]["namespaceSelector"]
+    assert _selected(selector, "default") and _selected(selector, "team-a") and not _selected(selector, "kvpilot")
+    (rule,) = policy["spec"]["validations"]
+    activation = {"request": celpy.json_to_cel({"namespace": "default"}), "object": celpy.json_to_cel(_cr(GOOD))}
+    assert bool(_cel(rule["expression"], activation)) is False
+    message = str(_cel(rule["messageExpression"], activation))
+    assert message == ("namespace default is not watched by the kvpilot operator of release kvpilot/kvpilot (it "
+                       "watches kvpilot): this InferenceService gets no status and no Events there; kubectl get kvis "
+                       "-A shows it with empty columns")
+    _, listed = _unwatched(["watchNamespaces={team-a,team-b}"])
+    selector = listed["spec"]["matchResources"]["namespaceSelector"]
+    assert [_selected(selector, ns) for ns in ("team-a", "team-b", "kvpilot")] == [False, False, True]
+    assert _unwatched(["rbac.scope=cluster"]) is None          # every namespace is watched
+    assert _unwatched(["unwatchedNamespaceWarning.enabled=false"]) is None

@@ -141,6 +141,24 @@ def test_defaults_are_two_peered_replicas_watching_the_release_namespace():
     ports = {p["name"]: p["containerPort"] for p in operator_container(docs)["ports"]}
     assert settings.liveness_endpoint == f"http://0.0.0.0:{ports['health']}/healthz"
     assert ports["metrics"] == settings.metrics_port
+    # Prometheus scrapes the pod IP: the chart binds /metrics there (the process alone: loopback)
+    assert settings.metrics_bind_address == "0.0.0.0" != OperatorSettings().metrics_bind_address
+    # hf:// caches on the cluster's default StorageClass unless one is named
+    assert (settings.model_cache, settings.model_cache_storage_class, settings.rwx_storage_classes) == \
+        (True, None, ())
+
+
+def test_metrics_bind_address_and_model_cache_classes_are_chart_values():
+    docs = render(sets=["ports.metricsBindAddress=127.0.0.1", "operator.modelCache.storageClassName=fast-ssd",
+                        "operator.modelCache.readWriteManyClasses={efs,filestore}"])
+    settings = OperatorSettings.from_env(operator_env(docs))
+    assert settings.metrics_bind_address == "127.0.0.1"
+    assert (settings.model_cache_storage_class, settings.rwx_storage_classes) == ("fast-ssd", ("efs", "filestore"))
+    assert not OperatorSettings.from_env(operator_env(render(sets=["operator.modelCache.enabled=false"]))).model_cache
+    for sets, where in ((["ports.metricsBindAddress=everywhere"], "/ports/metricsBindAddress"),
+                        (["operator.modelCache.storageClass=x"], "storageClass")):
+        run = helm("template", "kvpilot", *[a for s in sets for a in ("--set", s)])
+        assert run.returncode != 0 and where in run.stderr, run.stderr
 
 
 def test_cluster_rbac_is_an_explicit_choice():
@@ -273,7 +291,12 @@ def test_notes_say_what_was_installed_and_what_to_do_next():
     notes = run.stdout.split("NOTES:", 1)[1]
     assert "Deployment kv-kvpilot, 2 replica(s)" in notes
     assert "ghcr.io/kvpilot/kvpilot:" in notes
-    assert "kubectl apply -f crds/examples/qwen3-0.6b.yaml" in notes and "kubectl get kvis" in notes
+    # the example goes into the namespace the release watches (its own, by default), and the
+    # notes say what an InferenceService elsewhere looks like (issue 43)
+    assert "kubectl apply -n ml -f crds/examples/qwen3-0.6b.yaml" in notes and "kubectl get kvis -n ml" in notes
+    assert "Only ml is watched" in notes and "kubectl get kvis -A" in notes
+    cluster = helm("install", "kv", "--namespace", "ml", "--dry-run=client", "--set", "rbac.scope=cluster")
+    assert "in any namespace" in cluster.stdout and "Only " not in cluster.stdout.split("NOTES:", 1)[1]
     assert "kubectl apply --server-side -f crds/" in notes
     assert "Grafana dashboards" in notes
 

@@ -4,7 +4,8 @@ nothing else but a short allow-list.
 The real operator process runs with the arguments and environment the chart renders for
 it, against the API emulator, through a lifecycle that makes every kind of call it has:
 each child kind created, patched back after drift and (where the spec can drop it)
-deleted, status and finalizer patches, Events, kopf's watches and its peering keep-alives.
+deleted, status patches, the removal of the finalizer older operators left on
+InferenceServices, Events, kopf's watches and its peering keep-alives.
 The emulator records every (verb, group, resource, subresource) the operator called; the
 rules rendered by ``helm template`` must allow each call (in its namespace), and grant no
 (verb, group, resource) that was not called, except ``ALLOWED_UNUSED``. A new watch or
@@ -96,9 +97,13 @@ class Scenario:
     def apply(self, obj: dict) -> None:
         self.kubectl("apply", "--validate=false", "-f", "-", stdin=yaml.safe_dump(obj))
 
-    def service(self, name: str, spec: dict, ns: str = "team-a") -> None:
-        self.apply({"apiVersion": c.API_VERSION, "kind": c.KIND,
-                    "metadata": {"name": name, "namespace": ns}, "spec": spec})
+    def service(self, name: str, spec: dict, ns: str = "team-a", finalizers: list[str] | None = None) -> None:
+        meta = {"name": name, "namespace": ns, **({"finalizers": finalizers} if finalizers else {})}
+        self.apply({"apiVersion": c.API_VERSION, "kind": c.KIND, "metadata": meta, "spec": spec})
+
+    def finalizers(self, name: str, ns: str = "team-a") -> list[str] | None:
+        obj = self.emu.run(lambda e: e.objects.get((c.GROUP, c.PLURAL, ns, name)))
+        return None if obj is None else obj["metadata"].get("finalizers") or []
 
     def children(self, name: str, ns: str = "team-a") -> dict[str, dict]:
         def find(e):
@@ -178,6 +183,10 @@ def test_cluster_rbac_grants_exactly_what_the_operator_calls(tmp_path):
             s.service("scaled", AUTOSCALED)
             s.service("routed", ROUTED)
             s.service("grouped", GROUPED)
+            # as an operator before issue 43 left it: this one patches the finalizer away
+            s.service("legacy", SMALL, finalizers=[c.FINALIZER])
+            wait_for(lambda: s.finalizers("legacy") == [], 20, 0.1, "the legacy finalizer removed")
+            s.delete("legacy")
             s.wait_children("grouped", {*FENCE, "LeaderWorkerSet", "Service", "PodMonitor", "InferencePool"})
             s.wait_children("cached", {*FENCE, "Deployment", "Service", "PersistentVolumeClaim", "PodMonitor",
                                        "InferencePool"})

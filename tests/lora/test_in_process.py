@@ -58,7 +58,7 @@ def test_load_unload_on_the_engine_thread(lora_case):
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(base)
-        assert (await complete(client, "chat")).status_code == 400     # never loaded: kvpilot's 400
+        assert (await complete(client, "chat")).status_code == 404     # never loaded: not served
         loaded = await client.post("/v1/load_lora_adapter",
                                    json={"lora_name": "chat", "lora_path": str(adapters["chat"])})
         assert loaded.status_code == 200 and "added successfully" in loaded.text

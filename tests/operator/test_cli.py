@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import urllib.request
 
 import pytest
 
 from kvpilot.operator.settings import OperatorSettings
+
+from support import crd_schema
+from support.harness import EmulatorThread, OperatorProcess, free_port, wait_for, write_kubeconfig
 
 
 def test_settings_from_the_environment():
@@ -47,3 +51,33 @@ def test_bad_settings_exit_with_a_message():
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 1
     assert "KVPILOT_RESYNC_SECONDS must be > 0" in run.stderr
+
+
+def test_the_metrics_bind_address_is_a_setting():
+    assert OperatorSettings().metrics_bind_address == "127.0.0.1"   # nothing outside the host or pod
+    assert OperatorSettings.from_env({"KVPILOT_METRICS_BIND_ADDRESS": "::"}).metrics_bind_address == "::"
+    with pytest.raises(ValueError, match="KVPILOT_METRICS_BIND_ADDRESS must be an IP address"):
+        OperatorSettings.from_env({"KVPILOT_METRICS_BIND_ADDRESS": "everywhere"})
+
+
+def _reachable(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.status == 200 and b"kvpilot:operator_reconcile_passes_total" in resp.read()
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+def test_the_operator_serves_metrics_only_on_its_bind_address(tmp_path):
+    """Issue 43: /metrics always bound 0.0.0.0. By default it is on loopback only; the flag
+    (the chart: KVPILOT_METRICS_BIND_ADDRESS) moves it, and nothing answers elsewhere."""
+    with EmulatorThread([crd_schema.load_crd()]) as emu:
+        kubeconfig = write_kubeconfig(emu.kubeconfig(), tmp_path)
+        for args, here, not_here in ((("-A",), "127.0.0.1", "127.0.0.2"),
+                                     (("-A", "--metrics-bind-address", "127.0.0.2"), "127.0.0.2", "127.0.0.1")):
+            port = free_port()
+            with OperatorProcess(kubeconfig, tmp_path / "operator.log", args=args,
+                                 env={"KVPILOT_METRICS_PORT": str(port)}):
+                wait_for(lambda: _reachable(f"http://{here}:{port}/metrics"), 10, what=f"/metrics on {here}")  # noqa: B023
+                assert not _reachable(f"http://{not_here}:{port}/metrics")

@@ -24,6 +24,7 @@ from kvpilot.operator.spec import SpecError, parse_spec, planner_name
 from kvpilot.operator.spec_to_plan import STATUS_FIELDS, camel, plan_service
 
 from support import crd_schema
+from support.docs_pages import OPERATOR_PAGE
 
 CRD = crd_schema.load_crd()
 SCHEMA = crd_schema.version_schema(CRD)
@@ -191,7 +192,7 @@ def test_examples_name_catalogue_models():
 
 def test_status_schema_keeps_every_field_the_operator_writes():
     plan = SCHEMA["properties"]["status"]["properties"]["plan"]["properties"]
-    assert set(plan) == {camel(f) for f in STATUS_FIELDS} | {"generation", "serveArgs", "kvEstimateBytes"}
+    assert set(plan) == {camel(f) for f in STATUS_FIELDS} | {"generation", "plannedFor", "serveArgs", "kvEstimateBytes"}
     status = SCHEMA["properties"]["status"]["properties"]
     from kvpilot.operator.reconcile import STATUS_KEYS
 
@@ -208,3 +209,13 @@ def test_printer_columns_point_at_schema_fields():
         for part in path:
             node = node["properties"][part]
         assert node  # every column reads a declared field
+
+
+def test_the_docs_list_the_printer_columns_kubectl_shows():
+    """``kubectl get kvis`` on the operator's docs page names every column, ADAPTERS
+    included (issue 43), in the CRD's order."""
+    text = OPERATOR_PAGE.read_text()
+    line = next(x for x in text.splitlines() if x.startswith("kubectl get kvis") and "# NAME" in x)
+    columns = ["NAME", *(col["name"].upper() for col in
+                         crd_schema.load_crd()["spec"]["versions"][0]["additionalPrinterColumns"])]
+    assert line.split("# ", 1)[1].split() == columns

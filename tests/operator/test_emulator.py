@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 
 import pytest
 
 from support import crd_schema
-from support.harness import EmulatorThread
+from support.harness import EmulatorThread, wait_for
+from support.operator_cluster import SMALL
 
 CM = "/api/v1/namespaces/default/configmaps"
 DEPLOY = "/apis/apps/v1/namespaces/default/deployments"
@@ -138,3 +140,53 @@ def test_custom_resources_are_defaulted_pruned_and_validated(emu):
     _, obj = call(emu, "PATCH", f"{KVIS}/adm/status", {"status": {"replicas": 1, "junk": True}},
                   "application/merge-patch+json")
     assert obj["status"] == {"replicas": 1}
+
+
+def _history_kinds(emu, ns: str) -> list[tuple[str, str]]:
+    """(plural, event) of the store's log for namespace ``ns``, in order."""
+    return emu.run(lambda e: [(entry[1].split("/")[1], entry[2]) for entry in e._log
+                              if entry[3]["metadata"].get("namespace") == ns])
+
+
+def test_namespace_deletion_goes_in_the_real_order(emu):
+    """Issue 43: Terminating at once, creates refused, the pods first, then the accounts and
+    their roles (the account's token refused from then on), then the rest; an object with a
+    finalizer stays Terminating and holds the namespace until the finalizer goes."""
+    ns = "doomed"
+    call(emu, "POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
+    base = f"/api/v1/namespaces/{ns}"
+    call(emu, "POST", f"{base}/serviceaccounts", {"metadata": {"name": "op"}})
+    call(emu, "POST", f"/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/roles", {"metadata": {"name": "op"}})
+    call(emu, "POST", f"{base}/pods", {"metadata": {"name": "op-0"}, "spec": {"containers": []}})
+    kvis = f"/apis/serving.kvpilot.dev/v1alpha1/namespaces/{ns}/inferenceservices"
+    code, _ = call(emu, "POST", kvis, {"apiVersion": "serving.kvpilot.dev/v1alpha1", "kind": "InferenceService",
+                                       "metadata": {"name": "held", "finalizers": ["example.com/hold"]},
+                                       "spec": SMALL})
+    assert code == 201
+    token = emu.run(lambda e: e.service_account_token(ns, "op"))
+
+    def as_account(path):
+        req = urllib.request.Request(emu.url + path, headers={"Authorization": f"Bearer {token}"})
+        try:
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                return resp.status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    assert as_account(f"{base}/pods") == 200
+    code, obj = call(emu, "DELETE", f"/api/v1/namespaces/{ns}")
+    assert code == 200 and obj["status"]["phase"] == "Terminating" and obj["metadata"]["deletionTimestamp"]
+    code, refused = call(emu, "POST", f"{base}/configmaps", {"metadata": {"name": "late"}})
+    assert (code, refused["reason"]) == (403, "Forbidden")
+    assert refused["message"] == ('configmaps "late" is forbidden: unable to create new content in namespace '
+                                  'doomed because it is being terminated')
+    held = wait_for(lambda: (o := call(emu, "GET", f"{kvis}/held")[1])["metadata"].get("deletionTimestamp") and o,
+                    10, what="the InferenceService Terminating")
+    assert held["metadata"]["finalizers"] == ["example.com/hold"]
+    assert as_account(f"{base}/pods") == 401                  # the account went before the rest
+    deleted = [plural for plural, event in _history_kinds(emu, ns) if event == "DELETED"]
+    assert deleted[:3] == ["pods", "serviceaccounts", "roles"]
+    time.sleep(1)
+    assert call(emu, "GET", f"/api/v1/namespaces/{ns}")[0] == 200   # held by the finalizer
+    call(emu, "PATCH", f"{kvis}/held", {"metadata": {"finalizers": None}}, "application/merge-patch+json")
+    wait_for(lambda: call(emu, "GET", f"/api/v1/namespaces/{ns}")[0] == 404, 10, what="the namespace gone")

@@ -17,10 +17,11 @@ import yaml
 
 from kvpilot.operator import constants as c
 from kvpilot.operator.planner.gpu import GPU_NODE_PRODUCTS, gpu_names
+from kvpilot.operator.scheduling import scheduling_problem
 from kvpilot.operator.settings import OperatorSettings
 from kvpilot.operator.spec import SpecError, parse_spec
 from kvpilot.operator.spec_to_plan import plan_service
-from kvpilot.operator.status import scheduling_problem, workload_conditions
+from kvpilot.operator.status import workload_conditions
 
 from support import crd_schema
 from support.built import SETTINGS, build

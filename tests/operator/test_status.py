@@ -73,3 +73,17 @@ def test_events_only_on_transitions():
     recovered = transition_events(stored, [Condition("Planned", "True", "Planned", "ok"),
                                            Condition("Degraded", "False", "AsExpected")])
     assert [(e.type, e.reason) for e in recovered] == [("Normal", "Planned"), ("Normal", "Recovered")]
+
+
+def test_a_new_message_alone_posts_no_event():
+    """The detail that changes (the pending pod count, the scheduler's text) is in the
+    message; only a new status or reason is an Event (issue 43: 7 Events in 32 s)."""
+    first = Condition("Degraded", "True", "Unschedulable", "1 pod(s) Pending. Scheduler: 0/2 nodes are available")
+    stored = merge_conditions(None, [first], 1, "T")
+    for message in ("2 pod(s) Pending. Scheduler: 0/2 nodes", "2 pod(s) Pending. Scheduler: 0/3 nodes"):
+        assert transition_events(stored, [Condition("Degraded", "True", "Unschedulable", message)]) == []
+        assert transition_events(stored, [Condition("Planned", "True", "Planned", "a")]) != []   # new: Planned
+    other = transition_events(stored, [Condition("Degraded", "True", "NoMatchingNodes", "no L4 node")])
+    assert [(e.type, e.reason) for e in other] == [("Warning", "NoMatchingNodes")]
+    planned = merge_conditions(None, [Condition("Planned", "True", "Planned", "8 seqs")], 1, "T")
+    assert transition_events(planned, [Condition("Planned", "True", "Planned", "4 seqs")]) == []

@@ -81,11 +81,20 @@ def test_malformed_json_is_400(http):
     assert_error(resp, 400)
 
 
-def test_unknown_model_is_400_through_the_sdk(client):
-    with pytest.raises(openai.BadRequestError) as info:
+def test_unknown_model_is_404_through_the_sdk(client):
+    """A model the server does not serve: 404 with OpenAI's error JSON, as OpenAI and vLLM
+    answer (the SDK raises NotFoundError), on every route that names a model."""
+    with pytest.raises(openai.NotFoundError) as info:
         client.completions.create(model="no-such-model", prompt="x", max_tokens=1)
-    assert info.value.body["code"] == "model_not_found"
-    assert "no-such-model" in info.value.body["message"]
+    assert info.value.status_code == 404
+    assert info.value.body["code"] == "model_not_found" and info.value.body["type"] == "not_found_error"
+    assert info.value.body["param"] == "model" and "no-such-model" in info.value.body["message"]
+    with pytest.raises(openai.NotFoundError) as chat:
+        client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}],
+                                       max_tokens=1)
+    assert chat.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.NotFoundError):   # a stream is refused before it starts
+        client.completions.create(model="no-such-model", prompt="x", max_tokens=1, stream=True)
 
 
 def test_api_key_required_on_v1(server, settings):

@@ -238,7 +238,7 @@ def test_render_routes_give_the_token_ids_the_engine_runs(http, client, settings
     assert len(chat.json()["token_ids"]) == answered.usage.prompt_tokens
     assert httpx.post(f"{http.base_url}/v1/completions/render", json={"prompt": "x"}).status_code == 401
     bad = http.post("/v1/completions/render", json={"model": "nope", "prompt": "x"})
-    assert bad.status_code == 400 and bad.json()["error"]["code"] == "model_not_found"
+    assert bad.status_code == 404 and bad.json()["error"]["code"] == "model_not_found"
 
 
 def test_without_kv_events_there_are_no_event_sources(http):

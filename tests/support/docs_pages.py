@@ -5,7 +5,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-METRICS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+METRICS_PAGE = DOCS / "metrics.md"
+OPERATOR_PAGE = DOCS / "operator.md"
 
 
 def documented_metrics() -> dict[str, str]:

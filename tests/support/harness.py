@@ -192,12 +192,13 @@ class EmulatorThread:
                 return result
         return asyncio.run_coroutine_threadsafe(call(), self._loop).result(10)
 
-    def kubeconfig(self, namespace: str = "default") -> dict:
-        """A kubeconfig pointing at this emulator (plain HTTP, a dummy token)."""
+    def kubeconfig(self, namespace: str = "default", token: str = "emulator-token") -> dict:
+        """A kubeconfig pointing at this emulator (plain HTTP; a dummy token is the cluster
+        admin, one from ``KubeEmulator.service_account_token`` a ServiceAccount)."""
         return {
             "apiVersion": "v1", "kind": "Config", "current-context": "emulator",
             "clusters": [{"name": "emulator", "cluster": {"server": self.url}}],
-            "users": [{"name": "emulator", "user": {"token": "emulator-token"}}],
+            "users": [{"name": "emulator", "user": {"token": token}}],
             "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "emulator",
                                                           "namespace": namespace}}],
         }

@@ -20,9 +20,18 @@ rely on (see /work/shared/ENVIRONMENT.md). ``KubeEmulator`` extends kmock's ``Ra
 - custom resources defaulted, pruned and validated against the CRD's openAPIV3Schema and
   its CEL rules (422 Invalid, as the API server answers);
 - ``meta.k8s.io/v1`` Table answers with the CRD's printer columns for ``kubectl get``;
-- a garbage collector: deleting an object deletes the objects it owns (ownerReferences);
+- a garbage collector: deleting an object deletes the objects it owns (ownerReferences),
+  and an object created for an owner that no longer exists goes at once;
 - the pod proxy (``GET .../pods/NAME:PORT/proxy/PATH`` is forwarded to the pod's IP);
 - finalizers and ``deletionTimestamp``; ``/api/v1/namespaces`` (mis-parsed by kmock);
+- namespace deletion in the real order (``kube_namespaces``): Terminating at once, creates
+  in it refused (403), then its pods, then its ServiceAccounts, Roles and RoleBindings, then
+  the rest; objects with finalizers stay Terminating; the namespace goes once empty;
+- ServiceAccount tokens (``service_account_token``): a request with the token of a
+  ServiceAccount that was deleted (or deleted and made again) is refused with 401, as the
+  API server refuses a bound token; any other token is the cluster admin;
+- Nodes, and a kube-scheduler the tests run (``kube_scheduler``: filters and FitError
+  messages as kube-scheduler writes them);
 - watch bookmarks (``allowWatchBookmarks``) every ``bookmark_seconds``, and, on a watch
   with a label selector, ``DELETED`` / ``ADDED`` when an object stops / starts matching it
   (as the API server's watch cache does);
@@ -31,6 +40,13 @@ rely on (see /work/shared/ENVIRONMENT.md). ``KubeEmulator`` extends kmock's ``Ra
 
 Every write is recorded in ``writes`` (method, path, user agent) so tests can count them,
 and every request to a resource in ``calls`` as RBAC sees it (``api_calls.ApiCall``).
+
+Still not modelled: authorization (RBAC is proven from the recorded ``calls`` instead:
+``support.rbac``), admission webhooks and ValidatingAdmissionPolicies, foreground and
+orphan deletion propagation (the garbage collector deletes dependents in the background,
+``blockOwnerDeletion`` is not enforced), graceful pod termination, controllers (no
+ReplicaSet, Deployment, HPA or kubelet: tests play them, ``support.kubelet``), namespaces
+that must exist before objects are created in them, version conversion and openapi.
 """
 
 from __future__ import annotations
@@ -57,6 +73,7 @@ from support import api_calls, crd_schema
 from support import kube_emulator_api as api
 from support import kube_field_manager as fm
 from support.kube_faults import FaultPolicy
+from support.kube_namespaces import NamespaceLifecycle, terminating_message
 
 T = TypeVar("T")
 Key = tuple[str, str, str | None, str]  # group, plural, namespace, name
@@ -131,6 +148,9 @@ class KubeEmulator(kmock.RawHandler):
     latency: dict[str, float] = attrs.field(factory=dict)
     faults: FaultPolicy = attrs.field(factory=FaultPolicy)
     bookmark_seconds: float = 60.0  # the API server sends a bookmark about once a minute
+    namespace_lifecycle: NamespaceLifecycle = attrs.field(factory=NamespaceLifecycle)
+    # bearer token -> the ServiceAccount it was issued for (namespace, name, uid)
+    tokens: dict[str, tuple[str, str, str]] = attrs.field(factory=dict)
     _rv: int = 1
     # rv, group/plural, type, obj, and the object before a MODIFIED (for selector transitions)
     _log: list[tuple[int, str, str, dict, dict | None]] = attrs.field(factory=list)
@@ -154,6 +174,7 @@ class KubeEmulator(kmock.RawHandler):
 
     async def __aexit__(self, *exc: Any) -> None:
         self._closing = True
+        await self.namespace_lifecycle.close()
         if self._changed is not None:
             async with self._changed:
                 self._changed.notify_all()
@@ -174,6 +195,23 @@ class KubeEmulator(kmock.RawHandler):
         return [copy.deepcopy(entry[3]) for entry in self._log  # (rv, group/plural, type, object, ...)
                 if entry[1] == f"{group}/{plural}" and entry[3]["metadata"].get("namespace") == namespace
                 and entry[3]["metadata"].get("name") == name]
+
+    def service_account_token(self, namespace: str, name: str) -> str:
+        """A token of ServiceAccount ``namespace/name`` (which must exist): valid while that
+        very account (its uid) exists, refused with 401 once it is deleted."""
+        account = self._get(self.types[("", "v1", "serviceaccounts")], namespace, name)
+        token = f"sa-{uuid.uuid4().hex}"
+        self.tokens[token] = (namespace, name, account["metadata"]["uid"])
+        return token
+
+    def _authenticated(self, raw: aiohttp.web.BaseRequest) -> bool:
+        auth = raw.headers.get("Authorization", "")
+        account = self.tokens.get(auth[len("Bearer "):]) if auth.startswith("Bearer ") else None
+        if account is None:
+            return True
+        namespace, name, uid = account
+        live = self.objects.get(("", "serviceaccounts", namespace, name))
+        return live is not None and live["metadata"].get("uid") == uid
 
     def _type_for(self, group: str, plural: str) -> api.ResourceType | None:
         return next((t for t in self.types.values() if t.group == group and t.plural == plural), None)
@@ -208,6 +246,8 @@ class KubeEmulator(kmock.RawHandler):
             delay += fault.delay
         if delay:
             await asyncio.sleep(delay)
+        if not self._authenticated(raw):   # a deleted ServiceAccount's token
+            return self._record_write(raw, data, _json(_status(401, "Unauthorized", "Unauthorized"), 401))
         try:
             if fault is not None and fault.status is not None:
                 code, headers, status = fault.answer()
@@ -405,6 +445,9 @@ class KubeEmulator(kmock.RawHandler):
                 raise ApiError(400, "BadRequest", "the namespace of the provided object does not match "
                                                   "the namespace sent on the request")
             meta["namespace"] = namespace
+        if rtype.namespaced and self.namespace_lifecycle.terminating(self, namespace):
+            raise ApiError(403, "Forbidden", f'{rtype.plural} "{meta["name"]}" is forbidden: '
+                                             + terminating_message(namespace))
         key = self._key(rtype, namespace, meta["name"])
         if key in self.objects:
             group = f".{rtype.group}" if rtype.group else ""
@@ -422,7 +465,21 @@ class KubeEmulator(kmock.RawHandler):
         self._bump(obj)
         self.objects[key] = obj
         self._emit(rtype, "ADDED", obj)
+        if self._owners_gone(obj):  # the garbage collector: created for an owner deleted meanwhile
+            self._delete(rtype, namespace, meta["name"])
         return copy.deepcopy(obj)
+
+    def _owners_gone(self, obj: dict) -> bool:
+        """Whether every owner ``obj`` names is of a kind served here and no longer exists
+        (an owner of a kind the emulator does not serve cannot be looked up: kept)."""
+        refs = obj["metadata"].get("ownerReferences") or []
+        if not refs:
+            return False
+        kinds = {(t.api_version, t.kind) for t in self.types.values()}
+        if any((r.get("apiVersion"), r.get("kind")) not in kinds for r in refs):
+            return False
+        live = {o["metadata"].get("uid") for o in self.objects.values()}
+        return not any(r.get("uid") in live for r in refs)
 
     def _register_crd(self, crd: dict) -> None:
         for rtype in api.types_from_crd(crd):
@@ -584,6 +641,8 @@ class KubeEmulator(kmock.RawHandler):
         return self._scale_of(rtype, new)
 
     def _delete(self, rtype: api.ResourceType, namespace: str | None, name: str) -> dict:
+        if (rtype.group, rtype.plural) == ("", "namespaces"):
+            return self.namespace_lifecycle.delete(self, name)
         key = self._key(rtype, namespace, name)
         obj = self._get(rtype, namespace, name)
         if obj["metadata"].get("finalizers"):

@@ -79,6 +79,7 @@ BUILTIN_TYPES = [
     _core("namespaces", "Namespace", namespaced=False, short_names=["ns"], status=True),
     _core("events", "Event", short_names=["ev"]),
     _core("pods", "Pod", short_names=["po"], status=True),
+    _core("nodes", "Node", namespaced=False, short_names=["no"], status=True),   # kube_scheduler's
     _core("services", "Service", short_names=["svc"], status=True),
     _core("secrets", "Secret"),
     _core("configmaps", "ConfigMap", short_names=["cm"]),

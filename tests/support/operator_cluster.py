@@ -18,7 +18,7 @@ import yaml
 
 from kvpilot.operator import constants as c
 
-from support import crd_schema
+from support import crd_schema, kube_scheduler
 from support.chart import CHART
 from support.harness import EmulatorThread, Kubectl, OperatorProcess, wait_for, write_kubeconfig
 from support.rbac import assert_chart_grants
@@ -69,6 +69,29 @@ class Cluster:
                "metadata": {"name": name, "namespace": NS, **({"labels": labels} if labels else {})},
                "spec": spec}
         self.kubectl("apply", "--validate=false", "-f", "-", stdin=yaml.safe_dump(obj))
+
+    def add(self, plural: str, body: dict, ns: str | None = NS) -> dict:
+        """Store ``body`` as the test code (a node joining, a pod the ReplicaSet made)."""
+        return self.emu.run(lambda e: e._store_create(
+            next(t for t in e.types.values() if t.group == "" and t.plural == plural), ns, body))
+
+    def add_node(self, node: dict) -> dict:
+        return self.emu.run(lambda e: kube_scheduler.add_node(e, node))
+
+    def remove(self, plural: str, name: str, ns: str | None = NS) -> None:
+        self.emu.run(lambda e: e._delete(next(t for t in e.types.values() if t.group == "" and t.plural == plural),
+                                         ns, name))
+
+    def engine_pod(self, name: str, pod_name: str) -> dict:
+        """Store the pod the ReplicaSet would make from ``name``'s Deployment (Pending, unbound)."""
+        template = copy.deepcopy(self.children(name)["Deployment"]["spec"]["template"])
+        return self.add("pods", {"apiVersion": "v1", "kind": "Pod", "metadata": {**template["metadata"],
+                                                                                "name": pod_name},
+                                 "spec": template["spec"]})
+
+    def schedule(self) -> dict:
+        """One round of the emulated kube-scheduler (``support.kube_scheduler``)."""
+        return self.emu.run(kube_scheduler.schedule)
 
     def writes(self) -> int:
         return len(self.emu.emulator.writes)
