@@ -5,10 +5,15 @@ its blocked layout on every call (``brgemm_matmul ... copy_b_chunk`` in a profil
 decode step, which streams every weight once, reads each weight twice and writes it once.
 ``pack`` reorders a weight into that layout once, at load (``torch.ops.mkldnn.
 _reorder_linear_weight``, the op torch's inductor uses for frozen CPU weights), and
-``packed_linear`` multiplies by it (``torch.ops.mkldnn._linear_pointwise``). The
-results are bit-identical to ``F.linear`` over the plain weight (the same oneDNN kernel
-runs; ``tests/engine/test_packed_linear.py`` checks it for every batch size a step
-has), and the packed weight replaces the plain one, so the memory stays the same.
+``packed_linear`` multiplies by it (``torch.ops.mkldnn._linear_pointwise``). Up to 32
+rows (every decode step of up to 32 sequences) the results are bit-identical to
+``F.linear`` over the plain weight: the same oneDNN kernel runs. Beyond that, on a CPU
+with AMX, oneDNN picks another kernel for ``F.linear``'s per-call layout than for the
+packed one, and the two may round differently (each is the bfloat16 rounding of a float32
+sum, in another order; both as close to the float32 product); elsewhere they stay
+identical.
+``tests/engine/test_packed_linear.py`` checks both for every batch size a step has. The
+packed weight replaces the plain one, so the memory stays the same.
 Measured over SmolLM2-135M's matrices on 2 cores of an AVX512-BF16 EPYC: 10.9 -> 7.2 ms
 per pass at 1 token, 12.2 -> 8.3 at 8, 19.1 -> 14.1 at 32.
 
