@@ -8,10 +8,10 @@ with the query heads that share the KV head, in two passes (scores and their max
 then the softmax-weighted sum of values), accumulating in float32 (double for double).
 
 The source is ``csrc/paged_decode_cpu.cpp``; ``load()`` compiles it (about 30 s) once
-per machine into torch's extension cache (``TORCH_EXTENSIONS_DIR``, by default
-``~/.cache/torch_extensions``; ``scripts/bootstrap.sh`` builds it at install time, and a
-changed source is rebuilt on the next load; the engine image ships it prebuilt, see
-``kvpilot.kernels.prebuilt``) and returns None, with the reason logged,
+per machine and version into the kernel cache (``kvpilot.kernels.kernel_cache``, under
+``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``; ``scripts/bootstrap.sh``
+builds it at install time, and a changed source is built anew on the next load; the engine
+image ships it prebuilt, see ``kvpilot.kernels.prebuilt``) and returns None, with the reason logged,
 where it cannot be built (no C++ compiler or Python headers): the engine then uses the
 pure-torch path. fp8 caches are not handled here (the torch path dequantizes them).
 """
@@ -19,13 +19,13 @@ pure-torch path. fp8 caches are not handled here (the torch path dequantizes the
 from __future__ import annotations
 
 import functools
-import hashlib
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
 from kvpilot.kernels.cpu_extension import load_cpu_extension
+from kvpilot.kernels.kernel_cache import headers_digest
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -57,14 +57,11 @@ def isa_variant(stem: str, isa: str | None, cflags: list[str]) -> tuple[str, lis
 
 @functools.cache
 def headers_flag() -> str:
-    """``-D`` of a digest of the headers in csrc/ that the kernels include. torch's build
-    cache and the prebuilt kernels' stamps hash a kernel's one source file and its flags,
-    not what it includes: with the headers' digest among the flags, a changed header
-    rebuilds every kernel, as a changed source rebuilds its own."""
-    digest = hashlib.sha256()
-    for header in sorted(SOURCE.parent.glob("*.h")):
-        digest.update(header.name.encode() + b"\0" + header.read_bytes())
-    return f"-DKVPILOT_CSRC_HEADERS={digest.hexdigest()[:16]}"
+    """``-D`` of a digest of the headers in csrc/ that the kernels include. The prebuilt
+    kernels' stamps hash a kernel's one source file and its flags, not what it includes:
+    with the headers' digest among the flags, a changed header rebuilds every kernel, as a
+    changed source rebuilds its own (the kernel cache's key hashes the headers itself too)."""
+    return f"-DKVPILOT_CSRC_HEADERS={headers_digest(SOURCE.parent)[:16]}"
 
 
 @functools.cache
