@@ -139,7 +139,8 @@ def _cpu() -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     parser.add_argument("scenario", choices=["kill", "alternate"])
     parser.add_argument("--kill", choices=["group", "core"], default="group")
     parser.add_argument("--python", action="append", default=[], help="an install's Python (alternate)")
