@@ -7,7 +7,7 @@ one call that does the arithmetic of the torch code it replaces with the same ro
 within an ulp and 16-bit ones to the bit in almost every element.
 
 ``load()`` builds the source like the paged-decode kernel (prebuilt in the engine image,
-else compiled on first use into torch's extension cache; None where it cannot be built,
+else compiled on first use into the kernel cache, ``kernel_cache``; None where it cannot be built,
 and the layers keep their torch code). The launchers check what Python must (device and
 dtype support, via ``supports_*``); shapes and strides are checked in C++ (``TORCH_CHECK``
 raises a RuntimeError), which costs less per call than Python checks would on a path that
@@ -23,7 +23,7 @@ from types import ModuleType
 import torch
 
 from kvpilot.kernels.cpu_extension import load_cpu_extension
-from kvpilot.kernels.paged_decode_cpu import isa_variant
+from kvpilot.kernels.cpu_isa import isa_variant
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_layer_ops.cpp"
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -41,7 +41,7 @@ from types import ModuleType
 import torch
 
 from kvpilot.kernels.cpu_extension import load_cpu_extension
-from kvpilot.kernels.paged_decode_cpu import isa_variant
+from kvpilot.kernels.cpu_isa import isa_variant
 
 SOURCE = Path(__file__).parent / "csrc" / "gguf_matmul_cpu.cpp"
 # ggml type id -> (values per block, bytes per block), as ggml-common.h defines them

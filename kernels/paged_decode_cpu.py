@@ -8,10 +8,10 @@ with the query heads that share the KV head, in two passes (scores and their max
 then the softmax-weighted sum of values), accumulating in float32 (double for double).
 
 The source is ``csrc/paged_decode_cpu.cpp``; ``load()`` compiles it (about 30 s) once
-per machine into torch's extension cache (``TORCH_EXTENSIONS_DIR``, by default
-``~/.cache/torch_extensions``; ``scripts/bootstrap.sh`` builds it at install time, and a
-changed source is rebuilt on the next load; the engine image ships it prebuilt, see
-``kvpilot.kernels.prebuilt``) and returns None, with the reason logged,
+per machine and version into the kernel cache (``kvpilot.kernels.kernel_cache``, under
+``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``; ``scripts/bootstrap.sh``
+builds it at install time, and a changed source is built anew on the next load; the engine
+image ships it prebuilt, see ``kvpilot.kernels.prebuilt``) and returns None, with the reason logged,
 where it cannot be built (no C++ compiler or Python headers): the engine then uses the
 pure-torch path. fp8 caches are not handled here (the torch path dequantizes them).
 """
@@ -19,13 +19,13 @@ pure-torch path. fp8 caches are not handled here (the torch path dequantizes the
 from __future__ import annotations
 
 import functools
-import hashlib
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
 from kvpilot.kernels.cpu_extension import load_cpu_extension
+from kvpilot.kernels.cpu_isa import isa_variant
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -33,38 +33,9 @@ DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 # sums reassociate (results stay within float32 rounding of the reference).
 CFLAGS = ["-O3", "-ffast-math", "-fopenmp-simd"]
 LDFLAGS = ("-lm",)
-# Vector units by torch's reading of this CPU; the build is cached under a name that
-# includes it, so a cache shared by different machines never runs AVX-512 code on an
-# AVX2-only one.
-ISA_FLAGS = {
-    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"],
-    "AVX2": ["-mavx2", "-mfma"],
-}
-
-
 def variant(isa: str | None) -> tuple[str, list[str]]:
     """The module name and compiler flags of the kernel for ``isa`` (None or unknown: baseline)."""
     return isa_variant("kvpilot_paged_decode_cpu", isa, CFLAGS)
-
-
-def isa_variant(stem: str, isa: str | None, cflags: list[str]) -> tuple[str, list[str]]:
-    """A CPU kernel's module name (``stem`` + the ISA) and compiler flags (``cflags`` + the
-    ISA's + the shared headers' digest) for ``isa`` (None or unknown: the baseline); every
-    CPU kernel names its builds so."""
-    flags = ISA_FLAGS.get(isa or "", [])
-    return f"{stem}_{isa.lower() if flags else 'baseline'}", [*cflags, *flags, headers_flag()]
-
-
-@functools.cache
-def headers_flag() -> str:
-    """``-D`` of a digest of the headers in csrc/ that the kernels include. torch's build
-    cache and the prebuilt kernels' stamps hash a kernel's one source file and its flags,
-    not what it includes: with the headers' digest among the flags, a changed header
-    rebuilds every kernel, as a changed source rebuilds its own."""
-    digest = hashlib.sha256()
-    for header in sorted(SOURCE.parent.glob("*.h")):
-        digest.update(header.name.encode() + b"\0" + header.read_bytes())
-    return f"-DKVPILOT_CSRC_HEADERS={digest.hexdigest()[:16]}"
 
 
 @functools.cache

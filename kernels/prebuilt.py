@@ -40,12 +40,9 @@ def kernel_digest(source: Path, flags: list[str]) -> str:
     return h.hexdigest()
 
 
-def find_cpu_kernel(name: str, flags: list[str], source: Path | None = None) -> Path | None:
+def find_cpu_kernel(name: str, flags: list[str], source: Path) -> Path | None:
     """The prebuilt module ``name`` in ``$KVPILOT_PREBUILT_KERNELS`` built from today's
-    ``source`` (by default the paged-decode kernel's) with ``flags``, or None."""
-    from kvpilot.kernels.paged_decode_cpu import SOURCE
-
-    source = source or SOURCE
+    ``source`` with ``flags``, or None."""
     folder = os.environ.get(PREBUILT_KERNELS_ENV)
     if not folder:
         return None
@@ -64,14 +61,14 @@ CPU_KERNELS = ("kvpilot.kernels.paged_decode_cpu", "kvpilot.kernels.gguf_matmul_
 def build_cpu_kernels(dest: Path, isas: tuple[str | None, ...] | None = None,
                       kernels: tuple[str, ...] = CPU_KERNELS) -> list[Path]:
     """Compile each of ``kernels`` into ``dest`` for each of ``isas`` (None: every variant
-    ``paged_decode_cpu.ISA_FLAGS`` knows on x86, and the baseline); returns the modules.
+    ``cpu_isa.ISA_FLAGS`` knows on x86, and the baseline); returns the modules.
 
     The builds are independent, so they run in parallel, one process per CPU (each build
     changes its process's working folder, hence processes, not threads)."""
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
 
-    from kvpilot.kernels.paged_decode_cpu import ISA_FLAGS
+    from kvpilot.kernels.cpu_isa import ISA_FLAGS
 
     dest.mkdir(parents=True, exist_ok=True)
     if isas is None:  # the ISA variants are x86's; elsewhere only the baseline

@@ -81,7 +81,8 @@ def launch_server(serve_args: list[str], *, host: str = "127.0.0.1", port: int |
 
     Raises:
         RuntimeError: the server exited or did not become healthy in time (the
-            message ends with its log).
+            message ends with its log). The server is stopped whenever this function
+            raises, an interruption included.
     """
     port = port or free_port(host)
     if log_path is None:
@@ -94,11 +95,20 @@ def launch_server(serve_args: list[str], *, host: str = "127.0.0.1", port: int |
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                    env={**os.environ, **(env or {})})
     server = LaunchedServer(process, f"http://{host}:{port}", log_path)
+    try:
+        _wait_healthy(server, timeout)
+    except BaseException:   # not healthy in time, or interrupted (Ctrl-C, a test's timeout)
+        server.stop()
+        raise
+    return server
+
+
+def _wait_healthy(server: LaunchedServer, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     with httpx.Client(timeout=5.0) as client:
         while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"kvpilot serve exited with status {process.returncode}:\n"
+            if server.process.poll() is not None:
+                raise RuntimeError(f"kvpilot serve exited with status {server.process.returncode}:\n"
                                    f"{server.log_tail()}")
             try:
                 code = client.get(f"{server.base_url}/health").status_code
@@ -106,9 +116,8 @@ def launch_server(serve_args: list[str], *, host: str = "127.0.0.1", port: int |
                 code = 0
             server.health_codes.append(code)
             if code == 200:
-                return server
+                return
             if time.monotonic() > deadline:
-                server.stop()
                 raise RuntimeError(f"kvpilot serve was not healthy after {timeout:.0f} s:\n"
                                    f"{server.log_tail()}")
             time.sleep(0.2)

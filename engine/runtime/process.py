@@ -14,8 +14,10 @@ in the very step that produced the token.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import signal
 import sys
 
 import zmq
@@ -26,7 +28,26 @@ from kvpilot.engine.runtime.zmq_channel import LINGER_MS, CoreEnd, read_spec
 
 logger = logging.getLogger(__name__)
 
+PR_SET_PDEATHSIG = 1   # <linux/prctl.h>
+
+def _die_with_parent() -> None:
+    """Linux: SIGTERM this process when the API process dies, however it dies (its stdin
+    lifeline is only read once the engine is built: a start-up of minutes, a kernel build
+    included, would outlive a killed server)."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:   # it died before the signal was armed
+        sys.exit(1)
+
+
 def main() -> int:
+    _die_with_parent()
     parent_fd = sys.stdin.fileno()
     spec = read_spec(parent_fd)
     logging.basicConfig(level=spec.log_level,

@@ -39,8 +39,9 @@ def test_the_cpu_kernel_prebuilt_loads_where_nothing_can_compile(tmp_path, monke
     assert gguf_path.name.startswith(gguf_matmul_cpu.variant(isa)[0])
     assert ops_path.name.startswith(cpu_layer_ops.variant(isa)[0])
     monkeypatch.setenv("KVPILOT_PREBUILT_KERNELS", str(tmp_path))
-    assert find_cpu_kernel(name, flags) == path
-    assert find_cpu_kernel(name, [*flags, "-DOTHER"]) is None   # other flags: not this build
+    assert find_cpu_kernel(name, flags, paged_decode_cpu.SOURCE) == path
+    # other flags: not this build
+    assert find_cpu_kernel(name, [*flags, "-DOTHER"], paged_decode_cpu.SOURCE) is None
     check = f"""
         import torch
         from kvpilot.kernels import paged_decode_cpu

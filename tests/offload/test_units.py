@@ -174,10 +174,16 @@ def test_two_engines_in_two_processes_share_one_disk_directory(tmp_path):
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for role in ("a", "b")]
     results = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=120)
-        assert proc.returncode == 0, err[-3000:]
-        results.append(json.loads(out.strip().splitlines()[-1]))
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=120)
+            assert proc.returncode == 0, err[-3000:]
+            results.append(json.loads(out.strip().splitlines()[-1]))
+    finally:   # a timeout or a failed writer: the other one is not left running
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
     assert results == [{"writable": True, "corrupt": 0, "written": count}] * 2, results
     reader = DiskStore(tmp_path, 1 << 34, w.BLOCK_BYTES, w.LAYOUT)
     wanted = set(w.blocks("a", count)) | set(w.blocks("b", count))

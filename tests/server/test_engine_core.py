@@ -100,3 +100,45 @@ def test_the_core_never_outlives_the_server(tmp_path, stop):
         assert _wait_gone(pid, 15), f"the core (pid {pid}) outlived the server:\n{server.log_tail()}"
     finally:
         server.stop()
+
+
+@pytest.mark.slow
+def test_the_core_never_outlives_a_server_killed_while_it_starts(tmp_path, monkeypatch):
+    """A core still building its engine (here: waiting on the CPU kernels' build locks, which
+    this test holds) reads no lifeline yet; killing its server with SIGKILL must end it too
+    (the parent-death signal it arms first)."""
+    import contextlib
+    import subprocess
+    import sys
+
+    import torch
+
+    from kvpilot.kernels import cpu_layer_ops, gguf_matmul_cpu, kernel_cache, paged_decode_cpu
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "kernels"))
+    monkeypatch.delenv("KVPILOT_PREBUILT_KERNELS", raising=False)
+    isa = torch.backends.cpu.get_cpu_capability()
+    log = tmp_path / "serve.log"
+    with contextlib.ExitStack() as held:
+        for kernel in (paged_decode_cpu, cpu_layer_ops, gguf_matmul_cpu):
+            name, flags = kernel.variant(isa)
+            directory = kernel_cache.cache_directory(name, kernel.SOURCE, flags, kernel.LDFLAGS)
+            directory.mkdir(parents=True)
+            held.enter_context(kernel_cache.build_lock(directory, "kernel"))
+        with log.open("wb") as out:
+            server = subprocess.Popen([sys.executable, "-m", "kvpilot.engine.cli.main", "serve", *SMALL,
+                                       "--port", "0"], stdout=out, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 180
+            while f"is being built by pid {os.getpid()} on " not in log.read_text(errors="replace"):
+                assert server.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.2)
+            core = _core_pid(type("Launched", (), {"log_path": log, "log_tail": lambda self: ""})())
+            assert _alive(core)
+            server.kill()
+            server.wait(30)
+            assert _wait_gone(core, 10), f"the starting core (pid {core}) outlived its killed server"
+        finally:
+            if server.poll() is None:
+                server.kill()
+                server.wait(30)

@@ -5,16 +5,7 @@ source (``support.import_graph``), so nothing is imported here."""
 
 from __future__ import annotations
 
-import pytest
-
 from support.import_graph import cycles, import_graph, strongly_connected
-
-# Known cycles, each being removed by work in flight (issue 42): the CPU kernels' build
-# cache (the kernel-cache change). strict: the test fails as soon as they are gone, so this mark goes then.
-KNOWN_CYCLES = (
-    ("kvpilot.kernels.cpu_extension", "kvpilot.kernels.prebuilt", "kvpilot.kernels.paged_decode_cpu"),
-)
-KNOWN = "; ".join(" -> ".join((*c, c[0])) for c in KNOWN_CYCLES)
 
 
 def test_the_graph_finds_every_cycle_with_its_path():
@@ -39,14 +30,6 @@ def test_the_graph_sees_every_kind_of_import():
     assert "kvpilot.engine.lora.request" not in graph["kvpilot.engine.core.request"]
 
 
-def test_no_import_cycles_but_the_known_ones():
-    """Until the known ones go, a new cycle still fails the suite."""
-    known = [set(c) for c in KNOWN_CYCLES]
-    new = [c for c in cycles() if set(c) not in known]
-    assert new == [], "new import cycles:\n" + "\n".join(" -> ".join(c) for c in new)
-
-
-@pytest.mark.xfail(strict=True, reason=f"known import cycles being removed: {KNOWN}")
 def test_no_import_cycles():
     found = cycles()
     assert found == [], "import cycles:\n" + "\n".join(" -> ".join(c) for c in found)

@@ -1,5 +1,6 @@
-"""The markers docs/development.md documents do what it says: ``gpu`` tests are skipped, with the
-reason, where there is no CUDA device, and run where there is one."""
+"""The markers docs/development.md documents do what it says: ``gpu`` tests are skipped, with
+the reason, where there is no CUDA device, and run where there is one; ``k8s`` tests (a real
+cluster's minutes-long steps) get a longer timeout than the suite's."""
 
 from __future__ import annotations
 
@@ -42,6 +43,29 @@ def test_gpu_tests_are_skipped_with_the_reason_without_cuda(pytester, monkeypatc
 def test_gpu_tests_run_where_cuda_is(pytester, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     _run(pytester).assert_outcomes(passed=2)
+
+
+def test_k8s_tests_outlast_the_suites_timeout_and_others_do_not(pytester, monkeypatch):
+    # a subprocess: pytest-timeout's alarm in this process is the running test's own
+    monkeypatch.setenv("PYTHONPATH", str(ROOT / "tests"))
+    pytester.makeconftest("from support.markers import pytest_collection_modifyitems  # noqa: F401\n")
+    pytester.makeini("[pytest]\nasyncio_default_fixture_loop_scope = function\n"
+                     "markers =\n    k8s: a real cluster\ntimeout = 1\n")
+    pytester.makepyfile("""
+        import time
+
+        import pytest
+
+        @pytest.mark.k8s
+        def test_on_a_cluster():
+            time.sleep(1.5)
+
+        def test_here():
+            time.sleep(1.5)
+    """)
+    result = pytester.runpytest_subprocess("-p", "no:randomly", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*Failed: Timeout (>1.0s)*", "FAILED *::test_here*"])
 
 
 def test_every_documented_marker_is_registered():

@@ -104,7 +104,11 @@ class OperatorProcess:
              "--liveness", liveness],
             env=self.env, stdout=log, stderr=subprocess.STDOUT)
         log.close()
-        wait_for(self.healthy, timeout=30, interval=0.1, what="the operator's liveness endpoint")
+        try:
+            wait_for(self.healthy, timeout=30, interval=0.1, what="the operator's liveness endpoint")
+        except BaseException:   # __exit__ does not run when __enter__ raises
+            self.stop()
+            raise
         return self
 
     def healthy(self) -> bool:

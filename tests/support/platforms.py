@@ -78,18 +78,26 @@ class EmulatedPlatform(Platform):
 
     def __enter__(self) -> EmulatedPlatform:
         self.prometheus = LocalPrometheus(self.tmp).start()  # its first scrape takes seconds: start early
-        self.emu.__enter__()
-        kubeconfig = write_kubeconfig(self.emu.kubeconfig(self.namespace), self.tmp)
-        self.kubectl = Kubectl(kubeconfig, self.tmp, self.namespace)
-        self.metrics_port = free_port()
-        self.operator = OperatorProcess(kubeconfig, self.tmp / "operator.log",
-                                        env={"KVPILOT_METRICS_PORT": str(self.metrics_port)}).start()
+        self.operator: OperatorProcess | None = None
+        try:
+            self.emu.__enter__()
+            kubeconfig = write_kubeconfig(self.emu.kubeconfig(self.namespace), self.tmp)
+            self.kubectl = Kubectl(kubeconfig, self.tmp, self.namespace)
+            self.metrics_port = free_port()
+            self.operator = OperatorProcess(kubeconfig, self.tmp / "operator.log",
+                                            env={"KVPILOT_METRICS_PORT": str(self.metrics_port)}).start()
+        except BaseException:   # __exit__ does not run when __enter__ raises
+            self.prometheus.stop()
+            if self.emu.port is not None:
+                self.emu.__exit__(None, None, None)
+            raise
         return self
 
     def __exit__(self, *exc: Any) -> None:
         if self.kubelet is not None:
             self.kubelet.close()
-        self.operator.stop()
+        if self.operator is not None:
+            self.operator.stop()
         self.prometheus.stop()
         self.emu.__exit__(*exc)
 

@@ -1,0 +1,126 @@
+"""However a test session ends, the servers its tests started end with it.
+
+Each test runs a small test file in a nested pytest (with ``support.process_hygiene``, as
+pyproject loads it for the suite) whose test starts ``kvpilot serve`` through
+``launch_server``, and ends that session the hard way: a pytest-timeout (its ``signal``
+method, where finalizers run, and its ``thread`` method, which ends pytest with
+``os._exit``), or ``kill -9`` of pytest while the server's engine core waits on a kernel
+build. The oracle is the process table: every process seen below the nested pytest is
+gone afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from kvpilot.kernels import cpu_layer_ops, gguf_matmul_cpu, kernel_cache, paged_decode_cpu
+
+pytestmark = pytest.mark.slow
+
+TESTS = Path(__file__).resolve().parents[1]
+INNER = """
+from pathlib import Path
+
+from kvpilot.engine.bench.server_process import launch_server
+
+
+def test_starts_a_server(tmp_path):
+    launch_server(["--model", "demo", "--max-model-len", "256", "--kv-cache-memory-bytes", str(8 << 20)],
+                  log_path=Path({log!r}), timeout=600)
+"""
+CORE = "kvpilot.engine.runtime.process"
+
+
+def _nested_pytest(tmp_path: Path, timeout_s: float, method: str, env: dict[str, str]) -> subprocess.Popen:
+    test_file = tmp_path / "test_inner.py"
+    test_file.write_text(textwrap.dedent(INNER.format(log=str(tmp_path / "serve.log"))))
+    env = {**env, "PYTHONPATH": str(TESTS), "PYTHONSAFEPATH": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-q", "-p", "support.process_hygiene", "-p", "no:cacheprovider",
+         "-o", f"timeout={timeout_s}", "-o", f"timeout_method={method}", str(test_file)],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+class Descendants:
+    """The processes seen below a process so far, with their command lines as first seen."""
+
+    def __init__(self, root: subprocess.Popen) -> None:
+        self.root = root
+        self.seen: dict[int, tuple[psutil.Process, str]] = {}
+
+    def look(self) -> None:
+        with contextlib.suppress(psutil.Error):
+            for child in psutil.Process(self.root.pid).children(recursive=True):
+                if child.pid not in self.seen:
+                    with contextlib.suppress(psutil.Error):
+                        self.seen[child.pid] = (child, " ".join(child.cmdline()))
+
+    def any(self, part: str) -> bool:
+        return any(part in line for _, line in self.seen.values())
+
+    def assert_all_gone(self) -> None:
+        _, alive = psutil.wait_procs([proc for proc, _ in self.seen.values()], timeout=20)
+        assert not alive, f"still running: {[self.seen[p.pid][1] for p in alive]}"
+
+
+@pytest.mark.parametrize("method", ["signal", "thread"])
+def test_a_test_that_times_out_leaves_no_server_behind(tmp_path, demo_model_dir, method):
+    inner = _nested_pytest(tmp_path, 2, method, dict(os.environ))
+    below = Descendants(inner)
+    try:
+        while inner.poll() is None:
+            below.look()
+            time.sleep(0.1)
+        output = inner.stdout.read()
+    finally:
+        if inner.poll() is None:
+            inner.kill()
+        inner.wait(30)
+    assert inner.returncode != 0 and "Timeout" in output, output[-3000:]
+    assert below.any(" serve "), below.seen   # the server had started
+    below.assert_all_gone()
+
+
+def test_a_killed_session_takes_its_server_and_engine_core_along(tmp_path, demo_model_dir, monkeypatch):
+    """The server's engine core waits on a kernel build this test holds the lock of (logging
+    who holds it, with /health 503): a session killed then must not leave it waiting."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "kernels"))
+    monkeypatch.delenv("KVPILOT_PREBUILT_KERNELS", raising=False)
+    isa = torch.backends.cpu.get_cpu_capability()
+    log = tmp_path / "serve.log"
+    with contextlib.ExitStack() as held:
+        for kernel in (paged_decode_cpu, cpu_layer_ops, gguf_matmul_cpu):
+            name, flags = kernel.variant(isa)
+            directory = kernel_cache.cache_directory(name, kernel.SOURCE, flags, kernel.LDFLAGS)
+            directory.mkdir(parents=True)
+            held.enter_context(kernel_cache.build_lock(directory, "kernel"))
+        inner = _nested_pytest(tmp_path, 600, "signal", dict(os.environ))
+        below = Descendants(inner)
+        try:
+            deadline = time.monotonic() + 180
+            waiting = f"is being built by pid {os.getpid()} on "
+            while not (log.exists() and waiting in log.read_text(errors="replace")):
+                assert inner.poll() is None, inner.stdout.read()[-3000:]
+                assert time.monotonic() < deadline, log.read_text(errors="replace")[-3000:] if log.exists() else ""
+                below.look()
+                time.sleep(0.2)
+            below.look()
+            assert below.any(CORE), below.seen
+            inner.send_signal(signal.SIGKILL)
+            inner.wait(30)
+        finally:
+            if inner.poll() is None:
+                inner.kill()
+                inner.wait(30)
+    below.assert_all_gone()
