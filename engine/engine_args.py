@@ -22,6 +22,7 @@ from kvpilot.engine.config import (
 )
 from kvpilot.engine.generation_defaults import load_generation_defaults
 from kvpilot.engine.kv_events.config import KVEventsConfig
+from kvpilot.engine.kv_transfer.config import KVTransferConfig, check_connector
 from kvpilot.engine.lora.config import LoRAConfig, LoRAModule
 from kvpilot.engine.model.auto_dtype import resolve_auto_dtype
 from kvpilot.engine.model.builtin_model import BUILTIN_MODEL_NAME, DEMO_MODEL, packaged_smollm2
@@ -107,6 +108,10 @@ class EngineArgs:
     structured_outputs_config: StructuredOutputsConfig = StructuredOutputsConfig()
     # vLLM's --kv-events-config: publish KV-cache events over ZeroMQ (None = off).
     kv_events_config: KVEventsConfig | None = None
+    # vLLM's --kv-transfer-config: KV blocks exchanged with other engines (disaggregated
+    # prefill / decode); None = off. create_kv_transfer_config refuses a connector this
+    # engine does not run.
+    kv_transfer_config: KVTransferConfig | None = None
     # LoRA adapters (vLLM's names): off unless enable_lora; see kvpilot.engine.lora.
     enable_lora: bool = False
     max_loras: int = _default(LoRAConfig, "max_loras")
@@ -257,6 +262,12 @@ class EngineArgs:
             raise ValueError("pipeline parallelism is not implemented for GGUF checkpoints; use a "
                              "safetensors checkpoint or --pipeline-parallel-size 1")
         return config
+
+    def create_kv_transfer_config(self) -> KVTransferConfig | None:
+        """``kv_transfer_config`` once its connector is known to be one this engine runs
+        (ValueError naming those it does, before anything loads); None when off."""
+        check_connector(self.kv_transfer_config)
+        return self.kv_transfer_config
 
     def create_offload_config(self):
         """The ``OffloadConfig``, or None when KV offloading is off; ValueError for bad values."""

@@ -75,6 +75,7 @@ class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         model_config, cache_config, scheduler_config = args.create_configs()
         offload_config = args.create_offload_config()   # validated before the model loads
+        self.kv_transfer_config = args.create_kv_transfer_config()
         self.lora_config = args.create_lora_config()
         parallel_config = args.create_parallel_config(model_config.arch)
         self.args = args

@@ -90,9 +90,12 @@ def missing_apis(spec: InferenceServiceSpec, sizing: EngineSizing,
         missing.append(MissingApi(
             LWS, "a plan whose replicas span nodes (pipeline parallelism, run as a LeaderWorkerSet)",
             "plan one node per replica (spec.gpu.nodes: 1)", "nothing was created", blocking=True))
-    if spec.autoscaling.mode == "keda" and not served[KEDA]:
+    keda = ["autoscaling.mode: keda"] if spec.autoscaling.mode == "keda" else []
+    keda += [f"disaggregation.{pool.role}.autoscaling.mode: keda" for pool in
+             (spec.disaggregation.pools if spec.disaggregation is not None else ()) if pool.autoscaling.mode == "keda"]
+    if keda and not served[KEDA]:
         missing.append(MissingApi(
-            KEDA, "autoscaling.mode: keda", "use autoscaling.mode: hpa",
+            KEDA, " and ".join(keda), "use " + " and ".join(k.replace(": keda", ": hpa") for k in keda),
             "no ScaledObject was created: the replica count stays where it was created"))
     if spec.router.kind == "gateway" and spec.inference_pool.enabled and not served[INFERENCE]:
         missing.append(MissingApi(

@@ -62,8 +62,10 @@ from kvpilot.operator.optional_apis import (
     missing_message,
     served_apis,
 )
+from kvpilot.operator.pool_status import combined, pool_states, pools_status, ready_condition
 from kvpilot.operator.replica_handover import inherited_replicas
 from kvpilot.operator.resources import (
+    DEPLOYMENT,
     WORKLOADS,
     Child,
     desired_children,
@@ -74,6 +76,8 @@ from kvpilot.operator.resources import (
 from kvpilot.operator.resources.adapters import adapter_paths
 from kvpilot.operator.resources.common import Owner
 from kvpilot.operator.resources.placement import describe as describe_placement
+from kvpilot.operator.resources.pools import most_pods, pool_name
+from kvpilot.operator.resources.router import router_endpoint
 from kvpilot.operator.resources.service import endpoint
 from kvpilot.operator.resources.sizing import EngineSizing
 from kvpilot.operator.scaling import kept_plan_note, plan_input, replicas_ignored
@@ -96,7 +100,8 @@ logger = logging.getLogger(__name__)
 
 # status keys this operator owns; others (if any) are left alone by status patches
 STATUS_KEYS = ("observedGeneration", "conditions", "plan", "planError", "replicas",
-               "readyReplicas", "selector", "endpoint", "observed", "adapters", "adaptersReady")
+               "readyReplicas", "selector", "endpoint", "observed", "adapters", "adaptersReady",
+               "disaggregation")
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,8 +285,10 @@ async def reconcile(children: Children, discovery: Discovery, body: Mapping[str,
     # the sizing is there exactly when the plan is feasible (an invalid spec has none)
     sizing = outcome.sizing
 
+    disaggregated = _disaggregated(children, owner, spec)
     desired: dict[str, Any] = {"observedGeneration": generation, "selector": owner.selector,
-                               "endpoint": endpoint(owner), "plan": current.get("plan")}
+                               "endpoint": router_endpoint(owner) if disaggregated else endpoint(owner),
+                               "plan": current.get("plan")}
     if sizing is not None:
         note = kept_plan_note(spec, sizing.replicas) if planning.kept else ""
         planned = Condition(c.PLANNED, "True", "Planned", outcome.message + note)
@@ -292,7 +299,13 @@ async def reconcile(children: Children, discovery: Discovery, body: Mapping[str,
         desired["planError"] = _plan_error(outcome, generation)
 
     # what exists, whether or not this pass managed to write it
-    state = DeploymentState.read(_workload(children, owner, sizing))
+    pools = None
+    if disaggregated:
+        pools = pool_states(lambda name: children.get(DEPLOYMENT, owner.namespace, name), owner)
+        state = combined(pools)
+        desired["disaggregation"] = pools_status(pools)
+    else:
+        state = DeploymentState.read(_workload(children, owner, sizing))
     desired["replicas"] = state.replicas if state.exists else 0
     desired["readyReplicas"] = state.ready if state.exists else 0
     apply_error = "; ".join(str(f) for f in result.failures) or None
@@ -300,8 +313,8 @@ async def reconcile(children: Children, discovery: Discovery, body: Mapping[str,
     scheduling = None
     if sizing is not None and state.exists and state.ready < state.desired:
         scheduling = scheduling_problem(pods, describe_placement(spec, sizing.gpu, settings))
-    conditions = [planned, *workload_conditions(state, apply_error, scheduling,
-                                                missing_message(result.missing_apis) or None)]
+    ready, *workload = workload_conditions(state, apply_error, scheduling, missing_message(result.missing_apis) or None)
+    conditions = [planned, ready_condition(pools, ready) if pools is not None else ready, *workload]
     if spec is not None and (ignored := replicas_ignored(spec, current.get("conditions"))) is not None:
         conditions.append(ignored)
     if observer is not None:
@@ -317,7 +330,8 @@ async def reconcile(children: Children, discovery: Discovery, body: Mapping[str,
         model_name=spec.model.served_name if spec is not None else None,
         replicas=state.replicas if state.exists else 0,
         desired_replicas=state.desired if state.exists else 0,
-        max_replicas=(None if spec is None else spec.autoscaling.ceiling if spec.autoscaling.enabled
+        max_replicas=(None if spec is None else most_pods(spec, sizing) if pools is not None and sizing is not None
+                      else spec.autoscaling.ceiling if spec.autoscaling.enabled
                       else state.desired if state.exists else None),
         plan_outcome="feasible" if sizing is not None else "infeasible", plan_reason=planned.reason,
         sizing_drift=(result.sizing.condition.status == "True") if result.sizing is not None else None)
@@ -364,6 +378,15 @@ async def _apply_all(children: Children, discovery: Discovery, body: Mapping[str
                                **({"plannedFor": dict(planned_for)} if planned_for else {})}
     absent = {api.group for api, is_served in served.items() if not is_served}
     await _remove_unwanted(children, owner, {(ch.kind.kind, ch.name) for ch in wanted}, absent, result)
+
+
+def _disaggregated(children: Children, owner: Owner, spec: InferenceServiceSpec | None) -> bool:
+    """Whether the service runs as two pools: its spec says so, or (a spec that does not
+    parse) its pools' Deployments are what exists."""
+    if spec is not None:
+        return spec.disaggregation is not None
+    return any(children.get(DEPLOYMENT, owner.namespace, pool_name(owner, role)) is not None
+               for role in ("prefill", "decode"))
 
 
 def _workload(children: Children, owner: Owner, sizing: EngineSizing | None) -> Mapping[str, Any] | None:

@@ -13,6 +13,7 @@
 | KVPILOT_HPA_KV_USAGE_METRIC     | vllm_kv_cache_usage_perc                  |
 | KVPILOT_HPA_WAITING_METRIC      | vllm_num_requests_waiting                 |
 | KVPILOT_HPA_PREEMPTION_METRIC   | vllm_num_preemptions_per_second           |
+| KVPILOT_HPA_TTFT_METRIC         | vllm_time_to_first_token_seconds_p95      |
 | KVPILOT_TERMINATION_GRACE_SECONDS | 120                                     |
 | KVPILOT_PEERING                 | "" (off: one operator replica, standalone) |
 | KVPILOT_GPU_NODE_LABEL          | nvidia.com/gpu.product ("" = no GPU placement) |
@@ -81,7 +82,8 @@ class OperatorSettings:
         api_timeout_seconds: how long one API request may take before it counts as failed.
         liveness_endpoint: kopf's liveness URL to serve (None = off).
         hpa_kv_usage_metric / hpa_waiting_metric / hpa_preemption_metric: custom-metrics
-            names used by HPAs.
+            names used by HPAs; hpa_ttft_metric: a pod's p95 time to first token (seconds),
+            the prefill pool's HPA of a disaggregated service with a TTFT target.
         termination_grace_seconds: how long a terminating engine pod may drain: its
             ``--shutdown-timeout`` (the pod's grace period adds the preStop sleep and a
             margin for the exit).
@@ -122,6 +124,7 @@ class OperatorSettings:
     hpa_kv_usage_metric: str = "vllm_kv_cache_usage_perc"
     hpa_waiting_metric: str = "vllm_num_requests_waiting"
     hpa_preemption_metric: str = "vllm_num_preemptions_per_second"
+    hpa_ttft_metric: str = "vllm_time_to_first_token_seconds_p95"
     termination_grace_seconds: int = 120
     peering: str | None = None
     gpu_node_label: str | None = "nvidia.com/gpu.product"
@@ -248,6 +251,7 @@ class OperatorSettings:
             hpa_kv_usage_metric=env.get("KVPILOT_HPA_KV_USAGE_METRIC", defaults.hpa_kv_usage_metric),
             hpa_waiting_metric=env.get("KVPILOT_HPA_WAITING_METRIC", defaults.hpa_waiting_metric),
             hpa_preemption_metric=env.get("KVPILOT_HPA_PREEMPTION_METRIC", defaults.hpa_preemption_metric),
+            hpa_ttft_metric=env.get("KVPILOT_HPA_TTFT_METRIC", defaults.hpa_ttft_metric),
             termination_grace_seconds=int(number("KVPILOT_TERMINATION_GRACE_SECONDS",
                                                  defaults.termination_grace_seconds)),
             peering=env.get("KVPILOT_PEERING") or None,

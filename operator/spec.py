@@ -24,8 +24,10 @@ from typing import Any
 from kvpilot.operator.constants import HTTP_PORT
 from kvpilot.operator.contract.inference_service import (
     ADAPTER_URI_FORMS,
+    DEFAULT_DECODE_POLICY,
     DEFAULT_KV_USAGE_TARGET,
     DEFAULT_PREEMPTION_RATE_TARGET,
+    DEFAULT_PREFILL_POLICY,
     DEFAULT_PROMETHEUS,
     DEFAULT_WAITING_REQUESTS_TARGET,
     ENGINE,
@@ -154,6 +156,8 @@ class RouterSpec:
     policy: str = "kv_aware"
     replicas: int = 2
     session_affinity_ttl_s: int | None = None   # kv_aware's session affinity (None: off)
+    prefill_policy: str = DEFAULT_PREFILL_POLICY  # P/D mode (spec.disaggregation) only
+    decode_policy: str = DEFAULT_DECODE_POLICY
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,6 +231,40 @@ class AutoscalingSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class PoolSpec:
+    """One pool of ``spec.disaggregation``.
+
+    Args:
+        role: ``prefill`` or ``decode``.
+        replicas: pinned replicas (None: the planner's ratio, or the autoscaler's).
+        resources: extra requests/limits over ``spec.resources``.
+        engine: the pool's engine settings (pinned over ``spec.engine``'s; its extraArgs
+            come after the service's).
+        autoscaling: the pool's own autoscaler (``mode: none``: off).
+    """
+
+    role: str
+    replicas: int | None = None
+    resources: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    engine: EngineSpec = field(default_factory=EngineSpec)
+    autoscaling: AutoscalingSpec = AutoscalingSpec()
+
+
+@dataclass(frozen=True, slots=True)
+class DisaggregationSpec:
+    """``spec.disaggregation``: the two pools, the KV connector and NIXL's side-channel port."""
+
+    prefill: PoolSpec
+    decode: PoolSpec
+    kv_connector: str
+    side_channel_port: int
+
+    @property
+    def pools(self) -> tuple[PoolSpec, PoolSpec]:
+        return self.prefill, self.decode
+
+
+@dataclass(frozen=True, slots=True)
 class InferenceServiceSpec:
     """Everything the builders need from one InferenceService, defaults applied."""
 
@@ -252,6 +290,7 @@ class InferenceServiceSpec:
     env_secrets: tuple[str, ...] = ()   # security: the Secrets spec.env may read (secretKeyRef)
     adapters: tuple[AdapterSpec, ...] = ()
     lora: LoRASpec | None = None        # None: no adapters (LoRA off)
+    disaggregation: DisaggregationSpec | None = None   # None: one pool doing both
 
 
 def _planner_kwargs(values: Mapping[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
@@ -332,7 +371,9 @@ def _parse_router(routing: Mapping[str, Any]) -> RouterSpec:
     vllm = routing.get("vllmRouter", {})
     return RouterSpec(kind=routing.get("router"), policy=vllm.get("policy", "kv_aware"),
                       replicas=vllm.get("replicas", 2),
-                      session_affinity_ttl_s=vllm.get("sessionAffinityTTLSeconds"))
+                      session_affinity_ttl_s=vllm.get("sessionAffinityTTLSeconds"),
+                      prefill_policy=vllm.get("prefillPolicy", DEFAULT_PREFILL_POLICY),
+                      decode_policy=vllm.get("decodePolicy", DEFAULT_DECODE_POLICY))
 
 
 def _parse_slo(slo: Mapping[str, Any]) -> ServiceLevel:
@@ -364,13 +405,34 @@ def _parse_offload(offload: Mapping[str, Any]) -> OffloadSpec:
 
 
 def _parse_autoscaling(auto: Mapping[str, Any]) -> AutoscalingSpec:
+    """``spec.autoscaling`` or a pool's (which names only its own signals' targets: the
+    others keep their defaults and are not used)."""
     if not auto:
         return AutoscalingSpec()
+    defaults = AutoscalingSpec()
     return AutoscalingSpec(
         mode=auto["mode"], min_replicas=auto["minReplicas"], max_replicas=auto.get("maxReplicas"),
-        kv_cache_usage_target=auto["kvCacheUsageTarget"], waiting_requests_target=auto["waitingRequestsTarget"],
-        preemption_rate_target=auto["preemptionRateTarget"],
+        kv_cache_usage_target=auto.get("kvCacheUsageTarget", defaults.kv_cache_usage_target),
+        waiting_requests_target=auto.get("waitingRequestsTarget", defaults.waiting_requests_target),
+        preemption_rate_target=auto.get("preemptionRateTarget", defaults.preemption_rate_target),
         prometheus_server_address=auto["prometheusServerAddress"])
+
+
+def _parse_disaggregation(d: Mapping[str, Any] | None, service_engine: EngineSpec) -> DisaggregationSpec | None:
+    """``spec.disaggregation``; each pool's engine settings merged over the service's."""
+    if d is None:
+        return None
+
+    def pool(role: str) -> PoolSpec:
+        p = d[role]
+        own = _parse_engine(p.get("engine", {}))
+        engine = EngineSpec(pinned={**service_engine.pinned, **own.pinned},
+                            extra_args=(*service_engine.extra_args, *own.extra_args))
+        return PoolSpec(role=role, replicas=p.get("replicas"), resources=p.get("resources", {}), engine=engine,
+                        autoscaling=_parse_autoscaling(p.get("autoscaling", {})))
+
+    return DisaggregationSpec(prefill=pool("prefill"), decode=pool("decode"), kv_connector=d["kvConnector"],
+                              side_channel_port=d["sideChannelPort"])
 
 
 def parse_spec(spec: Mapping[str, Any], resource_name: str) -> InferenceServiceSpec:
@@ -388,6 +450,7 @@ def parse_spec(spec: Mapping[str, Any], resource_name: str) -> InferenceServiceS
     api_key = s.get("apiKeySecretRef")
     model = _parse_model(s["model"], resource_name)
     adapters = _parse_adapters(s.get("adapters", []), model.served_name)
+    engine = _parse_engine(s.get("engine", {}))
     return InferenceServiceSpec(
         model=model,
         adapters=adapters,
@@ -395,7 +458,7 @@ def parse_spec(spec: Mapping[str, Any], resource_name: str) -> InferenceServiceS
         gpu=GpuSpec(type=s["gpu"]["type"], count=s["gpu"]["count"], node_selector=s["gpu"].get("nodeSelector"),
                     per_node=s["gpu"].get("perNode"), nodes=s["gpu"].get("nodes")),
         slo=_parse_slo(s["slo"]),
-        engine=_parse_engine(s.get("engine", {})),
+        engine=engine,
         offload=_parse_offload(s.get("offload", {})),
         autoscaling=_parse_autoscaling(s.get("autoscaling", {})),
         replicas=s.get("replicas"),
@@ -410,6 +473,7 @@ def parse_spec(spec: Mapping[str, Any], resource_name: str) -> InferenceServiceS
         port=s["port"],
         inference_pool=_parse_routing(s.get("routing", {})),
         router=_parse_router(s.get("routing", {})),
+        disaggregation=_parse_disaggregation(s.get("disaggregation"), engine),
         api_key_secret=(api_key["name"], api_key["key"]) if api_key else None,
         # security (kvpilot.operator.security): checked against the platform's policy
         env_secrets=tuple(s.get("envSecrets", ())),

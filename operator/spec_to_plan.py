@@ -21,6 +21,10 @@ Mapping rules (the planner's own rules decide everything else):
   reason; ``spec.replicas`` pins replicas while
   autoscaling is off (0, scaled to zero, is passed to the Deployment only);
   ``spec.engine`` fields pin the engine settings;
+- ``spec.disaggregation``: each pool is planned on its own (``planner.pools``; a pool's
+  ``engine`` settings over the service's) and the prefill:decode ratio sized from the SLO;
+  the sizing is the decode pool's, carrying the prefill pool's (``EngineSizing.prefill``),
+  each with its ``--kv-transfer-config`` role, and ``status.plan.disaggregation`` both pools;
 - offload is opt-in: with ``offload.enabled`` false both tiers are pinned to 0; when
   enabled, ``cpuGiB`` / ``disk.sizeGiB`` pin the tiers and an unset size is the planner's
   (a disk tier exists only when ``offload.disk`` is given); ``offload.backend`` is passed.
@@ -28,20 +32,24 @@ Mapping rules (the planner's own rules decide everything else):
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, replace
 from typing import Any
 
 from kvpilot.contract.constants import MAX_TENSOR_PARALLEL_SIZE
+from kvpilot.contract.kv_transfer import KV_CONSUMER, KV_PRODUCER
 from kvpilot.operator.planner.catalog import model_presets, preset_key, preset_model
+from kvpilot.operator.planner.explain_pools import pool_derivation
 from kvpilot.operator.planner.gpu import get_gpu
 from kvpilot.operator.planner.model_spec import ModelSpec
 from kvpilot.operator.planner.plan import make_plan
 from kvpilot.operator.planner.plan_request import PlanRequest
+from kvpilot.operator.planner.pools import DECODE, PREFILL, PoolPlan, plan_pools
 from kvpilot.operator.planner.result import Plan
 from kvpilot.operator.planner.slo import Overrides
 from kvpilot.operator.resources.sizing import EngineSizing
-from kvpilot.operator.spec import InferenceServiceSpec
+from kvpilot.operator.spec import DisaggregationSpec, InferenceServiceSpec
 
 # GPUs per replica the engine can use: MAX_TENSOR_PARALLEL_SIZE (one node), the CRD's
 # gpu.count maximum too.
@@ -170,10 +178,15 @@ def plan_status(plan: Plan) -> dict[str, Any]:
     return {k: v for k, v in status.items() if v is not None}
 
 
-def sizing_of(plan: Plan) -> EngineSizing:
+def sizing_of(plan: Plan, extra_args: tuple[str, ...] = (), replicas: int | None = None) -> EngineSizing:
+    """The builders' sizing of ``plan``; ``extra_args`` join its serve flags (a pool's KV
+    transfer role), ``replicas`` replaces the plan's count (a pool's, from the ratio)."""
     status = plan_status(plan)
+    status["serveArgs"] = [*status["serveArgs"], *extra_args]
+    if replicas is not None:
+        status["replicas"] = replicas
     return EngineSizing(
-        serve_args=tuple(status["serveArgs"]), replicas=plan.replicas,
+        serve_args=tuple(status["serveArgs"]), replicas=plan.replicas if replicas is None else replicas,
         cpu_offload_gib=float(plan.cpu_offload_gib), disk_offload_gib=float(plan.disk_offload_gib),
         offload_backend=plan.offload_backend, disk_path=plan.offload_disk_path,
         shm_gib=float(plan.shm_gib), memory_gib=float(plan.pod_memory_gib), gpu=plan.gpu,
@@ -200,6 +213,65 @@ def _unsupported(spec: InferenceServiceSpec, request: PlanRequest) -> str | None
     return None
 
 
+def kv_transfer_args(d: DisaggregationSpec, role: str) -> tuple[str, ...]:
+    """A pool's ``--kv-transfer-config``: the connector, producer on prefill, consumer on decode."""
+    config = {"kv_connector": d.kv_connector, "kv_role": KV_PRODUCER if role == PREFILL else KV_CONSUMER}
+    return ("--kv-transfer-config", json.dumps(config, separators=(",", ":")))
+
+
+def pool_status(pools: PoolPlan, sizings: dict[str, EngineSizing], connector: str) -> dict[str, Any]:
+    """``status.plan.disaggregation``: each pool's plan and the ratio with its derivation."""
+    figures = pools.figures
+    estimates = {} if figures is None else {
+        "prefillTokensPerSecondPerReplica": figures.tokens_per_s, "prefillP95Ms": figures.prefill_s * 1000,
+        "kvTransferP95Ms": figures.transfer_s * 1000, "decodeStepMs": figures.decode_step_s * 1000,
+        "ttftP95NoQueueMs": figures.ttft_s * 1000, "prefillUtilization": figures.utilization,
+        "requestsPerSecond": figures.arrival_rps, "decodeSequencesInFlight": figures.in_flight}
+
+    def pool(role: str, plan: Plan, planned: int) -> dict[str, Any]:
+        return {"replicas": sizings[role].replicas, "plannedReplicas": planned, "maxNumSeqs": plan.max_num_seqs,
+                "maxNumBatchedTokens": plan.max_num_batched_tokens, "kvTokenCapacity": plan.kv_token_capacity,
+                "numGpuBlocks": plan.num_gpu_blocks, "kvCacheMemoryBytes": plan.kv_cache_memory_bytes,
+                "bindingConstraint": plan.binding_constraint, "serveArgs": list(sizings[role].serve_args)}
+
+    return {"ratio": pools.ratio, "kvConnector": connector, "bindingConstraint": pools.binding_constraint,
+            "prefill": pool(PREFILL, pools.prefill, pools.prefill_replicas),
+            "decode": pool(DECODE, pools.decode, pools.decode_replicas),
+            "estimates": estimates, "derivation": pool_derivation(pools)}
+
+
+def _pool_replicas(spec: InferenceServiceSpec, role: str, planned: int) -> int:
+    """A pool's replicas: pinned, else the planner's, within its autoscaler's bounds."""
+    pool = getattr(spec.disaggregation, role)
+    if pool.autoscaling.enabled:
+        return min(max(planned, pool.autoscaling.min_replicas), pool.autoscaling.ceiling)
+    return pool.replicas if pool.replicas is not None else planned
+
+
+def _plan_pools(spec: InferenceServiceSpec, request: PlanRequest) -> PlanOutcome:
+    d = spec.disaggregation
+    try:
+        pools = plan_pools(request, d.prefill.engine.pinned, d.decode.engine.pinned)
+    except ValueError as exc:
+        return PlanOutcome.rejected("InvalidSpec", str(exc))
+    if not pools.feasible:
+        failed = pools.prefill if not pools.prefill.feasible else pools.decode if not pools.decode.feasible else None
+        suggestions = tuple(s.description for s in failed.suggestions) if failed is not None else ()
+        hint = (" Suggestions: " + " | ".join(suggestions)) if suggestions else ""
+        return PlanOutcome("Infeasible", f"no feasible plan: {pools.binding_constraint}: {pools.binding_detail}.{hint}",
+                           pools.binding_constraint, suggestions)
+    planned = {PREFILL: pools.prefill_replicas, DECODE: pools.decode_replicas}
+    sizings = {role: sizing_of(plan, kv_transfer_args(d, role), _pool_replicas(spec, role, planned[role]))
+               for role, plan in ((PREFILL, pools.prefill), (DECODE, pools.decode))}
+    status = {**sizings[DECODE].status, "disaggregation": pool_status(pools, sizings, d.kv_connector)}
+    sizing = replace(sizings[DECODE], status=status, prefill=sizings[PREFILL])
+    p, dec = pools.prefill, pools.decode
+    summary = (f"{dec.model} on {dec.tensor_parallel_size}x {dec.gpu}, disaggregated: prefill:decode {pools.ratio} "
+               f"(prefill max_num_batched_tokens {p.max_num_batched_tokens:,}; decode KV {dec.kv_cache_dtype}, "
+               f"{dec.kv_token_capacity:,} tokens, max_num_seqs {dec.max_num_seqs}); {pools.binding_detail}")
+    return PlanOutcome("Planned", summary, pools.binding_constraint, sizing=sizing)
+
+
 def plan_service(spec: InferenceServiceSpec) -> PlanOutcome:
     """Plan ``spec``; an invalid request or an infeasible plan is an outcome, not an error."""
     try:
@@ -209,6 +281,8 @@ def plan_service(spec: InferenceServiceSpec) -> PlanOutcome:
     unsupported = _unsupported(spec, request)
     if unsupported is not None:
         return PlanOutcome.rejected("Unsupported", unsupported)
+    if spec.disaggregation is not None:
+        return _plan_pools(spec, request)
     try:
         plan = make_plan(request)
     except ValueError as exc:

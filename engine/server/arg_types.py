@@ -122,6 +122,18 @@ def kv_events_config(text: str):
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def kv_transfer_config(text: str):
+    """An argparse ``type``: ``--kv-transfer-config``'s JSON object (vLLM's fields), as a
+    ``KVTransferConfig`` (unknown keys and bad values refused; whether the engine runs the
+    connector is checked at start-up)."""
+    from kvpilot.engine.kv_transfer.config import KVTransferConfig
+
+    try:
+        return KVTransferConfig.from_json(text)
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def lora_module(text: str):
     """``--lora-modules`` entry: ``name=path`` or ``{"name", "path", "base_model_name"}``."""
     from kvpilot.engine.lora.config import LoRAModule

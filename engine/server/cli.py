@@ -49,6 +49,7 @@ def run(ns: argparse.Namespace) -> int:
                         format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     try:
         engine_args = engine_args_from_namespace(ns)
+        engine_args.create_kv_transfer_config()   # a connector the engine lacks stops start-up here
         config = server_config_from_namespace(ns)
     except ValueError as exc:
         print(f"kvpilot serve: error: {exc}", file=sys.stderr)

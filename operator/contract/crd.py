@@ -21,7 +21,8 @@ HEADER = """\
 # InferenceService: one LLM served by kvpilot, sized by the planner from its SLOs.
 # Reconciled by `kvpilot operator` into a Deployment, Service and (as needed) a model cache
 # claim, a PVC for the disk KV tier, an HPA or KEDA ScaledObject, a PodMonitor, a
-# PodDisruptionBudget and an InferencePool.
+# PodDisruptionBudget and an InferencePool; with spec.disaggregation a prefill and a decode
+# Deployment behind vLLM's router in P/D mode.
 # GENERATED from kvpilot/operator/contract/ by scripts/sync_chart_crds.py: edit the tables there.
 """
 
@@ -33,6 +34,9 @@ PRINTER_COLUMNS = [
     {"name": "Observed-KV-Tokens", "type": "integer",
      "description": "KV cache capacity in tokens that the engine pods report (the pod furthest from the plan).",
      "jsonPath": ".status.observed.tokenCapacity"},
+    {"name": "P:D", "type": "string",
+     "description": "spec.disaggregation: the prefill:decode replicas the planner asks for.",
+     "jsonPath": ".status.plan.disaggregation.ratio"},
     {"name": "Ready-Replicas", "type": "integer", "jsonPath": ".status.readyReplicas"},
     {"name": "Replicas", "type": "integer", "jsonPath": ".status.replicas"},
     {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},

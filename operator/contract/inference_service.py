@@ -16,22 +16,30 @@ from __future__ import annotations
 
 import re
 
-from kvpilot.contract.constants import KV_CACHE_DTYPES, OFFLOAD_BACKENDS
+from kvpilot.contract.constants import OFFLOAD_BACKENDS
 from kvpilot.operator.constants import HTTP_PORT
-from kvpilot.operator.contract.rules import Rule, each, f, has
-from kvpilot.operator.contract.schema import Arr, Bool, Free, Int, IntOrStr, Map, Num, Obj, Str
+from kvpilot.operator.contract.engine_fields import (  # noqa: F401 - re-exported
+    AUTOSCALING,
+    DEFAULT_KV_USAGE_TARGET,
+    DEFAULT_PREEMPTION_RATE_TARGET,
+    DEFAULT_PROMETHEUS,
+    DEFAULT_WAITING_REQUESTS_TARGET,
+    ENGINE,
+    QUANTITIES,
+)
+from kvpilot.operator.contract.pools import (
+    DEFAULT_DECODE_POLICY,
+    DEFAULT_PREFILL_POLICY,
+    DISAGGREGATION,
+    DISAGGREGATION_RULES,
+    PD_ROUTER_POLICIES,
+)
+from kvpilot.operator.contract.rules import Rule, f, has
+from kvpilot.operator.contract.schema import Arr, Bool, Free, Int, Map, Num, Obj, Str
 from kvpilot.operator.planner.gpu import gpu_names
 from kvpilot.operator.settings import EPP_FAILURE_MODES
 
-BLOCK_SIZES = (8, 16, 32, 64, 128)
-AUTOSCALING_MODES = ("none", "hpa", "keda")
 ACCESS_MODES = ("ReadWriteMany", "ReadWriteOnce")
-DEFAULT_PROMETHEUS = "http://prometheus-operated.monitoring.svc:9090"
-# The composite scale signal's defaults: ~5 queued requests per replica is the usual
-# vLLM queue-depth target; one preemption per 10 s per pod means the KV cache thrashes.
-DEFAULT_WAITING_REQUESTS_TARGET = 5
-DEFAULT_PREEMPTION_RATE_TARGET = 0.1
-DEFAULT_KV_USAGE_TARGET = 0.7
 
 # The forms of spec.model.uri, with the parts the operator reads (spec.py matches them).
 URI_FORMS = {
@@ -60,8 +68,6 @@ def _any_of(forms: dict[str, str]) -> str:
 def _ref(what: str) -> Obj:
     return Obj(required=("name",), description=what, properties={"name": Str(max_length=253)})
 
-
-QUANTITIES = Map(values=IntOrStr())
 
 MODEL = Obj(required=("uri",), rules=(
     Rule(~has("credentialsSecretRef") | f("uri").starts_with("hf://") | f("uri").starts_with("s3://"),
@@ -148,26 +154,6 @@ SLO = Obj(required=("maxContext", "p95PromptTokens", "p95OutputTokens"), rules=(
     "allowFp8KvCache": Bool(default=False, description="Let the planner choose an FP8 KV cache when capacity needs it."),
 })
 
-# spec.engine's settings become the planner's Overrides (snake_case names); extraArgs the command line.
-ENGINE = Obj(description="Explicit engine settings; each wins over the planner and is checked by it.", properties={
-    "gpuMemoryUtilization": Num(minimum=0.05, maximum=0.99),
-    "maxNumSeqs": Int(minimum=1, maximum=65536),
-    "maxNumBatchedTokens": Int(minimum=1, maximum=4194304),
-    "kvCacheDtype": Str(enum=KV_CACHE_DTYPES),
-    "blockSize": Int(enum=BLOCK_SIZES),
-    "enablePrefixCaching": Bool(),
-    "kvSafetyMargin": Num(minimum=0, maximum=0.49, description=(
-        "Plan the KV cache this fraction below the planner's calibrated estimate (default 0.03).")),
-    "kvCacheMemoryBytes": Int(minimum=1, int64=True, description=(
-        "Pin the KV cache size per GPU (bytes; --kv-cache-memory-bytes) instead of what the planner "
-        "leaves for it: for a GPU shared with other processes, or a small cache. The planner checks "
-        "that it fits and sizes max_num_seqs for it.")),
-    "extraArgs": Arr(items=Str(max_length=256), max_items=32,
-                     description="Appended verbatim to the `kvpilot serve` command line.",
-                     rules=(Rule(each(lambda a: ~a.starts_with("--api-key")),
-                                 "pass the API key through spec.apiKeySecretRef, never on the command line"),)),
-})
-
 OFFLOAD = Obj(description="KV offload tiers that extend the prefix cache beyond GPU memory.", rules=(
     Rule(f("enabled") | (~has("cpuGiB") & ~has("disk") & ~has("lmcache")),
          "offload.cpuGiB, offload.disk and offload.lmcache need offload.enabled=true"),
@@ -186,31 +172,6 @@ OFFLOAD = Obj(description="KV offload tiers that extend the prefix cache beyond 
                          description="An `lmcache server` shared by all replicas (lm://host:port)."),
         "chunkSize": Int(minimum=16, maximum=8192),
     }),
-})
-
-AUTOSCALING = Obj(description=(
-    "Scale on a composite signal: the autoscaler follows whichever of KV cache usage, queued requests "
-    "and preemptions per pod asks for the most replicas."), rules=(
-    Rule((f("mode") == "none") | has("maxReplicas"),
-         "autoscaling.maxReplicas is required when autoscaling.mode is hpa or keda"),
-    Rule(~has("maxReplicas") | (f("minReplicas") <= f("maxReplicas")),
-         "autoscaling.minReplicas must be <= autoscaling.maxReplicas"),
-    Rule((f("minReplicas") >= 1) | (f("mode") == "keda"),
-         "autoscaling.minReplicas 0 (scale to zero) needs autoscaling.mode keda"),
-), properties={
-    "mode": Str(enum=AUTOSCALING_MODES, default="none"),
-    "minReplicas": Int(minimum=0, maximum=1000, default=1,
-                       description="Fewest replicas; 0 (scale to zero when idle) with mode keda only."),
-    "maxReplicas": Int(minimum=1, maximum=1000),
-    "kvCacheUsageTarget": Num(minimum=0.05, maximum=1, default=DEFAULT_KV_USAGE_TARGET,
-                              description="Average KV cache usage (0..1) per pod that the autoscaler aims for."),
-    "waitingRequestsTarget": Int(minimum=1, default=DEFAULT_WAITING_REQUESTS_TARGET,
-                                 description="Average queued requests per pod that the autoscaler aims for."),
-    "preemptionRateTarget": Num(minimum=0, exclusive_minimum=True, default=DEFAULT_PREEMPTION_RATE_TARGET,
-                                description=("Average preemptions per second per pod (KV cache thrash) "
-                                             "that the autoscaler aims for.")),
-    "prometheusServerAddress": Str(max_length=512, default=DEFAULT_PROMETHEUS,
-                                   description="Prometheus that KEDA's triggers query (mode keda)."),
 })
 
 # spec.adapters[]: LoRA adapters on the base model. On the InferenceService rather than a kind
@@ -257,9 +218,15 @@ ROUTING = Obj(description="Routing to the engine pods: the Gateway API inference
              "routing.vllmRouter.sessionAffinityTTLSeconds applies to the kv_aware policy only "
              "(consistent_hash always keys on the session)"),
     ), properties={
-        "policy": Str(enum=ROUTER_POLICIES, default="kv_aware",
-                      description="The router's policy; kv_aware is fed by every engine pod's KV events."),
+        "policy": Str(enum=ROUTER_POLICIES, default="kv_aware", description=(
+            "The router's policy; kv_aware is fed by every engine pod's KV events. P/D mode uses "
+            "prefillPolicy and decodePolicy instead.")),
         "replicas": Int(minimum=1, maximum=100, default=2),
+        "prefillPolicy": Str(enum=PD_ROUTER_POLICIES, description=(
+            f"P/D mode (spec.disaggregation): the policy among the prefill pods (unset: {DEFAULT_PREFILL_POLICY}); "
+            "the router's --prefill-policy. kv_aware is not offered: it needs static KV event sources.")),
+        "decodePolicy": Str(enum=PD_ROUTER_POLICIES, description=(
+            f"P/D mode: the policy among the decode pods (unset: {DEFAULT_DECODE_POLICY}); --decode-policy.")),
         "sessionAffinityTTLSeconds": Int(minimum=1, maximum=31_536_000, description=(
             "kv_aware only: keep a session's requests (the X-Session-ID header) on the engine pod "
             "its first request chose while the session has been idle less than this many seconds "
@@ -286,6 +253,7 @@ SPEC = Obj(required=("model", "gpu", "slo"), rules=(
          "engine.maxNumBatchedTokens must be >= engine.maxNumSeqs (every running sequence needs a token per step)"),
     Rule(~has("adapters") | (f("gpu.count") == 1),
          "adapters are served on one GPU per pod: gpu.count must be 1"),
+    *DISAGGREGATION_RULES,
 ), properties={
     "model": MODEL,
     "gpu": GPU,
@@ -312,6 +280,7 @@ SPEC = Obj(required=("model", "gpu", "slo"), rules=(
     "port": Int(minimum=1024, maximum=65535, default=HTTP_PORT,
                 description="The port the engine serves its API and metrics on (pods run as non-root)."),
     "routing": ROUTING,
+    "disaggregation": DISAGGREGATION,
     "serviceAccountName": Str(max_length=253, description=(
         "The engine pods' account (default: NAME-engine, which the operator creates, without an "
         "API token); others only where the platform allows them.")),

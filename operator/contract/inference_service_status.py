@@ -2,7 +2,8 @@
 API server keeps it (fields a CRD does not declare are pruned).
 
 ``status.plan`` holds ``spec_to_plan.STATUS_FIELDS`` (camelCase) plus the generation, what
-it was planned for (``scaling``), the serve flags and the KV estimate;
+it was planned for (``scaling``), the serve flags and the KV estimate (with
+``spec.disaggregation``: the decode pool's, and ``status.plan.disaggregation`` both pools');
 tests/operator/test_crd.py keeps them equal.
 """
 
@@ -50,6 +51,31 @@ OBSERVED = Obj(description=(
     "relativeError": Num(description="observed / planned - 1."),
 })
 
+POOL_PLAN = Obj(description="One pool's plan: what its pods were given.", properties={
+    "replicas": Int(description="Replicas the pool was given at this plan (the planner's, the pinned or the "
+                                "autoscaler's starting count)."),
+    "plannedReplicas": Int(description="The replicas the planner's ratio asks for."),
+    "maxNumSeqs": Int(),
+    "maxNumBatchedTokens": Int(),
+    "kvTokenCapacity": Int(int64=True),
+    "numGpuBlocks": Int(),
+    "kvCacheMemoryBytes": Int(int64=True),
+    "bindingConstraint": Str(),
+    "serveArgs": _strings(),
+})
+
+PLAN_POOLS = Obj(description=(
+    "spec.disaggregation: both pools and the prefill:decode ratio the planner derived from spec.slo "
+    "(status.plan's other fields are the decode pool's plan)."), properties={
+    "ratio": Str(description="Prefill:decode replicas the planner asks for (3:2)."),
+    "kvConnector": Str(),
+    "bindingConstraint": Str(),
+    "prefill": POOL_PLAN,
+    "decode": POOL_PLAN,
+    "estimates": Map(values=Num(), description="The ratio's figures (milliseconds, tokens/s, requests/s)."),
+    "derivation": _strings(),
+})
+
 PLAN = Obj(description="What the running pods were given, with the planner's derivation.", properties={
     "generation": Int(int64=True, description="The spec generation this plan was made for."),
     "plannedFor": Obj(description=(
@@ -91,6 +117,7 @@ PLAN = Obj(description="What the running pods were given, with the planner's der
     "serveArgs": _strings(),
     "derivation": _strings(),
     "warnings": _strings(),
+    "disaggregation": PLAN_POOLS,
 })
 
 ADAPTER_PHASES = ("Pending", "Loading", "Ready", "Failed")
@@ -109,6 +136,12 @@ ADAPTER = Obj(required=("name", "phase"), properties={
         "also while no ready pod serves it; false once Failed.")),
 })
 
+POOL_STATE = Obj(properties={
+    "replicas": Int(description="Pods of the pool's Deployment."),
+    "readyReplicas": Int(),
+    "desiredReplicas": Int(description="The Deployment's spec.replicas (an autoscaler's, where one scales it)."),
+})
+
 STATUS = Obj(properties={
     "observedGeneration": Int(int64=True),
     "replicas": Int(),
@@ -121,4 +154,7 @@ STATUS = Obj(properties={
     "plan": PLAN,
     "adapters": Arr(items=ADAPTER, map_keys=("name",), description="Each spec.adapters[] entry's state."),
     "adaptersReady": Str(description="Ready / declared adapters (3/4)."),
+    "disaggregation": Obj(description="spec.disaggregation: each pool's replicas (replicas and readyReplicas "
+                                      "above are both pools together).",
+                          properties={"prefill": POOL_STATE, "decode": POOL_STATE}),
 })

@@ -25,7 +25,9 @@ Listings for validation / UIs: ``model_presets()``, ``gpu_names()``.
 Modules: ``gpu`` and ``catalog`` (catalogues), ``model_spec`` / ``weights`` (architecture
 and weight bytes), ``slo`` / ``request`` (inputs), ``memory`` / ``latency`` / ``kv_dtype``
 (the rules), ``evaluate`` / ``checks`` (one candidate), ``plan`` (the search),
-``suggest``, ``explain`` (derivation), ``result`` (Plan), ``render`` and ``cli``.
+``suggest``, ``explain`` (derivation), ``result`` (Plan), ``render`` and ``cli``;
+``pools`` / ``explain_pools``: a disaggregated service's prefill and decode pools and the
+ratio between them, with its derivation.
 """
 
 from kvpilot.operator.planner.catalog import model_presets, preset_model, resolve_model

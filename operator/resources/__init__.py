@@ -16,6 +16,7 @@
 | router Deployment, Service, ServiceAccount, Role, RoleBinding, PodDisruptionBudget (PodMonitor with the API) | spec.routing.router = vllm-router (``router.py``) |
 | ServiceAccount          | always: the engine pods' own identity, no API token          |
 | NetworkPolicy           | KVPILOT_NETWORK_POLICY on (the default): the engine pods' fence |
+| prefill and decode Deployments (HPA / ScaledObject, PDB each) instead of the Deployment | spec.disaggregation (``pools.py``; the router runs in P/D mode, no InferencePool) |
 
 Builders are pure (dicts in, dicts out, no API calls). May import: the operator's typed
 spec, settings, constants and security rules, the contract (``kvpilot.operator.contract``,
@@ -43,6 +44,7 @@ from kvpilot.operator.resources.monitoring import (
     build_slo_prometheusrule,
 )
 from kvpilot.operator.resources.network_policy import build_network_policy
+from kvpilot.operator.resources.pools import most_pods, pool_bodies, pool_names
 from kvpilot.operator.resources.router import router_children, router_names
 from kvpilot.operator.resources.service import build_service
 from kvpilot.operator.resources.service_account import build_service_account
@@ -134,7 +136,39 @@ def possible_children(owner: Owner) -> list[tuple[ChildKind, str]]:
             (HPA, owner.name), (SCALED_OBJECT, owner.name), (POD_MONITOR, owner.name),
             (PROMETHEUS_RULE, owner.name), (PDB, owner.name), (INFERENCE_POOL, owner.name),
             (SERVICE_ACCOUNT, engine_service_account(owner.name)), (NETWORK_POLICY, owner.name),
-            *((KINDS[kind], name) for kind, name in router_names(owner))]
+            *((KINDS[kind], name) for kind, name in (*router_names(owner), *pool_names(owner)))]
+
+
+def _service_children(owner: Owner, spec: InferenceServiceSpec, settings: OperatorSettings, *,
+                      podmonitor_api: bool, workers: tuple[str, ...] = ()) -> list[Child]:
+    """What every service has around its engine pods: their Service, their network fence
+    (``workers``: more components fenced with them), the PodMonitor and the SLO alerts."""
+    children = [Child(SERVICE, build_service(owner))]
+    if settings.fence.enabled:
+        children.append(Child(NETWORK_POLICY, build_network_policy(owner, spec, settings.fence, workers)))
+    if podmonitor_api:
+        children.append(Child(POD_MONITOR, build_podmonitor(owner)))
+        slo_rule = build_slo_prometheusrule(owner, spec.model.served_name,
+                                            {"ttftP95Ms": spec.slo.ttft_p95_ms,
+                                             "itlP95Ms": spec.slo.itl_p95_ms})
+        if slo_rule is not None:
+            children.append(Child(PROMETHEUS_RULE, slo_rule))
+    return children
+
+
+def _disaggregated_children(owner: Owner, spec: InferenceServiceSpec, sizing: EngineSizing,
+                            settings: OperatorSettings, *, podmonitor_api: bool, keda_api: bool) -> list[Child]:
+    """A disaggregated service's children: the two pools (``pools.py``), what every service
+    has, the model cache shared by both pools, and the router in P/D mode."""
+    children = [Child(SERVICE_ACCOUNT, build_service_account(owner))]
+    children += [Child(KINDS[body["kind"]], body, create_only=owned)
+                 for body, owned in pool_bodies(owner, spec, sizing, settings, keda_api=keda_api)]
+    children += _service_children(owner, spec, settings, podmonitor_api=podmonitor_api)
+    if model_cache_claim_child(spec, settings, most_pods(spec, sizing)):
+        children.append(Child(PVC, build_model_cache_claim(owner, spec, sizing, settings), create_only=("spec",)))
+    children += [Child(KINDS[body["kind"]], body)
+                 for body in router_children(owner, spec, sizing, settings, podmonitor_api)]
+    return children
 
 
 def desired_children(owner: Owner, spec: InferenceServiceSpec, sizing: EngineSizing,
@@ -159,6 +193,9 @@ def desired_children(owner: Owner, spec: InferenceServiceSpec, sizing: EngineSiz
         verified_adapters: the LoRA adapters seen to load (``status.adapters`` verified), which
             the engine loads at start-up (``resources.adapters``).
     """
+    if spec.disaggregation is not None:
+        return _disaggregated_children(owner, spec, sizing, settings, podmonitor_api=podmonitor_api,
+                                       keda_api=keda_api)
     policy = ReplicaPolicy.of(spec, sizing, inherited_replicas)
     replicas_owned = ("spec.replicas",) if policy.autoscaled else ()
     children = [Child(SERVICE_ACCOUNT, build_service_account(owner))]
@@ -170,10 +207,8 @@ def desired_children(owner: Owner, spec: InferenceServiceSpec, sizing: EngineSiz
         children.append(Child(DEPLOYMENT, build_deployment(owner, spec, sizing, settings, policy,
                                                            verified_adapters),
                               create_only=replicas_owned))
-    children.append(Child(SERVICE, build_service(owner)))
-    if settings.fence.enabled:
-        workers = (WORKER_COMPONENT,) if sizing.nodes > 1 else ()
-        children.append(Child(NETWORK_POLICY, build_network_policy(owner, spec, settings.fence, workers)))
+    children += _service_children(owner, spec, settings, podmonitor_api=podmonitor_api,
+                                  workers=(WORKER_COMPONENT,) if sizing.nodes > 1 else ())
     if disk_claim_child(policy, sizing):
         children.append(Child(PVC, build_kv_disk_claim(owner, spec, sizing)))
     # every pod of a group loads its stage's weights: a ReadWriteOnce cache cannot follow them
@@ -185,13 +220,6 @@ def desired_children(owner: Owner, spec: InferenceServiceSpec, sizing: EngineSiz
         children.append(Child(HPA, build_hpa(owner, spec, settings, sizing.nodes)))
     elif spec.autoscaling.mode == "keda" and keda_api:
         children.append(Child(SCALED_OBJECT, build_scaledobject(owner, spec, sizing.nodes)))
-    if podmonitor_api:
-        children.append(Child(POD_MONITOR, build_podmonitor(owner)))
-        slo_rule = build_slo_prometheusrule(owner, spec.model.served_name,
-                                            {"ttftP95Ms": spec.slo.ttft_p95_ms,
-                                             "itlP95Ms": spec.slo.itl_p95_ms})
-        if slo_rule is not None:
-            children.append(Child(PROMETHEUS_RULE, slo_rule))
     least = spec.autoscaling.min_replicas if policy.autoscaled else policy.replicas
     if least > 1:
         children.append(Child(PDB, build_pdb(owner)))

@@ -25,10 +25,11 @@ from __future__ import annotations
 
 from kvpilot.operator.resources.common import LWS_API_VERSION, Owner, decimal_quantity
 from kvpilot.operator.settings import OperatorSettings
-from kvpilot.operator.spec import InferenceServiceSpec
+from kvpilot.operator.spec import AutoscalingSpec, InferenceServiceSpec
 
 KEDA_API = ("keda.sh", "v1alpha1")
 KV_USAGE_SERIES = "vllm:kv_cache_usage_perc"
+TTFT_SERIES = "vllm:time_to_first_token_seconds"   # a histogram (_bucket, _sum, _count)
 WAITING_SERIES = "vllm:num_requests_waiting"
 PREEMPTIONS_SERIES = "vllm:num_preemptions_total"
 # The window of the preemption rate (here and in the adapter rule): long enough to hold a
@@ -59,7 +60,7 @@ def workload_ref(owner: Owner, nodes: int = 1) -> dict:
     return {"apiVersion": "apps/v1", "kind": "Deployment", "name": owner.name}
 
 
-def _pods_metric(name: str, per_pod: float) -> dict:
+def pods_metric(name: str, per_pod: float) -> dict:
     """An HPA ``Pods`` metric whose per-pod average should stay at ``per_pod``."""
     return {"type": "Pods", "pods": {
         "metric": {"name": name},
@@ -67,24 +68,29 @@ def _pods_metric(name: str, per_pod: float) -> dict:
     }}
 
 
-def build_hpa(owner: Owner, spec: InferenceServiceSpec, settings: OperatorSettings, nodes: int = 1) -> dict:
-    """An autoscaling/v2 HPA on the three per-pod signals (KV usage, queue, preemptions)."""
-    auto = spec.autoscaling
-    metrics = [_pods_metric(settings.hpa_kv_usage_metric, auto.kv_cache_usage_target),
-               _pods_metric(settings.hpa_waiting_metric, auto.waiting_requests_target),
-               _pods_metric(settings.hpa_preemption_metric, auto.preemption_rate_target)]
+def hpa(metadata: dict, target: dict, auto: AutoscalingSpec, metrics: list[dict]) -> dict:
+    """An autoscaling/v2 HPA of ``target`` between ``auto``'s bounds on ``metrics``."""
     return {
         "apiVersion": "autoscaling/v2",
         "kind": "HorizontalPodAutoscaler",
-        "metadata": owner.metadata("autoscaler"),
+        "metadata": metadata,
         "spec": {
-            "scaleTargetRef": workload_ref(owner, nodes),
+            "scaleTargetRef": target,
             "minReplicas": auto.min_replicas,
             "maxReplicas": auto.ceiling,
             "metrics": metrics,
             "behavior": BEHAVIOR,
         },
     }
+
+
+def build_hpa(owner: Owner, spec: InferenceServiceSpec, settings: OperatorSettings, nodes: int = 1) -> dict:
+    """An autoscaling/v2 HPA on the three per-pod signals (KV usage, queue, preemptions)."""
+    auto = spec.autoscaling
+    metrics = [pods_metric(settings.hpa_kv_usage_metric, auto.kv_cache_usage_target),
+               pods_metric(settings.hpa_waiting_metric, auto.waiting_requests_target),
+               pods_metric(settings.hpa_preemption_metric, auto.preemption_rate_target)]
+    return hpa(owner.metadata("autoscaler"), workload_ref(owner, nodes), auto, metrics)
 
 
 def keda_queries(owner: Owner, spec: InferenceServiceSpec) -> list[tuple[str, float]]:
@@ -96,19 +102,29 @@ def keda_queries(owner: Owner, spec: InferenceServiceSpec) -> list[tuple[str, fl
             (f"sum(rate({PREEMPTIONS_SERIES}{match}[{RATE_WINDOW}]))", auto.preemption_rate_target)]
 
 
+def prometheus_trigger(auto: AutoscalingSpec, query: str, threshold: float, metric_type: str = "AverageValue") -> dict:
+    """A KEDA Prometheus trigger: ``AverageValue`` divides the query's value by the replicas
+    (a per-pod target), ``Value`` compares it as it is (a latency quantile)."""
+    return {"type": "prometheus", "metricType": metric_type,
+            "metadata": {"serverAddress": auto.prometheus_server_address, "query": query,
+                         "threshold": f"{threshold:g}"}}
+
+
 def build_scaledobject(owner: Owner, spec: InferenceServiceSpec, nodes: int = 1) -> dict:
     """A KEDA ScaledObject with Prometheus triggers on the engine's vLLM-named series."""
     auto = spec.autoscaling
-    triggers = [{"type": "prometheus", "metricType": "AverageValue",
-                 "metadata": {"serverAddress": auto.prometheus_server_address, "query": query,
-                              "threshold": f"{threshold:g}"}}
-                for query, threshold in keda_queries(owner, spec)]
+    triggers = [prometheus_trigger(auto, query, threshold) for query, threshold in keda_queries(owner, spec)]
+    return scaled_object(owner.metadata("autoscaler"), workload_ref(owner, nodes), auto, triggers)
+
+
+def scaled_object(metadata: dict, target: dict, auto: AutoscalingSpec, triggers: list[dict]) -> dict:
+    """A KEDA ScaledObject of ``target`` between ``auto``'s bounds on ``triggers``."""
     return {
         "apiVersion": "/".join(KEDA_API),
         "kind": "ScaledObject",
-        "metadata": owner.metadata("autoscaler"),
+        "metadata": metadata,
         "spec": {
-            "scaleTargetRef": workload_ref(owner, nodes),
+            "scaleTargetRef": target,
             "minReplicaCount": auto.min_replicas,   # 0 = scale to zero when every trigger is idle
             "maxReplicaCount": auto.ceiling,
             "pollingInterval": 15,

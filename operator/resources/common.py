@@ -7,6 +7,10 @@ from dataclasses import dataclass
 
 from kvpilot.operator import constants as c
 
+# A disaggregated service's pool of a pod (prefill | decode): llm-d's label, which vLLM's
+# router discovers each pool by too.
+ROLE_LABEL = "llm-d.ai/role"
+
 # LeaderWorkerSet (kubernetes-sigs/lws): a replica of several pods, one a node.
 LWS_API = ("leaderworkerset.x-k8s.io", "v1")
 LWS_API_VERSION = "/".join(LWS_API)
@@ -34,6 +38,11 @@ class Owner:
     def selector(self) -> str:
         """``selector_labels`` as a label-selector string (status.selector)."""
         return ",".join(f"{k}={v}" for k, v in self.selector_labels.items())
+
+    def pool_selector(self, role: str) -> dict[str, str]:
+        """Labels that select the engine pods of one pool (``prefill`` / ``decode``) of a
+        disaggregated service."""
+        return {**self.selector_labels, ROLE_LABEL: role}
 
     def labels(self, component: str) -> dict[str, str]:
         """The recommended app.kubernetes.io labels of one child."""

@@ -9,6 +9,10 @@
   ``round_robin``, ``power_of_two``, ``consistent_hash``), and
   ``sessionAffinityTTLSeconds`` gives ``kv_aware`` the router's session affinity (a
   session's later requests, by ``X-Session-ID``, stay on the pod its first one chose).
+  With ``spec.disaggregation`` it runs in P/D mode (``--vllm-pd-disaggregation``): it
+  discovers the prefill and the decode pool by their ``llm-d.ai/role`` label, each with
+  its own policy (``prefillPolicy``, ``decodePolicy``), and its ``--kv-connector`` is the
+  engines' (``nixl``).
 - ``gateway``: today's InferencePool path, plus what llm-d's endpoint picker needs to
   route on the events (its precise prefix-cache scorer): the pod labels it discovers
   (``llm-d.ai/inference-serving: "true"``, ``llm-d.ai/engine-type: vllm``), the events
@@ -25,6 +29,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 
+from kvpilot.contract.kv_transfer import PD_CONNECTORS
 from kvpilot.operator import constants as c
 from kvpilot.operator.contract.inference_service import ROUTER_POLICIES, ROUTERS  # noqa: F401 - re-exported
 from kvpilot.operator.resources.common import Owner
@@ -84,12 +89,22 @@ def router_name(owner: Owner) -> str:
     return f"{owner.name}-router"
 
 
+def router_endpoint(owner: Owner) -> str:
+    """The in-cluster base URL of the API behind the router (a disaggregated service's
+    endpoint: a request must pass the router to reach both pools)."""
+    return f"http://{router_name(owner)}.{owner.namespace}.svc.cluster.local:{c.SERVICE_HTTP_PORT}/v1"
+
+
 def router_selector(owner: Owner) -> dict[str, str]:
     return {c.LABEL_NAME: c.APP_NAME, c.LABEL_INSTANCE: owner.name, c.LABEL_COMPONENT: ROUTER_COMPONENT}
 
 
 def _metadata(owner: Owner) -> dict:
     return owner.metadata(ROUTER_COMPONENT, router_name(owner))
+
+
+def _selector(labels: dict[str, str]) -> list[str]:
+    return [f"{k}={v}" for k, v in labels.items()]
 
 
 def router_args(owner: Owner, policy: str, engine_port: int, block_size: int,
@@ -99,7 +114,7 @@ def router_args(owner: Owner, policy: str, engine_port: int, block_size: int,
     args = ["--host", "0.0.0.0", "--port", str(ROUTER_PORT), "--policy", policy,
             "--service-discovery", "--service-discovery-namespace", owner.namespace,
             "--service-discovery-port", str(engine_port),
-            "--selector", *(f"{k}={v}" for k, v in owner.selector_labels.items()),
+            "--selector", *_selector(owner.selector_labels),
             "--prometheus-host", "0.0.0.0", "--prometheus-port", str(ROUTER_METRICS_PORT)]
     if policy == "kv_aware":
         args += ["--kv-event-block-size", str(block_size)]
@@ -108,19 +123,34 @@ def router_args(owner: Owner, policy: str, engine_port: int, block_size: int,
     return args
 
 
+def pd_router_args(owner: Owner, prefill_policy: str, decode_policy: str, kv_connector: str,
+                   engine_port: int) -> list[str]:
+    """``vllm-router`` flags in P/D mode: each request to a prefill pod (``max_tokens=1``),
+    then with the ``kv_transfer_params`` it returned to a decode pod, each pool found by its
+    role label (service discovery), each with its own policy; ``kv_connector``: the
+    router's name of the engines' connector (``nixl``)."""
+    return ["--host", "0.0.0.0", "--port", str(ROUTER_PORT),
+            "--vllm-pd-disaggregation", "--kv-connector", kv_connector,
+            "--prefill-policy", prefill_policy, "--decode-policy", decode_policy,
+            "--service-discovery", "--service-discovery-namespace", owner.namespace,
+            "--service-discovery-port", str(engine_port),
+            "--prefill-selector", *_selector(owner.pool_selector("prefill")),
+            "--decode-selector", *_selector(owner.pool_selector("decode")),
+            "--prometheus-host", "0.0.0.0", "--prometheus-port", str(ROUTER_METRICS_PORT)]
+
+
 def _probe(path: str, port: str, period: int, failures: int) -> dict:
     return {"httpGet": {"path": path, "port": port}, "periodSeconds": period,
             "failureThreshold": failures, "timeoutSeconds": 3}
 
 
-def build_router_deployment(owner: Owner, image: str, policy: str, replicas: int,
-                            engine_port: int, block_size: int,
-                            session_affinity_ttl_s: int | None = None) -> dict:
-    """The router Deployment (non-root, read-only root filesystem, no service links)."""
+def build_router_deployment(owner: Owner, image: str, args: list[str], replicas: int) -> dict:
+    """The router Deployment running ``vllm-router args`` (non-root, read-only root
+    filesystem, no service links)."""
     container = {
         "name": ROUTER_COMPONENT,
         "image": image,
-        "args": router_args(owner, policy, engine_port, block_size, session_affinity_ttl_s),
+        "args": args,
         "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"},
                   {"name": "metrics", "containerPort": ROUTER_METRICS_PORT, "protocol": "TCP"}],
         "readinessProbe": _probe("/readiness", "http", 5, 3),
@@ -223,13 +253,16 @@ def router_children(owner: Owner, spec, sizing, settings, podmonitor_api: bool) 
     """The router's objects for ``spec`` (``spec.routing.router: vllm-router``)."""
     from kvpilot.operator.resources.monitoring import PODMONITOR_API
 
-    router = spec.router
-    block_size = block_size_of(sizing.serve_args)
+    router, pools = spec.router, spec.disaggregation
+    if pools is not None:   # P/D mode
+        args = pd_router_args(owner, router.prefill_policy, router.decode_policy, PD_CONNECTORS[pools.kv_connector],
+                              spec.port)
+    else:
+        args = router_args(owner, router.policy, spec.port, block_size_of(sizing.serve_args),
+                           router.session_affinity_ttl_s)
     children = [build_router_service_account(owner), build_router_role(owner),
                 build_router_role_binding(owner),
-                build_router_deployment(owner, settings.router_image, router.policy,
-                                        router.replicas, spec.port, block_size,
-                                        router.session_affinity_ttl_s),
+                build_router_deployment(owner, settings.router_image, args, router.replicas),
                 build_router_service(owner)]
     if router.replicas > 1:
         children.append(build_router_pdb(owner))

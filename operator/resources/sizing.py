@@ -30,6 +30,8 @@ class EngineSizing:
         weight_bytes: the checkpoint's size as the planner estimates it (sizes the model cache).
         nodes: pods per replica, one a node (pipeline stages); above 1 a LeaderWorkerSet group.
         status: what goes into ``status.plan`` (camelCase keys).
+        prefill: with ``spec.disaggregation``, the prefill pool's sizing (this one is then
+            the decode pool's; each pool's ``replicas`` is the planner's ratio).
     """
 
     serve_args: tuple[str, ...]
@@ -44,6 +46,11 @@ class EngineSizing:
     weight_bytes: int | None = None
     nodes: int = 1
     status: Mapping[str, Any] = field(default_factory=dict)
+    prefill: EngineSizing | None = None
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill is not None
 
     def __post_init__(self) -> None:
         if self.nodes < 1:

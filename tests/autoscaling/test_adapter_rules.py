@@ -19,21 +19,28 @@ from kvpilot.operator.resources.autoscaling import (
     KV_USAGE_SERIES,
     PREEMPTIONS_SERIES,
     RATE_WINDOW,
+    TTFT_SERIES,
     WAITING_SERIES,
     build_hpa,
     keda_queries,
 )
 from kvpilot.operator.resources.common import Owner
+from kvpilot.operator.resources.pools import build_pool_hpa, pool_queries
 from kvpilot.operator.settings import OperatorSettings
 from kvpilot.operator.spec import parse_spec
 
 from support import adapter_rules
 from support.chart import of_kind, render, tool
 
-ENGINE_SERIES = (KV_USAGE_SERIES, WAITING_SERIES, PREEMPTIONS_SERIES)
+ENGINE_SERIES = (KV_USAGE_SERIES, WAITING_SERIES, PREEMPTIONS_SERIES, f"{TTFT_SERIES}_bucket")
 SPEC = {"model": {"uri": "hf://Qwen/Qwen3-0.6B"}, "gpu": {"type": "l4"},
         "slo": {"maxContext": 8192, "p95PromptTokens": 2048, "p95OutputTokens": 512, "concurrency": 8},
         "autoscaling": {"mode": "hpa", "maxReplicas": 4}}
+# a disaggregated service's prefill pool scales on its queue and its p95 TTFT too (issue 44)
+PD_SPEC = {**{k: v for k, v in SPEC.items() if k != "autoscaling"},
+           "slo": {**SPEC["slo"], "ttftP95Ms": 800}, "routing": {"router": "vllm-router"},
+           "disaggregation": {"prefill": {"autoscaling": {"mode": "hpa", "maxReplicas": 4}},
+                              "decode": {"autoscaling": {"mode": "hpa", "maxReplicas": 4}}}}
 
 
 def _series_selected(rule: dict) -> list[str]:
@@ -58,9 +65,12 @@ def test_the_rules_serve_exactly_the_hpa_metrics():
     settings = OperatorSettings()
     assert served == {settings.hpa_kv_usage_metric: KV_USAGE_SERIES,
                       settings.hpa_waiting_metric: WAITING_SERIES,
-                      settings.hpa_preemption_metric: PREEMPTIONS_SERIES}
-    hpa = build_hpa(Owner("chat", "team"), parse_spec(SPEC, "chat"), settings)
-    assert {m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"]} == set(served)
+                      settings.hpa_preemption_metric: PREEMPTIONS_SERIES,
+                      settings.hpa_ttft_metric: f"{TTFT_SERIES}_bucket"}
+    owner, pools = Owner("chat", "team"), parse_spec(PD_SPEC, "chat")
+    hpas = [build_hpa(owner, parse_spec(SPEC, "chat"), settings),
+            *(build_pool_hpa(owner, pools, role, settings) for role in ("prefill", "decode"))]
+    assert {m["pods"]["metric"]["name"] for h in hpas for m in h["spec"]["metrics"]} == set(served)
 
 
 def test_the_counter_rate_window_is_the_kedas():
@@ -76,6 +86,8 @@ def test_every_query_is_valid_promql(tmp_path):
                         adapter_rules.pods_query(rule, series, "team", ["chat-a", "chat-b"])]
     spec = parse_spec({**SPEC, "autoscaling": {"mode": "keda", "maxReplicas": 4}}, "chat")
     queries += [q for q, _ in keda_queries(Owner("chat", "team"), spec)]
+    queries += [q for role in ("prefill", "decode")
+                for q, _, _ in pool_queries(Owner("chat", "team"), parse_spec(PD_SPEC, "chat"), role)]
     assert 'pod=~"chat-a|chat-b"' in queries[1] and "<<" not in "".join(queries)
     rules = {"groups": [{"name": "queries", "rules": [{"record": f"kvpilot:query_{i}", "expr": q}
                                                       for i, q in enumerate(queries)]}]}

@@ -4,7 +4,7 @@ nothing else but a short allow-list.
 The real operator process runs with the arguments and environment the chart renders for
 it, against the API emulator, through a lifecycle that makes every kind of call it has:
 each child kind created, patched back after drift and (where the spec can drop it)
-deleted, status patches, the removal of the finalizer older operators left on
+deleted (a disaggregated service's two pools included, issue 44), status patches, the removal of the finalizer older operators left on
 InferenceServices, Events, kopf's watches and its peering keep-alives.
 The emulator records every (verb, group, resource, subresource) the operator called; the
 rules rendered by ``helm template`` must allow each call (in its namespace), and grant no
@@ -60,6 +60,17 @@ AUTOSCALED = {**SMALL, "slo": {**SMALL["slo"], "ttftP95Ms": 800, "itlP95Ms": 60}
 ROUTED = {**SMALL, "replicas": 2, "routing": {"router": "vllm-router"}}
 ROUTER_KINDS = {"Deployment", "Service", "ServiceAccount", "Role", "RoleBinding",
                 "PodDisruptionBudget", "PodMonitor"}
+# prefill and decode pools behind the router in P/D mode (issue 44): two Deployments, KEDA on one,
+# an HPA on the other, a PodDisruptionBudget each, and the router's children
+SPLIT = {**SMALL, "routing": {"router": "vllm-router"}, "disaggregation": {
+    "prefill": {"autoscaling": {"mode": "keda", "minReplicas": 2, "maxReplicas": 4}},
+    "decode": {"autoscaling": {"mode": "hpa", "minReplicas": 2, "maxReplicas": 3}}}}
+SPLIT_OBJECTS = {("Deployment", "split-prefill"), ("Deployment", "split-decode"), ("ScaledObject", "split-prefill"),
+                 ("HorizontalPodAutoscaler", "split-decode"), ("PodDisruptionBudget", "split-prefill"),
+                 ("PodDisruptionBudget", "split-decode"), ("ServiceAccount", "split-engine"),
+                 ("NetworkPolicy", "split"), ("Service", "split"), ("PodMonitor", "split"),
+                 *((kind, "split-router") for kind in ("Deployment", "Service", "ServiceAccount", "Role", "RoleBinding",
+                                                        "PodDisruptionBudget", "PodMonitor"))}
 # replicas spanning nodes: a LeaderWorkerSet and its headless Service (crds/examples/llama-405b-fp8-two-nodes)
 GROUPED = {"model": {"uri": "hf://RedHatAI/Meta-Llama-3.1-405B-Instruct-FP8", "architecture": "llama-3.1-405b-fp8"},
            "gpu": {"type": "h100-80gb", "count": 8},
@@ -136,6 +147,24 @@ class Scenario:
         ch = self.router_children(name, ns)
         return set(ch) == kinds and all(_applied_by_kvpilot(o) for o in ch.values())
 
+    def objects(self, name: str, ns: str = "team-a") -> dict[tuple[str, str], dict]:
+        """Every child of ``name`` by (kind, name): a service of several objects of one kind."""
+        def find(e):
+            return {(o["kind"], nm): o for (g, p, n, nm), o in e.objects.items()
+                    if n == ns and p != c.PLURAL and p != "events" and
+                    (o["metadata"].get("labels") or {}).get(c.LABEL_INSTANCE) == name}
+        return copy.deepcopy(self.emu.run(find))
+
+    def wait_objects(self, name: str, keys: set[tuple[str, str]], ns: str = "team-a") -> dict:
+        return wait_for(lambda: (ch := self.objects(name, ns)) and set(ch) == keys and ch,
+                        20, 0.1, f"{name}'s children to be exactly {sorted(keys)}")
+
+    def tamper_objects(self, name: str, ns: str = "team-a") -> None:
+        """As ``tamper``, for every child of every kind."""
+        strip = json.dumps({"metadata": {"labels": {c.LABEL_MANAGED_BY: None}}})
+        for kind, child in self.objects(name, ns):
+            self.kubectl("-n", ns, "patch", kind.lower(), child, "--type", "merge", "-p", strip)
+
     def tamper(self, name: str, ns: str = "team-a") -> None:
         """Strip the managed-by label from every child, through the API: each leaves the
         operator's label-selected watch, so the operator misses it, reads it by name and
@@ -161,6 +190,10 @@ def _applied_by_kvpilot(o: dict) -> bool:
                 for e in o["metadata"].get("managedFields") or ()))
 
 
+def _all_applied(objects: dict, keys: set) -> bool:
+    return set(objects) == keys and all(_applied_by_kvpilot(o) for o in objects.values())
+
+
 def _prove(calls, docs) -> tuple[set, set]:
     """(calls no rule grants, grants no call used) for the operator's ServiceAccount."""
     granted = grants(docs, RELEASE, RELEASE_NS)
@@ -183,6 +216,7 @@ def test_cluster_rbac_grants_exactly_what_the_operator_calls(tmp_path):
             s.service("scaled", AUTOSCALED)
             s.service("routed", ROUTED)
             s.service("grouped", GROUPED)
+            s.service("split", SPLIT)
             # as an operator before issue 43 left it: this one patches the finalizer away
             s.service("legacy", SMALL, finalizers=[c.FINALIZER])
             wait_for(lambda: s.finalizers("legacy") == [], 20, 0.1, "the legacy finalizer removed")
@@ -203,12 +237,23 @@ def test_cluster_rbac_grants_exactly_what_the_operator_calls(tmp_path):
                                                 "verbs": ["get", "list", "watch"]}]
             assert router["Deployment"]["spec"]["template"]["spec"]["containers"][0]["image"] == \
                 operator_env(docs)["KVPILOT_ROUTER_IMAGE"]
+            split = s.wait_objects("split", SPLIT_OBJECTS)
+            router_args = split[("Deployment", "split-router")]["spec"]["template"]["spec"]["containers"][0]["args"]
+            assert "--vllm-pd-disaggregation" in router_args
             for name in ("cached", "scaled", "routed", "grouped"):  # every child kind patched back
                 s.tamper(name)
             s.tamper_router("routed", ROUTER_KINDS)
+            s.tamper_objects("split")
             wait_for(lambda: s.untampered("cached") and s.untampered("scaled") and s.untampered("routed")
-                     and s.untampered("grouped") and s.router_untampered("routed", ROUTER_KINDS), 20, 0.1,
-                     "drift repaired")
+                     and s.untampered("grouped") and s.router_untampered("routed", ROUTER_KINDS)
+                     and _all_applied(s.objects("split"), SPLIT_OBJECTS),
+                     20, 0.1, "drift repaired")
+            # one pool doing both again: the pools, their autoscalers and budgets and the router go
+            s.service("split", {**SMALL, "replicas": 1, "routing": {"inferencePool": {"enabled": False}}})
+            s.wait_objects("split", {("Deployment", "split"), ("Service", "split"), ("ServiceAccount", "split-engine"),
+                                     ("NetworkPolicy", "split"), ("PodMonitor", "split"),
+                                     ("PersistentVolumeClaim", "split-model-cache")})
+            s.delete("split")
             # one node holds 16 sequences: a Deployment again, the group and its headless Service go
             s.service("grouped", {**GROUPED, "slo": {**GROUPED["slo"], "concurrency": 16}})
             s.wait_children("grouped", {*FENCE, "Deployment", "Service", "PodMonitor", "InferencePool",

@@ -77,7 +77,7 @@ BASE = {"model": {"uri": "hf://Qwen/Qwen3-0.6B"}, "gpu": {"type": "l4"},
         "slo": {"maxContext": 8192, "p95PromptTokens": 2048, "p95OutputTokens": 512, "concurrency": 8}}
 
 
-@pytest.mark.parametrize("path", crd_schema.EXAMPLES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", crd_schema.ONE_POOL_EXAMPLES, ids=lambda p: p.stem)
 def test_every_child_of_every_example_is_a_valid_object(path):
     cr = _example(path.stem)
     children, _ = _build(cr)
@@ -103,7 +103,7 @@ def test_every_child_of_every_example_is_a_valid_object(path):
                        "uid": f"uid-{path.stem}", "controller": True, "blockOwnerDeletion": True}
 
 
-@pytest.mark.parametrize("path", crd_schema.EXAMPLES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", crd_schema.ONE_POOL_EXAMPLES, ids=lambda p: p.stem)
 def test_deployment_args_parse_with_the_real_serve_parser(path):
     cr = _example(path.stem)
     children, plan = _build(cr)

@@ -94,7 +94,7 @@ def test_crd_is_a_valid_custom_resource_definition():
     assert version["subresources"]["status"] == {}
     assert version["subresources"]["scale"]["specReplicasPath"] == ".spec.replicas"
     columns = [col["name"] for col in version["additionalPrinterColumns"]]
-    assert columns == ["Model", "GPU", "KV-Dtype", "Max-Seqs", "Observed-KV-Tokens", "Ready-Replicas", "Replicas",
+    assert columns == ["Model", "GPU", "KV-Dtype", "Max-Seqs", "Observed-KV-Tokens", "P:D", "Ready-Replicas", "Replicas",
                        "Ready", "Adapters", "Age"]
 
 
@@ -192,7 +192,8 @@ def test_examples_name_catalogue_models():
 
 def test_status_schema_keeps_every_field_the_operator_writes():
     plan = SCHEMA["properties"]["status"]["properties"]["plan"]["properties"]
-    assert set(plan) == {camel(f) for f in STATUS_FIELDS} | {"generation", "plannedFor", "serveArgs", "kvEstimateBytes"}
+    assert set(plan) == {camel(f) for f in STATUS_FIELDS} | {"generation", "plannedFor", "serveArgs", "kvEstimateBytes",
+                                                             "disaggregation"}
     status = SCHEMA["properties"]["status"]["properties"]
     from kvpilot.operator.reconcile import STATUS_KEYS
 

@@ -160,7 +160,7 @@ def test_ready_follows_the_deployment_status(cluster):
     assert cluster.condition("ready", "Progressing")["status"] == "False"
     assert cluster.cr("ready")["status"]["readyReplicas"] == replicas
     table = cluster.kubectl("get", "inferenceservices", "ready").stdout.splitlines()
-    assert table[0].split() == ["NAME", "MODEL", "GPU", "KV-DTYPE", "MAX-SEQS", "OBSERVED-KV-TOKENS",
+    assert table[0].split() == ["NAME", "MODEL", "GPU", "KV-DTYPE", "MAX-SEQS", "OBSERVED-KV-TOKENS", "P:D",
                                 "READY-REPLICAS", "REPLICAS", "READY", "ADAPTERS", "AGE"]
     max_seqs = str(cluster.cr("ready")["status"]["plan"]["maxNumSeqs"])
     assert table[1].split()[1:8] == ["hf://Qwen/Qwen3-0.6B", "l4", "auto", max_seqs, str(replicas),

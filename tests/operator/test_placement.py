@@ -93,7 +93,7 @@ def _matching(pod: dict, fleet: dict[str, dict[str, str]] | None = None) -> set[
     return {name for name, labels in (fleet or _fleet()).items() if node_matches(pod, labels)}
 
 
-@pytest.mark.parametrize("path", crd_schema.EXAMPLES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", crd_schema.ONE_POOL_EXAMPLES, ids=lambda p: p.stem)
 def test_every_example_lands_only_on_its_planned_gpu(path):
     cr = yaml.safe_load(path.read_text())
     cr["metadata"].update(namespace="serving", uid="uid-1")

@@ -94,7 +94,7 @@ def _children(spec: dict, settings: OperatorSettings = OperatorSettings(), name:
     return {ch.kind.kind: ch for ch in children}
 
 
-@pytest.mark.parametrize("path", crd_schema.EXAMPLES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", crd_schema.ONE_POOL_EXAMPLES, ids=lambda p: p.stem)
 def test_every_engine_pod_is_fenced_and_has_no_token(path):
     obj = yaml.safe_load(path.read_text())
     children = _children(obj["spec"], name=obj["metadata"]["name"])

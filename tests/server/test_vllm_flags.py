@@ -94,6 +94,12 @@ HONOURED_CASES = {
     "--calculate-kv-scales": (["--calculate-kv-scales"], lambda ns, ea, sc: ea.calculate_kv_scales),
     "--enable-prefix-caching": (["--no-enable-prefix-caching"],
                                 lambda ns, ea, sc: ea.enable_prefix_caching is False),
+    "--kv-transfer-config": (
+        ["--kv-transfer-config", '{"kv_connector": "NixlConnector", "kv_role": "kv_consumer", '
+                                 '"kv_load_failure_policy": "recompute"}'],
+        lambda ns, ea, sc: ea.kv_transfer_config is not None and ea.kv_transfer_config.is_kv_consumer
+        and not ea.kv_transfer_config.is_kv_producer
+        and ea.kv_transfer_config.kv_load_failure_policy == "recompute"),
     "--kv-events-config": (["--kv-events-config", '{"enable_kv_cache_events": true, "topic": "t"}'],
                            lambda ns, ea, sc: ea.kv_events_config is not None
                            and ea.kv_events_config.enabled and ea.kv_events_config.topic == "t"),

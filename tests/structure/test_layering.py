@@ -10,7 +10,7 @@ sees when the function runs).
   ``kvpilot.contract``, itself and the engine's torch-free config and sampling parameters;
 - ``kvpilot.kernels`` imports nothing from ``kvpilot.engine`` or ``kvpilot.operator``;
 - the engine below its server (core, model, text, lora, offload, KV events, structured
-  outputs, deploy) never imports the server, the CLI or the benchmarks;
+  outputs, deploy, KV transfer) never imports the server, the CLI or the benchmarks;
 - the text side and ``engine.deploy.lws`` import no torch.
 """
 
@@ -27,8 +27,8 @@ from support.import_graph import import_graph, project_modules
 
 ROOT = Path(__file__).resolve().parents[2]
 BELOW_THE_SERVER = ("kvpilot.engine.core", "kvpilot.engine.model", "kvpilot.engine.text", "kvpilot.engine.lora",
-                    "kvpilot.engine.offload", "kvpilot.engine.kv_events", "kvpilot.engine.structured_output",
-                    "kvpilot.engine.deploy", "kvpilot.kernels", "kvpilot.contract")
+                    "kvpilot.engine.offload", "kvpilot.engine.kv_events", "kvpilot.engine.kv_transfer",
+                    "kvpilot.engine.structured_output", "kvpilot.engine.deploy", "kvpilot.kernels", "kvpilot.contract")
 ABOVE = ("kvpilot.engine.server", "kvpilot.engine.cli", "kvpilot.engine.bench")
 CORE_MAY_IMPORT = ("kvpilot.contract", "kvpilot.engine.core", "kvpilot.engine.config",
                    "kvpilot.engine.sampling_params")

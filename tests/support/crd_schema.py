@@ -22,6 +22,11 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 CRD_PATH = ROOT / "crds" / "serving.kvpilot.dev_inferenceservices.yaml"
 EXAMPLES = sorted((ROOT / "crds" / "examples").glob("*.yaml"))
+# The examples served by one pool of engine pods (a Deployment or a LeaderWorkerSet); the
+# disaggregated ones (spec.disaggregation: a prefill and a decode Deployment behind the
+# router) have tests of their own (tests/operator/test_disaggregation.py).
+DISAGGREGATED = [p for p in EXAMPLES if "disaggregation" in yaml.safe_load(p.read_text())["spec"]]
+ONE_POOL_EXAMPLES = [p for p in EXAMPLES if p not in DISAGGREGATED]
 
 
 def load_crd(path: Path = CRD_PATH) -> dict:
