@@ -30,7 +30,7 @@ from support import crd_schema
 from support.harness import EmulatorThread, Kubectl, OperatorProcess, wait_for, write_kubeconfig
 
 CRD_NAME = f"{c.PLURAL}.{c.GROUP}"
-COLUMNS = ["NAME", "MODEL", "GPU", "KV-DTYPE", "MAX-SEQS", "OBSERVED-KV-TOKENS", "READY-REPLICAS", "REPLICAS",
+COLUMNS = ["NAME", "MODEL", "GPU", "KV-DTYPE", "MAX-SEQS", "OBSERVED-KV-TOKENS", "P:D", "READY-REPLICAS", "REPLICAS",
            "READY", "ADAPTERS", "AGE"]
 
 
@@ -68,6 +68,12 @@ def _stages(path: Path) -> int:
     return make_plan(plan_request(parse_spec(obj["spec"], obj["metadata"]["name"]))).pipeline_parallel_size
 
 
+def _deployments(path: Path, name: str) -> list[str]:
+    """The Deployments the example at ``path`` becomes: one per pool when it is disaggregated."""
+    spec = yaml.safe_load(path.read_text())["spec"]
+    return [f"{name}-prefill", f"{name}-decode"] if spec.get("disaggregation") else [name]
+
+
 def _jsonpath(kubectl: Kubectl, name: str, path: str) -> str:
     return kubectl("get", "inferenceservice", name, "-o", f"jsonpath={path}", check=False).stdout
 
@@ -95,8 +101,9 @@ def test_examples_are_reconciled_and_listed(target, tmp_path):
                                                                   '.reason}') == "MissingAPI",
                              timeout, 0.2, f"{name} Degraded=MissingAPI (no LeaderWorkerSet API)")
                     continue
-                wait_for(lambda n=name: kubectl("get", "deployment,service", n, check=False).returncode == 0,
-                         timeout, 0.2, f"{name}'s Deployment and Service")
+                wait_for(lambda n=name: kubectl("get", "service", n, check=False).returncode == 0
+                         and kubectl("get", "deployment", *_deployments(examples[n], n), check=False).returncode == 0,
+                         timeout, 0.2, f"{name}'s Deployments and Service")
             rows = [line.split() for line in kubectl("get", "inferenceservices").stdout.splitlines()]
             assert rows[0] == COLUMNS
             listed = {row[0]: dict(zip(COLUMNS, row, strict=False)) for row in rows[1:]}
