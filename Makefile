@@ -10,9 +10,14 @@ serve:
 	@scripts/bootstrap.sh
 	.venv/bin/kvpilot serve $(ARGS)
 
+# Two pytest workers, a test file each at a time (its module fixtures built once): much of
+# the suite waits on servers and emulators, so two files share two cores well.
+# `make test JOBS=0` runs it in one process.
+JOBS ?= 2
+
 test:
 	@scripts/bootstrap.sh test
-	.venv/bin/python -m pytest -q $(ARGS)
+	.venv/bin/python -m pytest -q -n $(JOBS) --dist loadfile $(ARGS)
 
 lint:
 	@scripts/bootstrap.sh test
