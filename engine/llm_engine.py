@@ -134,6 +134,7 @@ class LLMEngine:
         if isinstance(layout, HybridKVLayout):
             if self.kv_offload is not None:   # EngineArgs refuses it first; never silently wrong
                 raise ValueError("KV offload is not implemented for hybrid sliding-window models")
+            self._token_reuse(None, hybrid=True)   # only to say why it is off
             self.kv_cache_manager = HybridKVCacheManager(
                 num_blocks, layout.num_sliding_blocks(num_blocks), layout.block_size,
                 cache_config.enable_prefix_caching, hash_root, layout.sliding_window,
@@ -165,13 +166,15 @@ class LLMEngine:
         self._cost_model = self._make_cost_model(layout) if args.enable_mfu_metrics else None
         self._estimated = [0, 0, 0]   # flops, read bytes, write bytes (per GPU, cumulative)
 
-    def _token_reuse(self, window: int | None) -> bool:
+    def _token_reuse(self, window: int | None, hybrid: bool = False) -> bool:
         """Whether token-granular reuse can run here (asked for, and it can hold): the copy
-        is made on this rank's cache alone, and a release window may free its sources."""
+        is made on this rank's cache alone, in one table, and a release window may free its
+        sources."""
         if not self.args.token_granular_reuse:
             return False
         why = ("prefix caching is off" if not self.cache_config.enable_prefix_caching else
                "the KV cache is split over ranks (tensor / pipeline parallel)" if self.workers is not None else
+               "a hybrid model keeps two block tables (full and sliding-window layers)" if hybrid else
                "the model's layers all slide (blocks released outside the window)" if window is not None else
                None)
         if why is not None:
