@@ -72,6 +72,13 @@ class EngineArgs:
     kv_cache_dtype_skip_sliding_window: bool = _default(CacheConfig, "kv_cache_dtype_skip_sliding_window")
     enable_prefix_caching: bool = _default(CacheConfig, "enable_prefix_caching")
     prefix_caching_hash_seed: str | None = None
+    # Token-granular reuse (kvpilot's own): the block after a prefix hit copies the KV of
+    # the tokens a released block shares with it instead of computing them. Off by default:
+    # it makes cached_tokens and the hit counters differ from vLLM's block-granular figures,
+    # which KV-event routers predict. Ignored (with a warning) where it cannot hold.
+    token_granular_reuse: bool = False
+    # Classify each request's uncached prompt tokens by why they missed (core.prefix_miss).
+    explain_prefix_misses: bool = True
     enable_chunked_prefill: bool = _default(SchedulerConfig, "enable_chunked_prefill")
     attention_backend: str = "auto"          # auto | cpu | torch | triton (model/attention/backend.py)
     device: str = "auto"

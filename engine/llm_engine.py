@@ -36,6 +36,7 @@ from kvpilot.engine.kv_events import start_kv_events
 from kvpilot.engine.lora.startup import allocate_slots, start_lora
 from kvpilot.engine.lora.startup import device_bytes as lora_device_bytes
 from kvpilot.engine.model.device_memory import device_memory_for
+from kvpilot.engine.model.kv_copy import copy_block_tokens
 from kvpilot.engine.model.parallel.group import RanksOutOfStep
 from kvpilot.engine.model.runner import ModelRunner
 from kvpilot.engine.output_processor import OutputProcessor
@@ -133,15 +134,21 @@ class LLMEngine:
         if isinstance(layout, HybridKVLayout):
             if self.kv_offload is not None:   # EngineArgs refuses it first; never silently wrong
                 raise ValueError("KV offload is not implemented for hybrid sliding-window models")
+            self._token_reuse(None, hybrid=True)   # only to say why it is off
             self.kv_cache_manager = HybridKVCacheManager(
                 num_blocks, layout.num_sliding_blocks(num_blocks), layout.block_size,
                 cache_config.enable_prefix_caching, hash_root, layout.sliding_window,
                 residency=self._residency)
         else:
+            window = release_window(model_config)
             self.kv_cache_manager = KVCacheManager(
                 num_blocks, layout.block_size, cache_config.enable_prefix_caching, hash_root,
                 record_evictions=self.kv_offload is not None, residency=self._residency,
-                release_window=release_window(model_config))
+                release_window=window, token_reuse=self._token_reuse(window),
+                explain_misses=args.explain_prefix_misses)
+            explainer = self.kv_cache_manager.explainer
+            if explainer is not None and self.kv_offload is not None:
+                self.kv_offload.set_eviction_hook(explainer.on_offload_evict)
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager, offload=self.kv_offload)
         self.kv_events = start_kv_events(args.kv_events_config, self.kv_cache_manager, self.kv_offload)
         self._failed_requests: list[FailedRequest] = []   # see take_failed_requests
@@ -158,6 +165,21 @@ class LLMEngine:
         self._iteration_tokens: list[int] = []
         self._cost_model = self._make_cost_model(layout) if args.enable_mfu_metrics else None
         self._estimated = [0, 0, 0]   # flops, read bytes, write bytes (per GPU, cumulative)
+
+    def _token_reuse(self, window: int | None, hybrid: bool = False) -> bool:
+        """Whether token-granular reuse can run here (asked for, and it can hold): the copy
+        is made on this rank's cache alone, in one table, and a release window may free its
+        sources."""
+        if not self.args.token_granular_reuse:
+            return False
+        why = ("prefix caching is off" if not self.cache_config.enable_prefix_caching else
+               "the KV cache is split over ranks (tensor / pipeline parallel)" if self.workers is not None else
+               "a hybrid model keeps two block tables (full and sliding-window layers)" if hybrid else
+               "the model's layers all slide (blocks released outside the window)" if window is not None else
+               None)
+        if why is not None:
+            logger.warning("token-granular reuse is off: %s", why)
+        return why is None
 
     def _make_cost_model(self, layout: KVLayout) -> StepCostModel:
         arch, tp = self.model_config.arch, self.parallel_config.tensor_parallel_size
@@ -338,6 +360,8 @@ class LLMEngine:
             self.kv_events.publish_step()
         if sched.kv_transfers:   # offload saves and loads, before the forward that reads them
             self.kv_offload.execute(sched.kv_transfers)
+        if sched.kv_copies:   # token-granular reuse, after the saves (a destination may be a
+            copy_block_tokens(self.runner.kv_caches, sched.kv_copies)   # block saved now)
         if sched.is_empty:
             self.runner.update_batch(sched)   # the preempted and finished leave it
             if structured.active and structured.num_waiting:   # only grammars to wait for:
@@ -424,12 +448,47 @@ class LLMEngine:
             prompt_tokens_local_cache_hit=sources.local_cache_hit,
             prompt_tokens_external_kv_transfer=sources.external_kv_transfer,
             prompt_tokens_recomputed=sources.recomputed,
+            **self._cached_by_tier(sources),
+            **self._miss_fields(),
             num_corrupted_reqs=self.scheduler.num_corrupted if self.args.compute_nans_in_logits else None,
             **(dict(zip(("estimated_flops", "estimated_read_bytes", "estimated_write_bytes"),
                         self._estimated, strict=True)) if self._cost_model is not None else {}),
             **(self.kv_offload.stats().engine_stat_fields() if self.kv_offload is not None else {}),
             lora=self._lora_stats() if self.lora is not None else None,
         )
+
+    def _cached_by_tier(self, sources) -> dict[str, int]:
+        """The offload-served prompt tokens by tier, for the tiers the backend has."""
+        if self.kv_offload is None:
+            return {}
+        return {f"prompt_tokens_cached_{tier}": getattr(sources, f"cached_{tier}")
+                for tier in self.kv_offload.cache_tiers}
+
+    def _miss_fields(self) -> dict[str, int]:
+        explainer = getattr(self.kv_cache_manager, "explainer", None)
+        if explainer is None:
+            return {}
+        return {f"prefix_miss_{reason}": tokens for reason, tokens in explainer.miss_tokens.items()}
+
+    def explain_prefix(self, prompt: str | list[int], cache_salt: str | None = None,
+                       lora_name: str | None = None) -> dict:
+        """Why ``prompt`` would miss the prefix cache now (``prefix_explain.explanation``),
+        changing nothing. ValueError for a prompt or adapter the engine would refuse."""
+        from kvpilot.engine.prefix_explain import explanation
+
+        _, ids = self._prompt_ids(prompt)
+        lora = None
+        if lora_name is not None:
+            if self.lora is None or lora_name not in self.lora:
+                raise ValueError(f"no LoRA adapter {lora_name!r} is loaded")
+            lora = self.lora.request_for(lora_name)
+        request = Request("explain", ids, SamplingParams(max_tokens=1), cache_salt=cache_salt,
+                          lora_request=lora)
+        hit, miss = self.kv_cache_manager.explain(request) if self.cache_config.enable_prefix_caching \
+            else (None, None)
+        return explanation(ids, hit, miss, self.kv_cache_manager.block_size, self.tokenizer,
+                           caching=self.cache_config.enable_prefix_caching,
+                           explained=getattr(self.kv_cache_manager, "explainer", None) is not None)
 
     def _fail_requests(self, failed: dict[str, BaseException]) -> None:
         """Abort the requests a step failed for on their own (their grammar, detokenizing,

@@ -135,10 +135,11 @@ class RequestState:
         )
 
     def output(self) -> RequestOutput:
-        cached = max(c.request.num_cached_tokens or 0 for c in self.children)
+        # the sequence that found the most in the cache (its miss explains the rest)
+        best = max(self.children, key=lambda c: c.request.num_cached_tokens or 0).request
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
                              [c.output(self.kind) for c in self.children], self.finished,
-                             cached, self.metrics())
+                             best.num_cached_tokens or 0, self.metrics(), best.prefix_miss)
 
 
 class OutputProcessor:

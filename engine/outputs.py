@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvpilot.engine.core.prefix_miss import PrefixMiss
 
 
 @dataclass(slots=True)
@@ -55,6 +59,9 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int
     metrics: RequestMetrics
+    # why the prompt tokens beyond num_cached_tokens missed the prefix cache (None: none
+    # did, or misses are not explained)
+    prefix_miss: PrefixMiss | None = None
 
     def add(self, other: RequestOutput) -> None:
         """Fold a later DELTA output of the same request into this one (in place).
@@ -78,4 +85,6 @@ class RequestOutput:
         self.outputs.sort(key=lambda c: c.index)
         self.finished = other.finished
         self.num_cached_tokens = other.num_cached_tokens
+        if other.prefix_miss is not None:   # a channel may send it with some deltas only
+            self.prefix_miss = other.prefix_miss
         self.metrics = other.metrics

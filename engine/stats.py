@@ -42,6 +42,26 @@ class EngineStats:
     prompt_tokens_local_cache_hit: int = 0
     prompt_tokens_external_kv_transfer: int = 0
     prompt_tokens_recomputed: int = 0   # of local_compute: cached tokens computed again
+    # external_kv_transfer by the offload tier that served it (vllm:prompt_tokens_cached_by_source;
+    # None where the backend has no such tier, or offload is off)
+    prompt_tokens_cached_host: int | None = None
+    prompt_tokens_cached_disk: int | None = None
+    prompt_tokens_cached_external_unspecified: int | None = None
+    # Uncached prompt tokens by why they missed, counted at first admission
+    # (core.prefix_miss.MISS_REASONS; None when misses are not explained).
+    prefix_miss_never_seen: int | None = None
+    prefix_miss_evicted_capacity: int | None = None
+    prefix_miss_evicted_preemption: int | None = None
+    prefix_miss_evicted_offload_full: int | None = None
+    prefix_miss_different_cache_salt: int | None = None
+    prefix_miss_different_lora_adapter: int | None = None
+    prefix_miss_divergence: int | None = None
+    prefix_miss_last_partial_block: int | None = None
+    prefix_miss_last_token: int | None = None
+    prefix_miss_too_short: int | None = None
+    # API requests refused by --max-waiting-requests (vllm:admission_rejections; set by the
+    # API server's engine client, None in an offline engine)
+    admission_rejections_max_waiting_requests: int | None = None
     # Requests whose logits held a NaN (cumulative; None unless NaNs are checked).
     num_corrupted_reqs: int | None = None
     # Model-shape estimates per GPU (cumulative; None unless --enable-mfu-metrics).

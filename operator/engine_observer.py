@@ -13,6 +13,10 @@ container restart) and remembered; a pass reads at most ``max_scrapes_per_pass``
 read yet, concurrently, each within ``timeout`` seconds. A failed read is only logged and
 tried again on a later pass: observation never fails a reconcile pass.
 
+The prefix cache is read again every ``prefix_window`` seconds (``observe_prefix_cache``):
+its counters' increase over that window gives the service's hit rate and, when it drops,
+the top miss reason (``prefix_cache_window``: ``status.prefixCache``).
+
 Only pods that run the current plan are read: ready, not terminating, with an IP, and with
 the plan's serve flags on the engine container's command line (pods of an older rollout
 generation report an older plan). A page over ``MAX_METRICS_BYTES`` (an engine's is tens of
@@ -36,6 +40,12 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpilot.operator import constants as c
+from kvpilot.operator.prefix_cache_window import (
+    PrefixCounters,
+    parse_prefix_counters,
+    prefix_cache_status,
+    window,
+)
 
 if TYPE_CHECKING:
     from kvpilot.operator.kube_api import KubeApi
@@ -203,6 +213,16 @@ class ApiServerReader:
         return None
 
 
+@dataclass(slots=True)
+class _PrefixWindow:
+    """A service's last prefix-cache reading and what it made of the window before it."""
+
+    time: float
+    readings: dict[tuple[str, int], PrefixCounters]
+    hit_rate: float | None = None
+    status: dict[str, Any] | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class EngineSample:
     """What one pod reported."""
@@ -222,17 +242,23 @@ class EngineObserver:
     """
 
     def __init__(self, read: DirectReader | ApiServerReader, timeout: float = 2.0,
-                 max_scrapes_per_pass: int = 4) -> None:
-        if timeout <= 0 or max_scrapes_per_pass < 1:
-            raise ValueError("timeout must be > 0 and max_scrapes_per_pass >= 1")
+                 max_scrapes_per_pass: int = 4, prefix_window: float = 60.0) -> None:
+        if timeout <= 0 or max_scrapes_per_pass < 1 or prefix_window <= 0:
+            raise ValueError("timeout and prefix_window must be > 0 and max_scrapes_per_pass >= 1")
         self._read, self._timeout, self._max = read, timeout, max_scrapes_per_pass
+        self._prefix_window = prefix_window
         self._seen: dict[tuple[str, str], dict[tuple[str, int], EngineCache]] = {}
+        self._prefix: dict[tuple[str, str], _PrefixWindow] = {}
+        # prefix-cache counters of pods first read by ``observe`` since the last window read
+        self._baselines: dict[tuple[str, str], dict[tuple[str, int], PrefixCounters]] = {}
         self.scrapes = 0  # reads attempted
 
-    async def _scrape(self, pod: EnginePod) -> EngineCache | None:
+    async def _scrape(self, pod: EnginePod) -> tuple[EngineCache, PrefixCounters] | None:
+        """The KV cache figures, and the prefix-cache counters of the same page."""
         self.scrapes += 1
         try:
-            return parse_engine_cache(await asyncio.wait_for(self._read(pod), self._timeout))
+            text = await asyncio.wait_for(self._read(pod), self._timeout)
+            return parse_engine_cache(text), parse_prefix_counters(text)
         except Exception as exc:  # noqa: BLE001 - any failure only delays the observation
             logger.info("reading the KV cache figures of engine pod %s/%s failed (tried again later): %s",
                         pod.namespace, pod.name, str(exc) or type(exc).__name__)
@@ -248,14 +274,53 @@ class EngineObserver:
         known = self._seen.get(service, {})
         todo = [p for p in pods if p.key not in known][: self._max]
         read = await asyncio.gather(*(self._scrape(p) for p in todo)) if todo else []
-        fresh = {p.key: cache for p, cache in zip(todo, read, strict=True) if cache is not None}
+        fresh = {p.key: found[0] for p, found in zip(todo, read, strict=True) if found is not None}
+        # the same pages start the pods' prefix-cache windows (no read of their own)
+        self._baselines.setdefault(service, {}).update(
+            (p.key, found[1]) for p, found in zip(todo, read, strict=True) if found is not None)
         self._seen[service] = {p.key: known.get(p.key) or fresh[p.key] for p in pods
                                if p.key in known or p.key in fresh}
         return [EngineSample(p.name, self._seen[service][p.key]) for p in pods if p.key in self._seen[service]]
 
+    async def _read_counters(self, pod: EnginePod) -> PrefixCounters | None:
+        self.scrapes += 1
+        try:
+            return parse_prefix_counters(await asyncio.wait_for(self._read(pod), self._timeout))
+        except Exception as exc:  # noqa: BLE001 - a failed read only skips the pod this window
+            logger.info("reading the prefix-cache counters of engine pod %s/%s failed: %s",
+                        pod.namespace, pod.name, str(exc) or type(exc).__name__)
+            return None
+
+    async def observe_prefix_cache(self, service: tuple[str, str], pods: Sequence[EnginePod],
+                                   now: float) -> dict[str, Any] | None:
+        """``status.prefixCache`` of ``service`` (None: no window yet). A window starts with the
+        pages ``observe`` read (no read of its own); the pods' counters are read again once
+        ``prefix_window`` seconds (monotonic ``now``) passed (at most ``max_scrapes_per_pass``
+        pods, the same ones each time); in between, the last window's status is answered."""
+        last = self._prefix.get(service)
+        baselines = self._baselines.pop(service, {})
+        if last is None:
+            if baselines:
+                self._prefix[service] = _PrefixWindow(now, baselines)
+            return None
+        if now - last.time < self._prefix_window:
+            for key, counters in baselines.items():   # pods that joined during the window
+                last.readings.setdefault(key, counters)
+            return last.status
+        todo = list(pods)[: self._max]
+        read = await asyncio.gather(*(self._read_counters(p) for p in todo)) if todo else []
+        readings = {p.key: counters for p, counters in zip(todo, read, strict=True) if counters is not None}
+        counters = window(readings, last.readings)
+        status = prefix_cache_status(counters, last.hit_rate, now - last.time) or last.status
+        rate = counters.hits / counters.queries if counters.queries > 0 else last.hit_rate
+        self._prefix[service] = _PrefixWindow(now, readings, rate, status)
+        return status
+
     def forget(self, service: tuple[str, str]) -> None:
         """Drop what is remembered of a deleted service's pods."""
         self._seen.pop(service, None)
+        self._prefix.pop(service, None)
+        self._baselines.pop(service, None)
 
     async def close(self) -> None:
         await self._read.close()

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -101,7 +102,7 @@ logger = logging.getLogger(__name__)
 # status keys this operator owns; others (if any) are left alone by status patches
 STATUS_KEYS = ("observedGeneration", "conditions", "plan", "planError", "replicas",
                "readyReplicas", "selector", "endpoint", "observed", "adapters", "adaptersReady",
-               "disaggregation")
+               "disaggregation", "prefixCache")
 
 
 @dataclass(frozen=True, slots=True)
@@ -320,6 +321,8 @@ async def reconcile(children: Children, discovery: Discovery, body: Mapping[str,
     if observer is not None:
         result.sizing = await _observe_engines(observer, owner, desired.get("plan"), pods, settings)
         desired["observed"] = result.sizing.observed
+        desired["prefixCache"] = (await _observe_prefix_cache(observer, owner, desired.get("plan"), pods)
+                                  or current.get("prefixCache"))
         conditions.append(result.sizing.condition)
     if adapter_loader is not None and spec is not None and spec.adapters:
         conditions.append(await _load_adapters(adapter_loader, owner, spec, desired, pods, result,
@@ -408,6 +411,14 @@ async def _observe_engines(observer: EngineObserver, owner: Owner, plan: Mapping
     samples = await observer.observe((owner.namespace, owner.name), running)
     found = sizing_observation(plan, samples, settings.sizing_drift_threshold)
     return dataclasses.replace(found, unread=len(running) - len(samples))
+
+
+async def _observe_prefix_cache(observer: EngineObserver, owner: Owner, plan: Mapping[str, Any] | None,
+                                pods: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """``status.prefixCache``: the window's hit rate, and the top miss reason when it dropped."""
+    serve_args = (plan or {}).get("serveArgs")
+    running = engine_pods(pods, serve_args) if serve_args else []
+    return await observer.observe_prefix_cache((owner.namespace, owner.name), running, time.monotonic())
 
 
 def verified_adapters(spec: InferenceServiceSpec, status: Any) -> frozenset[str]:

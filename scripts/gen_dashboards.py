@@ -93,6 +93,13 @@ def engine_rows() -> list[tuple[str, list[PanelSpec]]]:
                       "percentunit",
                       (Target(ratio("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"),
                               "{{model_name}}"),)),
+            PanelSpec("Why prefix-cache misses", "Uncached prompt tokens per second by why they "
+                      "missed (kvpilot:prefix_cache_miss_tokens_total, decided at admission): never "
+                      "seen here (or another replica holds it), evicted (capacity, preemption, full "
+                      "offload tier), another cache salt or LoRA adapter, divergence from the cached "
+                      "text, the last partial block or last token, too short. `kvpilot explain-prefix` "
+                      "explains one request.", "short",
+                      (Target(f"sum by (reason) ({rate('kvpilot:prefix_cache_miss_tokens_total')})", "{{reason}}"),)),
             PanelSpec("KV block residency (sampled)", "Median lifetime and idle-before-eviction of "
                       "sampled KV blocks (--kv-cache-metrics).", "s",
                       (Target(f"histogram_quantile(0.5, sum by (le) ({rate('vllm:kv_block_lifetime_seconds_bucket')}))",

@@ -54,6 +54,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-events", choices=("off", "on", "off,on"), default="off",
                    help="publish KV-cache events (a ZeroMQ socket on loopback nobody reads); "
                         "off,on measures both side by side, alternating (default: %(default)s)")
+    p.add_argument("--explain-prefix-misses", choices=("off", "on", "off,on"), default="on",
+                   help="classify each request's prefix-cache miss at admission (the engine's "
+                        "default: on); off,on measures both side by side, alternating")
     p.add_argument("--repeats", type=int, default=1,
                    help="runs per batch size; the fastest is reported (noisy machines)")
     p.add_argument("--json-out", default=None, help="also write the results to this JSON file")
@@ -70,6 +73,7 @@ class OverheadResult:
     outside_share: float | None  # 1 - forward / step (CPU only)
     output_tokens_per_s: float  # whole run, prefill included
     kv_events: bool = False     # publishing KV-cache events (--kv-events-config)
+    explain_misses: bool = True  # prefix-miss reasons (--explain-prefix-misses)
 
 
 def write_micro_model(directory: Path) -> Path:
@@ -126,7 +130,8 @@ class _StepProbe:
 def measure(model_dir: str, batch_size: int, prompt_len: int = 64, output_len: int = 128,
             output_kind: str = "final", device: str = "auto", enforce_eager: bool = False,
             dtype: str = "float32", num_gpu_blocks: int | None = None,
-            attention_backend: str = "auto", kv_events: bool = False) -> OverheadResult:
+            attention_backend: str = "auto", kv_events: bool = False,
+            explain_misses: bool = True) -> OverheadResult:
     """One engine, ``batch_size`` requests at once; mean decode step and forward times.
 
     The forward share is measured on CPU only (on CUDA kernels run asynchronously and
@@ -145,7 +150,8 @@ def measure(model_dir: str, batch_size: int, prompt_len: int = 64, output_len: i
     engine = LLMEngine(EngineArgs(model=model_dir, max_model_len=max_len + 16, max_num_seqs=batch_size,
                                   num_gpu_blocks=blocks, enable_prefix_caching=True, dtype=dtype,
                                   device=device, enforce_eager=enforce_eager,
-                                  attention_backend=attention_backend, kv_events_config=events))
+                                  attention_backend=attention_backend, kv_events_config=events,
+                                  explain_prefix_misses=explain_misses))
     on_cpu = engine.runner.device.type == "cpu"
     kind = {"final": RequestOutputKind.FINAL_ONLY, "delta": RequestOutputKind.DELTA,
             "cumulative": RequestOutputKind.CUMULATIVE}[output_kind]
@@ -173,15 +179,16 @@ def measure(model_dir: str, batch_size: int, prompt_len: int = 64, output_len: i
     step, fwd = statistics.fmean(step_ms), statistics.fmean(forward_ms)
     return OverheadResult(batch_size, engine.runner.backend.name, len(step_ms), step, fwd,
                           1 - fwd / step if on_cpu else None, batch_size * output_len / total,
-                          kv_events)
+                          kv_events, explain_misses)
 
 
 def format_row(r: OverheadResult) -> str:
     """One line of the table (the outside share is "-" where it is not measured: CUDA)."""
     outside = "-" if r.outside_share is None else f"{r.outside_share:.0%}"
     events = "  KV events on" if r.kv_events else ""
+    explain = "" if r.explain_misses else "  miss reasons off"
     return (f"{r.batch_size:>6}{r.attention_backend:>11}{r.ms_per_step:>10.2f}"
-            f"{r.forward_ms_per_step:>12.2f}{outside:>9}{r.output_tokens_per_s:>10.0f}{events}")
+            f"{r.forward_ms_per_step:>12.2f}{outside:>9}{r.output_tokens_per_s:>10.0f}{events}{explain}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -196,16 +203,16 @@ def run(args: argparse.Namespace) -> int:
               f"{MICRO_CONFIG['hidden_size']}, vocab {MICRO_CONFIG['vocab_size']}, float32; "
               f"{args.prompt_len} prompt + {args.output_len} output tokens per request; "
               f"{args.output_kind} outputs; threads={torch.get_num_threads()}")
-        variants = [(b, e == "on") for b in args.attention_backends.split(",")
-                    for e in args.kv_events.split(",")]
+        variants = [(b, e == "on", x == "on") for b in args.attention_backends.split(",")
+                    for e in args.kv_events.split(",") for x in args.explain_prefix_misses.split(",")]
         print(f"{'batch':>6}{'attention':>11}{'ms/step':>10}{'forward ms':>12}{'outside':>9}{'tok/s':>10}")
         for size in sizes:
-            runs: dict[tuple[str, bool], list[OverheadResult]] = {v: [] for v in variants}
+            runs: dict[tuple[str, bool, bool], list[OverheadResult]] = {v: [] for v in variants}
             for _ in range(args.repeats):   # variants alternate: a noisy moment hits each alike
-                for backend, events in variants:
-                    runs[backend, events].append(measure(
+                for backend, events, explain in variants:
+                    runs[backend, events, explain].append(measure(
                         model_dir, size, args.prompt_len, args.output_len, args.output_kind,
-                        attention_backend=backend, kv_events=events))
+                        attention_backend=backend, kv_events=events, explain_misses=explain))
             for variant in variants:
                 best = min(runs[variant], key=lambda r: r.ms_per_step)
                 results.append(best)

@@ -23,6 +23,8 @@ BENCHMARKS: dict[str, str] = {
     "routing": "kvpilot.engine.bench.routing",
     "routing-cost": "kvpilot.engine.bench.routing_cost",
     "peer": "kvpilot.engine.bench.peer",
+    "multiturn": "kvpilot.engine.bench.multiturn",
+    "miss-reasons": "kvpilot.engine.bench.miss_reasons",
 }
 
 

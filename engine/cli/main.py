@@ -19,6 +19,7 @@ SUBCOMMANDS: dict[str, str] = {
     "generate": "kvpilot.engine.cli.generate",
     "serve": "kvpilot.engine.server.cli",
     "bench": "kvpilot.engine.cli.bench",
+    "explain-prefix": "kvpilot.engine.cli.explain_prefix",
     "plan": "kvpilot.operator.planner.cli",
     "operator": "kvpilot.operator.cli",
 }

@@ -12,7 +12,7 @@ before its first blocks, and everything freed earlier goes before both.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from kvpilot.engine.core.block_hash import BlockHash
 from kvpilot.engine.core.kv_event_log import CLEARED, MEDIUM_GPU, REMOVED, KVEventLog
@@ -20,12 +20,15 @@ from kvpilot.engine.core.kv_residency import KVResidencySampler
 
 
 class KVCacheBlock:
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free", "gen")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: BlockHash | None = None
+        # Times the pool handed the block out: an allocation is the only write to a block
+        # no request references, so an unchanged ``gen`` means unchanged KV (block_donors).
+        self.gen = 0
         # Links of the free queue; both None when the block is not in it.
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
@@ -114,6 +117,7 @@ class BlockPool:
         self.residency = residency
         self.events: KVEventLog | None = None
         self.event_group = 0
+        self.on_evict: Callable[[KVCacheBlock], None] | None = None
 
     def attach_events(self, events: KVEventLog, group_idx: int) -> None:
         """Record this pool's changes in ``events`` as KV cache group ``group_idx``."""
@@ -149,6 +153,7 @@ class BlockPool:
         for _ in range(num_blocks):
             block = self.free_queue.popleft()
             self._evict(block)
+            block.gen += 1
             block.ref_cnt = 1
             if residency is not None:
                 residency.on_allocate(block.block_id)
@@ -163,8 +168,18 @@ class BlockPool:
                 self._evicted.append((block.block_id, block.block_hash))
             if self.events is not None:
                 self.events.append((REMOVED, self.event_group, MEDIUM_GPU, block.block_hash))
+            if self.on_evict is not None:
+                self.on_evict(block)
             del self.cached[block.block_hash]
         block.block_hash = None
+
+    def hold(self, block: KVCacheBlock) -> None:
+        """Take a reference on a block some step will read (a token-granular reuse's
+        source), reviving it from the free queue without counting a prefix hit; give it
+        back with ``free_blocks``."""
+        if block.ref_cnt == 0:
+            self.free_queue.remove(block)
+        block.ref_cnt += 1
 
     def drain_evicted(self) -> list[tuple[int, BlockHash]]:
         """The (block_id, block_hash) evicted since the last call, oldest first."""

@@ -18,7 +18,9 @@ blocks are the engine's ``num_gpu_blocks``.
   use (1.0: some group cannot allocate); ``num_free_blocks`` and ``pool`` are the full
   group's (the unit of capacity).
 
-KV offload saves whole block tables: a hybrid model refuses it at start.
+KV offload saves whole block tables: a hybrid model refuses it at start. So does
+token-granular reuse (a copy would have to fill both groups' blocks, and the sliding
+group's sources may already be released) and prefix-miss reasons (not explained here).
 """
 
 from __future__ import annotations
@@ -66,6 +68,8 @@ class HybridKVCacheManager:
                                       release_window=sliding_window)
         self.groups = (self.full, self.sliding)     # by group index
         self.stats = PrefixCacheStats()
+        self.token_reuse = False
+        self.explainer = None
 
     @property
     def pool(self) -> BlockPool:
@@ -116,6 +120,9 @@ class HybridKVCacheManager:
             if not group.allocate_slots(request, num_new_tokens, group_hit):
                 raise RuntimeError(f"group allocation failed after its check ({request.request_id})")
         return True
+
+    def take_token_copies(self) -> list[tuple[int, int, int]]:
+        return []   # no token-granular reuse (module docstring)
 
     def release_outside_window(self, request: Request) -> None:
         self.sliding.release_outside_window(request)

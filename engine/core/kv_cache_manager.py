@@ -20,6 +20,20 @@ hash chain makes each block's hash name its whole prefix); the table's entries b
 them are a placeholder block (id 0), never referenced, read or written.
 A model with full-attention layers as well keeps one manager per kind of layer
 (``hybrid_kv_cache_manager``).
+
+Token-granular reuse (``token_reuse``; never with a release window): the block after a hit
+need not be cached whole. A block some request released (``block_donors``: a cached block,
+or a request's last partial block) that continues the same prefix and shares the first
+``m`` tokens of it gives those tokens' KV: the hit grows by ``m`` tokens, the request's
+next new block is listed as the copy's destination (``take_token_copies``: the engine
+copies before the step's forward) and the source is held (a reference, so no allocation
+of the same step can take it) until the step's admissions are over. The hash chain stays
+the only index of whole blocks: a destination block is registered under its own hash
+once full, like any other, and KV events, offload saves and prefix hits never see a copy.
+
+Prefix-miss reasons (``explain_misses``): each request's uncached prompt tokens are
+classified at its first admission (``prefix_miss``), from a side index the pool's
+evictions, the requests' releases and the admissions feed; the lookups never read it.
 """
 
 from __future__ import annotations
@@ -27,10 +41,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvpilot.contract.kv_layout import num_released_blocks
+from kvpilot.engine.core.block_donors import BlockDonors
 from kvpilot.engine.core.block_hash import BlockHash, extend_block_hashes
 from kvpilot.engine.core.block_pool import BlockPool, KVCacheBlock
 from kvpilot.engine.core.kv_event_log import MEDIUM_GPU, STORED, KVEventLog
 from kvpilot.engine.core.kv_residency import KVResidencySampler
+from kvpilot.engine.core.prefix_miss import PrefixMiss, PrefixMissExplainer, context_key
 from kvpilot.engine.core.request import Request
 
 
@@ -44,11 +60,17 @@ class PrefixHit:
     # Tokens of the block after the hit that the device cache holds but that are computed
     # again: a step must compute at least the last token (the whole-prompt-cached case).
     num_recomputed_tokens: int = 0
+    # Token-granular reuse: (source block, tokens) whose KV fills the start of the block
+    # after ``blocks`` (counted in ``num_tokens``); None when there is none.
+    partial: tuple[KVCacheBlock, int] | None = None
 
     def extend_with_offload(self, num_blocks: int, block_size: int) -> None:
-        """Adds ``num_blocks`` blocks the offload tiers hold right after the device hit."""
-        self.num_offload_blocks = num_blocks
-        self.num_tokens = (len(self.blocks) + num_blocks) * block_size
+        """Adds ``num_blocks`` blocks the offload tiers hold right after the device hit
+        (they replace a token-granular reuse of the block after the device hit)."""
+        if num_blocks:
+            self.num_offload_blocks = num_blocks
+            self.partial = None
+            self.num_tokens = (len(self.blocks) + num_blocks) * block_size
 
 
 @dataclass(slots=True)
@@ -67,10 +89,15 @@ class KVCacheManager:
         record_evictions: bool = False,
         residency: KVResidencySampler | None = None,
         release_window: int | None = None,
+        token_reuse: bool = False,
+        explain_misses: bool = False,
     ) -> None:
         if release_window is not None and record_evictions:
             raise ValueError("KV offload saves whole block tables; it cannot run with blocks "
                              "released outside a sliding window")
+        if release_window is not None and token_reuse:
+            raise ValueError("token-granular reuse copies from blocks a sliding window may "
+                             "already have released; it cannot run with a release window")
         self.block_size = block_size
         self.release_window = release_window
         self.enable_caching = enable_caching
@@ -87,6 +114,16 @@ class KVCacheManager:
         # Stands in a windowed table for hit blocks before the window that are not cached
         # any more (never in the pool's queue, never referenced: see the module docstring).
         self._placeholder = KVCacheBlock(0)
+        self.token_reuse = token_reuse and enable_caching
+        self.donors = BlockDonors() if enable_caching and (token_reuse or explain_misses) else None
+        self.explainer = (PrefixMissExplainer(block_size, hash_root, self.donors,
+                                              token_reuse=self.token_reuse)
+                          if enable_caching and explain_misses else None)
+        if self.explainer is not None:
+            self.pool.on_evict = self.explainer.on_device_evict
+        # This step's token-granular copies (source, destination, tokens) and their held sources.
+        self._copies: list[tuple[int, int, int]] = []
+        self._held: list[KVCacheBlock] = []
 
     @property
     def usage(self) -> float:
@@ -136,10 +173,27 @@ class KVCacheManager:
                 blocks.append(block)
         else:
             blocks = self._windowed_hit(hashes, limit)
+        partial = self._find_partial(request, len(blocks)) if self.token_reuse else None
+        reused = partial[1] if partial is not None else 0
         recomputed = 0
         if len(blocks) == limit < len(hashes) and self.pool.get_cached_block(hashes[limit]) is not None:
-            recomputed = self.block_size
-        return PrefixHit(blocks, len(blocks) * self.block_size, num_recomputed_tokens=recomputed)
+            recomputed = self.block_size - reused
+        return PrefixHit(blocks, len(blocks) * self.block_size + reused,
+                         num_recomputed_tokens=recomputed, partial=partial)
+
+    def _find_partial(self, request: Request, index: int) -> tuple[KVCacheBlock, int] | None:
+        """A released block continuing the request's first ``index`` blocks whose KV covers
+        the most leading tokens of its block ``index`` (at most up to its last token but one:
+        a step computes the last), and how many; None when it would cover none."""
+        start = index * self.block_size
+        available = min(self.block_size, request.num_tokens - 1 - start)
+        if available <= 0:
+            return None
+        found = self.donors.best(context_key(request, index),
+                                 request.token_ids_slice(start, start + available), valid_only=True)
+        if found is None or found[1] == 0:
+            return None
+        return found[0].block, found[1]
 
     def _windowed_hit(self, hashes: list[BlockHash], limit: int) -> list[KVCacheBlock]:
         """The longest hit of ``k <= limit`` blocks whose last window is cached: blocks
@@ -158,8 +212,21 @@ class KVCacheManager:
         return [self._placeholder] * skip + found[skip:best]
 
     def record_admission(self, request: Request, hit: PrefixHit) -> None:
+        """Count an admission's lookup; at a request's first admission, explain its miss."""
         self.stats.queries += request.num_tokens
         self.stats.hits += hit.num_tokens - hit.num_offload_blocks * self.block_size
+        if self.explainer is not None and request.num_cached_tokens is None:
+            miss = self.explainer.classify(request, hit, self.pool.cached.__contains__)
+            self.explainer.record(request, miss)
+            request.prefix_miss = miss
+
+    def explain(self, request: Request) -> tuple[PrefixHit, PrefixMiss | None]:
+        """The hit ``request`` would get now and why the rest would miss, changing nothing
+        (no reference taken, nothing counted or recorded; offload tiers not consulted)."""
+        hit = self.find_prefix_hit(request)
+        miss = (self.explainer.classify(request, hit, self.pool.cached.__contains__)
+                if self.explainer is not None else None)
+        return hit, miss
 
     def num_blocks_needed(self, request: Request, num_new_tokens: int, hit: PrefixHit | None) -> int:
         """New blocks an allocation would take from the free queue (incl. revived hits)."""
@@ -171,6 +238,8 @@ class KVCacheManager:
         skip = (0 if self.release_window is None
                 else num_released_blocks(computed, self.block_size, self.release_window))
         revived = sum(1 for b in hit_blocks[skip:] if b.ref_cnt == 0)
+        if hit is not None and hit.partial is not None and hit.partial[0].ref_cnt == 0:
+            revived += 1   # the held source of a token-granular reuse leaves the free queue
         return max(0, required - held - len(hit_blocks)) + revived
 
     def can_allocate(self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:
@@ -219,12 +288,18 @@ class KVCacheManager:
                 self._num_registered[rid] = len(hit.blocks)   # cached already (or placeholders)
                 if skip:
                     self._num_released[rid] = skip
+            if hit.partial is not None:   # held before any allocation could take it
+                self.pool.hold(hit.partial[0])
+                self._held.append(hit.partial[0])
             computed += hit.num_tokens   # offload-hit blocks are allocated below, as new ones
         total = computed + num_new_tokens
         required = -(-total // self.block_size)
         if required > len(blocks):
             blocks.extend(self.pool.get_new_blocks(required - len(blocks)))
         ids.extend(b.block_id for b in blocks[len(ids):])
+        if hit is not None and hit.partial is not None:
+            source, num_tokens = hit.partial
+            self._copies.append((source.block_id, blocks[len(hit.blocks)].block_id, num_tokens))
         if self.enable_caching:
             self._register_full_blocks(request, blocks, total)
         return True
@@ -303,8 +378,37 @@ class KVCacheManager:
         # the very step that scheduled it) must not stay cached, nor be saved on eviction.
         for block in blocks[request.num_computed_tokens // self.block_size:]:
             self.pool.uncache(block)
+        if self.donors is not None:
+            self._index_donors(request, blocks, released)
+        if self.explainer is not None:
+            self.explainer.on_release(blocks[released:], preempted=not request.is_finished)
         self.pool.free_blocks(reversed(blocks[released:]))
         return [b.block_id for b in blocks]
+
+    def _index_donors(self, request: Request, blocks: list[KVCacheBlock], released: int) -> None:
+        """Index the blocks a request releases with the tokens whose KV it computed in them
+        (blocks already indexed, e.g. shared prefix hits, are skipped: O(new blocks))."""
+        bs, computed, num_hashes = self.block_size, request.num_computed_tokens, len(request.block_hashes)
+        donors = self.donors
+        for i in range(released, len(blocks)):
+            num_tokens = min(bs, computed - i * bs)
+            if num_tokens <= 0 or i > num_hashes:
+                break
+            block = blocks[i]
+            if block is self._placeholder or donors.is_indexed(block):
+                continue
+            donors.add(block, context_key(request, i), request.token_ids_slice(i * bs, i * bs + num_tokens))
+
+    def take_token_copies(self) -> list[tuple[int, int, int]]:
+        """The token-granular copies (source block, destination block, tokens) listed since
+        the last call, for the engine to make before the step's forward pass; gives back the
+        sources' references (call once the step's admissions are done: no allocation may
+        come between this and the copies)."""
+        copies, self._copies = self._copies, []
+        if self._held:
+            self.pool.free_blocks(self._held)
+            self._held = []
+        return copies
 
     def block_ids(self, request_id: str) -> list[int]:
         """The request's block table as ids: the live list (read it, never modify it; it
@@ -316,7 +420,13 @@ class KVCacheManager:
         return ()
 
     def reset_prefix_cache(self) -> bool:
-        return self.pool.reset_prefix_cache()
+        if not self.pool.reset_prefix_cache():
+            return False
+        if self.donors is not None:
+            self.donors.clear()
+        if self.explainer is not None:
+            self.explainer.clear()
+        return True
 
     def attach_events(self, events: KVEventLog) -> None:
         """Record the pool's changes in ``events`` (one KV cache group: index 0)."""

@@ -87,3 +87,7 @@ class OffloadLookup(Protocol):
 
     def forget(self, request_id: str) -> None:
         """Drops what was fetched for a request that leaves without being admitted."""
+
+    def hit_tiers(self, request_id: str, num_blocks: int) -> dict[str, int]:
+        """The first ``num_blocks`` blocks of a granted hit by the tier serving them
+        (``host``, ``disk``, ``external_unspecified``)."""

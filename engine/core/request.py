@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from kvpilot.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from kvpilot.engine.core.prefix_miss import PrefixMiss
     from kvpilot.engine.lora.request import LoRARequest
 
 
@@ -59,6 +60,8 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission
+    # why the prompt tokens beyond that hit missed (None: none did, or not explained)
+    prefix_miss: PrefixMiss | None = None
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     num_preemptions: int = 0

@@ -63,6 +63,9 @@ class SchedulerOutput:
     finished_req_ids: list[str] = field(default_factory=list)
     # Offload work for the runner to do before the forward pass; None when offload is off.
     kv_transfers: KVTransfers | None = None
+    # Token-granular reuse: (source block, destination block, tokens) whose KV the engine
+    # copies after the offload work and before the forward pass (kv_cache_manager).
+    kv_copies: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -82,6 +85,10 @@ class PromptTokenSources:
     local_cache_hit: int = 0        # device prefix cache
     external_kv_transfer: int = 0   # loaded from the KV offload tiers
     recomputed: int = 0             # cached on the device but computed again (part of local_compute)
+    # external_kv_transfer by the tier that served it (vLLM's CacheHitSource names)
+    cached_host: int = 0
+    cached_disk: int = 0
+    cached_external_unspecified: int = 0
 
 
 class Scheduler:
@@ -267,6 +274,8 @@ class Scheduler:
         finally:
             for request in reversed(passed_over):   # back in their places at the front
                 self.waiting.add_preempted(request)
+            # the admissions are over: nothing allocates before the copies are made
+            out.kv_copies = self.kv.take_token_copies()
 
     def _running_adapters(self) -> set[int] | None:
         """The LoRA adapters of the running requests; None when LoRA is off."""
@@ -321,6 +330,11 @@ class Scheduler:
         sources = self.prompt_token_sources
         external = hit.num_offload_blocks * self.kv.block_size
         sources.external_kv_transfer += external
+        if external:
+            tiers = self.offload.hit_tiers(request.request_id, hit.num_offload_blocks)
+            for tier, num_blocks in tiers.items():
+                name = f"cached_{tier}"
+                setattr(sources, name, getattr(sources, name) + num_blocks * self.kv.block_size)
         sources.local_cache_hit += hit.num_tokens - external
         sources.local_compute += max(0, request.num_prompt_tokens - hit.num_tokens)
         if hit.num_offload_blocks == 0:   # offload tiers serving the block means no recompute

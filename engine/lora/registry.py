@@ -106,6 +106,14 @@ class LoRARegistry:
                 for a in self._by_name.values()]
 
     # ---- requests ---------------------------------------------------------------
+    def request_for(self, name: str) -> LoRARequest:
+        """``name``'s request identity (its hash key) without a reference or a weight load
+        (for lookups that run nothing, e.g. explaining a prefix-cache miss)."""
+        adapter = self._by_name.get(name)
+        if adapter is None:
+            raise LoRANotFoundError(f"The model `{name}` does not exist.")
+        return adapter.request
+
     def acquire(self, name: str) -> LoRARequest:
         """A reference for one request (its weights in host memory until ``release``)."""
         adapter = self._by_name.get(name)

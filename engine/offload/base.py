@@ -104,10 +104,22 @@ class OffloadStats:
         }
 
 
+# The tier a granted block comes from (vLLM's ``CacheHitSource`` names).
+HOST, DISK, EXTERNAL_UNSPECIFIED = "host", "disk", "external_unspecified"
+
+
+class Fetched(list):
+    """What ``_fetch`` returns: the sources, and (``tiers``, one per source) the tier each
+    comes from, for a backend that can tell (else None: ``EXTERNAL_UNSPECIFIED``)."""
+
+    tiers: list[str] | None = None
+
+
 @dataclass(slots=True)
 class _Prefetch:
     start_block: int
     sources: list[Source] = field(default_factory=list)
+    tiers: list[str] | None = None
 
 
 class OffloadBase(abc.ABC):
@@ -119,6 +131,9 @@ class OffloadBase(abc.ABC):
         block_size: tokens per block.
         block_io: copies blocks in and out of the device cache.
     """
+
+    # The tiers this backend's hits can come from (``hit_tiers``' keys).
+    cache_tiers: tuple[str, ...] = (EXTERNAL_UNSPECIFIED,)
 
     def __init__(self, block_size: int, block_io: BlockIO) -> None:
         self.block_size = block_size
@@ -143,8 +158,21 @@ class OffloadBase(abc.ABC):
                                request.request_id, type(exc).__name__, exc)
                 sources = []
             self.counters.fetch_seconds += time.perf_counter() - start
-            cached = self._prefetched[request.request_id] = _Prefetch(num_device_blocks, sources)
+            cached = self._prefetched[request.request_id] = _Prefetch(
+                num_device_blocks, sources, getattr(sources, "tiers", None))
         return min(len(cached.sources), max_blocks)
+
+    def hit_tiers(self, request_id: str, num_blocks: int) -> dict[str, int]:
+        """Blocks of the first ``num_blocks`` of a request's granted hit by the tier that
+        serves them (``HOST``, ``DISK``, ``EXTERNAL_UNSPECIFIED``)."""
+        cached = self._prefetched.get(request_id)
+        tiers = cached.tiers if cached is not None else None
+        if tiers is None:
+            return {EXTERNAL_UNSPECIFIED: num_blocks}
+        counts: dict[str, int] = {}
+        for tier in tiers[:num_blocks]:
+            counts[tier] = counts.get(tier, 0) + 1
+        return counts
 
     def forget(self, request_id: str) -> None:
         """Drops the fetch of a request that leaves (finished, aborted or preempted)."""
@@ -184,6 +212,12 @@ class OffloadBase(abc.ABC):
         """Record blocks entering and leaving the tiers in ``events`` (a ``KVEventLog``) for
         the KV-event publisher. The default announces nothing: a backend whose evictions
         it cannot observe (LMCache's) would otherwise leave consumers with stale blocks."""
+        return
+
+    def set_eviction_hook(self, hook) -> None:
+        """Call ``hook(block_hash)`` for each block a tier drops to make room (the
+        prefix-miss explainer's ``evicted_offload_full``). The default reports nothing: a
+        backend whose evictions it cannot see (LMCache's) leaves them unexplained."""
         return
 
     def close(self) -> None:

@@ -8,6 +8,7 @@ still holds it, so an eviction can never invalidate a hit that was already grant
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 import torch
 
@@ -31,6 +32,8 @@ class HostStore:
         self.capacity_blocks = capacity_bytes // bytes_per_block
         self._blocks: OrderedDict[BlockHash, torch.Tensor] = OrderedDict()
         self.events: KVEventLog | None = None   # KV events: blocks in and out (None = off)
+        # called with each hash dropped to make room (the prefix-miss explainer; None = off)
+        self.on_evict: Callable[[BlockHash], None] | None = None
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -65,5 +68,7 @@ class HostStore:
             gone, _ = self._blocks.popitem(last=False)
             if events is not None:
                 events.append((REMOVED, 0, MEDIUM_CPU, gone))
+            if self.on_evict is not None:
+                self.on_evict(gone)
             evicted += 1
         return evicted

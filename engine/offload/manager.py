@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from kvpilot.engine.core.block_hash import BlockHash
 from kvpilot.engine.core.kv_transfer import KVTransfers
 from kvpilot.engine.core.request import Request
-from kvpilot.engine.offload.base import OffloadBase, PendingBlock, Source
+from kvpilot.engine.offload.base import DISK, HOST, Fetched, OffloadBase, PendingBlock, Source
 from kvpilot.engine.offload.block_io import BlockIO
 from kvpilot.engine.offload.config import OffloadConfig
 from kvpilot.engine.offload.disk_store import DiskStore
@@ -49,6 +49,7 @@ class NativeOffload(OffloadBase):
         self.host = HostStore(config.cpu_bytes, bpb)
         self.disk = (DiskStore(config.disk_path, config.disk_bytes, bpb, layout_id)
                      if config.disk_path is not None else None)
+        self.cache_tiers = (HOST, DISK) if self.disk is not None else (HOST,)
         # Lookup sources waiting for a listed save to run (filled in by _run_saves).
         self._awaiting: dict[BlockHash, PendingBlock] = {}
         logger.info("KV offload (native): CPU tier %.2f GiB (%d blocks of %d KiB)%s",
@@ -58,10 +59,12 @@ class NativeOffload(OffloadBase):
 
     # ---- lookups ------------------------------------------------------------
     def _fetch(self, request: Request, start_block: int, max_blocks: int,
-               pending_saves: Mapping[BlockHash, int]) -> list[Source]:
-        sources: list[Source] = []
+               pending_saves: Mapping[BlockHash, int]) -> Fetched:
+        sources = Fetched()
+        sources.tiers = tiers = []
         for block_hash in request.block_hashes[start_block:start_block + max_blocks]:
             source: Source | None = self.host.get(block_hash)
+            tier = HOST   # a pending save goes to host memory first
             if (source is None and block_hash in pending_saves
                     and not (self.disk is not None and block_hash in self.disk)):
                 source = self._awaiting.get(block_hash)
@@ -71,10 +74,11 @@ class NativeOffload(OffloadBase):
             if source is None and self.disk is not None:
                 found = self.disk.read(block_hash)
                 if found is not None:
-                    source = found[0]
+                    source, tier = found[0], DISK
             if source is None:
                 break
             sources.append(source)
+            tiers.append(tier)
         return sources
 
     # ---- saves --------------------------------------------------------------
@@ -107,6 +111,11 @@ class NativeOffload(OffloadBase):
         self.host.events = events
         if self.disk is not None:
             self.disk.events = events
+
+    def set_eviction_hook(self, hook) -> None:
+        # the host tier's LRU evictions (the engine's thread); with a disk tier below, a
+        # block dropped here may still be served from disk, and then it is no miss at all
+        self.host.on_evict = hook
 
     def flush(self) -> None:
         if self.disk is not None:

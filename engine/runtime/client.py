@@ -53,6 +53,8 @@ from kvpilot.engine.runtime.messages import (
     AddRequest,
     Command,
     Dead,
+    ExplainDone,
+    ExplainPrefix,
     LoRACommand,
     LoRADone,
     Message,
@@ -150,6 +152,7 @@ class EngineClient:
         self._lock = threading.Lock()   # stats and pending adds: read by scrapes on other threads
         self._stats: EngineStats | None = None
         self._num_pending_adds = 0
+        self._num_rejected = 0   # API requests check_room refused
         self._max_num_seqs: int | None = None
         self._error: BaseException | None = None
         self._view: EngineView | None = None
@@ -169,8 +172,8 @@ class EngineClient:
         # stays stalled (readiness 503, adds refused) even with no request left.
         self._stall_reported = False
         self._watchdog: asyncio.Task | None = None
-        self._lora_ops: dict[int, asyncio.Future] = {}
-        self._next_lora_op = 0
+        self._ops: dict[int, asyncio.Future] = {}
+        self._next_op = 0
         # The LoRA adapters as the engine last confirmed them (name -> AdapterInfo); a name
         # leaves at once when its unload is submitted (then new requests get 404).
         self._adapters: dict = {}
@@ -275,10 +278,12 @@ class EngineClient:
         includes submissions the engine has not taken in yet beyond the free batch slots."""
         with self._lock:
             stats = self._stats
-            if stats is None or not self._num_pending_adds:
-                return stats
-            waiting = self._num_waiting_locked()
-        return dataclasses.replace(stats, num_waiting_reqs=waiting)
+            if stats is None:
+                return None
+            waiting = self._num_waiting_locked() if self._num_pending_adds else stats.num_waiting_reqs
+            rejected = self._num_rejected
+        return dataclasses.replace(stats, num_waiting_reqs=waiting,
+                                   admission_rejections_max_waiting_requests=rejected)
 
     def _num_waiting_locked(self, extra: int = 0) -> int:
         return num_waiting(self._stats, self._num_pending_adds + extra, self._max_num_seqs)
@@ -295,7 +300,11 @@ class EngineClient:
         would pass the waiting bound: checked once for the whole request, before any of
         its engine requests is submitted."""
         with self._lock:
-            self._check_queue_locked(num_sequences)
+            try:
+                self._check_queue_locked(num_sequences)
+            except QueueFull:
+                self._num_rejected += 1   # vllm:admission_rejections: one per API request
+                raise
 
     def _check_serving(self) -> None:
         if self._dead or self._stopping:
@@ -418,11 +427,22 @@ class EngineClient:
 
     async def _lora_command(self, op: str, name: str, path: str | None, base_model_name: str | None):
         """Send a load / unload to the engine, in order with the requests; its result."""
+        return await self._command(lambda token: LoRACommand(token, op, name, path, base_model_name))
+
+    async def explain_prefix(self, prompt_token_ids: list[int], cache_salt: str | None = None,
+                             lora_name: str | None = None) -> dict:
+        """Why the prompt would miss the engine's prefix cache now (``LLMEngine.explain_prefix``);
+        raises RequestRejected (an adapter not loaded), EngineNotReady / EngineDead."""
+        return await self._command(lambda token: ExplainPrefix(token, prompt_token_ids, cache_salt,
+                                                               lora_name))
+
+    async def _command(self, make: Callable[[int], Command]):
+        """Send the command ``make(token)`` in order with the requests; await its answer."""
         self._check_serving()
         future = self._loop.create_future()
-        self._next_lora_op += 1
-        self._lora_ops[self._next_lora_op] = future
-        self._send(LoRACommand(self._next_lora_op, op, name, path, base_model_name))
+        self._next_op += 1
+        self._ops[self._next_op] = future
+        self._send(make(self._next_op))
         return await future
 
     # ------------------------------------------------------------ messages
@@ -431,13 +451,14 @@ class EngineClient:
         try:
             if isinstance(message, StepReport):
                 self._on_step(message)
-            elif isinstance(message, LoRADone):
-                future = self._lora_ops.pop(message.token, None)
+            elif isinstance(message, LoRADone | ExplainDone):
+                future = self._ops.pop(message.token, None)
                 if future is not None and not future.done():
                     if message.error is not None:
                         future.set_exception(message.error)
                     else:
-                        future.set_result(message.info)
+                        future.set_result(message.info if isinstance(message, LoRADone)
+                                          else message.explanation)
             elif isinstance(message, Dead):
                 if not self._ready:
                     self._start_failed(RuntimeError(message.message))
@@ -532,7 +553,7 @@ class EngineClient:
             self._tracker.remove(request_id, ERROR)
 
     def _fail_all(self, error: BaseException) -> None:
-        ops, self._lora_ops = self._lora_ops, {}
+        ops, self._ops = self._ops, {}
         for future in ops.values():
             if not future.done():
                 future.set_exception(EngineDead(str(error)))

@@ -46,6 +46,8 @@ from kvpilot.engine.runtime.messages import (
     AddRequest,
     Command,
     Dead,
+    ExplainDone,
+    ExplainPrefix,
     LoRACommand,
     LoRADone,
     Message,
@@ -79,7 +81,7 @@ class CoreChannel(Protocol):
 class Turn:
     """What one turn did, in the order it happened."""
 
-    applied: list[tuple[Command, Rejected | LoRADone | None]] = field(default_factory=list)
+    applied: list[tuple[Command, Rejected | LoRADone | ExplainDone | None]] = field(default_factory=list)
     num_adds: int = 0                # sequences added (``n`` per accepted or refused add)
     num_aborts: int = 0
     stepped: bool = False
@@ -136,7 +138,7 @@ class EngineCore:
                 return
             turn = self.turn(commands)
             for _, outcome in turn.applied:
-                if isinstance(outcome, LoRADone):
+                if isinstance(outcome, LoRADone | ExplainDone):
                     channel.send(outcome)
             if turn.died_in_step:
                 channel.send(Dead(str(turn.dead)))
@@ -183,6 +185,9 @@ class EngineCore:
             if isinstance(cmd, LoRACommand):
                 turn.applied.append((cmd, self._lora(cmd)))
                 continue
+            if isinstance(cmd, ExplainPrefix):
+                turn.applied.append((cmd, self._explain(cmd)))
+                continue
             turn.num_adds += cmd.params.n
             turn.applied.append((cmd, self._add(cmd)))
         if aborts:
@@ -221,6 +226,16 @@ class EngineCore:
         except Exception as exc:  # noqa: BLE001 - a broken load fails only the command
             logger.exception("LoRA %s of %r failed", cmd.op, cmd.name)
             return LoRADone(cmd.token, None, RequestFailed(describe(exc)))
+
+    def _explain(self, cmd: ExplainPrefix) -> ExplainDone:
+        try:
+            return ExplainDone(cmd.token, self.engine.explain_prefix(
+                cmd.prompt, cache_salt=cmd.cache_salt, lora_name=cmd.lora_name), None)
+        except ValueError as exc:
+            return ExplainDone(cmd.token, None, RequestRejected(str(exc)))
+        except Exception as exc:  # noqa: BLE001 - a broken explanation fails only itself
+            logger.exception("explaining a prefix-cache miss failed")
+            return ExplainDone(cmd.token, None, RequestFailed(describe(exc)))
 
     def _step(self, turn: Turn) -> None:
         engine = self.engine

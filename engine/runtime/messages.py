@@ -1,8 +1,9 @@
 """What travels between the engine core and its client, whichever channel carries it.
 
-Client -> core: lists of commands (``AddRequest``, ``AbortRequest``, ``LoRACommand``), in
-the order the client issued them. Core -> client: ``Ready`` or ``StartFailed`` once, then
-one ``StepReport`` per turn that did something, ``LoRADone`` per LoRA command, and
+Client -> core: lists of commands (``AddRequest``, ``AbortRequest``, ``LoRACommand``,
+``ExplainPrefix``), in the order the client issued them. Core -> client: ``Ready`` or
+``StartFailed`` once, then one ``StepReport`` per turn that did something, ``LoRADone`` per
+LoRA command, ``ExplainDone`` per explanation asked for, and
 ``Dead`` when the engine can never serve again. The in-process channel hands these
 objects over as they are; the process channel pickles them (``StepReport``'s outputs as
 flat rows, ``zmq_channel``).
@@ -59,7 +60,18 @@ class LoRACommand:
     base_model_name: str | None = None
 
 
-Command = AddRequest | AbortRequest | LoRACommand
+@dataclass(frozen=True, slots=True)
+class ExplainPrefix:
+    """Why a prompt would miss the prefix cache now (``LLMEngine.explain_prefix``); ``token``
+    pairs it with its ``ExplainDone``."""
+
+    token: int
+    prompt: list[int]
+    cache_salt: str | None = None
+    lora_name: str | None = None
+
+
+Command = AddRequest | AbortRequest | LoRACommand | ExplainPrefix
 
 
 # ---- core -> client ---------------------------------------------------------------
@@ -122,10 +134,17 @@ class LoRADone:
 
 
 @dataclass(frozen=True, slots=True)
+class ExplainDone:
+    token: int
+    explanation: dict | None            # ``prefix_explain.explanation``'s answer, or None
+    error: BaseException | None         # what the client raises, or None
+
+
+@dataclass(frozen=True, slots=True)
 class Dead:
     """The engine can never serve again; ``message`` says why."""
 
     message: str
 
 
-Message = Ready | StartFailed | StepReport | LoRADone | Dead
+Message = Ready | StartFailed | StepReport | LoRADone | ExplainDone | Dead

@@ -113,25 +113,31 @@ def decode_message(data: bytes) -> Message:
 
 def encode_outputs(outputs: list[RequestOutput]) -> list[tuple]:
     """One flat row per output: ``(request_id, finished, num_cached_tokens, metrics,
-    choices)``, each choice a tuple of ``CompletionOutput``'s fields in order."""
+    choices, prefix_miss)``, each choice a tuple of ``CompletionOutput``'s fields in order."""
     rows = []
     for out in outputs:
         m = out.metrics
+        choices = [(c.index, c.text, c.token_ids, c.cumulative_logprob, c.logprobs,
+                    c.finish_reason, c.stop_reason) for c in out.outputs]
+        # The prefix miss travels with a request's first output (it holds every token so
+        # far) and its last, not with every step's delta.
+        miss = out.prefix_miss
+        if miss is not None and not out.finished and \
+                m.num_generation_tokens != sum(len(c[2]) for c in choices):
+            miss = None
         rows.append((out.request_id, out.finished, out.num_cached_tokens,
                      (m.arrival_time, m.first_scheduled_time, m.first_token_time,
                       m.last_token_time, m.finished_time, m.num_generation_tokens,
-                      m.num_preemptions),
-                     [(c.index, c.text, c.token_ids, c.cumulative_logprob, c.logprobs,
-                       c.finish_reason, c.stop_reason) for c in out.outputs]))
+                      m.num_preemptions), choices, miss))
     return rows
 
 
 def decode_output(row: tuple) -> RequestOutput:
     """The ``RequestOutput`` a row of ``encode_outputs`` came from, without its prompt (text
     None, token ids None: the client attaches the ids it sent)."""
-    request_id, finished, num_cached_tokens, metrics, choices = row
+    request_id, finished, num_cached_tokens, metrics, choices, prefix_miss = row
     return RequestOutput(request_id, None, None, [CompletionOutput(*c) for c in choices],
-                         finished, num_cached_tokens, RequestMetrics(*metrics))
+                         finished, num_cached_tokens, RequestMetrics(*metrics), prefix_miss)
 
 
 class ProcessTransport:

@@ -22,6 +22,7 @@ from kvpilot.engine.server import (
     routes_discovery,
     routes_lora,
     routes_model,
+    routes_prefix_cache,
     routes_probes,
 )
 from kvpilot.engine.server.config import ServerConfig
@@ -152,6 +153,7 @@ def build_app(state: ServerState) -> FastAPI:
     app.include_router(routes_completions.router)
     app.include_router(routes_chat.router)
     app.include_router(routes_lora.router)
+    app.include_router(routes_prefix_cache.router)
     app.include_router(routes_probes.router)
     app.include_router(routes_model.router)
     app.include_router(routes_discovery.router)

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Mapping
 from http import HTTPStatus
 from typing import Any
 
+from kvpilot.engine.core.prefix_miss import PrefixMiss
 from kvpilot.engine.exceptions import (
     AdapterNotFound,
     EngineDead,
@@ -27,6 +28,7 @@ from kvpilot.engine.exceptions import (
     StepTimeout,
 )
 from kvpilot.engine.outputs import RequestOutput
+from kvpilot.engine.prefix_explain import client_details, log_summary
 from kvpilot.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from kvpilot.engine.server.errors import (
     NOT_FOUND,
@@ -184,18 +186,24 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
                           f"{sorted(bias)[:5]}", param="logit_bias") from None
 
 
-def usage(outputs: list[RequestOutput]) -> UsageInfo:
-    """Token usage over all prompts and choices of one API request."""
+def usage(outputs: list[RequestOutput], generation: Generation | None = None) -> UsageInfo:
+    """Token usage over all prompts and choices of one API request (with the prompts'
+    prefix-cache misses when ``generation``'s request asked for them)."""
+    misses = (generation.miss_details([o.prefix_miss for o in outputs])
+              if generation is not None else None)
     return usage_of(sum(len(o.prompt_token_ids) for o in outputs),
                     sum(len(c.token_ids) for o in outputs for c in o.outputs),
-                    sum(o.num_cached_tokens for o in outputs))
+                    sum(o.num_cached_tokens for o in outputs), misses)
 
 
-def usage_of(prompt: int, completion: int, cached: int) -> UsageInfo:
-    """The ``usage`` object for these token counts."""
+def usage_of(prompt: int, completion: int, cached: int, misses: list | None = None) -> UsageInfo:
+    """The ``usage`` object for these token counts; ``misses``: the opt-in
+    ``prompt_tokens_details.prefix_cache_misses`` (None: left out)."""
+    details: dict[str, Any] = {"cached_tokens": cached}
+    if misses is not None:
+        details["prefix_cache_misses"] = misses
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
-                     total_tokens=prompt + completion,
-                     prompt_tokens_details={"cached_tokens": cached})
+                     total_tokens=prompt + completion, prompt_tokens_details=details)
 
 
 def log_request(state: ServerState, request_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -222,10 +230,12 @@ class Generation:
 
     def __init__(self, state: ServerState, request_id: str, prompts: list[list[int]],
                  params: list[SamplingParams], cache_salt: str | None, priority: int = 0,
-                 lora_name: str | None = None) -> None:
+                 lora_name: str | None = None, prefix_cache_details: bool = False) -> None:
         self._state = state
         self.request_id = self._request_id = request_id
         self._params = params
+        self._prompts = prompts
+        self.prefix_cache_details = prefix_cache_details
         if state.config.enable_log_requests:
             for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
                 log_request(state, f"{request_id}-{i}", ids, p, priority)
@@ -253,7 +263,19 @@ class Generation:
             if isinstance(exc, Exception):
                 raise to_api_error(exc, self._state, self._request_id) from exc
             raise
+        if self._state.config.enable_log_requests:
+            for i, out in enumerate(self.first):
+                logger.info("Prefix cache of request %s-%d: %s", self._request_id, i,
+                            log_summary(out.prefix_miss, len(self._prompts[i]), out.num_cached_tokens))
         return self.first
+
+    def miss_details(self, misses: list[PrefixMiss | None]) -> list[dict | None] | None:
+        """``prompt_tokens_details.prefix_cache_misses`` for the prompts' ``misses`` (in
+        prompt order), or None unless the request asked for them."""
+        if not self.prefix_cache_details:
+            return None
+        tokenizer = self._state.client.view.tokenizer
+        return [client_details(miss, ids, tokenizer) for miss, ids in zip(misses, self._prompts, strict=True)]
 
     async def final(self) -> list[RequestOutput]:
         """Waits for every request to finish; returns each one's whole output (its deltas

@@ -14,6 +14,8 @@ from typing import Literal
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from kvpilot.engine.core.prefix_miss import MISS_REASONS
+
 
 @dataclass(frozen=True, slots=True)
 class StatMetric:
@@ -64,6 +66,20 @@ OFFLOAD_STAT_METRICS: tuple[StatMetric, ...] = (
                "(checksum, header, layout; LMCache: per chunk), dropped and recomputed."),
 )
 
+_MISS_DOC = ("Uncached prompt tokens of admitted requests by why they missed the prefix cache, "
+             "decided at first admission (kvpilot's own): never_seen, evicted_capacity / "
+             "evicted_preemption / evicted_offload_full (the block was cached here and evicted by "
+             "an allocation / after a preemption released it / from a full offload tier), "
+             "different_cache_salt, different_lora_adapter, divergence (the prefix continued "
+             "differently than what was cached), last_partial_block, last_token (fully cached "
+             "prompt: its last token is computed) and too_short (the prompt fits in one block).")
+
+# Where cached prompt tokens' KV came from (vLLM's CacheHitSource): device = the prefix cache.
+_CACHED_BY_SOURCE_DOC = ("Prompt tokens of admitted sequences not computed, by the cache tier that "
+                         "held them, counted at first admission: device (the prefix cache), host "
+                         "(the CPU offload tier), disk (the disk offload tier), external_unspecified "
+                         "(LMCache). The sources sum to vllm:prompt_tokens_cached.")
+
 ENGINE_STAT_METRICS: tuple[StatMetric, ...] = (
     StatMetric("vllm:kv_cache_usage_perc", "gauge", "kv_cache_usage",
                "KV cache usage as a fraction of all blocks (0 to 1; 1 = full). Blocks kept only "
@@ -99,6 +115,19 @@ ENGINE_STAT_METRICS: tuple[StatMetric, ...] = (
     StatMetric("vllm:prompt_tokens_cached", "counter", "prompt_tokens_cached",
                "Prompt tokens of admitted sequences not computed: device prefix-cache hits plus "
                "offload-tier loads."),
+    *(StatMetric("vllm:prompt_tokens_cached_by_source", "counter", field, _CACHED_BY_SOURCE_DOC,
+                 (("source", source),))
+      for source, field in (("device", "prompt_tokens_local_cache_hit"),
+                            ("host", "prompt_tokens_cached_host"),
+                            ("disk", "prompt_tokens_cached_disk"),
+                            ("external_unspecified", "prompt_tokens_cached_external_unspecified"))),
+    *(StatMetric("kvpilot:prefix_cache_miss_tokens", "counter", f"prefix_miss_{reason}", _MISS_DOC,
+                 (("reason", reason),))
+      for reason in MISS_REASONS),
+    StatMetric("vllm:admission_rejections", "counter", "admission_rejections_max_waiting_requests",
+               "API requests refused at admission, by the limit that refused them: "
+               "max_waiting_requests (--max-waiting-requests; answered 429). One per request, "
+               "whatever its n.", (("reason", "max_waiting_requests"),)),
     StatMetric("vllm:prompt_tokens_recomputed", "counter", "prompt_tokens_recomputed",
                "Prompt tokens the device prefix cache held but that were computed again, counted "
                "at first admission: a step computes at least a prompt's last token, so a fully "

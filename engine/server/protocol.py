@@ -86,6 +86,10 @@ class SamplingRequest(BaseModel):
     cache_salt: NonEmptyStr | None = Field(
         None, description="kvpilot/vLLM extension: requests share prefix-cache blocks only "
                           "when their cache_salt is equal (tenant isolation)")
+    prefix_cache_details: bool = Field(
+        False, description="kvpilot extension: usage.prompt_tokens_details gets "
+                           "prefix_cache_misses, one entry per prompt saying why its uncached "
+                           "tokens missed the prefix cache (null: none did)")
     # vLLM sampling extensions
     top_k: int | None = Field(None, ge=-1, description="0 or -1 = off")
     min_p: float | None = Field(None, ge=0.0, le=1.0)
@@ -197,6 +201,10 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class PromptTokensDetails(BaseModel):
+    # extra fields (``prefix_cache_misses``) appear only when a request asks for them, so
+    # an OpenAI client sees exactly OpenAI's shape otherwise
+    model_config = ConfigDict(extra="allow")
+
     cached_tokens: int = Field(description="prompt tokens served from the prefix cache")
 
 

@@ -27,6 +27,7 @@ from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
+from kvpilot.engine.core.prefix_miss import PrefixMiss
 from kvpilot.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from kvpilot.engine.server.generation import Generation, to_api_error, usage_of
 from kvpilot.engine.server.protocol import SamplingRequest, UsageInfo
@@ -129,6 +130,7 @@ class _Progress:
 
     done: set[int] = field(default_factory=set)
     counts: dict[int, list[int]] = field(default_factory=dict)
+    misses: dict[int, PrefixMiss] = field(default_factory=dict)   # prompt index -> its miss
     num_finished: int = 0   # prompts whose engine request finished
 
     def deltas(self, prompt_index: int, out: RequestOutput, first_index: int,
@@ -153,13 +155,16 @@ class _Progress:
         else:
             counts[1] += new_tokens
             counts[2] = out.num_cached_tokens
+        if out.prefix_miss is not None:
+            self.misses[prompt_index] = out.prefix_miss
         if out.finished:
             self.num_finished += 1
         return result
 
-    def usage(self) -> UsageInfo:
+    def usage(self, generation: Generation) -> UsageInfo:
         """The token usage of the whole stream so far (``generation.usage``'s figures)."""
-        return usage_of(*(sum(c[k] for c in self.counts.values()) for k in range(3)))
+        misses = generation.miss_details([self.misses.get(i) for i in range(len(generation.first))])
+        return usage_of(*(sum(c[k] for c in self.counts.values()) for k in range(3)), misses)
 
 
 async def stream_events(generation: Generation, state: ServerState, encode: ChunkEncoder,
@@ -188,13 +193,13 @@ async def stream_events(generation: Generation, state: ServerState, encode: Chun
             if progress.num_finished == num_prompts:
                 # The stream's last output: its chunk, the usage and [DONE] in one write.
                 if encode.include_usage:
-                    frame += encode([], progress.usage())
+                    frame += encode([], progress.usage(generation))
                 yield frame + DONE
                 return
             if frame:
                 yield frame
         if encode.include_usage:
-            yield encode([], progress.usage())
+            yield encode([], progress.usage(generation))
     except Exception as exc:  # noqa: BLE001 - reported in-band: the status line is already sent
         yield sse_event(to_api_error(exc, state, generation.request_id).body())
     finally:

@@ -66,7 +66,7 @@ def _check_request(body: ChatCompletionRequest, state: ServerState) -> None:
         raise bad_request("top_logprobs requires logprobs=true", param="top_logprobs")
 
 
-async def _prompt_ids(body: ChatCompletionRequest, state: ServerState, plan: ToolPlan) -> list[int]:
+async def chat_prompt_ids(body: ChatCompletionRequest, state: ServerState, plan: ToolPlan) -> list[int]:
     """The conversation through the chat template (tools included), as token ids."""
     engine, chat = state.client.view, state.config.chat
     limit = state.length_limit
@@ -87,7 +87,7 @@ async def render_chat_completion(body: ChatCompletionRequest, state: ServerState
     route: vLLM's router routes ``kv_aware`` on them)."""
     state.check_model(body.model)
     check_tools(body.tools, state.config.limits)
-    return RenderedPrompt(token_ids=await _prompt_ids(body, state, plan_tools(body, state.config.chat)))
+    return RenderedPrompt(token_ids=await chat_prompt_ids(body, state, plan_tools(body, state.config.chat)))
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse,
@@ -107,7 +107,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
                               f"{body.tool_choice if isinstance(body.tool_choice, str) else 'naming a function'}",
                               param=param)
         constraint, param = plan.constraint, "tools"
-    prompt = await _prompt_ids(body, state, plan)
+    prompt = await chat_prompt_ids(body, state, plan)
     defaults = engine.model_config.default_sampling
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if requested is None:
@@ -122,7 +122,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     request_id = random_id("chatcmpl")
     created = int(time.time())
     generation = Generation(state, request_id, [prompt], [params], body.cache_salt, body.priority,
-                            lora_name=lora)
+                            lora_name=lora, prefix_cache_details=body.prefix_cache_details)
     decode = engine.tokenizer.decode
     parsed = chat.reasoning_parser is not None or plan.make_extractor is not None
 
@@ -156,7 +156,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
                                       logprobs=_logprobs(d, top_logprobs, decode),
                                       finish_reason=finish_reason, stop_reason=d.stop_reason))
         return ChatCompletionResponse(id=request_id, created=created, model=model,
-                                      choices=choices, usage=usage(final))
+                                      choices=choices, usage=usage(final, generation))
 
     return await respond(request, generation, events if body.stream else None, build)
 

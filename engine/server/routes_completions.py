@@ -83,7 +83,7 @@ async def create_completion(body: CompletionRequest, request: Request,
     request_id = random_id("cmpl")
     created = int(time.time())
     generation = Generation(state, request_id, prompts, params, body.cache_salt, body.priority,
-                            lora_name=lora)
+                            lora_name=lora, prefix_cache_details=body.prefix_cache_details)
     decode = engine.tokenizer.decode
 
     def events():
@@ -95,7 +95,7 @@ async def create_completion(body: CompletionRequest, request: Request,
     def build(final: list[RequestOutput]) -> CompletionResponse:
         choices = [_choice(d, body.logprobs, decode) for d in final_choices(final, body.n)]
         return CompletionResponse(id=request_id, created=created, model=model, choices=choices,
-                                  usage=usage(final))
+                                  usage=usage(final, generation))
 
     return await respond(request, generation, events if body.stream else None, build)
 

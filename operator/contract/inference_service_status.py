@@ -142,6 +142,19 @@ POOL_STATE = Obj(properties={
     "desiredReplicas": Int(description="The Deployment's spec.replicas (an autoscaler's, where one scales it)."),
 })
 
+PREFIX_CACHE = Obj(description=(
+    "The engine pods' prefix-cache hit rate over the last window (their counters' increase between "
+    "two reads), and when it fell by 0.1 or more from the window before, the reason that counted "
+    "the most uncached prompt tokens (kvpilot:prefix_cache_miss_tokens_total)."), properties={
+    "hitRate": Num(description="Hit tokens / looked-up prompt tokens in the window."),
+    "previousHitRate": Num(description="The window before's."),
+    "queriedTokens": Int(int64=True, description="Prompt tokens looked up in the window."),
+    "windowSeconds": Num(),
+    "topMissReason": Str(description="When the hit rate dropped: the miss reason with the most tokens."),
+    "topMissReasonShare": Num(description="Its share of the window's uncached prompt tokens."),
+    "message": Str(),
+})
+
 STATUS = Obj(properties={
     "observedGeneration": Int(int64=True),
     "replicas": Int(),
@@ -151,6 +164,7 @@ STATUS = Obj(properties={
     "conditions": Arr(items=CONDITION, map_keys=("type",)),
     "planError": PLAN_ERROR,
     "observed": OBSERVED,
+    "prefixCache": PREFIX_CACHE,
     "plan": PLAN,
     "adapters": Arr(items=ADAPTER, map_keys=("name",), description="Each spec.adapters[] entry's state."),
     "adaptersReady": Str(description="Ready / declared adapters (3/4)."),

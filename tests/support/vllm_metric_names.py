@@ -70,6 +70,18 @@ VLLM_METRICS: dict[str, tuple[str, tuple[str, ...], tuple | str | None]] = {
     "vllm:estimated_read_bytes_per_gpu_total": ("counter", (), None),
     "vllm:estimated_write_bytes_per_gpu_total": ("counter", (), None),
     "vllm:kv_offload_total_bytes_total": ("counter", ("transfer_type",), None),
+    # vLLM PR #56318 (vllm/v1/metrics/cache_hit_source.py: CacheHitSource): the cached
+    # prompt tokens by tier, device / host / p2p / disk / external_unspecified, summing to
+    # vllm:prompt_tokens_cached_total, counted at admission.
+    "vllm:prompt_tokens_cached_by_source_total": ("counter", ("source",), None),
+    # vLLM PR #55812: one per rejected frontend admission attempt (n > 1 counts once), by
+    # the queue limit that refused it (vLLM's: max_num_queued_reqs / max_num_queued_tokens,
+    # HTTP 503; kvpilot's: --max-waiting-requests, HTTP 429).
+    "vllm:admission_rejections_total": ("counter", ("reason",), None),
+    # Named by issue 47; no vLLM source or pull request read for it defines it (vLLM's KV
+    # cache watermark, PR #44594, adds no metric; its text watermarking is a sampling
+    # feature): its type and meaning are unknown, see NOT_EXPORTED.
+    "vllm:watermark_requests": ("unknown", None, None),
     "vllm:spec_decode_num_drafts_total": ("counter", (), None),
     "vllm:spec_decode_num_draft_tokens_total": ("counter", (), None),
     "vllm:spec_decode_num_accepted_tokens_total": ("counter", (), None),
@@ -77,7 +89,7 @@ VLLM_METRICS: dict[str, tuple[str, tuple[str, ...], tuple | str | None]] = {
 }
 
 # vLLM's names that do not apply to kvpilot's engine (text-only, no speculative
-# decoding, no sleep mode), and applicable names kvpilot does not export, with why (none).
+# decoding, no sleep mode), and applicable names kvpilot does not export, with why.
 NOT_APPLICABLE = {
     "vllm:engine_sleep_state": "sleep mode",
     "vllm:mm_cache_queries_total": "multimodal inputs",
@@ -87,4 +99,8 @@ NOT_APPLICABLE = {
     "vllm:spec_decode_num_accepted_tokens_total": "speculative decoding",
     "vllm:spec_decode_num_accepted_tokens_per_pos_total": "speculative decoding",
 }
-NOT_EXPORTED: dict[str, str] = {}
+NOT_EXPORTED: dict[str, str] = {
+    "vllm:watermark_requests": "not found in vLLM's source or pull requests (searched: the metric "
+                               "loggers, the KV-cache watermark of PR #44594, the text "
+                               "watermarking of vLLM 0.30); kvpilot does not invent a meaning for it",
+}
