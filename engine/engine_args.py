@@ -28,6 +28,7 @@ from kvpilot.engine.model.auto_dtype import resolve_auto_dtype
 from kvpilot.engine.model.builtin_model import BUILTIN_MODEL_NAME, DEMO_MODEL, packaged_smollm2
 from kvpilot.engine.model.device_memory import FAKE_DEVICE_MEMORY_ENV
 from kvpilot.engine.model.hf_config import load_arch_config
+from kvpilot.engine.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +122,9 @@ class EngineArgs:
     lora_modules: tuple[LoRAModule, ...] | None = None
     # /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM: VLLM_ALLOW_RUNTIME_LORA_UPDATING)
     allow_runtime_lora_updating: bool = False
+    # Speculative decoding (vLLM's --speculative-config: a SpeculativeConfig or its JSON
+    # fields as a dict); None: off.
+    speculative_config: SpeculativeConfig | dict | None = None
 
     def resolve_device(self) -> str:
         if self.device != "auto":
@@ -268,6 +272,16 @@ class EngineArgs:
         (ValueError naming those it does, before anything loads); None when off."""
         check_connector(self.kv_transfer_config)
         return self.kv_transfer_config
+
+    def create_speculative_config(self) -> SpeculativeConfig | None:
+        """The ``SpeculativeConfig`` (None: off); ValueError for what cannot be served."""
+        if self.speculative_config is None:
+            return None
+        config = SpeculativeConfig.from_dict(self.speculative_config)
+        if self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1:
+            raise ValueError("speculative decoding is not implemented with tensor or pipeline "
+                             "parallelism; use one rank or drop --speculative-config")
+        return config
 
     def create_offload_config(self):
         """The ``OffloadConfig``, or None when KV offloading is off; ValueError for bad values."""

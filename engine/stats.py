@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from kvpilot.engine.core.kv_residency import BlockResidency
 from kvpilot.engine.lora.stats import LoRAStats
+from kvpilot.engine.spec_decode.metrics import SpecDecodingStats
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +51,8 @@ class EngineStats:
     estimated_write_bytes: int | None = None
     # LoRA adapters: running / waiting ones, counters per adapter (None when LoRA is off).
     lora: LoRAStats | None = None
+    # Verified drafts (cumulative; None without speculative decoding).
+    spec_decoding: SpecDecodingStats | None = None
 
     @property
     def prompt_tokens_cached(self) -> int:

@@ -58,14 +58,17 @@ TORCH_DTYPES = {
 
 @dataclass(slots=True)
 class ModelRunnerOutput:
-    """What a step sampled: one token per request that reached its last token."""
+    """What a step produced for each request that reached its last token: one sampled
+    token, or with drafts (speculative decoding) the accepted drafts and the token after
+    them; and the drafts proposed for the next step."""
 
     req_ids: list[str]
-    sampled_token_ids: list[int]                 # aligned with req_ids
-    logprobs: dict[str, SampleResult]            # for the requests that asked for logprobs
-    nan_req_ids: tuple[str, ...] = ()            # requests whose logits held a NaN (when counted)
+    sampled_token_ids: list[list[int]]             # aligned with req_ids
+    logprobs: dict[str, list[SampleResult]]        # per new token, for the requests that asked
+    nan_req_ids: tuple[str, ...] = ()              # requests whose logits held a NaN (when counted)
+    draft_token_ids: dict[str, list[int]] | None = None   # next step's drafts, by request
 
-    def sampled(self) -> dict[str, int]:
+    def sampled(self) -> dict[str, list[int]]:
         return dict(zip(self.req_ids, self.sampled_token_ids, strict=True))
 
 
@@ -161,13 +164,16 @@ class ModelRunner:
             slots the model's targeted projections read; None when LoRA is off.
         count_nan_logits: report the requests whose logits hold a NaN (a device sync per
             step; ``vllm:corrupted_requests``).
+        speculative_config: speculative decoding (None: off); the driver verifies drafts
+            and proposes the next ones (``kvpilot.engine.spec_decode``).
     """
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
                  scheduler_config: SchedulerConfig, device: torch.device,
                  attention_backend: str = "auto", tp: TPGroup | None = None,
                  channel: StepSender | None = None, pp: PipelineGroup | None = None,
-                 num_microbatches: int = 1, lora=None, count_nan_logits: bool = False) -> None:
+                 num_microbatches: int = 1, lora=None, count_nan_logits: bool = False,
+                 speculative_config=None) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
         self.device = device
@@ -219,12 +225,20 @@ class ModelRunner:
         self.input_batch = InputBatch(scheduler_config.max_num_seqs, model_config.max_model_len,
                                       self.block_size, model_config.arch.vocab_size, device,
                                       num_kv_groups=self.num_kv_groups) if pp.is_driver else None
+        k = speculative_config.num_speculative_tokens if speculative_config is not None else 0
         self.inputs = StepInputBuilder(self.input_batch, scheduler_config.max_num_batched_tokens,
-                                       device) if pp.is_driver else None
+                                       device, max_logits_per_seq=1 + k) if pp.is_driver else None
+        self.spec = self._spec_decoder(speculative_config) if speculative_config is not None else None
         # Decode-step CUDA graphs (capture_cuda_graphs); None: every step runs eagerly.
         self.graphs: DecodeGraphs | None = None
         # Calibrate fp8 scales on the first batch unless the checkpoint brought its own.
         self._calibrate_pending = cache_config.calculate_kv_scales and not self.model.loaded_kv_scales
+
+    def _spec_decoder(self, config):
+        from kvpilot.engine.spec_decode.decoder import SpecDecoder
+        from kvpilot.engine.spec_decode.proposer import make_proposer
+
+        return SpecDecoder(config, self.input_batch, make_proposer(config))
 
     def allocate_kv_cache(self, num_blocks: int, num_sliding_blocks: int | None = None) -> None:
         """Allocate the cache (on every rank: ``num_blocks`` each, checked); a hybrid model's
@@ -329,7 +343,9 @@ class ModelRunner:
         rows = self.update_batch(out)
         calibrate, self._calibrate_pending = self._calibrate_pending, False
         graphs = self.graphs if not calibrate else None
-        step = self.inputs.build(out.scheduled, rows, graphs.size_for if graphs is not None else None)
+        num_drafts = self.spec.write_drafts(out.scheduled, rows) if out.num_spec_tokens else None
+        step = self.inputs.build(out.scheduled, rows, graphs.size_for if graphs is not None else None,
+                                 num_drafts)
         if self.lora is not None:
             self._set_lora_rows(out.scheduled)
         if self.channel is None:
@@ -346,11 +362,34 @@ class ModelRunner:
         nan_req_ids = ()
         if self.count_nan_logits:   # a device sync per step: only when asked for
             rows = torch.isnan(logits).any(dim=-1).nonzero().flatten().tolist()
-            nan_req_ids = tuple(req_ids[i] for i in rows)
+            if num_drafts is not None:   # rows of scored positions -> their request
+                rows = np.searchsorted(np.cumsum(num_drafts[[s.samples for s in out.scheduled]] + 1),
+                                       rows, side="right").tolist()
+            nan_req_ids = tuple(dict.fromkeys(req_ids[i] for i in rows))
+        if num_drafts is not None:
+            return self._verify(logits, step, out, num_drafts, token_bitmask, nan_req_ids)
         sampled = sample(logits, self.input_batch.sampling_metadata(step.sample_rows), token_bitmask)
         self.input_batch.append_sampled(step.sample_rows, sampled.token_ids)
-        logprobs = {req_ids[i]: r for i, r in sampled.logprobs.items()}
-        return ModelRunnerOutput(req_ids, sampled.token_ids, logprobs, nan_req_ids)
+        logprobs = {req_ids[i]: [r] for i, r in sampled.logprobs.items()}
+        token_lists = [[t] for t in sampled.token_ids]
+        drafts = None
+        if self.spec is not None:
+            drafts = self._propose(self.spec.unverified(step, out.scheduled, token_lists))
+        return ModelRunnerOutput(req_ids, token_lists, logprobs, nan_req_ids, drafts)
+
+    def _verify(self, logits, step: StepInputs, out: SchedulerOutput, num_drafts: np.ndarray,
+                token_bitmask, nan_req_ids: tuple[str, ...]) -> ModelRunnerOutput:
+        """A step with drafts: verify them, keep the accepted tokens, propose the next."""
+        verified, logprobs = self.spec.verify(logits, step, out.scheduled, num_drafts, token_bitmask)
+        self.input_batch.append_token_lists(step.sample_rows, verified.token_lists)
+        req_ids = step.sample_req_ids
+        return ModelRunnerOutput(req_ids, verified.token_lists,
+                                 {req_ids[i]: r for i, r in logprobs.items()}, nan_req_ids,
+                                 self._propose(verified))
+
+    def _propose(self, verified) -> dict[str, list[int]]:
+        req_ids = self.input_batch.req_ids
+        return {req_ids[row]: d for row, d in self.spec.propose(verified).items()}
 
     def _set_lora_rows(self, scheduled) -> None:
         """Put the step's adapters in device slots and give each token row its slot (the
