@@ -123,7 +123,7 @@ def _kept_logprobs(raw: torch.Tensor, meta, verdict: Verdict, starts: np.ndarray
     request_of = np.repeat(np.arange(len(starts)), np.diff(np.append(starts, len(offsets))))
     kept = [(row, k) for row, k in meta.logprobs
             if offsets[row] <= verdict.num_accepted[request_of[row]]]
-    results = token_logprobs(raw, verdict.row_tokens, dataclasses.replace(meta, logprobs=kept))
+    results = token_logprobs(raw, verdict.row_token_ids, dataclasses.replace(meta, logprobs=kept))
     grouped: dict[int, list[SampleResult]] = {}
     for row, _ in kept:
         grouped.setdefault(int(request_of[row]), []).append(results[row])

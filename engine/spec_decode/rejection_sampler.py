@@ -20,7 +20,7 @@ drafts (the bonus). Rows are laid out request after request.
 structured-output mask, logit_bias, penalties and min_tokens (``process_logits``, with the
 drafts before each row counted as the request's tokens), then temperature, top-k, top-p
 and min-p (``filter_logits``). A seeded request draws its uniforms and exponentials from
-its own generator, row after row.
+its own generator, row after row (see ``_randoms``).
 """
 
 from __future__ import annotations
@@ -75,13 +75,20 @@ def residual(probs: torch.Tensor, draft_ids: torch.Tensor, is_draft: torch.Tenso
     return torch.where(empty, probs, out)
 
 
-def _randoms(probs: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-    """A uniform and a row of Exp(1) noise per random row (seeded rows: their generator)."""
+def _randoms(probs: torch.Tensor, meta: SamplingMetadata,
+             drafted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A uniform per random row and a row of Exp(1) noise. A seeded row draws from its
+    generator: its uniform only where it has a draft, then its noise, so that a request
+    without drafts draws exactly what the ordinary sampler draws (its output then does not
+    depend on whether others in its batch had drafts)."""
     uniform = torch.rand(probs.shape[0], device=probs.device)
     noise = torch.empty_like(probs).exponential_()
-    for i, generator in meta.generators.items():
-        uniform[i] = torch.rand(1, generator=generator, device=probs.device)[0]
-        noise[i].exponential_(generator=generator)
+    if meta.generators:
+        has_draft = drafted.tolist()
+        for i, generator in meta.generators.items():
+            if has_draft[i]:
+                uniform[i] = torch.rand(1, generator=generator, device=probs.device)[0]
+            noise[i].exponential_(generator=generator)
     return uniform, noise
 
 
@@ -104,7 +111,7 @@ def rejection_sample(logits: torch.Tensor, meta: SamplingMetadata, drafts: Score
         q = drafts.draft_probs[rows] if drafts.draft_probs is not None else None
         p_d = probs.gather(1, ids[:, None])[:, 0]
         q_d = q.gather(1, ids[:, None])[:, 0] if q is not None else torch.ones_like(p_d)
-        uniform, noise = _randoms(probs, meta)
+        uniform, noise = _randoms(probs, meta, drafted)
         accept[rows] = drafted & (uniform * q_d < p_d)          # u < p / q
         token[rows] = (residual(probs, ids, drafted, q) / noise).argmax(dim=-1)
     counts = drafts.num_drafts + 1
