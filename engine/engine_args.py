@@ -281,6 +281,10 @@ class EngineArgs:
         if self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1:
             raise ValueError("speculative decoding is not implemented with tensor or pipeline "
                              "parallelism; use one rank or drop --speculative-config")
+        if config.uses_model and self.kv_offloading_size is not None:
+            raise ValueError(f"speculative method {config.method!r} keeps its own KV in the blocks, "
+                             "which KV offloading does not save; use the ngram method or turn "
+                             "offloading off")
         return config
 
     def create_offload_config(self):

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable
@@ -115,6 +116,9 @@ class LLMEngine:
                                   lora=self.lora, count_nan_logits=args.compute_nans_in_logits,
                                   speculative_config=self.speculative_config)
         layout = kv_layout(self.runner, model_config, cache_config, scheduler_config)
+        if self.runner.spec is not None and self.runner.spec.kv_bytes_per_token:
+            # a draft model's / EAGLE head's KV lives in the same blocks
+            layout = dataclasses.replace(layout, extra_bytes_per_token=self.runner.spec.kv_bytes_per_token)
         sizing, self.num_blocks_per_rank = size_kv_cache(
             layout, self.runner, model_config, cache_config, scheduler_config, self.parallel_config,
             self.device_memory, self._memory_baseline, lora_device_bytes(self.lora_config, model_config))
@@ -143,7 +147,8 @@ class LLMEngine:
             self.kv_cache_manager = KVCacheManager(
                 num_blocks, layout.block_size, cache_config.enable_prefix_caching, hash_root,
                 record_evictions=self.kv_offload is not None, residency=self._residency,
-                release_window=release_window(model_config))
+                release_window=release_window(model_config),
+                recompute_last_hit_block=self.speculative_config is not None and self.speculative_config.is_eagle)
         spec = self.speculative_config
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager, offload=self.kv_offload,
                                    num_speculative_tokens=spec.num_speculative_tokens if spec else 0,

@@ -67,12 +67,16 @@ class KVCacheManager:
         record_evictions: bool = False,
         residency: KVResidencySampler | None = None,
         release_window: int | None = None,
+        recompute_last_hit_block: bool = False,
     ) -> None:
         if release_window is not None and record_evictions:
             raise ValueError("KV offload saves whole block tables; it cannot run with blocks "
                              "released outside a sliding window")
         self.block_size = block_size
         self.release_window = release_window
+        # An EAGLE head's KV at a block's last position depends on the next block's first
+        # token: a hit never ends on a cached block, whose last position is recomputed.
+        self.recompute_last_hit_block = recompute_last_hit_block
         self.enable_caching = enable_caching
         self.hash_root = hash_root
         self.pool = BlockPool(num_blocks, enable_caching, record_evictions, residency)
@@ -136,6 +140,9 @@ class KVCacheManager:
                 blocks.append(block)
         else:
             blocks = self._windowed_hit(hashes, limit)
+        if self.recompute_last_hit_block and blocks:
+            blocks.pop()
+            limit = len(blocks)
         recomputed = 0
         if len(blocks) == limit < len(hashes) and self.pool.get_cached_block(hashes[limit]) is not None:
             recomputed = self.block_size

@@ -96,6 +96,12 @@ def _load_one(module: nn.Module, param_name: str, src: Any, shard: int | None) -
     param.data.copy_(read_shard(src, 0, None).to(param.dtype))
 
 
+# For modules built outside ``load_model`` from checkpoint tensors (an EAGLE head's layer):
+# a checkpoint name's engine parameter (and fused part), and loading one tensor into it.
+engine_name = _target
+load_tensor = _load_one
+
+
 def _stage_target(name: str, stage: StageLayers, num_layers: int, tied: bool) -> str | None:
     """``name`` as this pipeline stage's model names it (decoder layer ``i`` is the stage's
     ``layers[i - first_layer]``), or None when the tensor belongs to another stage."""

@@ -123,6 +123,21 @@ def layer_kv_dtypes(model_config: ModelConfig, cache_config: CacheConfig) -> lis
     return [model_dtype if i in keep else kv for i in range(arch.num_hidden_layers)]
 
 
+def prepare_for_device(model: torch.nn.Module, device: torch.device, backend: AttentionBackend,
+                       dtype: torch.dtype, has_head: bool = True) -> None:
+    """The loaded model's kernels for ``device`` and ``backend``: on CPU a transposed (or
+    packed) LM head (``has_head``) and packed projections; the Triton or compiled CPU
+    layer ops (not under the pure-torch reference backend)."""
+    if device.type == "cpu" and has_head:
+        model.use_transposed_output_weight()
+    if device.type == "cpu":
+        model.use_packed_weights()
+    if backend.name == "triton":
+        model.use_triton_kernels()
+    elif backend.name == "cpu":   # the compiled CPU path (not the pure-torch reference)
+        model.use_cpu_layer_ops(dtype)
+
+
 class LocalForward:
     """One step's forward pass on a single device: the model over the step's tokens, then
     the logits of its sampling rows (tensor parallelism happens inside the model's
@@ -134,16 +149,17 @@ class LocalForward:
         self.backend = backend
 
     def step(self, step: StepInputs, kv_caches, metadata, graphs: DecodeGraphs | None,
-             calibrate: bool) -> torch.Tensor | None:
+             calibrate: bool, keep_hidden: bool = False):
         """The logits of ``step``'s sampling rows (None if it samples nothing); a padded
-        decode step replays its captured CUDA graph."""
+        decode step replays its captured CUDA graph. ``keep_hidden``: ``(logits, hidden
+        states of every token)`` (an EAGLE head reads them)."""
         if step.padded_size is not None:
             hidden = graphs.run(step, step.padded_size)
         else:
             hidden = self.model(step.input_ids, step.positions, kv_caches, metadata, self.backend)
-        if step.logits_indices.shape[0] == 0:
-            return None
-        return self.model.compute_logits(hidden[step.logits_indices])
+        logits = (self.model.compute_logits(hidden[step.logits_indices])
+                  if step.logits_indices.shape[0] else None)
+        return (logits, hidden) if keep_hidden else logits
 
     def rows(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, metadata,
              rows: torch.Tensor) -> torch.Tensor | None:
@@ -176,6 +192,7 @@ class ModelRunner:
                  speculative_config=None) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
+        self.scheduler_config = scheduler_config
         self.device = device
         self.tp = tp = tp or TPGroup()
         self.pp = pp = pp or PipelineGroup(0, 1, tp.world_size, tp)
@@ -191,15 +208,8 @@ class ModelRunner:
         torch.manual_seed(model_config.seed)
         self.model = load_model(model_config.model, model_config.arch, model_config.max_model_len,
                                 self.dtype, device, tp, stage)
-        if device.type == "cpu" and stage.is_last:
-            self.model.use_transposed_output_weight()
-        if device.type == "cpu":
-            self.model.use_packed_weights()
         self.backend = select_attention_backend(attention_backend, device)
-        if self.backend.name == "triton":
-            self.model.use_triton_kernels()
-        elif self.backend.name == "cpu":   # the compiled CPU path (not the pure-torch reference)
-            self.model.use_cpu_layer_ops(self.dtype)
+        prepare_for_device(self.model, device, self.backend, self.dtype, stage.is_last)
         if lora is not None:   # the model's targeted projections read the registry's slots
             from kvpilot.engine.lora.layers import apply_lora
 
@@ -229,6 +239,7 @@ class ModelRunner:
         self.inputs = StepInputBuilder(self.input_batch, scheduler_config.max_num_batched_tokens,
                                        device, max_logits_per_seq=1 + k) if pp.is_driver else None
         self.spec = self._spec_decoder(speculative_config) if speculative_config is not None else None
+        self._keep_hidden = self.spec is not None and self.spec.needs_hidden
         # Decode-step CUDA graphs (capture_cuda_graphs); None: every step runs eagerly.
         self.graphs: DecodeGraphs | None = None
         # Calibrate fp8 scales on the first batch unless the checkpoint brought its own.
@@ -238,7 +249,7 @@ class ModelRunner:
         from kvpilot.engine.spec_decode.decoder import SpecDecoder
         from kvpilot.engine.spec_decode.proposer import make_proposer
 
-        return SpecDecoder(config, self.input_batch, make_proposer(config))
+        return SpecDecoder(config, self.input_batch, make_proposer(config, self))
 
     def allocate_kv_cache(self, num_blocks: int, num_sliding_blocks: int | None = None) -> None:
         """Allocate the cache (on every rank: ``num_blocks`` each, checked); a hybrid model's
@@ -246,6 +257,8 @@ class ModelRunner:
         if self.channel is not None:
             self.channel.send(Command.ALLOCATE, num_blocks, num_sliding_blocks or 0)
         self._allocate(num_blocks, num_sliding_blocks)
+        if self.spec is not None:
+            self.spec.allocate(num_blocks, self.block_size)
         counts = self.pp.world.all_gather_cpu(torch.tensor([num_blocks])).flatten().tolist()
         if len(set(counts)) != 1:
             raise RuntimeError(f"the ranks allocated different KV block counts: {counts}")
@@ -348,7 +361,11 @@ class ModelRunner:
                                  num_drafts)
         if self.lora is not None:
             self._set_lora_rows(out.scheduled)
-        if self.channel is None:
+        hidden = None
+        if self._keep_hidden:   # an EAGLE head: the target's hidden states (one rank)
+            logits, hidden = self.forward.step(step, self.kv_caches, self.layer_metadata(step, calibrate),
+                                               self.graphs, calibrate, keep_hidden=True)
+        elif self.channel is None:
             logits = self.forward_step(step, calibrate)
         else:
             try:
@@ -357,30 +374,34 @@ class ModelRunner:
             except Exception as exc:
                 raise RanksOutOfStep(f"{type(exc).__name__}: {exc}") from exc
         if logits is None:
+            if self.spec is not None:   # a drafter with its own KV catches up on the prompts
+                self.spec.propose(self.spec.unverified(step, out.scheduled, rows, [], hidden))
             return ModelRunnerOutput([], [], {})
         req_ids = step.sample_req_ids
         nan_req_ids = ()
         if self.count_nan_logits:   # a device sync per step: only when asked for
-            rows = torch.isnan(logits).any(dim=-1).nonzero().flatten().tolist()
+            nan_rows = torch.isnan(logits).any(dim=-1).nonzero().flatten().tolist()
             if num_drafts is not None:   # rows of scored positions -> their request
-                rows = np.searchsorted(np.cumsum(num_drafts[[s.samples for s in out.scheduled]] + 1),
-                                       rows, side="right").tolist()
-            nan_req_ids = tuple(dict.fromkeys(req_ids[i] for i in rows))
+                nan_rows = np.searchsorted(np.cumsum(num_drafts[[s.samples for s in out.scheduled]] + 1),
+                                           nan_rows, side="right").tolist()
+            nan_req_ids = tuple(dict.fromkeys(req_ids[i] for i in nan_rows))
         if num_drafts is not None:
-            return self._verify(logits, step, out, num_drafts, token_bitmask, nan_req_ids)
+            return self._verify(logits, step, out, rows, num_drafts, token_bitmask, nan_req_ids, hidden)
         sampled = sample(logits, self.input_batch.sampling_metadata(step.sample_rows), token_bitmask)
         self.input_batch.append_sampled(step.sample_rows, sampled.token_ids)
         logprobs = {req_ids[i]: [r] for i, r in sampled.logprobs.items()}
         token_lists = [[t] for t in sampled.token_ids]
         drafts = None
         if self.spec is not None:
-            drafts = self._propose(self.spec.unverified(step, out.scheduled, token_lists))
+            drafts = self._propose(self.spec.unverified(step, out.scheduled, rows, token_lists, hidden))
         return ModelRunnerOutput(req_ids, token_lists, logprobs, nan_req_ids, drafts)
 
-    def _verify(self, logits, step: StepInputs, out: SchedulerOutput, num_drafts: np.ndarray,
-                token_bitmask, nan_req_ids: tuple[str, ...]) -> ModelRunnerOutput:
+    def _verify(self, logits, step: StepInputs, out: SchedulerOutput, rows: list[int],
+                num_drafts: np.ndarray, token_bitmask, nan_req_ids: tuple[str, ...],
+                hidden) -> ModelRunnerOutput:
         """A step with drafts: verify them, keep the accepted tokens, propose the next."""
-        verified, logprobs = self.spec.verify(logits, step, out.scheduled, num_drafts, token_bitmask)
+        verified, logprobs = self.spec.verify(logits, step, out.scheduled, rows, num_drafts,
+                                              token_bitmask, hidden)
         self.input_batch.append_token_lists(step.sample_rows, verified.token_lists)
         req_ids = step.sample_req_ids
         return ModelRunnerOutput(req_ids, verified.token_lists,

@@ -111,8 +111,7 @@ class StepInputBuilder:
         (the last of its new tokens); a sampling entry then gets a logits row at each of
         them and at its last token.
         """
-        batch = self.batch
-        num_blocks = batch.num_blocks
+        num_blocks = self.batch.num_blocks
         computed, num_new, sampling = [], [], []
         width = 0
         for s, row in zip(scheduled, rows, strict=True):
@@ -121,10 +120,21 @@ class StepInputBuilder:
             sampling.append(s.samples)
             if num_blocks[row] > width:
                 width = num_blocks[row]
-        n = len(rows)
-        rows_np = np.array(rows, dtype=np.int64)
-        computed_np = np.array(computed, dtype=np.int64)
-        query_lens = np.array(num_new, dtype=np.int64)
+        return self.build_arrays(np.array(rows, dtype=np.int64), np.array(computed, dtype=np.int64),
+                                 np.array(num_new, dtype=np.int64), np.array(sampling, dtype=bool),
+                                 width, pad_for, num_drafts)
+
+    def build_arrays(self, rows_np: np.ndarray, computed_np: np.ndarray, query_lens: np.ndarray,
+                     sampling: np.ndarray, width: int,
+                     pad_for: Callable[[int], int | None] | None = None,
+                     num_drafts: np.ndarray | None = None, token_offset: int = 0) -> StepInputs:
+        """``build`` from arrays: per sequence its batch row, tokens already cached, tokens
+        to compute and whether it samples (its last token's logits); ``width``: the most
+        blocks any of the rows holds. ``token_offset``: the input at position ``p`` is the
+        row's token at ``p + token_offset`` (an EAGLE head reads the next token at each
+        position); the KV slots are position ``p``'s."""
+        batch = self.batch
+        n = len(rows_np)
         ends = np.cumsum(query_lens)
         total = int(ends[-1])
         if total == n:          # pure decode: one token per sequence
@@ -140,7 +150,8 @@ class StepInputBuilder:
         num_seqs = n if pad_to is None else pad_to
         num_tokens = total if pad_to is None else pad_to
 
-        self.input_ids.np[:total] = batch.token_ids[token_rows, positions]
+        self.input_ids.np[:total] = batch.token_ids[token_rows, positions + token_offset if token_offset
+                                                    else positions]
         self.positions.np[:total] = positions
         table_width = width if pad_to is None else batch.max_blocks_per_seq
         block_index, offset = positions // bs, positions % bs
@@ -165,7 +176,7 @@ class StepInputBuilder:
             self.seq_lens.np[n:pad_to] = 0
             starts[n + 1:pad_to + 1] = total
 
-        sample_positions = np.flatnonzero(np.array(sampling, dtype=bool))
+        sample_positions = np.flatnonzero(sampling)
         num_sampling = len(sample_positions)
         if num_drafts is None:
             self.logits_indices.np[:num_sampling] = ends[sample_positions] - 1

@@ -36,6 +36,7 @@ class VerifiedStep:
 
     step: StepInputs
     scheduled: list[ScheduledRequest]      # the step's entries, in order
+    rows: np.ndarray                       # their batch rows
     sample_positions: np.ndarray           # indices into ``scheduled`` of the sampling entries
     num_drafts: np.ndarray                 # [len(scheduled)] drafts scored per entry
     num_accepted: np.ndarray               # [num sampling] drafts kept
@@ -44,8 +45,9 @@ class VerifiedStep:
 
 
 class Proposer(Protocol):
-    def propose(self, batch: InputBatch, verified: VerifiedStep) -> dict[int, list[int]]:
-        """Drafts by batch row for (some of) the rows of ``verified.step.sample_rows``."""
+    def propose(self, batch: InputBatch, verified: VerifiedStep, enabled: bool) -> dict[int, list[int]]:
+        """Drafts by batch row for (some of) the rows of ``verified.step.sample_rows``;
+        none when not ``enabled`` (a drafter with its own KV still catches up on the step)."""
 
 
 class SpecDecoder:
@@ -60,6 +62,21 @@ class SpecDecoder:
         self.batch = batch
         self.proposer = proposer
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes per token the proposer keeps in the target's blocks (a model's own KV)."""
+        return getattr(self.proposer, "kv_bytes_per_token", 0)
+
+    @property
+    def needs_hidden(self) -> bool:
+        """Whether the proposer reads the target's hidden states (EAGLE)."""
+        return getattr(self.proposer, "needs_hidden", False)
+
+    def allocate(self, num_blocks: int, block_size: int) -> None:
+        """The proposer's KV cache beside the target's (same block ids), if it keeps one."""
+        if self.kv_bytes_per_token:
+            self.proposer.allocate(num_blocks, block_size)
+
     def write_drafts(self, scheduled: list[ScheduledRequest], rows: list[int]) -> np.ndarray:
         """Write each entry's drafts into its batch row; the number per entry."""
         num = np.zeros(len(scheduled), dtype=np.int64)
@@ -70,7 +87,8 @@ class SpecDecoder:
         return num
 
     def verify(self, logits: torch.Tensor, step: StepInputs, scheduled: list[ScheduledRequest],
-               num_drafts: np.ndarray, token_bitmask=None
+               rows: list[int], num_drafts: np.ndarray, token_bitmask=None,
+               hidden: torch.Tensor | None = None
                ) -> tuple[VerifiedStep, dict[int, list[SampleResult]]]:
         """Verify the drafts scored in ``logits`` (one row per scored position, see
         ``StepInputs.logits_indices``); ``token_bitmask`` has a row per scored position.
@@ -81,11 +99,11 @@ class SpecDecoder:
         per_request = num_drafts[positions]
         counts = per_request + 1
         starts = np.cumsum(counts) - counts
-        rows = np.repeat(step.sample_rows, counts)
+        scored_rows = np.repeat(step.sample_rows, counts)
         offsets = np.arange(int(counts.sum())) - np.repeat(starts, counts)
-        meta = self.batch.sampling_metadata(rows, offsets)
+        meta = self.batch.sampling_metadata(scored_rows, offsets)
         raw, processed = process_logits(logits, meta, token_bitmask)
-        ids = np.full(len(rows), NO_DRAFT, dtype=np.int64)
+        ids = np.full(len(scored_rows), NO_DRAFT, dtype=np.int64)
         for start, d in zip(starts.tolist(), drafts, strict=True):
             ids[start:start + len(d)] = d
         scored = ScoredDrafts(per_request, torch.from_numpy(ids).to(logits.device))
@@ -93,27 +111,26 @@ class SpecDecoder:
         token_lists = [[*d[:a], t] for d, a, t in
                        zip(drafts, verdict.num_accepted, verdict.next_token_ids, strict=True)]
         logprobs = _kept_logprobs(raw, meta, verdict, starts, offsets) if meta.logprobs else {}
-        verified = VerifiedStep(step, scheduled, positions, num_drafts,
-                                np.asarray(verdict.num_accepted, dtype=np.int64), token_lists)
+        verified = VerifiedStep(step, scheduled, np.asarray(rows, dtype=np.int64), positions, num_drafts,
+                                np.asarray(verdict.num_accepted, dtype=np.int64), token_lists, hidden)
         return verified, logprobs
 
     @staticmethod
-    def unverified(step: StepInputs, scheduled: list[ScheduledRequest],
-                   token_lists: list[list[int]]) -> VerifiedStep:
+    def unverified(step: StepInputs, scheduled: list[ScheduledRequest], rows: list[int],
+                   token_lists: list[list[int]], hidden: torch.Tensor | None = None) -> VerifiedStep:
         """A step without drafts (each sampling request sampled one token), as the
         proposer reads steps."""
         positions = np.flatnonzero(np.fromiter((s.samples for s in scheduled), dtype=bool,
                                                count=len(scheduled)))
-        return VerifiedStep(step, scheduled, positions, np.zeros(len(scheduled), dtype=np.int64),
-                            np.zeros(len(positions), dtype=np.int64), token_lists)
+        return VerifiedStep(step, scheduled, np.asarray(rows, dtype=np.int64), positions,
+                            np.zeros(len(scheduled), dtype=np.int64),
+                            np.zeros(len(positions), dtype=np.int64), token_lists, hidden)
 
     def propose(self, verified: VerifiedStep) -> dict[int, list[int]]:
         """The next drafts by batch row (none while ``disable_by_batch_size`` or more
         requests run)."""
         limit = self.config.disable_by_batch_size
-        if limit is not None and len(self.batch) >= limit:
-            return {}
-        return self.proposer.propose(self.batch, verified)
+        return self.proposer.propose(self.batch, verified, limit is None or len(self.batch) < limit)
 
 
 def _kept_logprobs(raw: torch.Tensor, meta, verdict: Verdict, starts: np.ndarray,

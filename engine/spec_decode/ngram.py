@@ -74,9 +74,9 @@ class NgramDrafter:
     def __init__(self, min_n: int, max_n: int, num_speculative_tokens: int) -> None:
         self.lookup = NgramProposer(min_n, max_n, num_speculative_tokens)
 
-    def propose(self, batch, verified) -> dict[int, list[int]]:
+    def propose(self, batch, verified, enabled: bool = True) -> dict[int, list[int]]:
         rows = verified.step.sample_rows
-        if not len(rows):
+        if not enabled or not len(rows):
             return {}
         lengths = batch.num_tokens[rows]
         drafts = self.lookup.propose(batch.token_ids[rows, :int(lengths.max())], lengths)
