@@ -12,6 +12,7 @@ from typing import Any
 
 from kvpilot.contract.arch_config import ArchConfig, kv_cache_groups
 from kvpilot.contract.gguf import find_gguf
+from kvpilot.contract.speculative import SpeculativeConfig
 from kvpilot.engine.config import (
     CacheConfig,
     ModelConfig,
@@ -28,7 +29,6 @@ from kvpilot.engine.model.auto_dtype import resolve_auto_dtype
 from kvpilot.engine.model.builtin_model import BUILTIN_MODEL_NAME, DEMO_MODEL, packaged_smollm2
 from kvpilot.engine.model.device_memory import FAKE_DEVICE_MEMORY_ENV
 from kvpilot.engine.model.hf_config import load_arch_config
-from kvpilot.engine.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 

@@ -130,7 +130,7 @@ def kv_events_config(text: str):
 def speculative_config(text: str):
     """An argparse ``type``: ``--speculative-config``'s JSON object (vLLM's fields), as a
     ``SpeculativeConfig`` (unknown keys and bad values refused)."""
-    from kvpilot.engine.spec_decode.config import SpeculativeConfig
+    from kvpilot.contract.speculative import SpeculativeConfig
 
     return _from_json(SpeculativeConfig.from_json, text)
 

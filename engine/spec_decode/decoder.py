@@ -17,11 +17,11 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from kvpilot.contract.speculative import SpeculativeConfig
 from kvpilot.engine.core.scheduler import ScheduledRequest
 from kvpilot.engine.model.input_batch import InputBatch
 from kvpilot.engine.model.sampler import SampleResult, process_logits, token_logprobs
 from kvpilot.engine.model.step_inputs import StepInputs
-from kvpilot.engine.spec_decode.config import SpeculativeConfig
 from kvpilot.engine.spec_decode.rejection_sampler import (
     NO_DRAFT,
     ScoredDrafts,

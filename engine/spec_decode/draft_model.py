@@ -13,8 +13,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvpilot.contract.arch_config import ArchConfig, kv_cache_groups
 from kvpilot.engine.core.gguf_contract import find_gguf
-from kvpilot.engine.model.hf_config import ArchConfig, kv_cache_groups, load_arch_config
+from kvpilot.engine.model.hf_config import load_arch_config
 from kvpilot.engine.model.step_inputs import StepInputs
 
 

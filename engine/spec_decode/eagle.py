@@ -23,7 +23,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from kvpilot.engine.model.hf_config import ArchConfig, parse_arch_config
+from kvpilot.contract.arch_config import ArchConfig
+from kvpilot.engine.model.hf_config import parse_arch_config
 from kvpilot.engine.model.step_inputs import StepInputs
 from kvpilot.engine.spec_decode.draft_model import check_same_vocabulary
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvpilot.engine.spec_decode.config import SpeculativeConfig
+from kvpilot.contract.speculative import SpeculativeConfig
 
 
 def make_proposer(config: SpeculativeConfig, runner):

@@ -19,7 +19,7 @@ from kvpilot.engine.core.scheduler import Scheduler
 from kvpilot.engine.model.sampler import SamplingMetadata
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.spec_decode import rejection_sampler
-from kvpilot.engine.spec_decode.config import SpeculativeConfig
+from kvpilot.contract.speculative import SpeculativeConfig
 from kvpilot.engine.spec_decode.ngram import NgramProposer
 from kvpilot.engine.spec_decode.rejection_sampler import NO_DRAFT, ScoredDrafts, rejection_sample
 
