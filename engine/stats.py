@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvpilot.engine.core.kv_residency import BlockResidency
+from kvpilot.engine.core.spec_stats import SpecDecodingStats
 from kvpilot.engine.lora.stats import LoRAStats
-from kvpilot.engine.spec_decode.metrics import SpecDecodingStats
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,7 +43,7 @@ from kvpilot.engine.core.kv_cache_manager import KVCacheManager, PrefixHit
 from kvpilot.engine.core.kv_transfer import Admission, FinishedBlocks, KVTransfers, OffloadLookup
 from kvpilot.engine.core.request import Request, RequestStatus
 from kvpilot.engine.core.request_queue import make_request_queue
-from kvpilot.engine.spec_decode.metrics import SpecDecodingCounters
+from kvpilot.engine.core.spec_stats import SpecDecodingCounters
 
 logger = logging.getLogger(__name__)
 

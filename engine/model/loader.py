@@ -97,8 +97,7 @@ def _load_one(module: nn.Module, param_name: str, src: Any, shard: int | None) -
 
 
 # For modules built outside ``load_model`` from checkpoint tensors (an EAGLE head's layer):
-# a checkpoint name's engine parameter (and fused part), and loading one tensor into it.
-engine_name = _target
+# loading one tensor into its engine parameter (``param_names.param_target`` names it).
 load_tensor = _load_one
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from kvpilot.contract.arch_config import ArchConfig, kv_cache_groups
-from kvpilot.engine.core.gguf_contract import find_gguf
+from kvpilot.contract.gguf import find_gguf
 from kvpilot.engine.model.hf_config import load_arch_config
 from kvpilot.engine.model.step_inputs import StepInputs
 

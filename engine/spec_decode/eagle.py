@@ -53,7 +53,8 @@ def load_eagle_head(path: str, target: ArchConfig, max_model_len: int, dtype: to
                     device: torch.device) -> tuple[EagleHead, ArchConfig]:
     """The head in ``path`` (see the module docstring); ValueError for a checkpoint that
     does not fit the target or misses a tensor."""
-    from kvpilot.engine.model.loader import engine_name, iter_checkpoint, load_tensor
+    from kvpilot.engine.model.loader import iter_checkpoint, load_tensor
+    from kvpilot.engine.model.param_names import param_target
 
     directory = Path(path)
     if not (directory / "config.json").is_file():
@@ -72,7 +73,7 @@ def load_eagle_head(path: str, target: ArchConfig, max_model_len: int, dtype: to
     for name, src in tensors.items():
         if name in ("embed_tokens.weight", "model.embed_tokens.weight"):
             continue
-        target_name, shard = engine_name(name if name.startswith(("model.", "fc.")) else f"model.{name}")
+        target_name, shard = param_target(name if name.startswith(("model.", "fc.")) else f"model.{name}")
         if target_name not in params:
             unexpected.append(name)
             continue

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvpilot.contract.speculative import SpeculativeConfig
 from kvpilot.engine.config import SchedulerConfig
 from kvpilot.engine.core.block_hash import root_hash
 from kvpilot.engine.core.kv_cache_manager import KVCacheManager
@@ -19,7 +20,6 @@ from kvpilot.engine.core.scheduler import Scheduler
 from kvpilot.engine.model.sampler import SamplingMetadata
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.spec_decode import rejection_sampler
-from kvpilot.contract.speculative import SpeculativeConfig
 from kvpilot.engine.spec_decode.ngram import NgramProposer
 from kvpilot.engine.spec_decode.rejection_sampler import NO_DRAFT, ScoredDrafts, rejection_sample
 

@@ -11,10 +11,10 @@ from prometheus_client import CollectorRegistry
 
 from kvpilot.engine.config import KVCacheInfo
 from kvpilot.engine.core.kv_residency import BlockResidency
+from kvpilot.engine.core.spec_stats import SpecDecodingStats
 from kvpilot.engine.lora.stats import AdapterCounters, LoRAStats
 from kvpilot.engine.runtime.latency_tracker import FinishedRequestStats, IterationStats
 from kvpilot.engine.server.metrics import ServerMetrics, token_buckets
-from kvpilot.engine.spec_decode.metrics import SpecDecodingStats
 from kvpilot.engine.stats import EngineStats
 
 from support.docs_pages import documented_metrics
