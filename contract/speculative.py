@@ -12,9 +12,10 @@ Methods:
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
 from typing import Any
+
+from kvpilot.contract.json_object import dataclass_from_object, parse_json
 
 SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
 MODEL_METHODS = ("draft_model", "eagle", "eagle3")
@@ -130,18 +131,8 @@ class SpeculativeConfig:
         """From vLLM's JSON object; ValueError names an unknown key or a bad value."""
         if isinstance(data, SpeculativeConfig):
             return data
-        if not isinstance(data, dict):
-            raise ValueError("speculative_config: expected a JSON object")
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise ValueError(f"speculative_config: unknown key(s) {unknown}; kvpilot honours {sorted(names)}")
-        return cls(**data)
+        return dataclass_from_object(cls, data, "speculative_config: ")
 
     @classmethod
     def from_json(cls, text: str) -> SpeculativeConfig:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"speculative_config: not valid JSON ({exc.msg})") from None
-        return cls.from_dict(data)
+        return cls.from_dict(parse_json(text, "speculative_config: "))
