@@ -185,10 +185,10 @@ def _median(values):
 
 def run(args: argparse.Namespace) -> int:
     from kvpilot.engine.bench import peer_models
-    from kvpilot.engine.bench.machine import cpu_info
     from kvpilot.engine.bench.peer_servers import ServerSettings, measure_server
     from kvpilot.engine.bench.server_process import free_port
     from kvpilot.engine.bench.spec_workloads import WORKLOADS
+    from kvpilot.engine.model.cpu_info import cpu_info
 
     cpu = cpu_info()
     print(f"CPU: {cpu.describe()}", flush=True)
