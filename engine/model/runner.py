@@ -43,7 +43,7 @@ from kvpilot.engine.model.attention import (
 )
 from kvpilot.engine.model.cuda_graphs import DecodeGraphs, capture_sizes
 from kvpilot.engine.model.input_batch import InputBatch
-from kvpilot.engine.model.loader import load_model
+from kvpilot.engine.model.loader import load_model, prepare_for_device
 from kvpilot.engine.model.parallel.group import RanksOutOfStep, TPGroup
 from kvpilot.engine.model.parallel.pipeline import PipelineGroup
 from kvpilot.engine.model.parallel.step_channel import Command, StepSender
@@ -121,21 +121,6 @@ def layer_kv_dtypes(model_config: ModelConfig, cache_config: CacheConfig) -> lis
     keep = set(arch.sliding_window_layers) if cache_config.kv_cache_dtype_skip_sliding_window else set()
     model_dtype = TORCH_DTYPES[model_config.dtype]
     return [model_dtype if i in keep else kv for i in range(arch.num_hidden_layers)]
-
-
-def prepare_for_device(model: torch.nn.Module, device: torch.device, backend: AttentionBackend,
-                       dtype: torch.dtype, has_head: bool = True) -> None:
-    """The loaded model's kernels for ``device`` and ``backend``: on CPU a transposed (or
-    packed) LM head (``has_head``) and packed projections; the Triton or compiled CPU
-    layer ops (not under the pure-torch reference backend)."""
-    if device.type == "cpu" and has_head:
-        model.use_transposed_output_weight()
-    if device.type == "cpu":
-        model.use_packed_weights()
-    if backend.name == "triton":
-        model.use_triton_kernels()
-    elif backend.name == "cpu":   # the compiled CPU path (not the pure-torch reference)
-        model.use_cpu_layer_ops(dtype)
 
 
 class LocalForward:

@@ -43,8 +43,7 @@ class DraftModel:
     token_offset = 0
 
     def __init__(self, path: str, runner) -> None:
-        from kvpilot.engine.model.loader import load_model
-        from kvpilot.engine.model.runner import prepare_for_device
+        from kvpilot.engine.model.loader import load_model, prepare_for_device
 
         target = runner.model_config
         model_path, arch = load_draft_arch(path)
