@@ -18,7 +18,10 @@ only if both sides compute them with the same code. That code lives here:
 - ``pipeline_stages``: which layers each pipeline stage holds, and where a rank sits.
 - ``step_cost``: FLOPs and memory traffic of a step (the MFU metrics, the planner's latency).
 - ``lora_slots``: the projections an adapter targets and the bytes of the LoRA slots.
+- ``speculative``: ``SpeculativeConfig``, vLLM's ``--speculative-config`` fields (the flag, the
+  engine, and the planner that counts a drafter's memory).
 - ``constants``: names and limits shared by the CLI, the engine, the planner and the CRD.
+- ``json_object``: vLLM's JSON-valued flags read into frozen dataclasses (one rule for all).
 
 May import: the standard library and ``kvpilot.contract`` itself. Never torch, numpy,
 the engine, the kernels or the operator (``tests/structure/test_layering.py`` checks it),

@@ -5,6 +5,7 @@ Torch-free on purpose: the operator image has no torch, and the planner's promis
 sides compute the block count with this one function.
 
     bytes/token = 2 (K and V) x layers x kv_heads x head_dim x dtype_bytes
+                  (+ a speculative draft model's or EAGLE head's own, in the same blocks)
     bytes/block = bytes/token x block_size
     num_blocks  = floor(kv_cache_memory_bytes / bytes/block)
 """
@@ -112,6 +113,9 @@ class KVLayout:
     # Per-layer element sizes when layers differ (e.g. fp8 cache with sliding-window
     # layers kept 16-bit); empty means every layer uses ``dtype_bytes``.
     layer_dtype_bytes: tuple[int, ...] = ()
+    # KV bytes per token of a speculative draft model or EAGLE head, kept in the same
+    # blocks (the block ids index its cache too): every block costs both.
+    extra_bytes_per_token: int = 0
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -121,12 +125,16 @@ class KVLayout:
                                        or min(self.layer_dtype_bytes) < 1):
             raise ValueError(f"layer_dtype_bytes needs {self.num_layers} positive entries, "
                              f"got {self.layer_dtype_bytes}")
+        if self.extra_bytes_per_token < 0:
+            raise ValueError(f"extra_bytes_per_token must be >= 0, got {self.extra_bytes_per_token}")
 
     @property
     def bytes_per_token(self) -> int:
         if self.layer_dtype_bytes:
-            return 2 * self.num_kv_heads * self.head_dim * sum(self.layer_dtype_bytes)
-        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype_bytes)
+            own = 2 * self.num_kv_heads * self.head_dim * sum(self.layer_dtype_bytes)
+        else:
+            own = kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype_bytes)
+        return own + self.extra_bytes_per_token
 
     @property
     def bytes_per_block(self) -> int:

@@ -12,6 +12,7 @@ from typing import Any
 
 from kvpilot.contract.arch_config import ArchConfig, kv_cache_groups
 from kvpilot.contract.gguf import find_gguf
+from kvpilot.contract.speculative import SpeculativeConfig
 from kvpilot.engine.config import (
     CacheConfig,
     ModelConfig,
@@ -128,6 +129,9 @@ class EngineArgs:
     lora_modules: tuple[LoRAModule, ...] | None = None
     # /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM: VLLM_ALLOW_RUNTIME_LORA_UPDATING)
     allow_runtime_lora_updating: bool = False
+    # Speculative decoding (vLLM's --speculative-config: a SpeculativeConfig or its JSON
+    # fields as a dict); None: off.
+    speculative_config: SpeculativeConfig | dict | None = None
 
     def resolve_device(self) -> str:
         if self.device != "auto":
@@ -275,6 +279,20 @@ class EngineArgs:
         (ValueError naming those it does, before anything loads); None when off."""
         check_connector(self.kv_transfer_config)
         return self.kv_transfer_config
+
+    def create_speculative_config(self) -> SpeculativeConfig | None:
+        """The ``SpeculativeConfig`` (None: off); ValueError for what cannot be served."""
+        if self.speculative_config is None:
+            return None
+        config = SpeculativeConfig.from_dict(self.speculative_config)
+        if self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1:
+            raise ValueError("speculative decoding is not implemented with tensor or pipeline "
+                             "parallelism; use one rank or drop --speculative-config")
+        if config.uses_model and self.kv_offloading_size is not None:
+            raise ValueError(f"speculative method {config.method!r} keeps its own KV in the blocks, "
+                             "which KV offloading does not save; use the ngram method or turn "
+                             "offloading off")
+        return config
 
     def create_offload_config(self):
         """The ``OffloadConfig``, or None when KV offloading is off; ValueError for bad values."""

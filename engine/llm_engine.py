@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable
@@ -77,6 +78,7 @@ class LLMEngine:
         model_config, cache_config, scheduler_config = args.create_configs()
         offload_config = args.create_offload_config()   # validated before the model loads
         self.kv_transfer_config = args.create_kv_transfer_config()
+        self.speculative_config = args.create_speculative_config()
         self.lora_config = args.create_lora_config()
         parallel_config = args.create_parallel_config(model_config.arch)
         self.args = args
@@ -112,8 +114,12 @@ class LLMEngine:
                                   channel=workers.channel if workers else None,
                                   pp=workers.pipeline if workers else None,
                                   num_microbatches=self.parallel_config.num_microbatches,
-                                  lora=self.lora, count_nan_logits=args.compute_nans_in_logits)
+                                  lora=self.lora, count_nan_logits=args.compute_nans_in_logits,
+                                  speculative_config=self.speculative_config)
         layout = kv_layout(self.runner, model_config, cache_config, scheduler_config)
+        if self.runner.spec is not None and self.runner.spec.kv_bytes_per_token:
+            # a draft model's / EAGLE head's KV lives in the same blocks
+            layout = dataclasses.replace(layout, extra_bytes_per_token=self.runner.spec.kv_bytes_per_token)
         sizing, self.num_blocks_per_rank = size_kv_cache(
             layout, self.runner, model_config, cache_config, scheduler_config, self.parallel_config,
             self.device_memory, self._memory_baseline, lora_device_bytes(self.lora_config, model_config))
@@ -145,11 +151,15 @@ class LLMEngine:
                 num_blocks, layout.block_size, cache_config.enable_prefix_caching, hash_root,
                 record_evictions=self.kv_offload is not None, residency=self._residency,
                 release_window=window, token_reuse=self._token_reuse(window),
-                explain_misses=args.explain_prefix_misses)
+                explain_misses=args.explain_prefix_misses,
+                recompute_last_hit_block=self.speculative_config is not None and self.speculative_config.is_eagle)
             explainer = self.kv_cache_manager.explainer
             if explainer is not None and self.kv_offload is not None:
                 self.kv_offload.set_eviction_hook(explainer.on_offload_evict)
-        self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager, offload=self.kv_offload)
+        spec = self.speculative_config
+        self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager, offload=self.kv_offload,
+                                   num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+                                   num_lookahead_tokens=spec.num_lookahead_tokens if spec else 0)
         self.kv_events = start_kv_events(args.kv_events_config, self.kv_cache_manager, self.kv_offload)
         self._failed_requests: list[FailedRequest] = []   # see take_failed_requests
         structured = args.structured_outputs_config
@@ -176,6 +186,7 @@ class LLMEngine:
                "the KV cache is split over ranks (tensor / pipeline parallel)" if self.workers is not None else
                "a hybrid model keeps two block tables (full and sliding-window layers)" if hybrid else
                "the model's layers all slide (blocks released outside the window)" if window is not None else
+               "a draft model or EAGLE head keeps its own KV beside the target's" if self.speculative_config is not None and self.speculative_config.uses_model else
                None)
         if why is not None:
             logger.warning("token-granular reuse is off: %s", why)
@@ -385,13 +396,22 @@ class LLMEngine:
                 except Exception as exc:  # noqa: BLE001 - fails this request only
                     failed[request.parent_id] = exc
         output = self.output_processor
-        for status, stop_reasons in _by_status(output.process(advanced, result.logprobs, failed)).items():
-            self._release(self.scheduler.finish_requests(stop_reasons, status, stop_reasons))
+        for status, (stop_reasons, kept) in _by_status(output.process(advanced, result.logprobs, failed)).items():
+            self._release(self.scheduler.finish_requests(stop_reasons, status, stop_reasons, kept))
         outputs = output.outputs(failed)
         self._fail_requests(failed)
+        if result.draft_token_ids:
+            self._set_drafts(result.draft_token_ids)
         if self.kv_offload is not None and not self.scheduler.has_unfinished_requests():
             self._run_pending_kv_transfers()   # save finished requests' blocks now, not next step
         return outputs
+
+    def _set_drafts(self, drafts: dict[str, list[int]]) -> None:
+        """The drafts proposed for the running requests' next step; a constrained
+        request's are cut at the first token its grammar refuses."""
+        if self.structured_output.active:
+            drafts = self.structured_output.trim_drafts(drafts, self.scheduler.requests)
+        self.scheduler.update_draft_token_ids(drafts)
 
     def _execute(self, sched, bitmask):
         """The runner's step. With workers, a dead worker or a failure while the ranks ran
@@ -455,6 +475,8 @@ class LLMEngine:
                         self._estimated, strict=True)) if self._cost_model is not None else {}),
             **(self.kv_offload.stats().engine_stat_fields() if self.kv_offload is not None else {}),
             lora=self._lora_stats() if self.lora is not None else None,
+            spec_decoding=(self.scheduler.spec_stats.snapshot()
+                           if self.scheduler.spec_stats is not None else None),
         )
 
     def _cached_by_tier(self, sources) -> dict[str, int]:
@@ -554,9 +576,11 @@ class LLMEngine:
                 self.workers.close()
 
 
-def _by_status(stops: list[tuple[Request, RequestStatus, int | str | None]]) -> dict:
-    """Per finishing status, its requests' stop reasons by id, in order."""
-    by_status: dict[RequestStatus, dict[str, int | str | None]] = {}
-    for request, status, stop_reason in stops:
-        by_status.setdefault(status, {})[request.request_id] = stop_reason
+def _by_status(stops: list[tuple[Request, RequestStatus, int | str | None, int]]) -> dict:
+    """Per finishing status, its requests' stop reasons and kept output tokens by id, in order."""
+    by_status: dict[RequestStatus, tuple[dict[str, int | str | None], dict[str, int]]] = {}
+    for request, status, stop_reason, num_output_tokens in stops:
+        reasons, kept = by_status.setdefault(status, ({}, {}))
+        reasons[request.request_id] = stop_reason
+        kept[request.request_id] = num_output_tokens
     return by_status

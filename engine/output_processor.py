@@ -1,6 +1,7 @@
 """From sampled tokens to text, stops and ``RequestOutput``s.
 
-Per token and request: one incremental detokenization, the token stop checks and, when
+Per new token and request (one per step, or with speculative decoding all the tokens a
+step accepted, in order, up to the first stop): one incremental detokenization, the token stop checks and, when
 the request has stop strings, a search of only the text that could contain a new
 match (the newest characters plus the longest stop string). Outputs are built only
 for requests whose output kind asks for one this step (``SamplingParams.output_kind``):
@@ -49,6 +50,7 @@ class SequenceState:
     holdback: int                # chars held back while running (a stop string may start there)
     max_stop_len: int            # longest stop string (0: none)
     stop_matcher: StopMatcher | None = None   # the request's stop strings (None: none)
+    num_processed: int = 0       # output tokens digested so far
     tail: str = ""               # newest chars, kept to find stop strings spanning tokens
     final_len: int | None = None  # text length once finished (a stop string may cut it)
     num_sent_chars: int = 0      # DELTA: already returned
@@ -205,10 +207,13 @@ class OutputProcessor:
         if parent.finished and parent.request_id not in self._touched:
             self.parents.pop(parent.request_id, None)   # aborted: nothing left to build
 
-    def process(self, advanced: list[Request], logprobs: dict[str, SampleResult],
-                failed: dict[str, BaseException]) -> list[tuple[Request, RequestStatus, int | str | None]]:
-        """Handle one step's new tokens; returns the stops they caused, as ``(request,
-        status, stop_reason)`` (a stop token, a stop string, the length limit).
+    def process(self, advanced: list[Request], logprobs: dict[str, list[SampleResult]],
+                failed: dict[str, BaseException]
+                ) -> list[tuple[Request, RequestStatus, int | str | None, int]]:
+        """Handle one step's new tokens (``logprobs``: per request that asked, one result
+        per new token); returns the stops they caused, as ``(request, status, stop_reason,
+        num_output_tokens)`` (a stop token, a stop string, the length limit; the output
+        tokens up to and including the stopping one: tokens after it are not the request's).
 
         A failure while handling one sequence's token (detokenizing, a stop check) is
         that request's alone: it is recorded in ``failed`` (parent request id ->
@@ -222,13 +227,20 @@ class OutputProcessor:
             parent = child.parent
             if parent.request_id in failed:
                 continue
+            results = logprobs.get(request.request_id)
+            first = child.num_processed
+            stop = None
             try:
-                stop = self._process_token(child, logprobs.get(request.request_id))
+                for index in range(first, len(request.output_token_ids)):
+                    child.num_processed = index + 1
+                    stop = self._process_token(child, results[index - first] if results else None, index)
+                    if stop is not None:
+                        break
             except Exception as exc:  # noqa: BLE001 - fails this request only (the caller's job)
                 failed[parent.request_id] = exc
                 continue
             if stop is not None:
-                stops.append((request, *stop))
+                stops.append((request, *stop, child.num_processed))
             if parent.kind is not FINAL_ONLY or stop is not None:
                 touched[parent.request_id] = parent
         return stops
@@ -248,8 +260,9 @@ class OutputProcessor:
             outputs.append(parent.output())
         return outputs
 
-    def _process_token(self, child: SequenceState, result: SampleResult | None):
-        """Digest the sequence's newest token; ``(status, stop_reason)`` if it stopped there."""
+    def _process_token(self, child: SequenceState, result: SampleResult | None, index: int):
+        """Digest the sequence's output token ``index``; ``(status, stop_reason)`` if it
+        stopped there."""
         request = child.request
         parent = child.parent
         if not parent.prompt_counted:
@@ -258,8 +271,8 @@ class OutputProcessor:
         self.generation_tokens += 1
         if child.logprobs is not None and result is not None:
             self._record_logprobs(child, result)
-        delta = child.detok.add_token(request.output_token_ids[-1])
-        status, stop_token = token_stop(request, self._max_model_len)
+        delta = child.detok.add_token(request.output_token_ids[index])
+        status, stop_token = token_stop(request, index, self._max_model_len)
         if child.stop_matcher is not None and delta:
             tail = child.tail + delta
             hit = child.stop_matcher.find(tail, len(delta))
@@ -287,15 +300,16 @@ class OutputProcessor:
         child.cumulative_logprob += result.logprob
 
 
-def token_stop(request: Request, max_model_len: int) -> tuple[RequestStatus | None, int | None]:
-    """Status (or None to continue) after the request's newest token, and the stop token:
-    a stop token (after ``min_tokens``), ``max_tokens``, ``max_model_len``."""
+def token_stop(request: Request, index: int, max_model_len: int) -> tuple[RequestStatus | None, int | None]:
+    """Status (or None to continue) after the request's output token ``index``, and the
+    stop token: a stop token (after ``min_tokens``), ``max_tokens``, ``max_model_len``."""
     params = request.sampling_params
-    last = request.output_token_ids[-1]
-    if request.num_output_tokens > params.min_tokens - 1 and last in params.all_stop_token_ids:
+    token = request.output_token_ids[index]
+    num_output = index + 1
+    if num_output > params.min_tokens - 1 and token in params.all_stop_token_ids:
         # vLLM reports the id only for explicit stop_token_ids, not for EOS.
-        reason = last if last in (params.stop_token_ids or ()) else None
+        reason = token if token in (params.stop_token_ids or ()) else None
         return RequestStatus.FINISHED_STOPPED, reason
-    if request.num_output_tokens >= request.max_tokens or request.num_tokens >= max_model_len:
+    if num_output >= request.max_tokens or request.num_prompt_tokens + num_output >= max_model_len:
         return RequestStatus.FINISHED_LENGTH, None
     return None, None

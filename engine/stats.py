@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvpilot.engine.core.kv_residency import BlockResidency
+from kvpilot.engine.core.spec_stats import SpecDecodingStats
 from kvpilot.engine.lora.stats import LoRAStats
 
 
@@ -70,6 +71,8 @@ class EngineStats:
     estimated_write_bytes: int | None = None
     # LoRA adapters: running / waiting ones, counters per adapter (None when LoRA is off).
     lora: LoRAStats | None = None
+    # Verified drafts (cumulative; None without speculative decoding).
+    spec_decoding: SpecDecodingStats | None = None
 
     @property
     def prompt_tokens_cached(self) -> int:

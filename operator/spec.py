@@ -384,7 +384,10 @@ def _parse_slo(slo: Mapping[str, Any]) -> ServiceLevel:
 
 
 def _parse_engine(engine: Mapping[str, Any]) -> EngineSpec:
-    parsed = EngineSpec(pinned=_planner_kwargs(engine, ENGINE_SETTINGS), extra_args=tuple(engine.get("extraArgs", ())))
+    pinned = _planner_kwargs(engine, ENGINE_SETTINGS)
+    if "speculative" in pinned:   # vLLM's --speculative-config field names (snake_case)
+        pinned["speculative"] = {snake_case(k): v for k, v in pinned["speculative"].items()}
+    parsed = EngineSpec(pinned=pinned, extra_args=tuple(engine.get("extraArgs", ())))
     try:
         timeout = parsed.shutdown_timeout
     except ValueError:

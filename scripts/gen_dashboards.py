@@ -6,7 +6,8 @@ Grafana's dashboards-as-code SDK (PyPI ``grafana-foundation-sdk``).
     .venv/bin/python scripts/gen_dashboards.py --check  # exit 1 when they are stale
 
 Two dashboards: ``kvpilot-engines`` (KV cache, prefix cache, preemption, queues, latency
-percentiles, throughput, batch size, KV offload, planned vs observed capacity, replicas)
+percentiles, throughput, batch size, speculative decoding's acceptance length, KV offload,
+planned vs observed capacity, replicas)
 and ``kvpilot-operator`` (reconciles, errors, plan outcomes, drift repairs). Both take the
 Prometheus data source from the ``DS_PROMETHEUS`` variable (Grafana's import convention),
 filter on ``namespace`` / ``model_name`` variables, and rate over ``$__rate_interval``.
@@ -142,6 +143,11 @@ def engine_rows() -> list[tuple[str, list[PanelSpec]]]:
                        Target(f"sum by (pod) ({rate('vllm:estimated_read_bytes_per_gpu_total')}) + "
                               f"sum by (pod) ({rate('vllm:estimated_write_bytes_per_gpu_total')})",
                               "bytes/s {{pod}}"))),
+            PanelSpec("Speculative decoding: mean acceptance length", "Tokens a verification step "
+                      "yields per draft, the bonus token included: 1 + rate(accepted draft tokens) / "
+                      "rate(drafts) (--speculative-config; vLLM's definition).", "short",
+                      (Target("1 + " + ratio("vllm:spec_decode_num_accepted_tokens_total",
+                                             "vllm:spec_decode_num_drafts_total"), "{{model_name}}"),)),
         ]),
         ("KV offload", [
             PanelSpec("Offload tier hit rate", "rate(external hits) / rate(external queries).", "percentunit",

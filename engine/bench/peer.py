@@ -134,7 +134,7 @@ def _print_ratios(table: dict[tuple[str, str], dict[str, float]], names: list[st
 def run(args: argparse.Namespace) -> int:
     from kvpilot.engine.bench import peer_models
     from kvpilot.engine.bench.peer_load import Workload, measure
-    from kvpilot.engine.bench.peer_servers import ServerSettings, start
+    from kvpilot.engine.bench.peer_servers import ServerSettings, measure_server
     from kvpilot.engine.bench.server_process import free_port
     from kvpilot.engine.model.cpu_info import cpu_info
 
@@ -179,20 +179,10 @@ def run(args: argparse.Namespace) -> int:
             model = gguf if peer.model_format == "gguf" else checkpoint
             cmd, env = peer.command(args.peers_dir, settings, model, port)
             print(f"[repeat {repeat + 1}/{args.repeats}] {peer.name}: starting", flush=True)
-            try:
-                server = start(peer.name, cmd, port, env=env)
-            except RuntimeError as exc:
-                print(f"  {peer.name} failed to start: {exc}", flush=True)
-                skipped[peer.name] = str(exc).splitlines()[0]
+            figures = measure_server(peer.name, cmd, port, env, lambda url: asyncio.run(
+                measure(url, pool, workload, seed=args.seed)), skipped)
+            if figures is None:
                 continue
-            try:
-                figures = asyncio.run(measure(server.base_url, pool, workload, seed=args.seed))
-            except Exception as exc:  # noqa: BLE001 - one broken server must not end the comparison
-                print(f"  {peer.name} failed under load: {exc}\n{server.log_tail()}", flush=True)
-                skipped[peer.name] = f"failed under load: {exc}"
-                continue
-            finally:
-                server.stop()
             runs[peer.name].append(figures)
             print("  " + "  ".join(f"{k} {'-' if v is None else f'{v:.1f}'}" for k, v in figures.items()),
                   flush=True)

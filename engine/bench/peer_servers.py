@@ -97,6 +97,27 @@ def start(name: str, cmd: list[str], port: int, *, env: dict[str, str] | None = 
             time.sleep(0.5)
 
 
+def measure_server(name: str, cmd: list[str], port: int, env: dict[str, str],
+                   measure: Callable[[str], dict], skipped: dict[str, str]) -> dict | None:
+    """Start ``cmd``, ``measure(base_url)`` its figures, stop it; None (and why, in
+    ``skipped``) when it does not start or fails under load: one broken server must not end
+    a comparison."""
+    try:
+        server = start(name, cmd, port, env=env)
+    except RuntimeError as exc:
+        print(f"  {name} failed to start: {exc}", flush=True)
+        skipped[name] = str(exc).splitlines()[0]
+        return None
+    try:
+        return measure(server.base_url)
+    except Exception as exc:  # noqa: BLE001 - reported, the comparison goes on
+        print(f"  {name} failed under load: {exc}\n{server.log_tail()}", flush=True)
+        skipped[name] = f"failed under load: {exc}"
+        return None
+    finally:
+        server.stop()
+
+
 @dataclass(frozen=True, slots=True)
 class Peer:
     """One server kind: where it is installed, how to install it, how to start it.
@@ -128,6 +149,20 @@ def llama_server_binary(peers_dir: Path) -> Path | None:
     return Path(found[-1]) if found else None
 
 
+def llama_cpp_isa_flags(cpu: CPUInfo | None = None) -> list[str]:
+    """llama.cpp's instruction-set flags: native, except on an AMX CPU, where the AVX-512
+    set is named without AMX: sandboxes of this kind refuse AMX tile state (llama-server dies
+    with SIGILL in its AMX kernel at the first matmul)."""
+    from kvpilot.engine.bench.machine import cpu_info
+
+    cpu = cpu or cpu_info()
+    if "amx_tile" not in cpu.flags:
+        return ["-DGGML_NATIVE=ON"]
+    return ["-DGGML_NATIVE=OFF", *(f"-DGGML_{isa}=ON" for isa in (
+        "SSE42", "AVX", "AVX2", "FMA", "F16C", "BMI2", "AVX512", "AVX512_VBMI", "AVX512_VNNI")),
+        "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
+
+
 def install_llama_cpp(peers_dir: Path) -> None:
     src = peers_dir / "src"
     src.mkdir(parents=True, exist_ok=True)
@@ -136,7 +171,7 @@ def install_llama_cpp(peers_dir: Path) -> None:
     sdist = sorted(src.glob("llama_cpp_python-*.tar.gz"))[-1]
     _run(["tar", "xzf", str(sdist), "-C", str(src)])
     tree = src / sdist.name.removesuffix(".tar.gz") / "vendor" / "llama.cpp"
-    _run(["cmake", "-B", "build", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_SERVER=ON",
+    _run(["cmake", "-B", "build", *llama_cpp_isa_flags(), "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_SERVER=ON",
           "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DCMAKE_BUILD_TYPE=Release"], cwd=tree)
     _run(["cmake", "--build", "build", f"-j{os.cpu_count() or 2}", "--target", "llama-server"], cwd=tree)
 

@@ -25,6 +25,7 @@ BENCHMARKS: dict[str, str] = {
     "peer": "kvpilot.engine.bench.peer",
     "multiturn": "kvpilot.engine.bench.multiturn",
     "miss-reasons": "kvpilot.engine.bench.miss_reasons",
+    "spec": "kvpilot.engine.bench.spec",
 }
 
 

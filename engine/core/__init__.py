@@ -8,6 +8,7 @@
 - ``scheduler``: continuous batching, chunked prefill, preemption -> ``SchedulerOutput``.
 - ``kv_transfer``: the offload saves and loads a step carries to the runner.
 - ``kv_event_log``: what each step changed in each KV tier, for the KV-event publisher.
+- ``spec_stats``: speculative decoding's counters of verified drafts (``vllm:spec_decode_*``).
 
 What the engine shares with the planner (the KV formula, the config.json reader, the
 shared constants, ...) is ``kvpilot.contract``.

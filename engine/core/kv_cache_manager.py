@@ -91,6 +91,7 @@ class KVCacheManager:
         release_window: int | None = None,
         token_reuse: bool = False,
         explain_misses: bool = False,
+        recompute_last_hit_block: bool = False,
     ) -> None:
         if release_window is not None and record_evictions:
             raise ValueError("KV offload saves whole block tables; it cannot run with blocks "
@@ -100,6 +101,9 @@ class KVCacheManager:
                              "already have released; it cannot run with a release window")
         self.block_size = block_size
         self.release_window = release_window
+        # An EAGLE head's KV at a block's last position depends on the next block's first
+        # token: a hit never ends on a cached block, whose last position is recomputed.
+        self.recompute_last_hit_block = recompute_last_hit_block
         self.enable_caching = enable_caching
         self.hash_root = hash_root
         self.pool = BlockPool(num_blocks, enable_caching, record_evictions, residency)
@@ -173,6 +177,9 @@ class KVCacheManager:
                 blocks.append(block)
         else:
             blocks = self._windowed_hit(hashes, limit)
+        if self.recompute_last_hit_block and blocks:
+            blocks.pop()
+            limit = len(blocks)
         partial = self._find_partial(request, len(blocks)) if self.token_reuse else None
         reused = partial[1] if partial is not None else 0
         recomputed = 0

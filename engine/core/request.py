@@ -68,6 +68,9 @@ class Request:
     nan_in_logits: bool = False           # a step's logits for it held a NaN
     # Hashes of this request's full blocks, in order; extended as tokens arrive.
     block_hashes: list[bytes] = field(default_factory=list)
+    # Draft tokens proposed for its next step (speculative decoding): scheduled after its
+    # last token and verified by that step; never part of ``num_tokens``.
+    spec_token_ids: list[int] = field(default_factory=list)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None

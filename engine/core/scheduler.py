@@ -18,6 +18,16 @@ finish time, stop reason, freeing their blocks), and it knows which are unfinish
 id they were added under (a request with ``n`` > 1 sequences is ``n`` scheduler requests
 under one ``parent_id``). What it finished reaches the runner in the next step's
 ``SchedulerOutput.finished_req_ids`` (their batch rows go).
+
+Speculative decoding (vLLM v1's way): a running request carries the draft tokens proposed
+after its last step (``Request.spec_token_ids``, set by ``update_draft_token_ids``) and is
+scheduled for its last token plus those drafts (trimmed to the token budget); the step
+scores them all and returns the accepted drafts plus one token of the target's.
+``update_from_output`` appends them and takes ``num_computed_tokens`` back over the
+rejected positions: their KV slots are written again by a later step. Blocks are hashed
+into the prefix cache only as far as the request's own (accepted) tokens reach, never
+over drafts. A model-based proposer writes its own KV past the scored tokens
+(``num_lookahead_tokens``): those slots are allocated with the step's.
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ from kvpilot.engine.core.kv_cache_manager import KVCacheManager, PrefixHit
 from kvpilot.engine.core.kv_transfer import Admission, FinishedBlocks, KVTransfers, OffloadLookup
 from kvpilot.engine.core.request import Request, RequestStatus
 from kvpilot.engine.core.request_queue import make_request_queue
+from kvpilot.engine.core.spec_stats import SpecDecodingCounters
 
 logger = logging.getLogger(__name__)
 
@@ -48,11 +59,14 @@ class ScheduledRequest:
     # The tables of the other KV cache groups (a hybrid model's sliding-window layers),
     # live lists as well; empty when one table serves every layer.
     group_block_ids: tuple[list[int], ...] = ()
+    # Draft tokens scored this step after the request's last token (the last
+    # ``len(spec_token_ids)`` of its ``num_new_tokens``); empty without speculation.
+    spec_token_ids: list[int] | tuple[()] = ()
 
     @property
     def samples(self) -> bool:
         """Whether this step reaches the request's last token (so it yields a new token)."""
-        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        return self.num_computed_tokens + self.num_new_tokens >= self.request.num_tokens
 
 
 @dataclass(slots=True)
@@ -66,6 +80,8 @@ class SchedulerOutput:
     # Token-granular reuse: (source block, destination block, tokens) whose KV the engine
     # copies after the offload work and before the forward pass (kv_cache_manager).
     kv_copies: list[tuple[int, int, int]] = field(default_factory=list)
+    # Draft tokens scheduled over all requests (0: a step without speculation).
+    num_spec_tokens: int = 0
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -98,11 +114,19 @@ class Scheduler:
             per group of layers).
         offload: the KV offload lookup (None when offload is off); the saves and loads it
             implies travel in ``SchedulerOutput.kv_transfers``.
+        num_speculative_tokens: drafts a request may carry per step (0: no speculation).
+        num_lookahead_tokens: KV slots allocated past a step's tokens for a proposer's own
+            drafts (a draft model or EAGLE head; 0 for n-gram).
     """
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager | HybridKVCacheManager,
-                 offload: OffloadLookup | None = None) -> None:
+                 offload: OffloadLookup | None = None, num_speculative_tokens: int = 0,
+                 num_lookahead_tokens: int = 0) -> None:
         self.config = config
+        self.num_lookahead_tokens = num_lookahead_tokens
+        # Verified drafts (None without speculation): vllm:spec_decode_* counters.
+        self.spec_stats = (SpecDecodingCounters(num_speculative_tokens)
+                           if num_speculative_tokens else None)
         self.kv = kv_cache_manager
         self.offload = offload
         self._transfers: KVTransfers | None = KVTransfers() if offload is not None else None
@@ -135,10 +159,13 @@ class Scheduler:
             request.status = RequestStatus.WAITING
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus,
-                        stop_reasons: Mapping[str, int | str] | None = None) -> list[Request]:
+                        stop_reasons: Mapping[str, int | str] | None = None,
+                        num_output_tokens: Mapping[str, int] | None = None) -> list[Request]:
         """Finish (or abort) requests with ``status`` wherever they are and free their
-        blocks; ``stop_reasons``: the stop token or string of those that stopped on one.
-        Returns the requests that were unfinished (unknown ids are ignored)."""
+        blocks; ``stop_reasons``: the stop token or string of those that stopped on one;
+        ``num_output_tokens``: the output tokens each keeps (a stop in the middle of the
+        tokens one step accepted: the rest are dropped). Returns the requests that were
+        unfinished (unknown ids are ignored)."""
         if isinstance(request_ids, str):
             request_ids = (request_ids,)
         now = time.time()
@@ -155,6 +182,8 @@ class Scheduler:
             request.finished_time = now
             if stop_reasons:
                 request.stop_reason = stop_reasons.get(request_id)
+            if num_output_tokens:
+                self._truncate(request, num_output_tokens.get(request_id))
             parent = request.parent_id or request_id
             siblings = self._by_parent[parent]
             siblings.remove(request)
@@ -164,6 +193,15 @@ class Scheduler:
             self._release(request)
             finished.append(request)
         return finished
+
+    def _truncate(self, request: Request, num_output_tokens: int | None) -> None:
+        """Drop the output tokens past ``num_output_tokens`` (and what was derived from
+        them: computed tokens, block hashes), before the blocks are freed."""
+        if num_output_tokens is None or num_output_tokens >= request.num_output_tokens:
+            return
+        del request.output_token_ids[num_output_tokens:]
+        request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
+        del request.block_hashes[request.num_tokens // self.kv.block_size:]
 
     def abort_requests(self, parent_ids) -> list[Request]:
         """Abort every unfinished request added under ``parent_ids`` (unknown ids ignored)."""
@@ -245,7 +283,13 @@ class Scheduler:
             return False
         hit = self.kv.find_prefix_hit(request)
         num_new = min(request.num_tokens - hit.num_tokens, self.config.max_num_batched_tokens)
-        return self.kv.can_allocate(request, num_new, hit)
+        return self.kv.can_allocate(request, num_new + self._lookahead(hit.num_tokens, num_new), hit)
+
+    def _lookahead(self, num_computed: int, num_new: int) -> int:
+        """The proposer's KV slots past ``num_computed + num_new`` (never past the context)."""
+        if not self.num_lookahead_tokens:
+            return 0
+        return max(0, min(self.num_lookahead_tokens, self.config.max_model_len - num_computed - num_new))
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         allocate, scheduled = self.kv.allocate_slots, out.scheduled
@@ -255,16 +299,30 @@ class Scheduler:
                 break
             if request.status is not running:
                 continue   # preempted earlier in this step as someone else's victim
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not allocate(request, num_new):
+            num_drafts = len(request.spec_token_ids)
+            num_new = min(request.num_tokens + num_drafts - request.num_computed_tokens, budget)
+            lookahead = self._lookahead(request.num_computed_tokens, num_new) if self.num_lookahead_tokens else 0
+            while not allocate(request, num_new + lookahead):
                 victim = self._pick_victim()
                 budget += self._preempt(victim, out)
                 if victim is request:
                     break
             else:
-                scheduled.append(self._scheduled(request, num_new))
+                entry = self._scheduled(request, num_new)
+                if num_drafts:
+                    self._schedule_drafts(entry, out)
+                scheduled.append(entry)
                 budget -= num_new
         return budget
+
+    @staticmethod
+    def _schedule_drafts(entry: ScheduledRequest, out: SchedulerOutput) -> None:
+        """The drafts that fit ``entry``'s tokens (the budget may cut some)."""
+        request = entry.request
+        num_spec = entry.num_computed_tokens + entry.num_new_tokens - request.num_tokens
+        if num_spec > 0:
+            entry.spec_token_ids = request.spec_token_ids[:num_spec]
+            out.num_spec_tokens += num_spec
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         adapters = self._running_adapters()
@@ -304,7 +362,7 @@ class Scheduler:
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
             num_new = min(num_new, budget)
-            if not self.kv.allocate_slots(request, num_new, hit):
+            if not self.kv.allocate_slots(request, num_new + self._lookahead(hit.num_tokens, num_new), hit):
                 break
             self.waiting.pop()
             self.kv.record_admission(request, hit)
@@ -364,6 +422,7 @@ class Scheduler:
                 break
         self._release(victim)
         victim.num_computed_tokens = 0
+        victim.spec_token_ids = []   # proposed for the KV it lost
         victim.num_preemptions += 1
         victim.status = RequestStatus.PREEMPTED
         self.waiting.add_preempted(victim)
@@ -388,10 +447,11 @@ class Scheduler:
             raise RuntimeError(f"{len(self.running)} running requests over max_num_seqs")
 
     # ---- results ------------------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int],
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]],
                            nan_req_ids: tuple[str, ...] = ()) -> list[Request]:
-        """Advance computed tokens and append sampled ones; returns requests that got a token.
-        ``nan_req_ids``: requests whose logits held a NaN this step."""
+        """Advance computed tokens and append each request's new tokens (one, or with
+        drafts: the accepted ones and the target's next); returns the requests that got
+        tokens. ``nan_req_ids``: requests whose logits held a NaN this step."""
         now = time.time()
         for rid in nan_req_ids:
             request = self.requests.get(rid)
@@ -410,12 +470,16 @@ class Scheduler:
                 prompt_end = min(s.num_computed_tokens + s.num_new_tokens, request.num_prompt_tokens)
                 self.num_computed_prompt_tokens += prompt_end - s.num_computed_tokens
             request.num_computed_tokens += s.num_new_tokens
+            tokens = sampled.get(request.request_id)
+            if tokens is not None and s.spec_token_ids:
+                self._verified(request, len(s.spec_token_ids), len(tokens) - 1)
             if release is not None:
                 release(request)
-            token = sampled.get(request.request_id)
-            if token is None:
+            if tokens is None:
                 continue
-            request.output_token_ids.append(token)
+            if request.spec_token_ids:
+                request.spec_token_ids = []   # used (or cut by the budget): new ones come next
+            request.output_token_ids.extend(tokens)
             if request.first_token_time is None:
                 request.first_token_time = now
             request.last_token_time = now
@@ -423,3 +487,22 @@ class Scheduler:
                 update_hashes(request)
             advanced.append(request)
         return advanced
+
+    def _verified(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """``num_accepted`` of the request's ``num_drafts`` scored drafts held: the KV of
+        the rejected ones is not the request's (their slots are written again later)."""
+        request.num_computed_tokens -= num_drafts - num_accepted
+        self.spec_stats.observe(num_drafts, num_accepted)
+
+    def update_draft_token_ids(self, drafts: Mapping[str, list[int]]) -> None:
+        """Set the drafts proposed for running requests' next step (finished or unknown
+        ids are ignored), trimmed so that a step never yields tokens past ``max_tokens``
+        or the context (a step yields at most one token more than its drafts)."""
+        max_len = self.config.max_model_len
+        running = RequestStatus.RUNNING
+        for request_id, token_ids in drafts.items():
+            request = self.requests.get(request_id)
+            if request is None or request.status is not running:
+                continue
+            limit = min(request.max_tokens - request.num_output_tokens, max_len - request.num_tokens) - 1
+            request.spec_token_ids = list(token_ids[:limit]) if limit > 0 else []

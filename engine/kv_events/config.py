@@ -5,9 +5,9 @@ The operator and the flag parser read it without starting anything.
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass
+
+from kvpilot.contract.json_object import dataclass_from_object, parse_json
 
 PUBLISHERS = ("zmq", "null")
 DEFAULT_ENDPOINT = "tcp://*:5557"   # vLLM's default PUB endpoint (bound: it has a wildcard)
@@ -65,14 +65,4 @@ class KVEventsConfig:
     @classmethod
     def from_json(cls, text: str) -> KVEventsConfig:
         """Parses vLLM's JSON form; ValueError names an unknown key or a bad value."""
-        try:
-            data: Any = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"not valid JSON ({exc.msg})") from None
-        if not isinstance(data, dict):
-            raise ValueError("expected a JSON object")
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise ValueError(f"unknown key(s) {unknown}; the keys are {sorted(names)}")
-        return cls(**data)
+        return dataclass_from_object(cls, parse_json(text))

@@ -8,10 +8,10 @@ here and the refusal names what is available.
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
+from kvpilot.contract.json_object import dataclass_from_object, parse_json
 from kvpilot.contract.kv_transfer import (
     DEFAULT_KV_LOAD_FAILURE_POLICY,
     KV_CONSUMER,
@@ -129,17 +129,7 @@ class KVTransferConfig:
     @classmethod
     def from_json(cls, text: str) -> KVTransferConfig:
         """Parses vLLM's JSON form; ValueError names an unknown key or a bad value."""
-        try:
-            data: Any = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"not valid JSON ({exc.msg})") from None
-        if not isinstance(data, dict):
-            raise ValueError("expected a JSON object")
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise ValueError(f"unknown key(s) {unknown}; the keys are {sorted(names)}")
-        return cls(**data)
+        return dataclass_from_object(cls, parse_json(text))
 
 
 def check_connector(config: KVTransferConfig | None, implemented: tuple[str, ...] = IMPLEMENTED_CONNECTORS) -> None:

@@ -10,8 +10,11 @@ loops that rebuild Python lists per request.
 
 NOTE (invariants):
 - ``num_tokens[row]`` equals the request's ``num_tokens``: the runner appends every
-  sampled token here (``append_sampled``) exactly when the scheduler appends it to the
-  request.
+  sampled token here (``append_sampled``, ``append_token_lists``) exactly when the
+  scheduler appends it to the request. A step's draft tokens (speculative decoding) are
+  written past it (``write_drafts``) without counting: the step's inputs and the
+  verification's penalties read them there, and the accepted ones are then appended over
+  themselves.
 - ``block_table[row, :num_blocks[row]]`` equals the KV cache manager's table for the
   request (tables only grow while a request holds its blocks; a preempted request
   loses its row and gets a fresh one when it is scheduled again). With several KV cache
@@ -155,6 +158,19 @@ class InputBatch:
         self.token_ids[rows, positions] = token_ids
         self.num_tokens[rows] = positions + 1
 
+    def append_token_lists(self, rows: np.ndarray, token_lists: list[list[int]]) -> None:
+        """Append each row's new tokens (a verification step's: one or more per row)."""
+        token_ids, num_tokens = self.token_ids, self.num_tokens
+        for row, tokens in zip(rows.tolist(), token_lists, strict=True):
+            n = num_tokens[row]
+            token_ids[row, n:n + len(tokens)] = tokens
+            num_tokens[row] = n + len(tokens)
+
+    def write_drafts(self, row: int, draft_token_ids) -> None:
+        """Put a step's draft tokens after the row's tokens (not counted in ``num_tokens``)."""
+        n = self.num_tokens[row]
+        self.token_ids[row, n:n + len(draft_token_ids)] = draft_token_ids
+
     # ---- sampling -------------------------------------------------------------
     # Feature columns of _features / _counts (_SPECIAL: logprobs, min_tokens, logit_bias:
     # visited row by row).
@@ -184,8 +200,13 @@ class InputBatch:
         self._features[row] = flags
         self._counts += self._features[row]
 
-    def sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
-        """Sampling parameters of ``rows`` (the rows whose step samples), as tensors."""
+    def sampling_metadata(self, rows: np.ndarray, offsets: np.ndarray | None = None) -> SamplingMetadata:
+        """Sampling parameters of ``rows`` (the rows whose step samples), as tensors.
+
+        ``offsets`` (speculative decoding: a row repeated once per scored position): how
+        many of the row's drafts come before each position; penalties and ``min_tokens``
+        then count them as the row's tokens there.
+        """
         num = len(rows)
         meta = SamplingMetadata(num)
         counts = self._counts
@@ -194,7 +215,7 @@ class InputBatch:
         if counts[self._RANDOM]:
             self._random_part(meta, rows)
         if counts[self._PENALTY]:
-            self._penalty_part(meta, rows)
+            self._penalty_part(meta, rows, offsets)
         if counts[self._SPECIAL]:
             for i, row in enumerate(rows.tolist()):
                 params = self.requests[row].sampling_params
@@ -205,6 +226,8 @@ class InputBatch:
                         i, torch.tensor(list(params.logit_bias), dtype=torch.long, device=self.device),
                         torch.tensor(list(params.logit_bias.values()), device=self.device)))
                 outputs = self.num_tokens[row] - self.num_prompt_tokens[row]
+                if offsets is not None:
+                    outputs += offsets[i]
                 if outputs < self.min_tokens[row]:
                     ids = [t for t in params.all_stop_token_ids if t < self.vocab_size]
                     if ids:
@@ -233,12 +256,14 @@ class InputBatch:
                 if gen is not None:
                     meta.generators[i] = gen
 
-    def _penalty_part(self, meta: SamplingMetadata, rows: np.ndarray) -> None:
+    def _penalty_part(self, meta: SamplingMetadata, rows: np.ndarray, offsets: np.ndarray | None) -> None:
         positions = np.flatnonzero(self.penalized[rows])
         if not len(positions):
             return
         sub = rows[positions]
         lengths = self.num_tokens[sub]
+        if offsets is not None:
+            lengths = lengths + offsets[positions]
         width = int(lengths.max())
         index = np.arange(width)[None, :]
         valid = index < lengths[:, None]

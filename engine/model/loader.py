@@ -21,7 +21,7 @@ import math
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
@@ -44,6 +44,10 @@ from kvpilot.engine.model.parallel.group import TPGroup
 from kvpilot.engine.model.parallel.linear import ShapeMismatch, check_shape
 from kvpilot.engine.model.parallel.sharding import read_shard
 from kvpilot.engine.model.param_names import LAYER, param_target
+
+if TYPE_CHECKING:
+    from kvpilot.engine.model.attention import AttentionBackend
+
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +98,11 @@ def _load_one(module: nn.Module, param_name: str, src: Any, shard: int | None) -
     param = getattr(module, param_name)
     check_shape(src, tuple(param.shape))
     param.data.copy_(read_shard(src, 0, None).to(param.dtype))
+
+
+# For modules built outside ``load_model`` from checkpoint tensors (an EAGLE head's layer):
+# loading one tensor into its engine parameter (``param_names.param_target`` names it).
+load_tensor = _load_one
 
 
 def _stage_target(name: str, stage: StageLayers, num_layers: int, tied: bool) -> str | None:
@@ -271,3 +280,18 @@ def _materialize_buffers(model: LlamaForCausalLM, cfg: ArchConfig, max_model_len
         attn.rotary = rotary
         attn.k_scale = torch.tensor(1.0)
         attn.v_scale = torch.tensor(1.0)
+
+
+def prepare_for_device(model: torch.nn.Module, device: torch.device, backend: AttentionBackend,
+                       dtype: torch.dtype, has_head: bool = True) -> None:
+    """The loaded model's kernels for ``device`` and ``backend``: on CPU a transposed (or
+    packed) LM head (``has_head``) and packed projections; the Triton or compiled CPU
+    layer ops (not under the pure-torch reference backend)."""
+    if device.type == "cpu" and has_head:
+        model.use_transposed_output_weight()
+    if device.type == "cpu":
+        model.use_packed_weights()
+    if backend.name == "triton":
+        model.use_triton_kernels()
+    elif backend.name == "cpu":   # the compiled CPU path (not the pure-torch reference)
+        model.use_cpu_layer_ops(dtype)

@@ -43,7 +43,7 @@ from kvpilot.engine.model.attention import (
 )
 from kvpilot.engine.model.cuda_graphs import DecodeGraphs, capture_sizes
 from kvpilot.engine.model.input_batch import InputBatch
-from kvpilot.engine.model.loader import load_model
+from kvpilot.engine.model.loader import load_model, prepare_for_device
 from kvpilot.engine.model.parallel.group import RanksOutOfStep, TPGroup
 from kvpilot.engine.model.parallel.pipeline import PipelineGroup
 from kvpilot.engine.model.parallel.step_channel import Command, StepSender
@@ -58,14 +58,17 @@ TORCH_DTYPES = {
 
 @dataclass(slots=True)
 class ModelRunnerOutput:
-    """What a step sampled: one token per request that reached its last token."""
+    """What a step produced for each request that reached its last token: one sampled
+    token, or with drafts (speculative decoding) the accepted drafts and the token after
+    them; and the drafts proposed for the next step."""
 
     req_ids: list[str]
-    sampled_token_ids: list[int]                 # aligned with req_ids
-    logprobs: dict[str, SampleResult]            # for the requests that asked for logprobs
-    nan_req_ids: tuple[str, ...] = ()            # requests whose logits held a NaN (when counted)
+    sampled_token_ids: list[list[int]]             # aligned with req_ids
+    logprobs: dict[str, list[SampleResult]]        # per new token, for the requests that asked
+    nan_req_ids: tuple[str, ...] = ()              # requests whose logits held a NaN (when counted)
+    draft_token_ids: dict[str, list[int]] | None = None   # next step's drafts, by request
 
-    def sampled(self) -> dict[str, int]:
+    def sampled(self) -> dict[str, list[int]]:
         return dict(zip(self.req_ids, self.sampled_token_ids, strict=True))
 
 
@@ -131,16 +134,17 @@ class LocalForward:
         self.backend = backend
 
     def step(self, step: StepInputs, kv_caches, metadata, graphs: DecodeGraphs | None,
-             calibrate: bool) -> torch.Tensor | None:
+             calibrate: bool, keep_hidden: bool = False):
         """The logits of ``step``'s sampling rows (None if it samples nothing); a padded
-        decode step replays its captured CUDA graph."""
+        decode step replays its captured CUDA graph. ``keep_hidden``: ``(logits, hidden
+        states of every token)`` (an EAGLE head reads them)."""
         if step.padded_size is not None:
             hidden = graphs.run(step, step.padded_size)
         else:
             hidden = self.model(step.input_ids, step.positions, kv_caches, metadata, self.backend)
-        if step.logits_indices.shape[0] == 0:
-            return None
-        return self.model.compute_logits(hidden[step.logits_indices])
+        logits = (self.model.compute_logits(hidden[step.logits_indices])
+                  if step.logits_indices.shape[0] else None)
+        return (logits, hidden) if keep_hidden else logits
 
     def rows(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, metadata,
              rows: torch.Tensor) -> torch.Tensor | None:
@@ -161,15 +165,19 @@ class ModelRunner:
             slots the model's targeted projections read; None when LoRA is off.
         count_nan_logits: report the requests whose logits hold a NaN (a device sync per
             step; ``vllm:corrupted_requests``).
+        speculative_config: speculative decoding (None: off); the driver verifies drafts
+            and proposes the next ones (``kvpilot.engine.spec_decode``).
     """
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
                  scheduler_config: SchedulerConfig, device: torch.device,
                  attention_backend: str = "auto", tp: TPGroup | None = None,
                  channel: StepSender | None = None, pp: PipelineGroup | None = None,
-                 num_microbatches: int = 1, lora=None, count_nan_logits: bool = False) -> None:
+                 num_microbatches: int = 1, lora=None, count_nan_logits: bool = False,
+                 speculative_config=None) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
+        self.scheduler_config = scheduler_config
         self.device = device
         self.tp = tp = tp or TPGroup()
         self.pp = pp = pp or PipelineGroup(0, 1, tp.world_size, tp)
@@ -185,15 +193,8 @@ class ModelRunner:
         torch.manual_seed(model_config.seed)
         self.model = load_model(model_config.model, model_config.arch, model_config.max_model_len,
                                 self.dtype, device, tp, stage)
-        if device.type == "cpu" and stage.is_last:
-            self.model.use_transposed_output_weight()
-        if device.type == "cpu":
-            self.model.use_packed_weights()
         self.backend = select_attention_backend(attention_backend, device)
-        if self.backend.name == "triton":
-            self.model.use_triton_kernels()
-        elif self.backend.name == "cpu":   # the compiled CPU path (not the pure-torch reference)
-            self.model.use_cpu_layer_ops(self.dtype)
+        prepare_for_device(self.model, device, self.backend, self.dtype, stage.is_last)
         if lora is not None:   # the model's targeted projections read the registry's slots
             from kvpilot.engine.lora.layers import apply_lora
 
@@ -219,12 +220,21 @@ class ModelRunner:
         self.input_batch = InputBatch(scheduler_config.max_num_seqs, model_config.max_model_len,
                                       self.block_size, model_config.arch.vocab_size, device,
                                       num_kv_groups=self.num_kv_groups) if pp.is_driver else None
+        k = speculative_config.num_speculative_tokens if speculative_config is not None else 0
         self.inputs = StepInputBuilder(self.input_batch, scheduler_config.max_num_batched_tokens,
-                                       device) if pp.is_driver else None
+                                       device, max_logits_per_seq=1 + k) if pp.is_driver else None
+        self.spec = self._spec_decoder(speculative_config) if speculative_config is not None else None
+        self._keep_hidden = self.spec is not None and self.spec.needs_hidden
         # Decode-step CUDA graphs (capture_cuda_graphs); None: every step runs eagerly.
         self.graphs: DecodeGraphs | None = None
         # Calibrate fp8 scales on the first batch unless the checkpoint brought its own.
         self._calibrate_pending = cache_config.calculate_kv_scales and not self.model.loaded_kv_scales
+
+    def _spec_decoder(self, config):
+        from kvpilot.engine.spec_decode.decoder import SpecDecoder
+        from kvpilot.engine.spec_decode.proposer import make_proposer
+
+        return SpecDecoder(config, self.input_batch, make_proposer(config, self))
 
     def allocate_kv_cache(self, num_blocks: int, num_sliding_blocks: int | None = None) -> None:
         """Allocate the cache (on every rank: ``num_blocks`` each, checked); a hybrid model's
@@ -232,6 +242,8 @@ class ModelRunner:
         if self.channel is not None:
             self.channel.send(Command.ALLOCATE, num_blocks, num_sliding_blocks or 0)
         self._allocate(num_blocks, num_sliding_blocks)
+        if self.spec is not None:
+            self.spec.allocate(num_blocks, self.block_size)
         counts = self.pp.world.all_gather_cpu(torch.tensor([num_blocks])).flatten().tolist()
         if len(set(counts)) != 1:
             raise RuntimeError(f"the ranks allocated different KV block counts: {counts}")
@@ -329,10 +341,16 @@ class ModelRunner:
         rows = self.update_batch(out)
         calibrate, self._calibrate_pending = self._calibrate_pending, False
         graphs = self.graphs if not calibrate else None
-        step = self.inputs.build(out.scheduled, rows, graphs.size_for if graphs is not None else None)
+        num_drafts = self.spec.write_drafts(out.scheduled, rows) if out.num_spec_tokens else None
+        step = self.inputs.build(out.scheduled, rows, graphs.size_for if graphs is not None else None,
+                                 num_drafts)
         if self.lora is not None:
             self._set_lora_rows(out.scheduled)
-        if self.channel is None:
+        hidden = None
+        if self._keep_hidden:   # an EAGLE head: the target's hidden states (one rank)
+            logits, hidden = self.forward.step(step, self.kv_caches, self.layer_metadata(step, calibrate),
+                                               self.graphs, calibrate, keep_hidden=True)
+        elif self.channel is None:
             logits = self.forward_step(step, calibrate)
         else:
             try:
@@ -341,16 +359,43 @@ class ModelRunner:
             except Exception as exc:
                 raise RanksOutOfStep(f"{type(exc).__name__}: {exc}") from exc
         if logits is None:
+            if self.spec is not None:   # a drafter with its own KV catches up on the prompts
+                self.spec.propose(self.spec.unverified(step, out.scheduled, rows, [], hidden))
             return ModelRunnerOutput([], [], {})
         req_ids = step.sample_req_ids
         nan_req_ids = ()
         if self.count_nan_logits:   # a device sync per step: only when asked for
-            rows = torch.isnan(logits).any(dim=-1).nonzero().flatten().tolist()
-            nan_req_ids = tuple(req_ids[i] for i in rows)
+            nan_rows = torch.isnan(logits).any(dim=-1).nonzero().flatten().tolist()
+            if num_drafts is not None:   # rows of scored positions -> their request
+                nan_rows = np.searchsorted(np.cumsum(num_drafts[[s.samples for s in out.scheduled]] + 1),
+                                           nan_rows, side="right").tolist()
+            nan_req_ids = tuple(dict.fromkeys(req_ids[i] for i in nan_rows))
+        if num_drafts is not None:
+            return self._verify(logits, step, out, rows, num_drafts, token_bitmask, nan_req_ids, hidden)
         sampled = sample(logits, self.input_batch.sampling_metadata(step.sample_rows), token_bitmask)
         self.input_batch.append_sampled(step.sample_rows, sampled.token_ids)
-        logprobs = {req_ids[i]: r for i, r in sampled.logprobs.items()}
-        return ModelRunnerOutput(req_ids, sampled.token_ids, logprobs, nan_req_ids)
+        logprobs = {req_ids[i]: [r] for i, r in sampled.logprobs.items()}
+        token_lists = [[t] for t in sampled.token_ids]
+        drafts = None
+        if self.spec is not None:
+            drafts = self._propose(self.spec.unverified(step, out.scheduled, rows, token_lists, hidden))
+        return ModelRunnerOutput(req_ids, token_lists, logprobs, nan_req_ids, drafts)
+
+    def _verify(self, logits, step: StepInputs, out: SchedulerOutput, rows: list[int],
+                num_drafts: np.ndarray, token_bitmask, nan_req_ids: tuple[str, ...],
+                hidden) -> ModelRunnerOutput:
+        """A step with drafts: verify them, keep the accepted tokens, propose the next."""
+        verified, logprobs = self.spec.verify(logits, step, out.scheduled, rows, num_drafts,
+                                              token_bitmask, hidden)
+        self.input_batch.append_token_lists(step.sample_rows, verified.token_lists)
+        req_ids = step.sample_req_ids
+        return ModelRunnerOutput(req_ids, verified.token_lists,
+                                 {req_ids[i]: r for i, r in logprobs.items()}, nan_req_ids,
+                                 self._propose(verified))
+
+    def _propose(self, verified) -> dict[str, list[int]]:
+        req_ids = self.input_batch.req_ids
+        return {req_ids[row]: d for row, d in self.spec.propose(verified).items()}
 
     def _set_lora_rows(self, scheduled) -> None:
         """Put the step's adapters in device slots and give each token row its slot (the

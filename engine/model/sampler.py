@@ -96,7 +96,7 @@ def _apply_penalties(logits: torch.Tensor, pen: Penalties) -> None:
     logits[pen.rows] = sub
 
 
-def _filter(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+def filter_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p masks (-inf) on the random rows' logits."""
     logits = logits / meta.temperature.clamp(min=1e-5)[:, None]
     vocab = logits.shape[1]
@@ -128,7 +128,8 @@ def _random_sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor
     return (probs / noise).argmax(dim=-1)
 
 
-def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, meta: SamplingMetadata) -> dict[int, SampleResult]:
+def token_logprobs(raw: torch.Tensor, tokens: torch.Tensor, meta: SamplingMetadata) -> dict[int, SampleResult]:
+    """Logprobs of ``tokens`` (one per row of ``raw``) in the rows ``meta.logprobs`` names."""
     rows = torch.tensor([r for r, _ in meta.logprobs], device=raw.device)
     lp = raw[rows].log_softmax(dim=-1)
     chosen = lp.gather(1, tokens[rows][:, None])
@@ -146,14 +147,12 @@ def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, meta: SamplingMetadata) -
     return results
 
 
-def sample(logits: torch.Tensor, meta: SamplingMetadata, token_bitmask=None) -> SamplerOutput:
-    """Pick one token per row of ``logits`` ``[num_rows, vocab]`` (float32).
-
-    ``token_bitmask`` (structured outputs; any object with ``apply(logits)``, see
-    ``kvpilot.engine.structured_output.bitmask``) first sets the logits of tokens a row's
-    grammar forbids to -inf, in place, so logprobs too are those of the allowed tokens
-    (as in vLLM).
-    """
+def process_logits(logits: torch.Tensor, meta: SamplingMetadata,
+                   token_bitmask=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(raw, processed)``: the logits after the structured-output mask (in place: the
+    logprobs' distribution), then those with logit_bias, penalties and min_tokens'
+    suppressed stop tokens (a copy when any applies) — what greedy takes the argmax of
+    and temperature and the filters act on."""
     if token_bitmask is not None:
         token_bitmask.apply(logits)
     raw = logits
@@ -165,13 +164,25 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata, token_bitmask=None) -> 
             _apply_penalties(logits, meta.penalties)
         for row, ids in meta.suppress:
             logits[row, ids] = float("-inf")
+    return raw, logits
+
+
+def sample(logits: torch.Tensor, meta: SamplingMetadata, token_bitmask=None) -> SamplerOutput:
+    """Pick one token per row of ``logits`` ``[num_rows, vocab]`` (float32).
+
+    ``token_bitmask`` (structured outputs; any object with ``apply(logits)``, see
+    ``kvpilot.engine.structured_output.bitmask``) first sets the logits of tokens a row's
+    grammar forbids to -inf, in place, so logprobs too are those of the allowed tokens
+    (as in vLLM).
+    """
+    raw, logits = process_logits(logits, meta, token_bitmask)
     if meta.all_greedy:
         tokens = logits.argmax(dim=-1)
     elif meta.all_random:
-        tokens = _random_sample(_filter(logits, meta), meta)
+        tokens = _random_sample(filter_logits(logits, meta), meta)
     else:
         tokens = logits.argmax(dim=-1)
         sub = logits[meta.random_rows]
-        tokens[meta.random_rows] = _random_sample(_filter(sub, meta), meta)
-    logprobs = _logprobs(raw, tokens, meta) if meta.logprobs else {}
+        tokens[meta.random_rows] = _random_sample(filter_logits(sub, meta), meta)
+    logprobs = token_logprobs(raw, tokens, meta) if meta.logprobs else {}
     return SamplerOutput(tokens.tolist(), logprobs)

@@ -49,7 +49,9 @@ class StepInputs:
     input_ids: torch.Tensor           # [num_tokens] long
     positions: torch.Tensor           # [num_tokens] long
     metadata: AttentionMetadata
-    logits_indices: torch.Tensor      # [num_sampling] rows of the hidden states to sample from
+    # [num_logits] rows of the hidden states to compute logits for: one per sampling
+    # request, or with drafts (speculative decoding) 1 + its drafts, in request order
+    logits_indices: torch.Tensor
     sample_rows: np.ndarray           # persistent-batch rows of those, in the same order
     sample_req_ids: list[str]
     padded_size: int | None = None    # a decode batch padded to this captured size
@@ -73,9 +75,11 @@ def per_layer(group_metadata: Sequence[AttentionMetadata],
 
 
 class StepInputBuilder:
-    """Builds ``StepInputs`` for up to ``max_num_tokens`` tokens of ``batch``'s rows."""
+    """Builds ``StepInputs`` for up to ``max_num_tokens`` tokens of ``batch``'s rows;
+    ``max_logits_per_seq``: logits rows a request may need in one step (1 + its most drafts)."""
 
-    def __init__(self, batch: InputBatch, max_num_tokens: int, device: torch.device) -> None:
+    def __init__(self, batch: InputBatch, max_num_tokens: int, device: torch.device,
+                 max_logits_per_seq: int = 1) -> None:
         self.batch = batch
         self.device = device
         seqs = batch.max_num_seqs
@@ -85,7 +89,7 @@ class StepInputBuilder:
         self.seq_lens = StagedBuffer((seqs,), torch.int32, device)
         self.query_start_loc = StagedBuffer((seqs + 1,), torch.int32, device)
         self.block_tables = StagedBuffer((seqs, batch.max_blocks_per_seq), torch.int32, device)
-        self.logits_indices = StagedBuffer((seqs,), torch.long, device)
+        self.logits_indices = StagedBuffer((seqs * max_logits_per_seq,), torch.long, device)
         num_groups = len(batch.block_tables)
         # Groups 1.. of a hybrid model (group 0's are slot_mapping and block_tables).
         self.group_slot_mappings = [StagedBuffer((max_num_tokens,), torch.long, device)
@@ -94,7 +98,8 @@ class StepInputBuilder:
                                    for _ in range(1, num_groups)]
 
     def build(self, scheduled: list[ScheduledRequest], rows: list[int],
-              pad_for: Callable[[int], int | None] | None = None) -> StepInputs:
+              pad_for: Callable[[int], int | None] | None = None,
+              num_drafts: np.ndarray | None = None) -> StepInputs:
         """Inputs for ``scheduled``, whose batch rows are ``rows`` (``InputBatch.update``
         put them there; building reads the batch, never changes it).
 
@@ -102,10 +107,11 @@ class StepInputBuilder:
         same rule orders the structured-output bitmask's rows, so logits and bitmask rows
         cannot disagree. ``pad_for(n)``: for a pure decode batch of ``n`` sequences, the
         size to pad it to (a captured CUDA graph's) or None; prefill and mixed batches
-        are never padded.
+        are never padded. ``num_drafts`` (speculative decoding): each entry's scored drafts
+        (the last of its new tokens); a sampling entry then gets a logits row at each of
+        them and at its last token.
         """
-        batch = self.batch
-        num_blocks = batch.num_blocks
+        num_blocks = self.batch.num_blocks
         computed, num_new, sampling = [], [], []
         width = 0
         for s, row in zip(scheduled, rows, strict=True):
@@ -114,10 +120,21 @@ class StepInputBuilder:
             sampling.append(s.samples)
             if num_blocks[row] > width:
                 width = num_blocks[row]
-        n = len(rows)
-        rows_np = np.array(rows, dtype=np.int64)
-        computed_np = np.array(computed, dtype=np.int64)
-        query_lens = np.array(num_new, dtype=np.int64)
+        return self.build_arrays(np.array(rows, dtype=np.int64), np.array(computed, dtype=np.int64),
+                                 np.array(num_new, dtype=np.int64), np.array(sampling, dtype=bool),
+                                 width, pad_for, num_drafts)
+
+    def build_arrays(self, rows_np: np.ndarray, computed_np: np.ndarray, query_lens: np.ndarray,
+                     sampling: np.ndarray, width: int,
+                     pad_for: Callable[[int], int | None] | None = None,
+                     num_drafts: np.ndarray | None = None, token_offset: int = 0) -> StepInputs:
+        """``build`` from arrays: per sequence its batch row, tokens already cached, tokens
+        to compute and whether it samples (its last token's logits); ``width``: the most
+        blocks any of the rows holds. ``token_offset``: the input at position ``p`` is the
+        row's token at ``p + token_offset`` (an EAGLE head reads the next token at each
+        position); the KV slots are position ``p``'s."""
+        batch = self.batch
+        n = len(rows_np)
         ends = np.cumsum(query_lens)
         total = int(ends[-1])
         if total == n:          # pure decode: one token per sequence
@@ -133,7 +150,8 @@ class StepInputBuilder:
         num_seqs = n if pad_to is None else pad_to
         num_tokens = total if pad_to is None else pad_to
 
-        self.input_ids.np[:total] = batch.token_ids[token_rows, positions]
+        self.input_ids.np[:total] = batch.token_ids[token_rows, positions + token_offset if token_offset
+                                                    else positions]
         self.positions.np[:total] = positions
         table_width = width if pad_to is None else batch.max_blocks_per_seq
         block_index, offset = positions // bs, positions % bs
@@ -158,9 +176,14 @@ class StepInputBuilder:
             self.seq_lens.np[n:pad_to] = 0
             starts[n + 1:pad_to + 1] = total
 
-        sample_positions = np.flatnonzero(np.array(sampling, dtype=bool))
+        sample_positions = np.flatnonzero(sampling)
         num_sampling = len(sample_positions)
-        self.logits_indices.np[:num_sampling] = ends[sample_positions] - 1
+        if num_drafts is None:
+            self.logits_indices.np[:num_sampling] = ends[sample_positions] - 1
+        else:
+            indices = scored_positions(ends[sample_positions], num_drafts[sample_positions])
+            num_sampling = len(indices)
+            self.logits_indices.np[:num_sampling] = indices
         query_lens_cpu = tuple(query_lens.tolist())
         metadata = AttentionMetadata(
             num_actual_tokens=total,
@@ -189,3 +212,12 @@ class StepInputBuilder:
             padded_size=pad_to,
             group_metadata=group_metadata,
         )
+
+
+def scored_positions(ends: np.ndarray, num_drafts: np.ndarray) -> np.ndarray:
+    """Token indices of a step's scored positions: for each sampling request (whose tokens
+    end before ``ends``), its last ``num_drafts + 1`` tokens: its last real token and its
+    drafts, whose logits verify the drafts and give the token after them."""
+    counts = num_drafts + 1
+    firsts = np.repeat(ends - counts, counts)
+    return firsts + np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)

@@ -111,15 +111,28 @@ def structured_outputs_config(text: str):
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _from_json(parse: Callable[[str], T], text: str) -> T:
+    """``parse(text)``, its TypeError / ValueError turned into argparse's error."""
+    try:
+        return parse(text)
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def kv_events_config(text: str):
     """An argparse ``type``: ``--kv-events-config``'s JSON object (vLLM's fields), as a
     ``KVEventsConfig`` (unknown keys and bad values refused)."""
     from kvpilot.engine.kv_events.config import KVEventsConfig
 
-    try:
-        return KVEventsConfig.from_json(text)
-    except (TypeError, ValueError) as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    return _from_json(KVEventsConfig.from_json, text)
+
+
+def speculative_config(text: str):
+    """An argparse ``type``: ``--speculative-config``'s JSON object (vLLM's fields), as a
+    ``SpeculativeConfig`` (unknown keys and bad values refused)."""
+    from kvpilot.contract.speculative import SpeculativeConfig
+
+    return _from_json(SpeculativeConfig.from_json, text)
 
 
 def kv_transfer_config(text: str):

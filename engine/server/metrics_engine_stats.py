@@ -3,7 +3,9 @@
 Each ``StatMetric`` row names an exposed metric and the snapshot field (or property) it
 reads. A row whose field the snapshot lacks, or holds as None (offload fields when
 offloading is off, the MFU estimates without ``--enable-mfu-metrics``), is skipped, so
-a metric exists exactly when the engine has the figure.
+a metric exists exactly when the engine has the figure. Speculative decoding's counters
+(``vllm:spec_decode_*``, one sample per draft position for the per-position counter) come
+from the snapshot's ``spec_decoding`` and exist only when speculation is on.
 """
 
 from __future__ import annotations
@@ -155,6 +157,29 @@ ENGINE_STAT_METRICS: tuple[StatMetric, ...] = (
 )
 
 
+SPEC_DECODE_COUNTERS: tuple[tuple[str, str, str], ...] = (
+    ("vllm:spec_decode_num_drafts", "num_drafts",
+     "Drafts verified: one per request and step that scored draft tokens."),
+    ("vllm:spec_decode_num_draft_tokens", "num_draft_tokens", "Draft tokens scored."),
+    ("vllm:spec_decode_num_accepted_tokens", "num_accepted_tokens",
+     "Draft tokens accepted (1 + accepted / drafts = mean acceptance length)."),
+)
+SPEC_DECODE_PER_POS = ("vllm:spec_decode_num_accepted_tokens_per_pos",
+                       "Draft tokens accepted at each draft position (0 = the first draft).")
+
+
+def _spec_decode_families(spec, model_name: str) -> Iterator[Metric]:
+    """The speculative-decoding counters of ``spec`` (a ``SpecDecodingStats``)."""
+    for name, field, doc in SPEC_DECODE_COUNTERS:
+        family = CounterMetricFamily(name, doc, labels=["model_name"])
+        family.add_metric([model_name], float(getattr(spec, field)))
+        yield family
+    family = CounterMetricFamily(*SPEC_DECODE_PER_POS, labels=["model_name", "position"])
+    for position, count in enumerate(spec.num_accepted_tokens_per_pos):
+        family.add_metric([model_name, str(position)], float(count))
+    yield family
+
+
 class EngineStatsCollector:
     """Reads the newest ``EngineStats`` snapshot whenever Prometheus scrapes.
 
@@ -177,7 +202,9 @@ class EngineStatsCollector:
 
     def describe(self) -> list[Metric]:
         # Non-empty describe() lets the registry catch name clashes at registration.
-        return [self._family(rows[0]) for rows in self._groups]
+        spec = [CounterMetricFamily(name, doc) for name, _, doc in SPEC_DECODE_COUNTERS]
+        return [self._family(rows[0]) for rows in self._groups] + spec + [
+            CounterMetricFamily(*SPEC_DECODE_PER_POS)]
 
     def collect(self) -> Iterator[Metric]:
         stats = self._source()
@@ -194,6 +221,9 @@ class EngineStatsCollector:
                 family.add_metric([self._model_name, *(v for _, v in metric.labels)], float(value))
             if family is not None:
                 yield family
+        spec = getattr(stats, "spec_decoding", None)
+        if spec is not None:
+            yield from _spec_decode_families(spec, self._model_name)
 
     @staticmethod
     def _family(metric: StatMetric) -> Metric:

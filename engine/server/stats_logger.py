@@ -21,7 +21,9 @@ class StatsLogger:
     previous call: tokens were processed, or requests are running or waiting.
     The hit rate is over the interval's prefix-cache lookups (cumulative when the
     interval had none); with KV offloading on, the line adds the offload tiers' hit
-    rate ("External prefix cache hit rate", vLLM's wording) the same way.
+    rate ("External prefix cache hit rate", vLLM's wording) the same way; with speculative
+    decoding, the interval's draft acceptance rate and mean acceptance length (vLLM's
+    "SpecDecoding metrics" figures).
     """
 
     log: Callable[[str], None] = field(default=logger.info)
@@ -53,11 +55,24 @@ class StatsLogger:
             ext_hits = stats.external_prefix_cache_hits - (last.external_prefix_cache_hits or 0)
             ext_rate = ext_hits / ext_queries if ext_queries else stats.external_prefix_cache_hit_rate
             line += f", External prefix cache hit rate: {ext_rate * 100:.1f}%"
+        if stats.spec_decoding is not None:
+            line += _spec_decoding(stats.spec_decoding, last.spec_decoding)
         preempted = stats.num_preemptions - last.num_preemptions
         if preempted:
             line += f", Preemptions: {preempted}"
         self.log(line)
         return line
+
+
+def _spec_decoding(spec, last) -> str:
+    """The interval's acceptance figures (none when nothing was drafted in it)."""
+    drafts = spec.num_drafts - (last.num_drafts if last is not None else 0)
+    draft_tokens = spec.num_draft_tokens - (last.num_draft_tokens if last is not None else 0)
+    accepted = spec.num_accepted_tokens - (last.num_accepted_tokens if last is not None else 0)
+    if not draft_tokens:
+        return ""
+    return (f", Draft acceptance rate: {accepted / draft_tokens * 100:.1f}%, "
+            f"Mean acceptance length: {1 + accepted / drafts:.2f}")
 
 
 async def run_stats_logger(source: Callable[[], EngineStats | None], interval: float,

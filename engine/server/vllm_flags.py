@@ -50,6 +50,7 @@ from kvpilot.engine.server.arg_types import (
     port,
     positive_float,
     positive_int,
+    speculative_config,
     structured_outputs_config,
 )
 from kvpilot.engine.server.config import (
@@ -102,7 +103,6 @@ def _r(name: str, why: str, *aliases: str) -> Flag:
 
 
 _on = {"action": "store_true"}
-_SPEC = "speculative decoding is not implemented"
 _PARALLEL = "a replica is tensor x pipeline parallel ranks (no data or expert parallelism; several nodes start as a LeaderWorkerSet group); scale with replicas"
 _MM = "kvpilot serves text-only models (no multimodal inputs)"
 _HUB = "kvpilot loads local checkpoint directories only (no Hugging Face Hub downloads)"
@@ -218,7 +218,7 @@ SERVE_FLAGS: tuple[Flag, ...] = (
         _r("--async-scheduling", "the engine steps synchronously"),
         _r("--max-num-partial-prefills", "partial-prefill limits are not implemented"),
         _r("--long-prefill-token-threshold", "partial-prefill limits are not implemented"),
-        _r("--num-lookahead-slots", _SPEC),
+        _r("--num-lookahead-slots", "a speculative proposer's KV slots are allocated from --speculative-config"),
         _r("--scheduler-cls", "the scheduler is not pluggable"),
     ),
     *section(
@@ -245,7 +245,8 @@ SERVE_FLAGS: tuple[Flag, ...] = (
         _r("--compilation-config", "the model runs eagerly (no torch.compile / CUDA graph settings)", "-O"),
         _r("--enable-sleep-mode", _RUNTIME),
         _r("--config", "read flags from the command line (or the InferenceService resource) instead of a YAML file"),
-        _r("--speculative-config", _SPEC),
+        _h("--speculative-config", "speculative decoding, vLLM's JSON: `method` (`ngram`, `draft_model`, `eagle`, `eagle3`), `num_speculative_tokens`, `prompt_lookup_min` / `prompt_lookup_max` (n-gram; default 5), `model` (the draft model's or EAGLE head's checkpoint), `draft_tensor_parallel_size` (1), `disable_by_batch_size` (no drafts while this many requests run); greedy outputs stay token-identical, sampled ones keep the target distribution",
+           engine="speculative_config", type=speculative_config, metavar="JSON", default_text="off"),
         _r("--limit-mm-per-prompt", _MM),
         _r("--mm-processor-kwargs", _MM),
         _r("--mm-processor-cache-gb", _MM),

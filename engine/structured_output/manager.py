@@ -13,6 +13,11 @@ fills one bitmask row per constrained request that samples in that step and ``ac
 advances the matchers by the tokens the step appended; ``remove`` drops a finished
 request's matcher (or its wait for one).
 
+Speculative decoding: ``trim_drafts`` cuts a constrained request's drafts at the first
+token its grammar refuses (before they are scheduled), and a step that scores drafts gets
+a bitmask row per scored position: the matcher's state after each draft, filled by
+accepting the drafts one by one and rolling them back.
+
 NOTE (invariant): a matcher has accepted exactly the request's output tokens from
 ``grammar_start`` on. Both ``accept`` and ``grammar_bitmask`` first ``_sync`` the
 matcher to ``request.output_token_ids``: tokens the request gained are accepted, and
@@ -248,27 +253,79 @@ class StructuredOutputManager:
         """The allowed tokens of each constrained request that samples in step ``out``.
 
         Rows follow the order of the step's sampling requests (``s.samples``), which is
-        the order of the logits the runner computes. None when no row is constrained.
+        the order of the logits the runner computes: one row each, or with drafts one per
+        scored position (its last token, then each draft). None when no row is constrained.
         """
         if not self._requests:
             return None
-        sampling = [s.request for s in out.scheduled if s.samples]
-        rows: list[tuple[int, _Constrained]] = []
-        for i, request in enumerate(sampling):
+        sampling = [s for s in out.scheduled if s.samples]
+        rows: list[tuple[int, _Constrained, list[int] | tuple[()]]] = []
+        row = 0
+        for s in sampling:
+            request = s.request
             state = self._requests.get(request.request_id)
-            if state is None:
-                continue
-            self._sync(request, state)
-            if state.grammar_start is not None and not state.broken \
-                    and not state.matcher.is_terminated():
-                rows.append((i, state))
+            if state is not None:
+                self._sync(request, state)
+                if state.grammar_start is not None and not state.broken \
+                        and not state.matcher.is_terminated():
+                    rows.append((row, state, s.spec_token_ids))
+            row += 1 + len(s.spec_token_ids)
         if not rows:
             return None
-        bitmask = TokenBitmask.allocate(len(sampling), self._vocab_size)
-        for i, state in rows:
-            state.matcher.fill_next_token_bitmask(bitmask.bitmask, i)
-        bitmask.indices = [i for i, _ in rows]
+        bitmask = TokenBitmask.allocate(row, self._vocab_size)
+        indices = []
+        for first, state, drafts in rows:
+            matcher = state.matcher
+            matcher.fill_next_token_bitmask(bitmask.bitmask, first)
+            indices.append(first)
+            accepted = 0
+            for token in drafts:   # the rows after each draft: the state it leads to
+                if not matcher.accept_token(token):
+                    break   # a draft the grammar refuses: its row forbids it, later rows never count
+                accepted += 1
+                if matcher.is_terminated():
+                    break
+                matcher.fill_next_token_bitmask(bitmask.bitmask, first + accepted)
+                indices.append(first + accepted)
+            if accepted:
+                matcher.rollback(accepted)
+        bitmask.indices = indices
         return bitmask
+
+    def trim_drafts(self, drafts: dict[str, list[int]], requests) -> dict[str, list[int]]:
+        """``drafts`` (by request id) with each constrained request's cut before the first
+        token its grammar refuses, or (still reasoning) before the reasoning's end token;
+        ``requests``: the live requests by id."""
+        if not self._requests:
+            return drafts
+        trimmed = {}
+        for request_id, token_ids in drafts.items():
+            state = self._requests.get(request_id)
+            request = requests.get(request_id)
+            if state is None or request is None:
+                trimmed[request_id] = token_ids
+                continue
+            self._sync(request, state)
+            if state.broken:
+                trimmed[request_id] = token_ids
+            elif state.grammar_start is None:
+                end = self._reasoning_end_id
+                trimmed[request_id] = token_ids[:token_ids.index(end)] if end in token_ids else token_ids
+            else:
+                trimmed[request_id] = token_ids[:self._valid_prefix(state.matcher, token_ids)]
+        return trimmed
+
+    @staticmethod
+    def _valid_prefix(matcher, token_ids: list[int]) -> int:
+        """How many of ``token_ids`` the matcher accepts in a row (then rolled back)."""
+        accepted = 0
+        for token in token_ids:
+            if matcher.is_terminated() or not matcher.accept_token(token):
+                break
+            accepted += 1
+        if accepted:
+            matcher.rollback(accepted)
+        return accepted
 
     def _sync(self, request: Request, state: _Constrained) -> None:
         """Make the matcher have accepted exactly ``output[grammar_start:]``."""

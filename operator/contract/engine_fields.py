@@ -5,6 +5,7 @@ autoscaler (``spec.autoscaling``; a pool's takes its modes, targets and defaults
 from __future__ import annotations
 
 from kvpilot.contract.constants import KV_CACHE_DTYPES
+from kvpilot.contract.speculative import SPEC_METHODS
 from kvpilot.operator.contract.rules import Rule, each, f, has
 from kvpilot.operator.contract.schema import Arr, Bool, Int, IntOrStr, Map, Num, Obj, Str
 
@@ -18,6 +19,25 @@ DEFAULT_PREEMPTION_RATE_TARGET = 0.1
 DEFAULT_KV_USAGE_TARGET = 0.7
 
 QUANTITIES = Map(values=IntOrStr())
+
+# spec.engine.speculative: vLLM's --speculative-config fields (camelCase here); passed to the
+# engine as its JSON, and a draft model's or EAGLE head's weights and KV sized by the planner.
+SPECULATIVE = Obj(description=(
+    "Speculative decoding (kvpilot serve --speculative-config, vLLM's fields): drafts proposed by "
+    "n-gram lookup, a draft model or an EAGLE head, verified by the model. `model` is the draft's "
+    "checkpoint path in the engine container; the planner sizes a draft model by its catalogue "
+    "preset (the path's last parts) and an EAGLE head as one layer of the model."), rules=(
+    Rule((f("method") == "ngram") | has("model"), "engine.speculative.model is required for a draft model or EAGLE head"),
+    Rule(~(f("method") == "ngram") | ~has("model"), "engine.speculative: the ngram method takes no model"),
+), required=("method", "numSpeculativeTokens"), properties={
+    "method": Str(enum=SPEC_METHODS),
+    "numSpeculativeTokens": Int(minimum=1, maximum=32),
+    "promptLookupMin": Int(minimum=1),
+    "promptLookupMax": Int(minimum=1),
+    "model": Str(max_length=512),
+    "draftTensorParallelSize": Int(enum=(1,)),
+    "disableByBatchSize": Int(minimum=2),
+})
 
 # spec.engine's settings become the planner's Overrides (snake_case names); extraArgs the command line.
 ENGINE = Obj(description="Explicit engine settings; each wins over the planner and is checked by it.", properties={
@@ -33,6 +53,7 @@ ENGINE = Obj(description="Explicit engine settings; each wins over the planner a
         "Pin the KV cache size per GPU (bytes; --kv-cache-memory-bytes) instead of what the planner "
         "leaves for it: for a GPU shared with other processes, or a small cache. The planner checks "
         "that it fits and sizes max_num_seqs for it.")),
+    "speculative": SPECULATIVE,
     "extraArgs": Arr(items=Str(max_length=256), max_items=32,
                      description="Appended verbatim to the `kvpilot serve` command line.",
                      rules=(Rule(each(lambda a: ~a.starts_with("--api-key")),

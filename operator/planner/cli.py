@@ -22,6 +22,7 @@ from dataclasses import fields
 from typing import Any
 
 from kvpilot.contract.constants import KV_CACHE_DTYPES, OFFLOAD_BACKENDS
+from kvpilot.contract.json_object import parse_json
 from kvpilot.operator.planner.catalog import model_presets
 from kvpilot.operator.planner.gpu import GPU_CATALOG
 from kvpilot.operator.planner.plan import make_plan
@@ -71,6 +72,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                         "of the KV cache; default: LoRA off")
     m.add_argument("--max-lora-rank", metavar="R", type=int, dest="max_lora_rank",
                    help="the adapter slots' rank (the engine's --max-lora-rank; default 16)")
+    m.add_argument("--speculative-config", metavar="JSON", type=_json_object, dest="speculative",
+                   help="speculative decoding as the engine's --speculative-config (vLLM's fields): one "
+                        "GPU, and a draft model's or EAGLE head's weights and KV counted; default: off")
     m.add_argument("--gpu-memory-gib", metavar="GIB", type=float, help="GPU memory, GiB (overrides the catalogue)")
     m.add_argument("--gpu-bandwidth-gbps", metavar="GB_S", type=float, help="GPU memory bandwidth, GB/s")
     m.add_argument("--gpu-tflops", metavar="TFLOPS", type=float, help="GPU dense BF16 TFLOP/s")
@@ -153,6 +157,14 @@ def _noting(plan: Plan, assumed: list[str]) -> Plan:
     note = (f"Assumed (not given): {'; '.join(assumed)}. Pin them with the flags named to plan "
             "for your own workload.")
     return dataclasses.replace(plan, derivation=(note, *plan.derivation))
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """A JSON object flag's value (argparse reports the ValueError as a usage error)."""
+    value = parse_json(text)
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
 
 
 def _given(args: argparse.Namespace, cls: type) -> dict[str, Any]:

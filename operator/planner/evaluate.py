@@ -50,6 +50,7 @@ from kvpilot.operator.planner.memory import (
 )
 from kvpilot.operator.planner.plan_request import PlanRequest
 from kvpilot.operator.planner.reserve import DEFAULT_KV_SAFETY_MARGIN, ENGINE_CUDA_GRAPHS, reserve
+from kvpilot.operator.planner.speculative import drafter
 from kvpilot.operator.planner.stages import StageShape, stage_shapes
 from kvpilot.operator.planner.weights import quantized_weight_bytes
 
@@ -146,6 +147,14 @@ class Evaluation:
 
 
 def _weights(req: PlanRequest) -> tuple[int, str]:
+    total, source = _model_weights(req)
+    draft = drafter(req.overrides.speculative, req.model)
+    if draft is None or not draft.weight_bytes:
+        return total, source
+    return total + draft.weight_bytes, f"{source}; plus the {draft.what} ({draft.weight_bytes:,} B)"
+
+
+def _model_weights(req: PlanRequest) -> tuple[int, str]:
     model, quant = req.model, req.overrides.weight_quantization
     if quant is None or quant == model.weight_quantization:
         source = model.weight_source
@@ -175,8 +184,14 @@ def kv_layout_for(req: PlanRequest, tp: int, kv_cache_dtype: str, block_size: in
     is a pipeline stage's share of the layers (None: all of them)."""
     model = req.model
     heads, dtype_bytes = kv_heads_per_rank(model.num_kv_heads, tp), kv_dtype.dtype_bytes(model, kv_cache_dtype)
+    draft = drafter(req.overrides.speculative, model)
+    extra = draft.kv_bytes_per_token(dtype_bytes) if draft is not None else 0
+    if extra and model.hybrid_kv(req.slo.max_context):
+        raise ValueError(f"speculative decoding with a draft model or EAGLE head is not implemented for "
+                         f"{model.name}'s sliding-window KV pool; use the ngram method")
     if num_layers is not None or not model.hybrid_kv(req.slo.max_context):
-        return KVLayout(num_layers or model.num_layers, heads, model.head_dim, dtype_bytes, block_size)
+        return KVLayout(num_layers or model.num_layers, heads, model.head_dim, dtype_bytes, block_size,
+                        extra_bytes_per_token=extra)
     return HybridKVLayout(
         KVLayout(model.num_full_layers, heads, model.head_dim, dtype_bytes, block_size),
         KVLayout(model.num_sliding_layers, heads, model.head_dim, dtype_bytes, block_size),

@@ -22,6 +22,7 @@ from kvpilot.operator.planner.memory import (
 )
 from kvpilot.operator.planner.plan_request import PlanRequest
 from kvpilot.operator.planner.reserve import CALIBRATION_FILE, FIT, Reserve
+from kvpilot.operator.planner.speculative import drafter
 
 
 def _g(num_bytes: float) -> str:
@@ -121,11 +122,19 @@ def _memory_lines(req: PlanRequest, ev: Evaluation, dtype_notes: list[str]) -> l
         f"{b.kv_safety_margin:.1%} safety margin = {_g(b.kv_available_bytes)}"
         + (f"; pinned to {b.kv_bytes:,} B (kv_cache_memory_bytes)." if b.kv_pinned_bytes is not None else "."),
         f"KV dtype {kv_dtype.dtype_label(m, ev.kv_cache_dtype)}: {'; '.join(dtype_notes)}.",
+        *_speculative_lines(req, lay),
         f"KV bytes/token per GPU = 2 (K,V) x {lay.num_layers} layers x {lay.num_kv_heads} KV heads x "
-        f"{lay.head_dim} head_dim x {lay.dtype_bytes} B = {lay.bytes_per_token:,} B "
-        f"({lay.bytes_per_token / 1024:,.1f} KiB){heads}.",
+        f"{lay.head_dim} head_dim x {lay.dtype_bytes} B"
+        + (f" + {lay.extra_bytes_per_token:,} B of the drafter" if getattr(lay, "extra_bytes_per_token", 0) else "")
+        + f" = {lay.bytes_per_token:,} B ({lay.bytes_per_token / 1024:,.1f} KiB){heads}.",
         _blocks_line(lay, max(0, b.kv_bytes), ev.num_blocks),
     ]
+
+
+def _speculative_lines(req: PlanRequest, lay) -> list[str]:
+    """The drafter's weights and KV (speculative decoding), when the plan has one."""
+    draft = drafter(req.overrides.speculative, req.model)
+    return [draft.derivation(lay.dtype_bytes)] if draft is not None else []
 
 
 def _lora_lines(req: PlanRequest, ev: Evaluation) -> list[str]:

@@ -177,6 +177,8 @@ def _to_plan(req: PlanRequest, ev: Evaluation, dtype_notes: list[str], shape_not
             "requests_per_second_per_replica": tput.rps if tput else None,
             "request_latency_p50_s": tput.request_s if tput else None,
             "replicas_needed": ev.replicas_needed}.items()},
+        speculative_config=ov.speculative,
+        draft_kv_bytes_per_token=getattr(ev.layout, "extra_bytes_per_token", 0),
         limits=dict(ev.limits), checks=ev.checks,
         derivation=tuple(derivation(req, ev, dtype_notes, shape_notes)),
         warnings=tuple(_warnings(req, ev)))
@@ -262,7 +264,8 @@ def solve(req: PlanRequest) -> Plan:
                          f"{model.max_position_embeddings:,} positions: no deployment of this model can serve it")
     if pinned is not None:
         _check_tp(model, pinned)
-    tps = [pinned] if pinned is not None else (node_tp_choices(req) or [1])
+    # speculative decoding runs on one GPU (the engine refuses it with more ranks)
+    tps = [pinned] if pinned is not None else [1] if ov.speculative is not None else (node_tp_choices(req) or [1])
     if pinned_pp is not None:
         _check_pp(req, pinned_pp, tps[-1])
     kinds, dtype_notes = kv_dtype.candidates(model, req.slo, req.overrides)
@@ -278,7 +281,8 @@ def solve(req: PlanRequest) -> Plan:
         # only whole nodes are chained: a pinned tensor-parallel size below what a node holds
         # grows within the node first
         full_node = tps[-1] == max(node_tp_choices(req), default=1)
-        if why_nodes is not None and full_node and not model.hybrid_kv(req.slo.max_context):
+        if why_nodes is not None and full_node and not model.hybrid_kv(req.slo.max_context) \
+                and ov.speculative is None:
             tp = tps[-1]
             for pp in range(2, min(MAX_PIPELINE_STAGES, model.num_layers) + 1):
                 per_shape.append(shape(tp, pp))

@@ -9,6 +9,7 @@ make the plan feasible.
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,6 +108,10 @@ class Plan:
     pipeline_parallel_size: int = 1
     gpus_per_node: int = 8
     stages: tuple[dict[str, Any], ...] = ()
+    # Speculative decoding: vLLM's --speculative-config (None: off) and its drafter's KV bytes
+    # per token, kept in the same blocks (0 for n-gram lookup).
+    speculative_config: dict[str, Any] | None = None
+    draft_kv_bytes_per_token: int = 0
 
     @property
     def kv_layout(self) -> KVLayout | HybridKVLayout:
@@ -114,7 +119,7 @@ class Plan:
         is ``num_gpu_blocks`` (the round trip the engine must reproduce)."""
         if not self.num_sliding_pool_layers:
             return KVLayout(self.num_layers, self.num_kv_heads_per_gpu, self.head_dim, self.kv_dtype_bytes,
-                            self.block_size)
+                            self.block_size, extra_bytes_per_token=self.draft_kv_bytes_per_token)
         pool = (self.num_kv_heads_per_gpu, self.head_dim, self.kv_dtype_bytes, self.block_size)
         return HybridKVLayout(KVLayout(self.num_layers - self.num_sliding_pool_layers, *pool),
                               KVLayout(self.num_sliding_pool_layers, *pool), self.sliding_window,
@@ -145,6 +150,8 @@ class Plan:
             if self.disk_offload_gib > 0:
                 args += ["--kv-offloading-disk-path", self.offload_disk_path or DEFAULT_DISK_PATH,
                          "--kv-offloading-disk-size", _num(self.disk_offload_gib)]
+        if self.speculative_config is not None:
+            args += ["--speculative-config", json.dumps(self.speculative_config, sort_keys=True)]
         return args
 
     def to_dict(self) -> dict[str, Any]:

@@ -116,6 +116,8 @@ class Overrides:
         max_loras: LoRA adapter slots on the GPU (``--max-loras``; None = LoRA off); their
             memory comes out of the KV budget (``lora.py``).
         max_lora_rank: the slots' rank (``--max-lora-rank``; default 16).
+        speculative: vLLM's ``--speculative-config`` fields (None: off); one GPU, the drafter's
+            weights and KV counted (``speculative.py``).
     """
 
     tensor_parallel_size: int | None = None
@@ -137,6 +139,7 @@ class Overrides:
     pipeline_parallel_size: int | None = None
     max_loras: int | None = None
     max_lora_rank: int | None = None
+    speculative: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "replicas", "max_num_seqs", "max_num_batched_tokens",
@@ -168,6 +171,13 @@ class Overrides:
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
                 raise ValueError(f"{name} must be true or false, got {value!r}")
+        if self.speculative is not None:
+            from kvpilot.contract.speculative import SpeculativeConfig
+
+            SpeculativeConfig.from_dict(self.speculative)   # ValueError names the bad field
+            if (self.tensor_parallel_size or 1) > 1 or (self.pipeline_parallel_size or 1) > 1:
+                raise ValueError("speculative decoding runs on one GPU: it cannot be combined with "
+                                 "tensor_parallel_size or pipeline_parallel_size > 1")
         margin = self.kv_safety_margin
         if margin is not None and (isinstance(margin, bool) or not isinstance(margin, (int, float))
                                    or not 0 <= margin < 0.5):

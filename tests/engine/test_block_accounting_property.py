@@ -63,7 +63,7 @@ class BlockBooks(RuleBasedStateMachine):
                 slot = s.block_ids[p // BLOCK] * BLOCK + p % BLOCK
                 self.slot_tokens[slot] = (p, r.token_ids_slice(p, p + 1)[0])
             if s.samples:
-                sampled[r.request_id] = (r.num_tokens * 7 + len(r.request_id)) % 50
+                sampled[r.request_id] = [(r.num_tokens * 7 + len(r.request_id)) % 50]
         advanced = self.sched.update_from_output(out, sampled)
         self._record_hashes()
         for r in advanced:

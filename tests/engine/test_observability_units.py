@@ -86,7 +86,7 @@ def test_prompt_token_sources_split_computed_hits_and_recompute():
     for rid in ("a", "b"):
         scheduler.add_request(_request(rid, prompt))
         out = scheduler.schedule()
-        scheduler.update_from_output(out, {rid: 1})
+        scheduler.update_from_output(out, {rid: [1]})
     sources = scheduler.prompt_token_sources
     # a: all 8 computed; b: block 0 hit, block 1 cached but recomputed (the last token must run)
     assert (sources.local_compute, sources.local_cache_hit, sources.recomputed) == (12, 4, 4)

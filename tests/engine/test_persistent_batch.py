@@ -78,7 +78,7 @@ def test_inputs_match_the_list_builder_under_random_traffic(seed):
         assert got.logits_indices.tolist() == expected_rows
         tokens = [rng.randrange(VOCAB) for _ in sampling]
         batch.append_sampled(got.sample_rows, tokens)
-        advanced = sched.update_from_output(out, dict(zip(got.sample_req_ids, tokens, strict=True)))
+        advanced = sched.update_from_output(out, {r: [t] for r, t in zip(got.sample_req_ids, tokens, strict=True)})
         for r in advanced:
             row = batch.rows[r.request_id]
             assert batch.token_ids[row, :batch.num_tokens[row]].tolist() == r.prompt_token_ids + r.output_token_ids
@@ -100,7 +100,7 @@ def test_padded_decode_batch_is_inert():
     got = builder.build(out.scheduled, batch.update(out), pad_for=lambda n: 8)
     assert got.padded_size is None
     batch.append_sampled(got.sample_rows, [7, 8, 9])
-    sched.update_from_output(out, dict(zip(got.sample_req_ids, [7, 8, 9], strict=True)))
+    sched.update_from_output(out, {r: [t] for r, t in zip(got.sample_req_ids, [7, 8, 9], strict=True)})
     out = sched.schedule()                       # decode of 3, padded to 8
     rows = batch.update(out)
     padded = builder.build(out.scheduled, rows, pad_for=lambda n: 8)

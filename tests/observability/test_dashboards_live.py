@@ -1,7 +1,7 @@
 """Every dashboard panel's every target returns data from a real Prometheus.
 
 The stack: the API emulator and the real operator (metrics on), an InferenceService of
-the demo model (autoscaled, with latency SLOs) plus an infeasible one; two engine pods of
+the demo model (autoscaled, with latency SLOs, n-gram speculative decoding) plus an infeasible one; two engine pods of
 the first one's Deployment run as real ``kvpilot serve`` processes (``tests/autoscaling/
 kubelet.py``) with a KV cache smaller than the plan's (preemptions, SizingDrift), sampled
 KV residency and MFU metrics on, and CPU + disk KV offload on the second; a real
@@ -60,7 +60,10 @@ def _spec(port: int) -> dict:
         "gpu": {"type": "l4"},
         "slo": {"maxContext": 256, "p95PromptTokens": 160, "p95OutputTokens": 32, "concurrency": 4,
                 "ttftP95Ms": 2000, "itlP95Ms": 250},
-        "engine": {"kvCacheMemoryBytes": KV_BYTES, "extraArgs": ["--dtype", "bfloat16"]},
+        # n-gram speculation through the operator (vllm:spec_decode_* for the acceptance panel)
+        "engine": {"kvCacheMemoryBytes": KV_BYTES, "extraArgs": ["--dtype", "bfloat16"],
+                   "speculative": {"method": "ngram", "numSpeculativeTokens": 3, "promptLookupMin": 1,
+                                   "promptLookupMax": 3}},
         "port": port,
         "autoscaling": {"mode": "hpa", "minReplicas": 1, "maxReplicas": 3},
     }

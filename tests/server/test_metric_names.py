@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry
 
 from kvpilot.engine.config import KVCacheInfo
 from kvpilot.engine.core.kv_residency import BlockResidency
+from kvpilot.engine.core.spec_stats import SpecDecodingStats
 from kvpilot.engine.lora.stats import AdapterCounters, LoRAStats
 from kvpilot.engine.runtime.latency_tracker import FinishedRequestStats, IterationStats
 from kvpilot.engine.server.metrics import ServerMetrics, token_buckets
@@ -30,11 +31,13 @@ class Exposed:
 
 
 def _full_stats() -> EngineStats:
-    """A real snapshot with every optional figure present (offload on, MFU on)."""
+    """A real snapshot with every optional figure present (offload on, MFU on, speculative
+    decoding on)."""
     values = {f.name: 1 for f in dataclasses.fields(EngineStats)}
     values.update(kv_cache_usage=0.5, num_gpu_blocks=64, num_free_blocks=32,
                   lora=LoRAStats(4, ("sql", "chat"), ("chat",), (AdapterCounters("sql", 3, 30, 12),),
-                                 2, 2, 2))
+                                 2, 2, 2),
+                  spec_decoding=SpecDecodingStats(4, 12, 7, (4, 2, 1)))
     return EngineStats(**values)
 
 
@@ -97,7 +100,7 @@ def test_every_applicable_vllm_name_is_exported():
     assert {n for n in exposed if n.startswith("vllm:")} <= set(VLLM_METRICS)
     print(f"kvpilot exports {len(exported)} of vLLM's {len(VLLM_METRICS)} metric names "
           f"({len(exported)} of the {len(applicable)} that apply to a text-only engine "
-          "without speculative decoding or sleep mode)")
+          "without sleep mode)")
 
 
 def test_a_finished_request_splits_into_vllms_phases():

@@ -103,6 +103,12 @@ HONOURED_CASES = {
     "--kv-events-config": (["--kv-events-config", '{"enable_kv_cache_events": true, "topic": "t"}'],
                            lambda ns, ea, sc: ea.kv_events_config is not None
                            and ea.kv_events_config.enabled and ea.kv_events_config.topic == "t"),
+    "--speculative-config": (
+        ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'],
+        lambda ns, ea, sc: ea.speculative_config is not None and (
+                           ea.speculative_config.method, ea.speculative_config.num_speculative_tokens,
+                            ea.speculative_config.prompt_lookup_min,
+                            ea.speculative_config.prompt_lookup_max) == ("ngram", 3, 4, 4)),
     "--kv-offloading-size": (["--kv-offloading-size", "4"],
                              lambda ns, ea, sc: ea.kv_offloading_size == 4.0),
     "--kv-offloading-backend": (["--kv-offloading-backend", "lmcache"],
@@ -241,6 +247,10 @@ def test_bad_values_of_honoured_flags_are_clear(capsys):
                          (["--structured-outputs-config", '{"nope": 1}'], "nope"),
                          (["--load-format", "pt"], "--load-format"),
                          (["--override-generation-config", "[1]"], "JSON object"),
+                         (["--speculative-config", '{"method": "medusa", "num_speculative_tokens": 2}'], "medusa"),
+                         (["--speculative-config", '{"method": "ngram"}'], "num_speculative_tokens"),
+                         (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, "k": 1}'], "'k'"),
+                         (["--speculative-config", '{"method": "draft_model", "num_speculative_tokens": 2}'], "needs `model`"),
                          (["--lora-modules", "no-path"], "name=path"),
                          (["--lora-modules", '{"name": "x"}'], "JSON object with name, path")):
         with pytest.raises(SystemExit):

@@ -88,16 +88,12 @@ VLLM_METRICS: dict[str, tuple[str, tuple[str, ...], tuple | str | None]] = {
     "vllm:spec_decode_num_accepted_tokens_per_pos_total": ("counter", ("position",), None),
 }
 
-# vLLM's names that do not apply to kvpilot's engine (text-only, no speculative
-# decoding, no sleep mode), and applicable names kvpilot does not export, with why.
+# vLLM's names that do not apply to kvpilot's engine (text-only, no sleep mode), and
+# applicable names kvpilot does not export, with why.
 NOT_APPLICABLE = {
     "vllm:engine_sleep_state": "sleep mode",
     "vllm:mm_cache_queries_total": "multimodal inputs",
     "vllm:mm_cache_hits_total": "multimodal inputs",
-    "vllm:spec_decode_num_drafts_total": "speculative decoding",
-    "vllm:spec_decode_num_draft_tokens_total": "speculative decoding",
-    "vllm:spec_decode_num_accepted_tokens_total": "speculative decoding",
-    "vllm:spec_decode_num_accepted_tokens_per_pos_total": "speculative decoding",
 }
 NOT_EXPORTED: dict[str, str] = {
     "vllm:watermark_requests": "not found in vLLM's source or pull requests (searched: the metric "
