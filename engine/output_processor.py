@@ -136,9 +136,11 @@ class RequestState:
 
     def output(self) -> RequestOutput:
         cached = max(c.request.num_cached_tokens or 0 for c in self.children)
+        # A KV connector's answer comes with the finished request (the first sequence's).
+        transfer = self.children[0].request.kv_transfer_params_out if self.finished else None
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
                              [c.output(self.kind) for c in self.children], self.finished,
-                             cached, self.metrics())
+                             cached, self.metrics(), transfer)
 
 
 class OutputProcessor:

@@ -55,6 +55,9 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int
     metrics: RequestMetrics
+    # vLLM's kv_transfer_params: what a KV connector returns with the finished request (a
+    # prefill engine: where a decode engine reads its prompt's KV); None: nothing.
+    kv_transfer_params: dict | None = None
 
     def add(self, other: RequestOutput) -> None:
         """Fold a later DELTA output of the same request into this one (in place).
@@ -78,4 +81,6 @@ class RequestOutput:
         self.outputs.sort(key=lambda c: c.index)
         self.finished = other.finished
         self.num_cached_tokens = other.num_cached_tokens
+        if other.kv_transfer_params is not None:
+            self.kv_transfer_params = other.kv_transfer_params
         self.metrics = other.metrics

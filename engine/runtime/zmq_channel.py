@@ -113,7 +113,8 @@ def decode_message(data: bytes) -> Message:
 
 def encode_outputs(outputs: list[RequestOutput]) -> list[tuple]:
     """One flat row per output: ``(request_id, finished, num_cached_tokens, metrics,
-    choices)``, each choice a tuple of ``CompletionOutput``'s fields in order."""
+    choices, kv_transfer_params)``, each choice a tuple of ``CompletionOutput``'s fields in
+    order."""
     rows = []
     for out in outputs:
         m = out.metrics
@@ -122,16 +123,16 @@ def encode_outputs(outputs: list[RequestOutput]) -> list[tuple]:
                       m.last_token_time, m.finished_time, m.num_generation_tokens,
                       m.num_preemptions),
                      [(c.index, c.text, c.token_ids, c.cumulative_logprob, c.logprobs,
-                       c.finish_reason, c.stop_reason) for c in out.outputs]))
+                       c.finish_reason, c.stop_reason) for c in out.outputs], out.kv_transfer_params))
     return rows
 
 
 def decode_output(row: tuple) -> RequestOutput:
     """The ``RequestOutput`` a row of ``encode_outputs`` came from, without its prompt (text
     None, token ids None: the client attaches the ids it sent)."""
-    request_id, finished, num_cached_tokens, metrics, choices = row
+    request_id, finished, num_cached_tokens, metrics, choices, kv_transfer_params = row
     return RequestOutput(request_id, None, None, [CompletionOutput(*c) for c in choices],
-                         finished, num_cached_tokens, RequestMetrics(*metrics))
+                         finished, num_cached_tokens, RequestMetrics(*metrics), kv_transfer_params)
 
 
 class ProcessTransport:
