@@ -23,6 +23,7 @@ BENCHMARKS: dict[str, str] = {
     "routing": "kvpilot.engine.bench.routing",
     "routing-cost": "kvpilot.engine.bench.routing_cost",
     "peer": "kvpilot.engine.bench.peer",
+    "pd": "kvpilot.engine.bench.pd",
 }
 
 
