@@ -9,15 +9,18 @@ on every KV entry, so a block read into the wrong place changes them.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import shutil
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpilot.engine.bench.pd import start_router
@@ -34,6 +37,7 @@ MODEL = "pd"
 MAX_TOKENS = 8
 LEASE_S = 4.0          # the prefill replica's hold on unread KV (short: the expiry test waits it)
 HANDSHAKE_S = 2.0      # the decode replica's wait for a side channel
+FAIL_HANDSHAKE_S = 0.5  # the prefill replica's (its own pulls fail under the ``fail`` policy)
 
 
 def serve_flags(model_dir: str) -> list[str]:
@@ -113,3 +117,91 @@ def wait_idle(base_url: str, timeout: float = 30.0, **expect: float) -> dict[str
             raise AssertionError(f"{base_url} not idle after {timeout} s: "
                                  + str({k: v for k, v in m.items() if "kv" in k or "requests" in k}))
         time.sleep(0.1)
+
+
+def kill_tree(process: subprocess.Popen) -> None:
+    """SIGKILL ``process`` and every process under it (a ``kvpilot serve``'s engine core,
+    which holds the side channel and the KV), as a node losing the pod would; waits for it."""
+    try:
+        tree = [*psutil.Process(process.pid).children(recursive=True), psutil.Process(process.pid)]
+    except psutil.NoSuchProcess:
+        tree = []
+    for p in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):   # gone already
+            p.kill()
+    psutil.wait_procs(tree, timeout=10)
+    process.wait(10)
+
+
+class PDPair:
+    """One prefill and one decode replica (started side by side) and, on demand, the
+    ``vllm-router`` in P/D mode over them.
+
+    - prefill: ``kv_both`` (vLLM's usual P/D role), holding unread KV for ``LEASE_S``; its
+      own pulls fail under ``kv_load_failure_policy: fail`` after ``FAIL_HANDSHAKE_S``;
+    - decode: ``kv_consumer``, ``recompute``, waiting ``HANDSHAKE_S`` for a side channel.
+
+    A test may kill the prefill replica (``kill_prefill``); whoever asks for it next gets a
+    fresh one (new ports, a new engine id) and a fresh router, so tests pass in any order.
+    """
+
+    def __init__(self, model_dir: str, logs: Path) -> None:
+        self.model_dir = model_dir
+        self.logs = logs
+        self._prefill: LaunchedServer | None = None
+        self._router: Router | None = None
+        self._num_prefills = 0
+        self.decode: LaunchedServer | None = None
+        with ThreadPoolExecutor(2) as pool:
+            starts = [pool.submit(self._start_prefill),
+                      pool.submit(start_replica, model_dir, "kv_consumer", logs / "decode.log",
+                                  kv_handshake_timeout=HANDSHAKE_S)]
+        errors = [start.exception() for start in starts]
+        if errors[1] is None:
+            self.decode, self.decode.side_channel_port = starts[1].result()
+        if any(errors):
+            self.stop()   # whichever did start
+            raise next(e for e in errors if e is not None)
+
+    def _start_prefill(self) -> None:
+        self._num_prefills += 1
+        server, port = start_replica(self.model_dir, "kv_both", self.logs / f"prefill-{self._num_prefills}.log",
+                                     kv_lease_duration=LEASE_S, kv_handshake_timeout=FAIL_HANDSHAKE_S,
+                                     kv_load_failure_policy="fail")
+        server.side_channel_port = port
+        self._prefill = server
+
+    @property
+    def prefill(self) -> LaunchedServer:
+        """The prefill replica, alive (a fresh one where a test killed the last)."""
+        if self._prefill is None or self._prefill.process.poll() is not None:
+            if self._prefill is not None:
+                self._prefill.stop()
+            self._stop_router()
+            self._start_prefill()
+        return self._prefill
+
+    @property
+    def router(self) -> Router:
+        """``vllm-router`` in P/D mode over the live prefill replica and the decode replica."""
+        prefill = self.prefill
+        if self._router is None:
+            self._router = start_pd_router(prefill.base_url, self.decode.base_url,
+                                           self.logs / f"router-{self._num_prefills}.log")
+        return self._router
+
+    def kill_prefill(self) -> None:
+        """SIGKILL the prefill replica, its engine core included."""
+        if self._prefill is not None:
+            kill_tree(self._prefill.process)
+
+    def _stop_router(self) -> None:
+        if self._router is not None:
+            self._router.stop()
+            self._router = None
+
+    def stop(self) -> None:
+        self._stop_router()
+        for server in (self._prefill, self.decode):
+            if server is not None:
+                server.stop()
