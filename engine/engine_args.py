@@ -285,6 +285,16 @@ class EngineArgs:
             raise ValueError(f"--kv-transfer-config ({config.kv_connector}) with KV offloading is not "
                              "implemented: an engine runs one KV connector; drop --kv-offloading-size / "
                              "--kv-offloading-backend")
+        # Combinations not verified: refused before anything loads rather than risk wrong KV.
+        if self.token_granular_reuse:
+            raise ValueError(f"--kv-transfer-config ({config.kv_connector}) with --token-granular-reuse is "
+                             "not implemented: a partial-block copy and a remote engine's block reads are "
+                             "not verified together; drop one of them")
+        if self.speculative_config is not None:
+            raise ValueError(f"--kv-transfer-config ({config.kv_connector}) with --speculative-config is "
+                             "not implemented: a remote engine's KV carries no draft model's or EAGLE "
+                             "head's KV, and speculation over transferred prompts is not verified; drop "
+                             "one of them")
         if self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1:
             raise ValueError(f"{config.kv_connector} is implemented for one rank per engine "
                              "(--tensor-parallel-size 1, --pipeline-parallel-size 1)")

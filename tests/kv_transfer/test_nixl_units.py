@@ -111,6 +111,9 @@ def test_start_up_refusals_name_what_is_not_implemented():
 
     for kwargs, words in [({"kv_offloading_size": 1.0}, "one KV connector"),
                           ({"tensor_parallel_size": 2}, "one rank per engine"),
+                          ({"token_granular_reuse": True}, "--token-granular-reuse is not implemented"),
+                          ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
+                           "--speculative-config is not implemented"),
                           ({"kv_transfer_config": dataclasses.replace(CONSUMER, kv_connector_extra_config={"x": 1})},
                            "unknown key")]:
         with pytest.raises(ValueError, match=words):
