@@ -158,27 +158,14 @@ def scrape(url: str) -> dict[str, float]:
 
 
 # ---- requests ----------------------------------------------------------------------------
-async def stream(http, url: str, prompt: list[int], max_tokens: int) -> tuple[float, list[float], str]:
-    """One streamed greedy completion: (TTFT s, gaps between its token chunks s, text)."""
+async def stream(http, url: str, prompt: list[int], max_tokens: int):
+    """One streamed greedy completion (``serve.StreamedText``: TTFT, gaps between its token
+    chunks, text)."""
+    from kvpilot.engine.bench.serve import stream_text
+
     body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "ignore_eos": True}
-    start = time.perf_counter()
-    times, parts = [], []
-    async with http.post(f"{url}/v1/completions", json=body) as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:500]}")
-        async for line in resp.content:
-            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(f"error in stream: {chunk['error']}")
-            if chunk.get("choices") and chunk["choices"][0].get("text") is not None:
-                times.append(time.perf_counter())
-                parts.append(chunk["choices"][0]["text"])
-    if not times:
-        raise RuntimeError("the stream carried no tokens")
-    return times[0] - start, [b - a for a, b in zip(times, times[1:], strict=False)], "".join(parts)
+    return await stream_text(http, f"{url}/v1/completions", body)
 
 
 async def plain(http, url: str, prompt: list[int], max_tokens: int) -> str:
@@ -228,13 +215,12 @@ async def load(url: str, args, rng: random.Random, vocab: int) -> tuple[list, li
         await asyncio.sleep(1.0)   # the streams are decoding
         long_ttfts = []
         for prompt in longs:        # one after the other, while the streams decode
-            ttft, _, _ = await stream(http, url, prompt, 4)
-            long_ttfts.append(ttft)
+            long_ttfts.append((await stream(http, url, prompt, 4)).ttft)
         results = await asyncio.gather(*stream_tasks)
         duration = time.perf_counter() - start
-    gaps = [g for _, gs, _ in results for g in gs]
+    gaps = [g for r in results for g in r.gaps]
     num_tokens = args.streams * args.stream_output + args.long_prompts * 4
-    return [t for t, _, _ in results], gaps, long_ttfts, duration, num_tokens
+    return [r.ttft for r in results], gaps, long_ttfts, duration, num_tokens
 
 
 def identity_prompts(n: int, rng: random.Random, vocab: int) -> list[list[int]]:
@@ -256,7 +242,7 @@ async def answers(url: str, prompts: list[list[int]], max_tokens: int) -> list[s
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as http:
         out = []
         for i, prompt in enumerate(prompts):   # one at a time: each decode-side admission is accounted alone
-            out.append((await stream(http, url, prompt, max_tokens))[2] if i % 2 else
+            out.append((await stream(http, url, prompt, max_tokens)).text if i % 2 else
                        await plain(http, url, prompt, max_tokens))
         return out
 

@@ -38,7 +38,7 @@ import httpx
 import openai
 import pytest
 
-from kvpilot.engine import SamplingParams
+from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.bench.server_process import free_port
 from kvpilot.engine.kv_transfer.params import producer_params
 
@@ -48,6 +48,7 @@ from support.pd_cluster import (
     LEASE_S,
     MAX_TOKENS,
     MODEL,
+    NUM_BLOCKS,
     PDPair,
     nixl_missing,
     router_binary,
@@ -61,13 +62,33 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(router_binary() is None, reason="vllm-router is not installed (pip install "
                                                                  "vllm-router; the test extra has it)")]
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def pd(pd_model, tmp_path_factory):
-    pair = PDPair(pd_model, tmp_path_factory.mktemp("pd"))
+    pair = PDPair(pd_model, tmp_path_factory.mktemp("pd"))   # starting in the background
     yield pair
     pair.stop()
+
+
+@pytest.fixture(scope="module")
+def reference_llm(pd, pd_model):
+    """One replica's engine, in process: the oracle for every disaggregated answer. (It
+    takes ``pd`` only so that the replicas start first and come up while this computes.)"""
+    llm = LLM(pd_model, dtype="float32", num_gpu_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
+              max_model_len=2048, max_num_batched_tokens=2048)
+    yield llm
+    llm.llm_engine.close()
+
+
+@pytest.fixture(scope="module")
+def reference(reference_llm, pd_prompts, fault_prompts) -> dict[tuple[int, ...], str]:
+    """One replica's greedy answer to every prompt whose answer a test checks (of the fault
+    prompts, only the one the decode replica recomputes)."""
+    prompts = pd_prompts + fault_prompts[2:3]
+    outs = reference_llm.generate(prompts, GREEDY)
+    return {tuple(p): o.outputs[0].text for p, o in zip(prompts, outs, strict=True)}
 
 
 def sources(m: dict[str, float]) -> dict[str, float]:
@@ -103,8 +124,7 @@ def test_pd_outputs_are_identical_to_one_replica(pd, pd_prompts, reference, refe
     assert seen_prefix
 
     messages = [{"role": "user", "content": "Which blocks does the decode engine read?"}]
-    expected = reference_llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
-                                                           ignore_eos=True))[0].outputs[0].text
+    expected = reference_llm.chat(messages, GREEDY)[0].outputs[0].text
     plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0,
                                            extra_body={"ignore_eos": True})
     assert plain.choices[0].message.content == expected

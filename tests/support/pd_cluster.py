@@ -134,34 +134,30 @@ def kill_tree(process: subprocess.Popen) -> None:
 
 
 class PDPair:
-    """One prefill and one decode replica (started side by side) and, on demand, the
-    ``vllm-router`` in P/D mode over them.
+    """One prefill and one decode replica and, on demand, the ``vllm-router`` in P/D mode
+    over them.
 
     - prefill: ``kv_both`` (vLLM's usual P/D role), holding unread KV for ``LEASE_S``; its
       own pulls fail under ``kv_load_failure_policy: fail`` after ``FAIL_HANDSHAKE_S``;
     - decode: ``kv_consumer``, ``recompute``, waiting ``HANDSHAKE_S`` for a side channel.
 
-    A test may kill the prefill replica (``kill_prefill``); whoever asks for it next gets a
-    fresh one (new ports, a new engine id) and a fresh router, so tests pass in any order.
+    Both start side by side in the background from construction (the caller may compute
+    meanwhile); ``prefill`` and ``decode`` wait for them. A test may kill the prefill
+    replica (``kill_prefill``); whoever asks for it next gets a fresh one (new ports, a new
+    engine id) and a fresh router, so tests pass in any order.
     """
 
     def __init__(self, model_dir: str, logs: Path) -> None:
         self.model_dir = model_dir
         self.logs = logs
         self._prefill: LaunchedServer | None = None
+        self._decode: LaunchedServer | None = None
         self._router: Router | None = None
         self._num_prefills = 0
-        self.decode: LaunchedServer | None = None
-        with ThreadPoolExecutor(2) as pool:
-            starts = [pool.submit(self._start_prefill),
-                      pool.submit(start_replica, model_dir, "kv_consumer", logs / "decode.log",
-                                  kv_handshake_timeout=HANDSHAKE_S)]
-        errors = [start.exception() for start in starts]
-        if errors[1] is None:
-            self.decode, self.decode.side_channel_port = starts[1].result()
-        if any(errors):
-            self.stop()   # whichever did start
-            raise next(e for e in errors if e is not None)
+        self._error: BaseException | None = None
+        pool = ThreadPoolExecutor(2)
+        self._starting = [pool.submit(self._start_prefill), pool.submit(self._start_decode)]
+        pool.shutdown(wait=False)   # the starts go on; ``_ready`` and ``stop`` await them
 
     def _start_prefill(self) -> None:
         self._num_prefills += 1
@@ -171,12 +167,34 @@ class PDPair:
         server.side_channel_port = port
         self._prefill = server
 
+    def _start_decode(self) -> None:
+        server, port = start_replica(self.model_dir, "kv_consumer", self.logs / "decode.log",
+                                     kv_handshake_timeout=HANDSHAKE_S)
+        server.side_channel_port = port
+        self._decode = server
+
+    def _ready(self) -> None:
+        """Waits for the start-up; its first error raised (now and at every later call),
+        whichever replica did start stopped."""
+        starting, self._starting = self._starting, []
+        errors = [start.exception() for start in starting]
+        if any(errors):
+            self._error = next(e for e in errors if e is not None)
+            self.stop()
+        if self._error is not None:
+            raise self._error
+
+    @property
+    def decode(self) -> LaunchedServer:
+        self._ready()
+        return self._decode
+
     @property
     def prefill(self) -> LaunchedServer:
         """The prefill replica, alive (a fresh one where a test killed the last)."""
-        if self._prefill is None or self._prefill.process.poll() is not None:
-            if self._prefill is not None:
-                self._prefill.stop()
+        self._ready()
+        if self._prefill.process.poll() is not None:
+            self._prefill.stop()
             self._stop_router()
             self._start_prefill()
         return self._prefill
@@ -192,8 +210,7 @@ class PDPair:
 
     def kill_prefill(self) -> None:
         """SIGKILL the prefill replica, its engine core included."""
-        if self._prefill is not None:
-            kill_tree(self._prefill.process)
+        kill_tree(self.prefill.process)
 
     def _stop_router(self) -> None:
         if self._router is not None:
@@ -201,7 +218,10 @@ class PDPair:
             self._router = None
 
     def stop(self) -> None:
+        for start in self._starting:   # a start still under way ends first
+            start.exception()
+        self._starting = []
         self._stop_router()
-        for server in (self._prefill, self.decode):
+        for server in (self._prefill, self._decode):
             if server is not None:
                 server.stop()
