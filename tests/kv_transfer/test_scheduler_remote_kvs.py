@@ -63,10 +63,12 @@ class ScriptedConnector:
         return False
 
 
-def _scheduler(connector, policy: str = "recompute") -> Scheduler:
+def _scheduler(connector, policy: str = "recompute", num_lookahead_tokens: int = 0) -> Scheduler:
     kv = KVCacheManager(NUM_BLOCKS, BLOCK, enable_caching=True, hash_root=root_hash("t"))
     config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
-    return Scheduler(config, kv, connector=connector, load_failure_policy=policy)
+    return Scheduler(config, kv, connector=connector, load_failure_policy=policy,
+                     num_speculative_tokens=3 if num_lookahead_tokens else 0,
+                     num_lookahead_tokens=num_lookahead_tokens)
 
 
 def _request(rid: str, num_tokens: int = 18) -> Request:
@@ -96,6 +98,18 @@ def test_parked_request_takes_no_step_and_resumes_on_its_blocks():
     sources = sched.prompt_token_sources
     assert (sources.external_kv_transfer, sources.local_compute) == (16, 18 + 2)
     assert sources.cached_external_unspecified == 16   # vllm:prompt_tokens_cached_by_source
+    _finish_all(sched)
+
+
+def test_lookahead_slots_come_with_the_resumed_step_not_the_parked_load():
+    sched = _scheduler(ScriptedConnector(), num_lookahead_tokens=3)
+    remote = _request("remote-a")
+    sched.add_request(remote)
+    _step(sched)
+    assert len(sched.kv.block_ids("remote-a")) == 4      # the 16 loaded tokens' blocks only
+    sched.update_connector_output(KVConnectorOutput(finished_recving={"remote-a"}))
+    assert _step(sched) == {"remote-a": 2}
+    assert len(sched.kv.block_ids("remote-a")) == 6      # 16 + 2 + 3 lookahead slots: 21 tokens
     _finish_all(sched)
 
 
