@@ -277,8 +277,31 @@ class EngineArgs:
     def create_kv_transfer_config(self) -> KVTransferConfig | None:
         """``kv_transfer_config`` once its connector is known to be one this engine runs
         (ValueError naming those it does, before anything loads); None when off."""
-        check_connector(self.kv_transfer_config)
-        return self.kv_transfer_config
+        config = self.kv_transfer_config
+        check_connector(config)
+        if config is None or not config.is_kv_transfer_instance:
+            return config
+        if self.create_offload_config() is not None:
+            raise ValueError(f"--kv-transfer-config ({config.kv_connector}) with KV offloading is not "
+                             "implemented: an engine runs one KV connector; drop --kv-offloading-size / "
+                             "--kv-offloading-backend")
+        # Combinations not verified: refused before anything loads rather than risk wrong KV.
+        if self.token_granular_reuse:
+            raise ValueError(f"--kv-transfer-config ({config.kv_connector}) with --token-granular-reuse is "
+                             "not implemented: a partial-block copy and a remote engine's block reads are "
+                             "not verified together; drop one of them")
+        if self.speculative_config is not None:
+            raise ValueError(f"--kv-transfer-config ({config.kv_connector}) with --speculative-config is "
+                             "not implemented: a remote engine's KV carries no draft model's or EAGLE "
+                             "head's KV, and speculation over transferred prompts is not verified; drop "
+                             "one of them")
+        if self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1:
+            raise ValueError(f"{config.kv_connector} is implemented for one rank per engine "
+                             "(--tensor-parallel-size 1, --pipeline-parallel-size 1)")
+        from kvpilot.engine.kv_transfer.nixl.settings import NixlSettings
+
+        NixlSettings.from_config(config)   # its extra config and environment, checked now
+        return config
 
     def create_speculative_config(self) -> SpeculativeConfig | None:
         """The ``SpeculativeConfig`` (None: off); ValueError for what cannot be served."""

@@ -55,6 +55,11 @@ class RequestFailed(RuntimeError):
     """The engine raised while serving the request."""
 
 
+class KVTransferFailed(RequestFailed):
+    """The request's KV could not be loaded from another engine (a disaggregated prefill
+    instance) and the load-failure policy is ``fail``; the message says why."""
+
+
 class StepTimeout(RequestFailed):
     """The engine made no progress on the request for longer than ``hang_timeout``."""
 

@@ -1,7 +1,9 @@
 """The engine: add requests, step, collect outputs. Single-threaded by design.
 
 ``step()`` is the whole data flow: ``scheduler.schedule()`` -> ``runner.execute()`` ->
-``scheduler.update_from_output()`` -> detokenize and check stops -> outputs.
+``scheduler.update_from_output()`` -> detokenize and check stops -> outputs. A KV connector
+(offload tiers, another engine: ``kv_transfer``) reports what its transfers finished at the
+step's start and does the step's loads before the forward.
 """
 
 from __future__ import annotations
@@ -55,6 +57,9 @@ logger = logging.getLogger(__name__)
 
 # Longest an idle engine sleeps waiting for a compiling grammar (new commands wait as long).
 GRAMMAR_POLL_SECONDS = 0.02
+# Longest an engine with only KV transfers in flight (or held) waits for them per step (idem;
+# a transfer's end wakes it earlier).
+CONNECTOR_POLL_SECONDS = 0.01
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +69,7 @@ class FailedRequest:
     request_id: str
     message: str
     invalid: bool     # the request's own fault (e.g. its grammar): a 400 for the client
+    kv_transfer: bool = False   # its KV could not be loaded from another engine
 
 
 class LLMEngine:
@@ -135,6 +141,7 @@ class LLMEngine:
                               f"{model_fingerprint(model_config.model)}|{self.cache_info.kv_cache_dtype}"
                               f"|{layout.block_size}")
         self.kv_offload = self._create_offload(offload_config, layout, hash_root)
+        self._hash_root = hash_root
         self._residency = (KVResidencySampler(args.kv_cache_metrics_sample, seed=args.seed)
                            if args.kv_cache_metrics else None)
         if isinstance(layout, HybridKVLayout):
@@ -156,8 +163,11 @@ class LLMEngine:
             explainer = self.kv_cache_manager.explainer
             if explainer is not None and self.kv_offload is not None:
                 self.kv_offload.set_eviction_hook(explainer.on_offload_evict)
-        spec = self.speculative_config
-        self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager, offload=self.kv_offload,
+        self.kv_connector = self._create_connector(layout)
+        connector, spec = self.kv_connector, self.speculative_config
+        self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager,
+                                   connector=connector.scheduler if connector is not None else None,
+                                   load_failure_policy=connector.load_failure_policy if connector else "recompute",
                                    num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
                                    num_lookahead_tokens=spec.num_lookahead_tokens if spec else 0)
         self.kv_events = start_kv_events(args.kv_events_config, self.kv_cache_manager, self.kv_offload)
@@ -243,6 +253,20 @@ class LLMEngine:
         return create_kv_offload(offload_config, kv_caches=self.runner.kv_caches,
                                  block_size=layout.block_size, hash_root=hash_root)
 
+    def _create_connector(self, layout: KVLayout):
+        """The KV connector (``kv_transfer.base.KVConnector``): the offload tiers, the one
+        ``--kv-transfer-config`` names, or None."""
+        if self.kv_offload is not None:
+            from kvpilot.engine.offload.connector import offload_connector
+
+            return offload_connector(self.kv_offload, self.kv_cache_manager.pool, layout.block_size)
+        if self.kv_transfer_config is None or not self.kv_transfer_config.is_kv_transfer_instance:
+            return None
+        from kvpilot.engine.kv_transfer.factory import create_kv_connector
+
+        return create_kv_connector(self.kv_transfer_config, self.runner.kv_caches, self.kv_cache_manager,
+                                   layout, self._hash_root, self.parallel_config, self.cache_info)
+
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         return cls(args)
@@ -288,6 +312,8 @@ class LLMEngine:
             from kvpilot.engine.lora.registry import LoRANotFoundError
 
             raise LoRANotFoundError(f"The model `{lora_name}` does not exist.")
+        if params.kv_transfer_params is not None:
+            self._check_kv_transfer_params(params)
         params = params.with_stop_ids(self.eos_token_ids)
         arrival = time.time() if arrival_time is None else arrival_time
         max_tokens = max_len - len(ids) if params.max_tokens is None else min(params.max_tokens, max_len - len(ids))
@@ -330,6 +356,12 @@ class LLMEngine:
             if bad:
                 raise ValueError(f"{name} token ids must be in [0, {vocab}); got {bad[:5]}")
 
+    def _check_kv_transfer_params(self, params: SamplingParams) -> None:
+        """ValueError for ``kv_transfer_params`` this engine's connector cannot honour."""
+        from kvpilot.engine.kv_transfer.params import check_kv_transfer_params
+
+        check_kv_transfer_params(params.kv_transfer_params, self.kv_transfer_config, params.n)
+
     def abort_request(self, request_ids: Iterable[str]) -> None:
         """Abort requests (by the id given to add_request); unknown ids are ignored."""
         self._release(self.scheduler.abort_requests(list(request_ids)))
@@ -357,6 +389,9 @@ class LLMEngine:
 
     def _step(self) -> list[RequestOutput]:
         structured = self.structured_output
+        connector = self.kv_connector
+        if connector is not None:   # what the transfers finished since the last step
+            self._apply_connector_output(connector.worker.get_finished())
         if structured.active:
             self._thread_share.update(structured.compiling)   # a compile's CPUs (cpu_share.py)
             # grammars that compiled (or failed, or are too late)
@@ -369,14 +404,16 @@ class LLMEngine:
             # As vLLM's scheduler does: the blocks this step registers are announced before
             # its forward, so a router sends the next request with their prefix here now.
             self.kv_events.publish_step()
-        if sched.kv_transfers:   # offload saves and loads, before the forward that reads them
-            self.kv_offload.execute(sched.kv_transfers)
-        if sched.kv_copies:   # token-granular reuse, after the saves (a destination may be a
-            copy_block_tokens(self.runner.kv_caches, sched.kv_copies)   # block saved now)
+        if connector is not None:   # its loads (offload: saves too), before the forward reads them
+            connector.worker.start_load_kv(sched.kv_connector_metadata)
+        if sched.kv_copies:   # token-granular reuse, after the connector's saves and loads (a
+            copy_block_tokens(self.runner.kv_caches, sched.kv_copies)   # destination may be saved now)
         if sched.is_empty:
             self.runner.update_batch(sched)   # the preempted and finished leave it
             if structured.active and structured.num_waiting:   # only grammars to wait for:
                 structured.wait(GRAMMAR_POLL_SECONDS)           # no busy loop meanwhile
+            elif connector is not None and self.scheduler.has_connector_work():
+                connector.worker.wait(CONNECTOR_POLL_SECONDS)  # only transfers: idem
             return []
         self._num_steps += 1
         self._iteration_tokens.append(sched.num_scheduled_tokens)
@@ -387,6 +424,8 @@ class LLMEngine:
             self._estimated[1] += cost.read_bytes
             self._estimated[2] += cost.write_bytes
         result = self._execute(sched, structured.grammar_bitmask(sched) if structured.active else None)
+        if connector is not None:
+            connector.worker.save_kv(sched.kv_connector_metadata)
         advanced = self.scheduler.update_from_output(sched, result.sampled(), result.nan_req_ids)
         failed: dict[str, BaseException] = {}    # parent request id -> why it failed
         if structured.active:
@@ -402,7 +441,7 @@ class LLMEngine:
         self._fail_requests(failed)
         if result.draft_token_ids:
             self._set_drafts(result.draft_token_ids)
-        if self.kv_offload is not None and not self.scheduler.has_unfinished_requests():
+        if connector is not None and not self.scheduler.has_unfinished_requests():
             self._run_pending_kv_transfers()   # save finished requests' blocks now, not next step
         return outputs
 
@@ -412,6 +451,15 @@ class LLMEngine:
         if self.structured_output.active:
             drafts = self.structured_output.trim_drafts(drafts, self.scheduler.requests)
         self.scheduler.update_draft_token_ids(drafts)
+
+    def _apply_connector_output(self, output) -> None:
+        """Free held blocks, resume requests whose KV arrived, fail those whose load failed
+        under the ``fail`` policy (alone: the rest of the batch goes on)."""
+        from kvpilot.engine.exceptions import KVTransferFailed
+
+        failed = self.scheduler.update_connector_output(output)
+        if failed:
+            self._fail_requests({r.parent_id: KVTransferFailed(reason) for r, reason in failed})
 
     def _execute(self, sched, bitmask):
         """The runner's step. With workers, a dead worker or a failure while the ranks ran
@@ -439,7 +487,9 @@ class LLMEngine:
 
     # ---- introspection ------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Unfinished requests, or KV transfers that need steps to end (held blocks
+        waiting for their remote reader, loads in flight)."""
+        return self.scheduler.has_unfinished_requests() or self.scheduler.has_connector_work()
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.num_unfinished
@@ -454,6 +504,7 @@ class LLMEngine:
         return EngineStats(
             num_running_reqs=self.scheduler.num_running,
             num_waiting_reqs=self.scheduler.num_waiting,
+            num_waiting_for_remote_kvs=self.scheduler.num_waiting_for_remote_kvs,
             kv_cache_usage=kv.usage,
             num_gpu_blocks=self.cache_info.num_gpu_blocks,
             num_free_blocks=kv.num_free_blocks,
@@ -474,17 +525,18 @@ class LLMEngine:
             **(dict(zip(("estimated_flops", "estimated_read_bytes", "estimated_write_bytes"),
                         self._estimated, strict=True)) if self._cost_model is not None else {}),
             **(self.kv_offload.stats().engine_stat_fields() if self.kv_offload is not None else {}),
+            kv_transfer=self._kv_transfer_stats(),
             lora=self._lora_stats() if self.lora is not None else None,
             spec_decoding=(self.scheduler.spec_stats.snapshot()
                            if self.scheduler.spec_stats is not None else None),
         )
 
     def _cached_by_tier(self, sources) -> dict[str, int]:
-        """The offload-served prompt tokens by tier, for the tiers the backend has."""
-        if self.kv_offload is None:
+        """The connector-served prompt tokens by tier, for the tiers the connector has."""
+        if self.kv_connector is None:
             return {}
         return {f"prompt_tokens_cached_{tier}": getattr(sources, f"cached_{tier}")
-                for tier in self.kv_offload.cache_tiers}
+                for tier in self.kv_connector.scheduler.cache_tiers}
 
     def _miss_fields(self) -> dict[str, int]:
         explainer = getattr(self.kv_cache_manager, "explainer", None)
@@ -512,21 +564,32 @@ class LLMEngine:
                            caching=self.cache_config.enable_prefix_caching,
                            explained=getattr(self.kv_cache_manager, "explainer", None) is not None)
 
+    def _kv_transfer_stats(self):
+        """The inter-engine KV transfer figures (``kv_transfer.stats``); None without them."""
+        stats = getattr(self.kv_connector.worker, "stats", None) if self.kv_connector is not None else None
+        if stats is None:
+            return None
+        external = self.scheduler.external
+        return stats().with_scheduler_counts(external.num_failed_loads, external.num_recomputed_tokens)
+
     def _fail_requests(self, failed: dict[str, BaseException]) -> None:
         """Abort the requests a step failed for on their own (their grammar, detokenizing,
         stop checks), keeping the rest of the batch; ``take_failed_requests`` reports them.
         A ``ValueError`` (a constraint that does not compile, or not in time) is the
         request's own fault."""
+        from kvpilot.engine.exceptions import KVTransferFailed
+
         for request_id, exc in failed.items():
             invalid = isinstance(exc, ValueError)
-            if invalid:
-                logger.warning("request %s refused: %s", request_id, exc)
+            kv_transfer = isinstance(exc, KVTransferFailed)
+            if invalid or kv_transfer:
+                logger.warning("request %s %s: %s", request_id, "refused" if invalid else "failed", exc)
             else:
                 logger.error("request %s failed in an engine step (the rest of the batch goes on)",
                              request_id, exc_info=exc)
             self.abort_request([request_id])
-            message = str(exc) if invalid else f"{type(exc).__name__}: {exc}"
-            self._failed_requests.append(FailedRequest(request_id, message, invalid))
+            message = str(exc) if invalid or kv_transfer else f"{type(exc).__name__}: {exc}"
+            self._failed_requests.append(FailedRequest(request_id, message, invalid, kv_transfer))
 
     def take_failed_requests(self) -> list[FailedRequest]:
         """The requests aborted since the previous call because the engine failed for
@@ -557,18 +620,18 @@ class LLMEngine:
         return done
 
     def _run_pending_kv_transfers(self) -> None:
-        transfers = self.scheduler.take_kv_transfers()
-        if transfers:
-            self.kv_offload.execute(transfers)
+        metadata = self.scheduler.take_connector_metadata()
+        if metadata:
+            self.kv_connector.worker.start_load_kv(metadata)
 
     def close(self) -> None:
         """Finish background work (KV offload saves and disk writes) and release it; stop
         the tensor-parallel workers."""
         self.structured_output.close()
         try:
-            if self.kv_offload is not None:
+            if self.kv_connector is not None:
                 self._run_pending_kv_transfers()
-                self.kv_offload.close()
+                self.kv_connector.worker.close()
             if self.kv_events is not None:
                 self.kv_events.close()
         finally:

@@ -139,9 +139,12 @@ class RequestState:
     def output(self) -> RequestOutput:
         # the sequence that found the most in the cache (its miss explains the rest)
         best = max(self.children, key=lambda c: c.request.num_cached_tokens or 0).request
+        # A KV connector's answer comes with the finished request (the first sequence's).
+        transfer = self.children[0].request.kv_transfer_params_out if self.finished else None
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
                              [c.output(self.kind) for c in self.children], self.finished,
-                             best.num_cached_tokens or 0, self.metrics(), best.prefix_miss)
+                             best.num_cached_tokens or 0, self.metrics(), best.prefix_miss,
+                             transfer)
 
 
 class OutputProcessor:

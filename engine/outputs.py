@@ -62,6 +62,9 @@ class RequestOutput:
     # why the prompt tokens beyond num_cached_tokens missed the prefix cache (None: none
     # did, or misses are not explained)
     prefix_miss: PrefixMiss | None = None
+    # vLLM's kv_transfer_params: what a KV connector returns with the finished request (a
+    # prefill engine: where a decode engine reads its prompt's KV); None: nothing.
+    kv_transfer_params: dict | None = None
 
     def add(self, other: RequestOutput) -> None:
         """Fold a later DELTA output of the same request into this one (in place).
@@ -87,4 +90,6 @@ class RequestOutput:
         self.num_cached_tokens = other.num_cached_tokens
         if other.prefix_miss is not None:   # a channel may send it with some deltas only
             self.prefix_miss = other.prefix_miss
+        if other.kv_transfer_params is not None:
+            self.kv_transfer_params = other.kv_transfer_params
         self.metrics = other.metrics

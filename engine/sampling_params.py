@@ -110,6 +110,10 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputsParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # vLLM's ``kv_transfer_params`` (disaggregated prefill and decode): ``do_remote_decode``
+    # asks a producer to hold the prompt's KV for a decode engine, ``do_remote_prefill``
+    # with the producer's ``remote_*`` fields makes a consumer pull it. None: neither.
+    kv_transfer_params: dict[str, Any] | None = None
     # Filled by the engine: the model's EOS ids, unless ignore_eos.
     all_stop_token_ids: frozenset[int] = field(default_factory=frozenset, repr=False)
 

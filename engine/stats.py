@@ -7,13 +7,14 @@ from dataclasses import dataclass
 
 from kvpilot.engine.core.kv_residency import BlockResidency
 from kvpilot.engine.core.spec_stats import SpecDecodingStats
+from kvpilot.engine.kv_transfer.stats import KVTransferStats
 from kvpilot.engine.lora.stats import LoRAStats
 
 
 @dataclass(frozen=True, slots=True)
 class EngineStats:
     num_running_reqs: int
-    num_waiting_reqs: int
+    num_waiting_reqs: int          # waiting requests, those whose KV is on its way included
     kv_cache_usage: float          # fraction of blocks referenced by running requests, 0..1
     num_gpu_blocks: int
     num_free_blocks: int
@@ -73,6 +74,10 @@ class EngineStats:
     lora: LoRAStats | None = None
     # Verified drafts (cumulative; None without speculative decoding).
     spec_decoding: SpecDecodingStats | None = None
+    # Waiting requests whose KV is on its way from another engine (WAITING_FOR_REMOTE_KVS).
+    num_waiting_for_remote_kvs: int = 0
+    # KV transfer between engines (NixlConnector); None without a transfer connector.
+    kv_transfer: KVTransferStats | None = None
 
     @property
     def prompt_tokens_cached(self) -> int:
@@ -81,13 +86,15 @@ class EngineStats:
 
     @property
     def num_waiting_for_capacity(self) -> int:
-        """Waiting requests held back by the batch or the KV cache: all of them (kvpilot
-        defers no request for anything else, e.g. a remote KV transfer)."""
-        return self.num_waiting_reqs
+        """Waiting requests held back by the batch or the KV cache (not by a remote KV
+        transfer)."""
+        return self.num_waiting_reqs - self.num_waiting_for_remote_kvs
 
     @property
     def num_waiting_deferred(self) -> int:
-        return 0
+        """Waiting requests deferred for something else: their KV is on its way from
+        another engine."""
+        return self.num_waiting_for_remote_kvs
 
     @property
     def prefix_cache_hit_rate(self) -> float:

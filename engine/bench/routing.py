@@ -123,43 +123,22 @@ def build_system_prompts(tokenizer, rng: random.Random, count: int, num_tokens: 
     return prompts
 
 
-async def stream_text(http, model: str, prompt: str, max_tokens: int,
-                      headers: dict[str, str] | None = None) -> tuple[float, str]:
-    """One streamed text completion: (seconds to the first token, the text)."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "ignore_eos": True}
-    first, parts = None, []
-    start = time.perf_counter()
-    async with http.post("/v1/completions", json=body, headers=headers) as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:500]}")
-        async for line in resp.content:
-            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(f"error in stream: {chunk['error']}")
-            if chunk.get("choices"):
-                if first is None:
-                    first = time.perf_counter()
-                parts.append(chunk["choices"][0].get("text") or "")
-    if first is None:
-        raise RuntimeError("the stream carried no tokens")
-    return first - start, "".join(parts)
-
-
 async def _user(http, model: str, system: str, user: int, turns: int, args, rng: random.Random,
                 limit: asyncio.Semaphore, ttfts: list[float]) -> None:
+    from kvpilot.engine.bench.serve import stream_text
+
     history = ""
     # the header vllm-router reads a session from (its kv_aware affinity, consistent_hash)
     headers = {"X-Session-ID": f"user-{user}"} if args.session_affinity_ttl is not None else None
     for turn in range(turns):
         question = f"User {user} asks ({turn}): {_words(rng, args.question_words)}?\n"
         prompt = system + history + question + "Answer:"
+        body = {"model": model, "prompt": prompt, "max_tokens": args.output_len, "temperature": 0,
+                "stream": True, "ignore_eos": True}
         async with limit:
-            ttft, text = await stream_text(http, model, prompt, args.output_len, headers)
-        ttfts.append(ttft)
-        history += question + "Answer:" + text + "\n"
+            answer = await stream_text(http, "/v1/completions", body, headers)
+        ttfts.append(answer.ttft)
+        history += question + "Answer:" + answer.text + "\n"
 
 
 # ---- processes --------------------------------------------------------------------------

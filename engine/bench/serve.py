@@ -152,6 +152,46 @@ async def _token_pool(http, rng: random.Random) -> list[int]:
     return pool
 
 
+async def sse_frames(resp):
+    """The JSON frames of an OpenAI event stream (an aiohttp response), each as
+    ``(time.perf_counter() when it arrived, frame)``, up to ``data: [DONE]``. RuntimeError
+    for an answer other than 200 or a frame carrying an error."""
+    if resp.status != 200:
+        raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:500]}")
+    async for line in resp.content:   # one SSE line at a time
+        if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+            continue
+        now = time.perf_counter()
+        chunk = json.loads(line[6:])
+        if "error" in chunk:
+            raise RuntimeError(f"error in stream: {chunk['error']}")
+        yield now, chunk
+
+
+@dataclass(frozen=True, slots=True)
+class StreamedText:
+    """A streamed completion as its client saw it."""
+
+    ttft: float          # seconds from sending to the first frame with a choice
+    gaps: list[float]    # seconds between consecutive frames with a choice
+    text: str
+
+
+async def stream_text(http, url: str, body: dict, headers: dict[str, str] | None = None) -> StreamedText:
+    """POSTs ``body`` (a streamed ``/v1/completions`` request) to ``url`` (a path on the
+    session's base URL, or a whole URL); RuntimeError when the stream carried no token."""
+    times, parts = [], []
+    start = time.perf_counter()
+    async with http.post(url, json=body, headers=headers) as resp:
+        async for now, chunk in sse_frames(resp):
+            if chunk.get("choices"):
+                times.append(now)
+                parts.append(chunk["choices"][0].get("text") or "")
+    if not times:
+        raise RuntimeError("the stream carried no tokens")
+    return StreamedText(times[0] - start, [b - a for a, b in zip(times, times[1:], strict=False)], "".join(parts))
+
+
 async def stream_completion(http, model: str, prompt: list[int], max_tokens: int) -> RequestResult:
     """One streamed completion; times measured from just before the request is sent."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
@@ -162,15 +202,7 @@ async def stream_completion(http, model: str, prompt: list[int], max_tokens: int
     num_chunks = 0
     start = last = time.perf_counter()
     async with http.post("/v1/completions", json=body) as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:500]}")
-        async for line in resp.content:   # one SSE line at a time
-            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                continue
-            now = time.perf_counter()
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(f"error in stream: {chunk['error']}")
+        async for now, chunk in sse_frames(resp):
             if chunk.get("usage"):
                 usage = chunk["usage"]
             if not chunk["choices"]:

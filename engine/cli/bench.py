@@ -26,6 +26,7 @@ BENCHMARKS: dict[str, str] = {
     "multiturn": "kvpilot.engine.bench.multiturn",
     "miss-reasons": "kvpilot.engine.bench.miss_reasons",
     "spec": "kvpilot.engine.bench.spec",
+    "pd": "kvpilot.engine.bench.pd",
 }
 
 

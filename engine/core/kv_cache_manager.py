@@ -256,10 +256,14 @@ class KVCacheManager:
             self.release_outside_window(request)
         return self.num_blocks_needed(request, num_new_tokens, hit) <= self.pool.num_free_blocks
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:
+    def allocate_slots(self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None,
+                       cache_blocks: bool = True) -> bool:
         """Reserve blocks for ``num_new_tokens`` more tokens; False if they do not fit.
 
         ``hit`` (admission only) is the prefix-cache hit whose blocks the request takes.
+        ``cache_blocks=False`` (admission only) registers none of the new blocks in the
+        prefix cache: an asynchronous load fills them later, and they are registered when
+        the request is next scheduled, as it runs (vLLM's delayed caching).
         """
         rid = request.request_id
         blocks = self.req_blocks.get(rid)
@@ -307,7 +311,7 @@ class KVCacheManager:
         if hit is not None and hit.partial is not None:
             source, num_tokens = hit.partial
             self._copies.append((source.block_id, blocks[len(hit.blocks)].block_id, num_tokens))
-        if self.enable_caching:
+        if self.enable_caching and cache_blocks:
             self._register_full_blocks(request, blocks, total)
         return True
 

@@ -1,11 +1,12 @@
-"""What a step asks the KV offload tiers to move: the scheduler's side of offloading.
+"""What a step asks the KV offload tiers to move: the offload connector's metadata.
 
-The scheduler fills a ``KVTransfers`` while it schedules (blocks the pool evicts, blocks
-of requests that finished since the last step, offload hits of requests it admits) and
-hands it to the runner inside ``SchedulerOutput``; the runner's offload executor copies
-the blocks before the forward pass, saves first. Plain data, no tensors: the block
-pool and the KV cache manager know nothing about offloading, and the executor knows
-nothing about scheduling (as vLLM's KV-connector metadata separates the two).
+The offload connector's scheduler half (``kvpilot.engine.offload.connector``) fills a
+``KVTransfers`` while the scheduler schedules (blocks the pool evicts, blocks of requests
+that finished since the last step, offload hits of requests it admits) and it travels to
+the worker half in ``SchedulerOutput.kv_connector_metadata``; the offload executor copies
+the blocks before the forward pass, saves first. Plain data, no tensors: the block pool
+and the KV cache manager know nothing about offloading, and the executor knows nothing
+about scheduling (as vLLM's KV-connector metadata separates the two).
 
 Invariant that makes "saves first, at the start of the next forward" safe: between the
 moment a block is listed here and the runner's copy, nothing writes to that device
@@ -14,12 +15,9 @@ block (blocks are written only by loads and the forward pass).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from kvpilot.engine.core.block_hash import BlockHash
-from kvpilot.engine.core.request import Request
 
 
 @dataclass(slots=True)
@@ -74,20 +72,3 @@ class KVTransfers:
 
     def __bool__(self) -> bool:
         return bool(self.evicted or self.finished or self.admissions)
-
-
-class OffloadLookup(Protocol):
-    """The scheduler-facing half of a KV offload backend."""
-
-    def find_hit(self, request: Request, num_device_blocks: int,
-                 pending_saves: Mapping[BlockHash, int]) -> int:
-        """Blocks right after the device hit that the tiers can serve (fetched into host
-        memory now, so a hit granted can never fail later). ``pending_saves`` are blocks
-        listed for saving this step, whose payloads exist once the saves run."""
-
-    def forget(self, request_id: str) -> None:
-        """Drops what was fetched for a request that leaves without being admitted."""
-
-    def hit_tiers(self, request_id: str, num_blocks: int) -> dict[str, int]:
-        """The first ``num_blocks`` blocks of a granted hit by the tier serving them
-        (``host``, ``disk``, ``external_unspecified``)."""

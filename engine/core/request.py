@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvpilot.engine.sampling_params import SamplingParams
 
@@ -28,6 +28,9 @@ class RequestStatus(enum.Enum):
     # Waiting, and not schedulable until its structured-output grammar has compiled
     # (vLLM's WAITING_FOR_FSM): the scheduler passes over it, keeping its place.
     WAITING_FOR_GRAMMAR = "waiting_for_grammar"
+    # Admitted with its KV on the way from another engine (vLLM's WAITING_FOR_REMOTE_KVS):
+    # it holds blocks but runs in no step until the load ends (``core.connector_state``).
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"
@@ -75,6 +78,9 @@ class Request:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    # What the KV connector returns to the client when the request ends (vLLM's
+    # ``kv_transfer_params`` of a prefill instance's response); None: nothing.
+    kv_transfer_params_out: dict[str, Any] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

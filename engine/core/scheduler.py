@@ -13,6 +13,11 @@ distinct adapters run at a time (one device slot each): a waiting request whose 
 would be one too many is passed over, in its place in the queue, until a slot frees; so
 is a request whose structured-output grammar is still compiling (``WAITING_FOR_GRAMMAR``).
 
+With a KV connector (``core.kv_connector``: the offload tiers, or another engine), admission
+asks it for the tokens after the device prefix hit; a request whose KV arrives
+asynchronously is parked (``WAITING_FOR_REMOTE_KVS``, ``core.connector_state``) and takes
+no step until the load ends. A finished request's blocks may be held for a remote reader.
+
 The scheduler owns every request's life: it admits, preempts and finishes requests (status,
 finish time, stop reason, freeing their blocks), and it knows which are unfinished, by the
 id they were added under (a request with ``n`` > 1 sequences is ``n`` scheduler requests
@@ -38,9 +43,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from kvpilot.engine.config import SchedulerConfig
+from kvpilot.engine.core.connector_state import ConnectorState
 from kvpilot.engine.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from kvpilot.engine.core.kv_cache_manager import KVCacheManager, PrefixHit
-from kvpilot.engine.core.kv_transfer import Admission, FinishedBlocks, KVTransfers, OffloadLookup
+from kvpilot.engine.core.kv_connector import KVConnectorOutput, KVConnectorScheduler
 from kvpilot.engine.core.request import Request, RequestStatus
 from kvpilot.engine.core.request_queue import make_request_queue
 from kvpilot.engine.core.spec_stats import SpecDecodingCounters
@@ -75,10 +81,10 @@ class SchedulerOutput:
     preempted_request_ids: list[str] = field(default_factory=list)
     # Requests finished (or aborted) since the previous step: the runner drops their rows.
     finished_req_ids: list[str] = field(default_factory=list)
-    # Offload work for the runner to do before the forward pass; None when offload is off.
-    kv_transfers: KVTransfers | None = None
+    # The KV connector's work for this step (its worker half reads it); None: nothing.
+    kv_connector_metadata: object | None = None
     # Token-granular reuse: (source block, destination block, tokens) whose KV the engine
-    # copies after the offload work and before the forward pass (kv_cache_manager).
+    # copies after the connector's loads and before the forward pass (kv_cache_manager).
     kv_copies: list[tuple[int, int, int]] = field(default_factory=list)
     # Draft tokens scheduled over all requests (0: a step without speculation).
     num_spec_tokens: int = 0
@@ -99,7 +105,7 @@ class PromptTokenSources:
 
     local_compute: int = 0          # run through the model
     local_cache_hit: int = 0        # device prefix cache
-    external_kv_transfer: int = 0   # loaded from the KV offload tiers
+    external_kv_transfer: int = 0   # loaded by a KV connector (offload tiers, another engine)
     recomputed: int = 0             # cached on the device but computed again (part of local_compute)
     # external_kv_transfer by the tier that served it (vLLM's CacheHitSource names)
     cached_host: int = 0
@@ -112,24 +118,25 @@ class Scheduler:
         config: limits and policy.
         kv_cache_manager: block tables and the prefix cache (a hybrid model's: one table
             per group of layers).
-        offload: the KV offload lookup (None when offload is off); the saves and loads it
-            implies travel in ``SchedulerOutput.kv_transfers``.
+        connector: a KV connector's scheduler half (None: none); the work it lists travels
+            in ``SchedulerOutput.kv_connector_metadata``.
+        load_failure_policy: what a failed async block load does: ``recompute`` or ``fail``.
         num_speculative_tokens: drafts a request may carry per step (0: no speculation).
         num_lookahead_tokens: KV slots allocated past a step's tokens for a proposer's own
             drafts (a draft model or EAGLE head; 0 for n-gram).
     """
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager | HybridKVCacheManager,
-                 offload: OffloadLookup | None = None, num_speculative_tokens: int = 0,
-                 num_lookahead_tokens: int = 0) -> None:
+                 connector: KVConnectorScheduler | None = None, load_failure_policy: str = "recompute",
+                 num_speculative_tokens: int = 0, num_lookahead_tokens: int = 0) -> None:
         self.config = config
         self.num_lookahead_tokens = num_lookahead_tokens
         # Verified drafts (None without speculation): vllm:spec_decode_* counters.
         self.spec_stats = (SpecDecodingCounters(num_speculative_tokens)
                            if num_speculative_tokens else None)
         self.kv = kv_cache_manager
-        self.offload = offload
-        self._transfers: KVTransfers | None = KVTransfers() if offload is not None else None
+        self.external = (ConnectorState(connector, kv_cache_manager.block_size, kv_cache_manager.block_ids,
+                                        load_failure_policy) if connector is not None else None)
         self.waiting = make_request_queue(config.policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -176,7 +183,7 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
-            else:
+            elif request.status is not RequestStatus.WAITING_FOR_REMOTE_KVS:
                 self.waiting.remove(request)
             request.status = status
             request.finished_time = now
@@ -217,27 +224,33 @@ class Scheduler:
         return len(self._by_parent)
 
     def _release(self, request: Request) -> None:
-        """Free a request's blocks; with offload, list a finished one's blocks for saving."""
-        block_ids = self.kv.free(request)
-        if self._transfers is None:
+        """Free a request's blocks, unless the KV connector now holds them (a remote reader)."""
+        if self.external is not None and self.external.release(request, self.kv.block_ids(request.request_id)):
             return
-        self.offload.forget(request.request_id)
-        if not request.is_finished:
-            return   # preempted: its blocks are saved only if the pool evicts them
-        bs = self.kv.block_size
-        num_full = min(request.num_computed_tokens // bs, len(request.block_hashes), len(block_ids))
-        if num_full:
-            self._transfers.add_finished(FinishedBlocks(
-                request.request_id, block_ids[:num_full], request.block_hashes[:num_full],
-                request.token_ids_slice(0, num_full * bs), request.cache_salt))
+        self.kv.free(request)
 
-    def take_kv_transfers(self) -> KVTransfers | None:
-        """The offload work listed so far (for the runner to do now); None when offload is off."""
-        if self._transfers is None:
-            return None
-        self._transfers.add_evicted(self.kv.pool.drain_evicted())
-        transfers, self._transfers = self._transfers, KVTransfers()
-        return transfers
+    def take_connector_metadata(self) -> object | None:
+        """The KV connector's work listed so far (for its worker half to do now)."""
+        return self.external.connector.build_connector_meta() if self.external is not None else None
+
+    def update_connector_output(self, output: KVConnectorOutput | None) -> list[tuple[Request, str]]:
+        """Apply the connector's report: free held blocks, resume requests whose load
+        ended. Returns the requests whose load failed under the ``fail`` policy, with why
+        (the caller ends them)."""
+        if self.external is None or not output:
+            if self.external is not None and output is not None:
+                self.external.num_expired += output.num_expired
+            return []
+        applied = self.external.apply(output)
+        for request in applied.freed:
+            self.kv.free(request)
+        for request in reversed(applied.resumed):   # ahead of what waits, in order
+            self.waiting.add_preempted(request)
+        return applied.failed
+
+    def has_connector_work(self) -> bool:
+        """Whether KV transfers are in flight or held (steps are needed to finish them)."""
+        return self.external is not None and self.external.has_pending_work()
 
     @property
     def num_running(self) -> int:
@@ -245,7 +258,12 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        """Waiting requests, those whose KV is on its way included."""
+        return len(self.waiting) + self.num_waiting_for_remote_kvs
+
+    @property
+    def num_waiting_for_remote_kvs(self) -> int:
+        return self.external.num_parked if self.external is not None else 0
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -261,7 +279,7 @@ class Scheduler:
         if len(out.preempted_request_ids) == num_preempted:   # running requests had blocks
             self._schedule_waiting(out, budget)
         self._check_invariants(out)
-        out.kv_transfers = self.take_kv_transfers()
+        out.kv_connector_metadata = self.take_connector_metadata()
         out.finished_req_ids, self._finished_req_ids = self._finished_req_ids, []
         return out
 
@@ -353,25 +371,40 @@ class Scheduler:
                     and len(adapters) >= self.config.max_loras):
                 passed_over.append(self.waiting.pop())
                 continue
-            hit = self.kv.find_prefix_hit(request)
-            if self._transfers is not None:
-                self._transfers.add_evicted(self.kv.pool.drain_evicted())
-                hit.extend_with_offload(self.offload.find_hit(
-                    request, len(hit.blocks), self._transfers.pending_saves), self.kv.block_size)
-            num_new = request.num_tokens - hit.num_tokens
+            resumed = self.external is not None and request.request_id in self.external.resumed
+            load_async = False
+            if resumed:   # its KV arrived: admitted on the blocks it holds, no second lookup
+                hit = self._resumed_hit(request)
+                num_new = request.num_tokens - request.num_computed_tokens
+            else:
+                hit = self.kv.find_prefix_hit(request)
+                if self.external is not None:   # KV from outside the pool (connector hook)
+                    load_async = self.external.lookup(request, hit)
+                    if load_async is None:       # the connector cannot tell yet
+                        passed_over.append(self.waiting.pop())
+                        continue
+                num_new = 0 if load_async else request.num_tokens - hit.num_tokens
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
             num_new = min(num_new, budget)
-            if not self.kv.allocate_slots(request, num_new + self._lookahead(hit.num_tokens, num_new), hit):
+            if load_async:   # no step runs until its KV arrives: no lookahead slots yet
+                allocated = self.kv.allocate_slots(request, 0, hit, cache_blocks=False)
+            else:
+                allocated = self.kv.allocate_slots(request, num_new + self._lookahead(hit.num_tokens, num_new),
+                                                   None if resumed else hit)
+            if not allocated:
                 break
             self.waiting.pop()
-            self.kv.record_admission(request, hit)
-            if self._transfers is not None:
-                start, end = len(hit.blocks), len(hit.blocks) + hit.num_offload_blocks
-                self._transfers.admissions.append(Admission(
-                    request.request_id, request.num_tokens, start,
-                    self.kv.block_ids(request.request_id)[start:end]))
-            request.num_computed_tokens = hit.num_tokens
+            if resumed:
+                del self.external.resumed[request.request_id]
+            else:
+                self.kv.record_admission(request, hit)
+                if self.external is not None:
+                    self.external.allocated(request, hit, self.kv.block_ids(request.request_id))
+                    if load_async:   # parked until its KV arrives (WAITING_FOR_REMOTE_KVS)
+                        self.external.park(request, hit)
+                        continue
+                request.num_computed_tokens = hit.num_tokens
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = hit.num_tokens
                 self._count_prompt_sources(request, hit)
@@ -384,18 +417,25 @@ class Scheduler:
             if adapters is not None and lora is not None:
                 adapters.add(lora.lora_id)
 
+    def _resumed_hit(self, request: Request) -> PrefixHit:
+        """The admission-time view of a request whose async load ended: its device hit
+        plus what the load brought (for the prompt-token sources)."""
+        resumed = self.external.resumed[request.request_id]
+        return PrefixHit([], resumed.num_local_tokens + resumed.num_loaded_tokens,
+                         num_offload_blocks=resumed.num_loaded_tokens // self.kv.block_size)
+
     def _count_prompt_sources(self, request: Request, hit: PrefixHit) -> None:
         sources = self.prompt_token_sources
         external = hit.num_offload_blocks * self.kv.block_size
         sources.external_kv_transfer += external
         if external:
-            tiers = self.offload.hit_tiers(request.request_id, hit.num_offload_blocks)
+            tiers = self.external.connector.hit_tiers(request, hit.num_offload_blocks)
             for tier, num_blocks in tiers.items():
                 name = f"cached_{tier}"
                 setattr(sources, name, getattr(sources, name) + num_blocks * self.kv.block_size)
         sources.local_cache_hit += hit.num_tokens - external
         sources.local_compute += max(0, request.num_prompt_tokens - hit.num_tokens)
-        if hit.num_offload_blocks == 0:   # offload tiers serving the block means no recompute
+        if hit.num_offload_blocks == 0:   # a connector serving the block means no recompute
             sources.recomputed += hit.num_recomputed_tokens
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:

@@ -18,17 +18,18 @@ from kvpilot.contract.kv_transfer import (
     KV_LOAD_FAILURE_POLICIES,
     KV_PRODUCER,
     KV_ROLES,
+    NIXL_CONNECTOR,
 )
 
 BUFFER_DEVICES = ("cpu", "cuda")
 DEFAULT_KV_PORT = 14579            # vLLM's default kv_port
 DEFAULT_KV_BUFFER_SIZE = 1e9       # vLLM's default kv_buffer_size (bytes)
 
-# The connectors this engine runs, by vLLM's name. None yet: KV transfer between engines
-# arrives with the engine's KV-connector API (issue 44), which registers NixlConnector
-# here. KV offloading to host memory / disk and LMCache are not connectors of
-# --kv-transfer-config in kvpilot: they are --kv-offloading-backend native | lmcache.
-IMPLEMENTED_CONNECTORS: tuple[str, ...] = ()
+# The connectors this engine runs, by vLLM's name (``kv_transfer.factory`` builds them).
+# KV offloading to host memory / disk and LMCache run through the same connector API but
+# are not named by --kv-transfer-config in kvpilot: they are --kv-offloading-backend
+# native | lmcache.
+IMPLEMENTED_CONNECTORS: tuple[str, ...] = (NIXL_CONNECTOR,)
 OFFLOAD_INSTEAD = {"OffloadingConnector": "--kv-offloading-size / --kv-offloading-backend native",
                    "LMCacheConnectorV1": "--kv-offloading-backend lmcache"}
 

@@ -1,15 +1,16 @@
 """What every offload backend shares: the lookup half and the executor half.
 
-Wiring runs one way, as vLLM's KV connector does:
+Wiring runs one way, through the KV-connector API (``offload.connector`` wraps a backend):
 
-- the scheduler calls the lookup half at admission: ``find_hit`` extends the device
+- the connector's scheduler half calls the lookup half at admission: ``find_hit`` extends the device
   prefix hit with blocks from the tiers, fetched into host memory right there (a disk
   read or an LMCache retrieve; a host-tier hit is just a reference), so a granted hit can
   never fail later; the fetch is kept for the request if it cannot be admitted this
   step, and ``forget`` drops it when the request leaves;
-- the scheduler lists the step's saves (blocks the pool evicted, finished requests'
-  blocks) and admissions in ``SchedulerOutput.kv_transfers`` (``core/kv_transfer.py``);
-- the runner calls the executor half, ``execute(transfers)``, before the forward pass:
+- the scheduler half lists the step's saves (blocks the pool evicted, finished requests'
+  blocks) and admissions in a ``KVTransfers`` (``core/kv_transfer.py``), which travels in
+  ``SchedulerOutput.kv_connector_metadata``;
+- the worker half calls the executor half, ``execute(transfers)``, before the forward pass:
   the saves, then the loads of the admitted requests' hits into their new blocks.
 
 The block pool and the KV cache manager know nothing about offloading. Saves run before
@@ -33,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvpilot.engine.core.block_hash import BlockHash
+from kvpilot.engine.core.kv_connector import EXTERNAL_UNSPECIFIED
 from kvpilot.engine.core.kv_transfer import KVTransfers
 from kvpilot.engine.core.request import Request
 from kvpilot.engine.offload.block_io import BlockIO
@@ -104,8 +106,6 @@ class OffloadStats:
         }
 
 
-# The tier a granted block comes from (vLLM's ``CacheHitSource`` names).
-HOST, DISK, EXTERNAL_UNSPECIFIED = "host", "disk", "external_unspecified"
 
 
 class Fetched(list):

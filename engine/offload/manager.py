@@ -21,9 +21,10 @@ import logging
 from collections.abc import Mapping
 
 from kvpilot.engine.core.block_hash import BlockHash
+from kvpilot.engine.core.kv_connector import DISK, HOST
 from kvpilot.engine.core.kv_transfer import KVTransfers
 from kvpilot.engine.core.request import Request
-from kvpilot.engine.offload.base import DISK, HOST, Fetched, OffloadBase, PendingBlock, Source
+from kvpilot.engine.offload.base import Fetched, OffloadBase, PendingBlock, Source
 from kvpilot.engine.offload.block_io import BlockIO
 from kvpilot.engine.offload.config import OffloadConfig
 from kvpilot.engine.offload.disk_store import DiskStore

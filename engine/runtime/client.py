@@ -40,6 +40,7 @@ from kvpilot.engine.exceptions import (
     EngineDeadError,
     EngineNotReady,
     EngineStalled,
+    KVTransferFailed,
     QueueFull,
     RequestFailed,
     RequestRejected,
@@ -49,6 +50,7 @@ from kvpilot.engine.runtime.latency_tracker import ABORT, ERROR, IterationStats,
 from kvpilot.engine.runtime.messages import (
     ADAPTER_NOT_FOUND,
     INVALID,
+    KV_TRANSFER_FAILED,
     AbortRequest,
     AddRequest,
     Command,
@@ -504,7 +506,8 @@ class EngineClient:
                 consumer.queue.put_nowait(_REJECTION.get(rejected.kind, RequestFailed)(rejected.message))
         for failed in report.failed_alone:
             self._fail_request(failed.request_id, RequestRejected(failed.message)
-                               if failed.kind == INVALID else
+                               if failed.kind == INVALID else KVTransferFailed(failed.message)
+                               if failed.kind == KV_TRANSFER_FAILED else
                                RequestFailed(f"the engine failed while serving this request: "
                                              f"{failed.message}"))
         if report.failed_step is not None:

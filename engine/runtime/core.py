@@ -41,6 +41,7 @@ from kvpilot.engine.runtime.messages import (
     ADAPTER_NOT_FOUND,
     FAILED,
     INVALID,
+    KV_TRANSFER_FAILED,
     MAX_CONSECUTIVE_STEP_FAILURES,
     AbortRequest,
     AddRequest,
@@ -163,7 +164,8 @@ class EngineCore:
             if turn.died_in_step:
                 self.dead = turn.dead
                 return turn
-        turn.failed_alone = [Rejected(f.request_id, INVALID if f.invalid else FAILED, f.message)
+        turn.failed_alone = [Rejected(f.request_id, INVALID if f.invalid else
+                                      KV_TRANSFER_FAILED if f.kv_transfer else FAILED, f.message)
                              for f in self.engine.take_failed_requests()]
         turn.step_stats = self.engine.take_step_stats()
         if turn.dead is not None:

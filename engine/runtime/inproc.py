@@ -16,12 +16,14 @@ from typing import TYPE_CHECKING
 from kvpilot.engine.exceptions import (
     AdapterNotFound,
     EngineDeadError,
+    KVTransferFailed,
     RequestFailed,
     RequestRejected,
 )
 from kvpilot.engine.runtime.messages import (
     ADAPTER_NOT_FOUND,
     INVALID,
+    KV_TRANSFER_FAILED,
     AbortRequest,
     AddRequest,
     Command,
@@ -74,7 +76,8 @@ class _CallerChannel:
                      RequestRejected if rejected.kind == INVALID else RequestFailed)
             self._fail(error(f"request {rejected.request_id}: {rejected.message}"))
         for failed in report.failed_alone:
-            error = RequestRejected if failed.kind == INVALID else RequestFailed
+            error = (RequestRejected if failed.kind == INVALID else
+                     KVTransferFailed if failed.kind == KV_TRANSFER_FAILED else RequestFailed)
             self._fail(error(f"request {failed.request_id}: {failed.message}"))
         if report.failed_step is not None:
             self._fail(RequestFailed(f"an engine step failed: {report.failed_step[1]}"))

@@ -29,6 +29,7 @@ MAX_CONSECUTIVE_STEP_FAILURES = 3
 INVALID = "invalid"                        # its own fault (ValueError): a 400 for the client
 ADAPTER_NOT_FOUND = "adapter_not_found"    # it named an adapter the engine does not serve
 FAILED = "failed"                          # anything else: a 500
+KV_TRANSFER_FAILED = "kv_transfer_failed"  # its KV could not be loaded from another engine: a 500 saying so
 
 
 # ---- client -> core ---------------------------------------------------------------
@@ -109,7 +110,7 @@ class Rejected:
     """A request the engine refused (an add) or failed on its own (its grammar, its text)."""
 
     request_id: str
-    kind: str      # INVALID | ADAPTER_NOT_FOUND | FAILED
+    kind: str      # INVALID | ADAPTER_NOT_FOUND | FAILED | KV_TRANSFER_FAILED
     message: str
 
 

@@ -113,7 +113,8 @@ def decode_message(data: bytes) -> Message:
 
 def encode_outputs(outputs: list[RequestOutput]) -> list[tuple]:
     """One flat row per output: ``(request_id, finished, num_cached_tokens, metrics,
-    choices, prefix_miss)``, each choice a tuple of ``CompletionOutput``'s fields in order."""
+    choices, prefix_miss, kv_transfer_params)``, each choice a tuple of ``CompletionOutput``'s
+    fields in order."""
     rows = []
     for out in outputs:
         m = out.metrics
@@ -128,16 +129,18 @@ def encode_outputs(outputs: list[RequestOutput]) -> list[tuple]:
         rows.append((out.request_id, out.finished, out.num_cached_tokens,
                      (m.arrival_time, m.first_scheduled_time, m.first_token_time,
                       m.last_token_time, m.finished_time, m.num_generation_tokens,
-                      m.num_preemptions), choices, miss))
+                      m.num_preemptions), choices, miss, out.kv_transfer_params))
     return rows
 
 
 def decode_output(row: tuple) -> RequestOutput:
     """The ``RequestOutput`` a row of ``encode_outputs`` came from, without its prompt (text
     None, token ids None: the client attaches the ids it sent)."""
-    request_id, finished, num_cached_tokens, metrics, choices, prefix_miss = row
+    (request_id, finished, num_cached_tokens, metrics, choices, prefix_miss,
+     kv_transfer_params) = row
     return RequestOutput(request_id, None, None, [CompletionOutput(*c) for c in choices],
-                         finished, num_cached_tokens, RequestMetrics(*metrics), prefix_miss)
+                         finished, num_cached_tokens, RequestMetrics(*metrics), prefix_miss,
+                         kv_transfer_params)
 
 
 class ProcessTransport:

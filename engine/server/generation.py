@@ -22,6 +22,7 @@ from kvpilot.engine.exceptions import (
     EngineDead,
     EngineNotReady,
     EngineStalled,
+    KVTransferFailed,
     QueueFull,
     RequestFailed,
     RequestRejected,
@@ -74,6 +75,9 @@ def to_api_error(exc: BaseException, state: ServerState, request_id: str) -> API
         return APIError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), type=UNAVAILABLE,
                         code="engine_stalled" if isinstance(exc, EngineStalled) else None,
                         headers={"Retry-After": UNAVAILABLE_RETRY_AFTER})
+    if isinstance(exc, KVTransferFailed):   # the connector's own words (no library text)
+        logger.error("request %s: %s", request_id, exc)
+        return internal_error(request_id, str(exc), code="kv_transfer_failed")
     if isinstance(exc, StepTimeout):    # the hang timeout's own words, no exception text
         return internal_error(request_id, str(exc), code="engine_stalled")
     if isinstance(exc, RequestFailed):
@@ -170,6 +174,7 @@ def sampling_params(body: SamplingRequest, *, max_tokens: int, logprobs: int | N
             include_stop_str_in_output=body.include_stop_str_in_output,
             logit_bias=logit_bias,
             structured_outputs=structured_outputs,
+            kv_transfer_params=body.kv_transfer_params,
         )
     except ValueError as exc:
         raise bad_request(str(exc), param="logit_bias" if "logit_bias" in str(exc) else None) from None

@@ -30,6 +30,7 @@ from prometheus_client import (
 
 from kvpilot.engine.runtime.latency_tracker import ABORT, ERROR, IterationStats
 from kvpilot.engine.server.metrics_engine_stats import EngineStatsCollector
+from kvpilot.engine.server.metrics_kv_transfer import KVTransferCollector
 from kvpilot.engine.server.metrics_lora import LoRAMetrics
 
 FINISHED_REASONS = ("stop", "length", ABORT, ERROR)
@@ -106,6 +107,7 @@ class ServerMetrics:
         labels = ["model_name"]
         self.model_name = model_name
         registry.register(EngineStatsCollector(stats_source, model_name))
+        registry.register(KVTransferCollector(stats_source, model_name))
 
         info_labels = {
             "block_size": str(cache_info.block_size),

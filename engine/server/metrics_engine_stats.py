@@ -80,7 +80,7 @@ _MISS_DOC = ("Uncached prompt tokens of admitted requests by why they missed the
 _CACHED_BY_SOURCE_DOC = ("Prompt tokens of admitted sequences not computed, by the cache tier that "
                          "held them, counted at first admission: device (the prefix cache), host "
                          "(the CPU offload tier), disk (the disk offload tier), external_unspecified "
-                         "(LMCache). The sources sum to vllm:prompt_tokens_cached.")
+                         "(LMCache, or a prefill engine over NIXL). The sources sum to vllm:prompt_tokens_cached.")
 
 ENGINE_STAT_METRICS: tuple[StatMetric, ...] = (
     StatMetric("vllm:kv_cache_usage_perc", "gauge", "kv_cache_usage",
@@ -102,15 +102,15 @@ ENGINE_STAT_METRICS: tuple[StatMetric, ...] = (
     StatMetric("vllm:generation_tokens", "counter", "generation_tokens",
                "Tokens generated."),
     *(StatMetric("vllm:num_requests_waiting_by_reason", "gauge", field,
-                 "Waiting requests by why they wait: capacity (no batch slot or KV blocks yet; "
-                 "every waiting request in kvpilot) or deferred (waiting for something else, "
-                 "e.g. a remote KV transfer; never in kvpilot).", (("reason", reason),))
+                 "Waiting requests by why they wait: capacity (no batch slot or KV blocks yet) or "
+                 "deferred (their KV is on its way from a prefill engine).", (("reason", reason),))
       for reason, field in (("capacity", "num_waiting_for_capacity"),
                             ("deferred", "num_waiting_deferred"))),
     *(StatMetric("vllm:prompt_tokens_by_source", "counter", field,
                  "Prompt tokens of admitted sequences by source, counted at first admission: "
                  "local_compute (run through the model), local_cache_hit (device prefix cache), "
-                 "external_kv_transfer (loaded from the KV offload tiers).", (("source", source),))
+                 "external_kv_transfer (loaded by a KV connector: the offload tiers or a prefill "
+                 "engine).", (("source", source),))
       for source, field in (("local_compute", "prompt_tokens_local_compute"),
                             ("local_cache_hit", "prompt_tokens_local_cache_hit"),
                             ("external_kv_transfer", "prompt_tokens_external_kv_transfer"))),

@@ -3,7 +3,8 @@
 Field names, defaults and ranges follow the OpenAI API reference; vLLM's sampling
 extensions (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
 ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``,
-``include_stop_str_in_output``) and ``cache_salt`` are accepted as extra body fields
+``include_stop_str_in_output``), ``cache_salt`` and ``kv_transfer_params`` (disaggregated
+prefill and decode, as vLLM's router sends it) are accepted as extra body fields
 (``extra_body=`` in the openai SDK). Unknown fields are ignored, as OpenAI does.
 """
 
@@ -99,6 +100,11 @@ class SamplingRequest(BaseModel):
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    kv_transfer_params: dict[str, Any] | None = Field(
+        None, description="vLLM extension (disaggregated prefill and decode, what vLLM's router sends): "
+                          "do_remote_decode asks a prefill engine to hold the prompt's KV and return where it "
+                          "lies; do_remote_prefill with the remote_* fields it returned makes a decode engine "
+                          "read it")
 
 
 class CompletionRequest(SamplingRequest):
@@ -240,6 +246,9 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo
+    kv_transfer_params: dict[str, Any] | None = Field(
+        None, description="vLLM extension: where a prefill engine holds the prompt's KV (with "
+                          "do_remote_decode), for the decode engine")
 
 
 class CompletionStreamResponse(BaseModel):
@@ -287,6 +296,9 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    kv_transfer_params: dict[str, Any] | None = Field(
+        None, description="vLLM extension: where a prefill engine holds the prompt's KV (with "
+                          "do_remote_decode), for the decode engine")
 
 
 class DeltaFunctionCall(BaseModel):

@@ -113,14 +113,20 @@ class ChunkEncoder:
         suffix = b',"usage":null}\n\n' if include_usage else b"}\n\n"
         return cls(head, include_usage, logprobs, prefix, suffix)
 
-    def __call__(self, choices: list[dict], usage_info: BaseModel | None = None) -> bytes:
+    def __call__(self, choices: list[dict], usage_info: BaseModel | None = None,
+                 kv_transfer_params: dict | None = None) -> bytes:
         # Choices are plain dicts: a chat delta carries only the fields it changes.
         # Same bytes as sse_event({**head, "choices": choices[, "usage": ...]}).
         body = json_bytes(choices) if self.logprobs else fast_json_bytes(choices)
-        if usage_info is None or not self.include_usage:
-            return self.prefix + body + self.suffix
-        usage_json = json_bytes(usage_info.model_dump(mode="json"))
-        return self.prefix + body + b',"usage":' + usage_json + b"}\n\n"
+        if usage_info is not None and self.include_usage:
+            body += b',"usage":' + json_bytes(usage_info.model_dump(mode="json"))
+            suffix = b"}\n\n"
+        else:
+            suffix = self.suffix
+        if kv_transfer_params is not None:   # the stream's last chunk, from a prefill engine
+            return self.prefix + body + suffix[:-3] + b',"kv_transfer_params":' + \
+                json_bytes(kv_transfer_params) + b"}\n\n"
+        return self.prefix + body + suffix
 
 
 @dataclass(slots=True)
@@ -189,13 +195,16 @@ async def stream_events(generation: Generation, state: ServerState, encode: Chun
         async for i, out in generation.stream():
             choices = [c for c in map(make_choice, progress.deltas(i, out, i * n, token_chunks))
                        if c is not None]
-            frame = encode(choices) if choices else b""
             if progress.num_finished == num_prompts:
-                # The stream's last output: its chunk, the usage and [DONE] in one write.
+                # The stream's last output: its chunk (with a prefill engine's
+                # kv_transfer_params), the usage and [DONE] in one write.
+                transfer = out.kv_transfer_params
+                frame = encode(choices, kv_transfer_params=transfer) if choices or transfer else b""
                 if encode.include_usage:
                     frame += encode([], progress.usage(generation))
                 yield frame + DONE
                 return
+            frame = encode(choices) if choices else b""
             if frame:
                 yield frame
         if encode.include_usage:

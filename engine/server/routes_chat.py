@@ -156,7 +156,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
                                       logprobs=_logprobs(d, top_logprobs, decode),
                                       finish_reason=finish_reason, stop_reason=d.stop_reason))
         return ChatCompletionResponse(id=request_id, created=created, model=model,
-                                      choices=choices, usage=usage(final, generation))
+                                      choices=choices, usage=usage(final, generation),
+                                      kv_transfer_params=final[0].kv_transfer_params)
 
     return await respond(request, generation, events if body.stream else None, build)
 

@@ -54,6 +54,10 @@ def _check_request(body: CompletionRequest, state: ServerState) -> None:
         raise bad_request("suffix is not supported", param="suffix")
     if body.best_of is not None and body.best_of != body.n:
         raise bad_request("best_of must equal n (or be omitted)", param="best_of")
+    transfer = body.kv_transfer_params or {}
+    if num_prompts(body.prompt) > 1 and (transfer.get("do_remote_decode") or transfer.get("do_remote_prefill")):
+        raise bad_request("kv_transfer_params asks for a KV transfer, which names one prompt's KV: send one "
+                          "prompt per request", param="kv_transfer_params")
 
 
 @router.post("/v1/completions", response_model=CompletionResponse,
@@ -95,7 +99,8 @@ async def create_completion(body: CompletionRequest, request: Request,
     def build(final: list[RequestOutput]) -> CompletionResponse:
         choices = [_choice(d, body.logprobs, decode) for d in final_choices(final, body.n)]
         return CompletionResponse(id=request_id, created=created, model=model, choices=choices,
-                                  usage=usage(final, generation))
+                                  usage=usage(final, generation),
+                                  kv_transfer_params=final[0].kv_transfer_params)
 
     return await respond(request, generation, events if body.stream else None, build)
 

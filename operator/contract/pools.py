@@ -122,6 +122,10 @@ DISAGGREGATION_RULES = (
          "LoRA adapters are not served on disaggregated pools yet: remove spec.adapters or spec.disaggregation"),
     Rule(~has("disaggregation") | ~has("offload") | (f("offload.enabled") == False),  # noqa: E712 - a CEL literal
          "KV offload tiers are not combined with spec.disaggregation yet: set offload.enabled false"),
+    Rule(~has("disaggregation") | (_unset("engine.speculative") & _unset("disaggregation.prefill.engine.speculative")
+                                   & _unset("disaggregation.decode.engine.speculative")),
+         "speculative decoding is not combined with spec.disaggregation yet (the engine refuses NIXL with "
+         "--speculative-config): remove engine.speculative"),
     Rule(~has("disaggregation") | _unset("gpu.nodes") | (f("gpu.nodes") == 1),
          "a disaggregated pool's replica is one node: gpu.nodes must be 1 (or unset)"),
 )

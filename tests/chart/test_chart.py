@@ -355,7 +355,7 @@ def test_the_router_image_is_the_version_the_operator_deploys():
 def test_the_engine_image_installs_what_the_tests_install():
     text = (ROOT / "Dockerfile.engine").read_text()
     assert '"torch==2.13.0"' in text  # the pin scripts/bootstrap.sh uses
-    assert '".[triton,fetch]"' in text and "ENTRYPOINT [\"kvpilot\", \"serve\"]" in text
+    assert '".[triton,fetch,nixl]"' in text and "ENTRYPOINT [\"kvpilot\", \"serve\"]" in text
     assert "HEALTHCHECK" not in text.replace("No HEALTHCHECK", "")
     assert "USER 1000:1000" in text
 

@@ -138,7 +138,7 @@ def _cel(rule: str, value) -> bool:
 def test_every_rule_means_in_python_what_it_means_in_cel():
     rng = random.Random(25)
     rules = list(_rules(table.SPEC))
-    assert len(rules) == 40   # spec 9, model 2, slo 5, engine.extraArgs 1, engine.speculative 2, offload 2,
+    assert len(rules) == 41   # spec 10, model 2, slo 5, engine.extraArgs 1, engine.speculative 2, offload 2,
     #                           autoscaling 3, lora 1, routing.vllmRouter 1, disaggregation's pools 2 x 7 (the
     #                           pool, its engine and its extraArgs, its speculative 2, its autoscaling 2)
     for path, node, rule in rules:

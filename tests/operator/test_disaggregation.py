@@ -260,6 +260,10 @@ BAD = [
     ("a pool without decode", {**PD, "disaggregation": {"prefill": {}}}, "decode"),
     ("adapters on pools", {**PD, "adapters": [{"name": "a", "source": "hf://org/adapter"}]}, "LoRA adapters"),
     ("offload on pools", {**PD, "offload": {"enabled": True, "cpuGiB": 4}}, "KV offload tiers"),
+    ("speculation on a pool", {**PD, "disaggregation": {"prefill": {}, "decode": {
+        "engine": {"speculative": {"method": "ngram", "numSpeculativeTokens": 2}}}}}, "speculative decoding"),
+    ("speculation on the service", {**PD, "engine": {"speculative": {"method": "ngram", "numSpeculativeTokens": 2}}},
+     "speculative decoding"),
     ("pools of several nodes", {**PD, "gpu": {"type": "l4", "nodes": 2}}, "one node"),
     ("another connector", {**PD, "disaggregation": {"prefill": {}, "decode": {}, "kvConnector": "MooncakeConnector"}},
      "kvConnector"),

@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 from kvpilot.engine.config import KVCacheInfo
 from kvpilot.engine.core.kv_residency import BlockResidency
 from kvpilot.engine.core.spec_stats import SpecDecodingStats
+from kvpilot.engine.kv_transfer.stats import TransferCounters
 from kvpilot.engine.lora.stats import AdapterCounters, LoRAStats
 from kvpilot.engine.runtime.latency_tracker import FinishedRequestStats, IterationStats
 from kvpilot.engine.server.metrics import ServerMetrics, token_buckets
@@ -32,9 +33,10 @@ class Exposed:
 
 def _full_stats() -> EngineStats:
     """A real snapshot with every optional figure present (offload on, MFU on, speculative
-    decoding on)."""
+    decoding on, NIXL on)."""
     values = {f.name: 1 for f in dataclasses.fields(EngineStats)}
     values.update(kv_cache_usage=0.5, num_gpu_blocks=64, num_free_blocks=32,
+                  kv_transfer=TransferCounters("kv_both").snapshot(num_held=1),
                   lora=LoRAStats(4, ("sql", "chat"), ("chat",), (AdapterCounters("sql", 3, 30, 12),),
                                  2, 2, 2),
                   spec_decoding=SpecDecodingStats(4, 12, 7, (4, 2, 1)))
