@@ -3,8 +3,8 @@ and so to HF transformers (and PEFT for LoRA adapters).
 
 Each proposer (n-gram lookup, a draft model, an EAGLE-style head) runs on one architecture
 of the HF-parity set, the three rotating (Qwen3, Llama, Qwen2), so every proposer and every
-architecture is covered once. One batch mixes prompts under the base model, the same prompts under a random LoRA adapter, and a request constrained by a
-JSON schema; the engine runs it with chunked prefill under a small token budget and a KV
+architecture is covered once. One batch mixes prompts under the base model, the same
+prompts under a random LoRA adapter, and a request constrained by a JSON schema; the engine runs it with chunked prefill under a small token budget and a KV
 pool so small that requests are preempted and recomputed, twice (the second pass hits the
 prefix cache). Prompts repeat segments of themselves, so n-gram drafts are often right;
 random models fall into loops, so drafts are accepted and rejected alike. Oracles: HF
