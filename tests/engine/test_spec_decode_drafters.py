@@ -19,7 +19,7 @@ from kvpilot.engine import LLM, SamplingParams
 from support.eagle_heads import build_eagle_head
 
 K = 3
-ENGINE = dict(dtype="float32", num_gpu_blocks=64, max_model_len=256, max_num_batched_tokens=32)
+ENGINE = dict(dtype="float32", num_gpu_blocks=32, max_model_len=128, max_num_batched_tokens=16)
 
 
 def _steps(llm: LLM, prompt: list[int], num_tokens: int):
@@ -47,10 +47,10 @@ def test_draft_model_drafts_its_greedy_continuation(tiny_checkpoint):
     oracle = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32).eval()
     llm = LLM(str(target), **ENGINE, speculative_config={"method": "draft_model", "model": str(draft),
                                                          "num_speculative_tokens": K})
-    prompt = [random.Random(1).randrange(3, 512) for _ in range(70)]   # chunked: 32-token steps
+    prompt = [random.Random(1).randrange(3, 512) for _ in range(40)]   # chunked: 16-token steps
     checked = 0
     with torch.no_grad():
-        for tokens, drafts in _steps(llm, prompt, 24):
+        for tokens, drafts in _steps(llm, prompt, 14):
             if len(drafts) == K:
                 assert drafts == _greedy(oracle, tokens, K), len(tokens)
                 checked += 1
@@ -101,10 +101,10 @@ def test_eagle_head_drafts_its_recurrence(tiny_checkpoint, tmp_path):
     target, layer_model, fc = _hf_head(target_path, head)
     llm = LLM(str(target_path), **ENGINE, speculative_config={"method": "eagle", "model": str(head),
                                                               "num_speculative_tokens": K})
-    prompt = [random.Random(2).randrange(3, 512) for _ in range(70)]
+    prompt = [random.Random(2).randrange(3, 512) for _ in range(40)]
     checked = 0
     with torch.no_grad():
-        for tokens, drafts in _steps(llm, prompt, 24):
+        for tokens, drafts in _steps(llm, prompt, 14):
             if len(drafts) == K:
                 assert drafts == _eagle_drafts(target, layer_model, fc, tokens, K), len(tokens)
                 checked += 1

@@ -54,7 +54,7 @@ def test_speculation_runs_on_one_gpu_and_the_draft_must_be_known(req_dict):
 
 def _demo_request(demo_model_dir, spec: dict) -> PlanRequest:
     return PlanRequest.from_dict({
-        "model": str(demo_model_dir / "config.json"), "gpu": {"name": "l4", "memory_gib": 1.25},
+        "model": str(demo_model_dir / "config.json"), "gpu": {"name": "l4", "memory_gib": 0.6},   # a small KV pool to allocate
         "slo": {"max_context": 4096, "p95_prompt_tokens": 1024, "p95_output_tokens": 256, "concurrency": 4},
         "overrides": {"speculative": spec}})
 
