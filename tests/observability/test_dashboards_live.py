@@ -223,6 +223,8 @@ def test_every_dashboard_target_returns_data(stack):
     documented = documented_metrics()
     missing = {n for n, kind in documented.items()
                if (n + "_count" if kind == "histogram" else n) not in live}
-    # (the profiled figure needs CUDA, the LoRA metrics --enable-lora: tests/lora checks them)
+    # (the profiled figure needs CUDA, the LoRA metrics --enable-lora: tests/lora checks them;
+    # the KV-transfer and NIXL metrics --kv-transfer-config: tests/kv_transfer checks them)
     lora = {n for n in documented if "lora" in n}
-    assert missing <= {"kvpilot:kv_cache_profiled_available_bytes", *lora}, sorted(missing)
+    transfer = {n for n in documented if n.startswith(("kvpilot:kv_transfer_", "kvpilot:nixl_"))}
+    assert missing <= {"kvpilot:kv_cache_profiled_available_bytes", *lora, *transfer}, sorted(missing)

@@ -141,8 +141,11 @@ def test_parser_module_imports_without_torch():
 
 
 def _stats(**overrides) -> EngineStats:
-    """A real EngineStats: every counter 0 (whatever fields this build has) but ``overrides``."""
-    values = {f.name: 0 for f in dataclasses.fields(EngineStats)}
+    """A real EngineStats: every counter 0 (whatever fields this build has; a field holding a
+    record of its own, such as speculative decoding's counts, keeps its default) but ``overrides``."""
+    numbers = ("int", "float", "bool")
+    values = {f.name: 0 for f in dataclasses.fields(EngineStats)
+              if str(f.type).split(" | ")[0] in numbers}
     values.update({"kv_cache_usage": 0.0, "num_gpu_blocks": 100, "num_free_blocks": 100, **overrides})
     return EngineStats(**values)
 

@@ -14,6 +14,7 @@ import importlib.util
 import json
 import shutil
 import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -69,7 +70,10 @@ def nixl_missing() -> bool:
 
 
 def router_binary() -> str | None:
-    return shutil.which("vllm-router")
+    """The ``vllm-router`` console script: beside this interpreter (``make test`` runs the
+    venv's python without the venv on PATH), else on PATH."""
+    beside = Path(sys.executable).with_name("vllm-router")
+    return str(beside) if beside.is_file() else shutil.which("vllm-router")
 
 
 @dataclass
