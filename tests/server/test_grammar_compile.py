@@ -44,7 +44,10 @@ pytestmark = pytest.mark.slow
 
 MODEL = "kvpilot-demo"
 NUM_STREAMS = 4
-JITTER = 0.025                         # seconds of gap above the median that are not a stall
+# seconds of gap above the median that are not a stall; under `make test`'s two pytest workers
+# the other worker's test shares the 2 cores and can hold a step for a few hundred ms (the
+# stall this guards against is the whole compile: the `seconds / 3` bound below still holds)
+JITTER = 0.5 if os.environ.get("PYTEST_XDIST_WORKER") else 0.025
 CHOICES = [f"answer number {i} of the long list" for i in range(20_000)]
 COMPILED = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \S+ compiled a structured-output "
                       r"grammar \(choice, \d+ characters\) in ([\d.]+) s")
