@@ -107,24 +107,15 @@ def test_the_core_never_outlives_a_server_killed_while_it_starts(tmp_path, monke
     """A core still building its engine (here: waiting on the CPU kernels' build locks, which
     this test holds) reads no lifeline yet; killing its server with SIGKILL must end it too
     (the parent-death signal it arms first)."""
-    import contextlib
     import subprocess
     import sys
 
-    import torch
-
-    from kvpilot.kernels import cpu_layer_ops, gguf_matmul_cpu, kernel_cache, paged_decode_cpu
+    from support.kernel_locks import holding_every_kernel_build
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "kernels"))
     monkeypatch.delenv("KVPILOT_PREBUILT_KERNELS", raising=False)
-    isa = torch.backends.cpu.get_cpu_capability()
     log = tmp_path / "serve.log"
-    with contextlib.ExitStack() as held:
-        for kernel in (paged_decode_cpu, cpu_layer_ops, gguf_matmul_cpu):
-            name, flags = kernel.variant(isa)
-            directory = kernel_cache.cache_directory(name, kernel.SOURCE, flags, kernel.LDFLAGS)
-            directory.mkdir(parents=True)
-            held.enter_context(kernel_cache.build_lock(directory, "kernel"))
+    with holding_every_kernel_build():
         with log.open("wb") as out:
             server = subprocess.Popen([sys.executable, "-m", "kvpilot.engine.cli.main", "serve", *SMALL,
                                        "--port", "0"], stdout=out, stderr=subprocess.STDOUT)

@@ -22,9 +22,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-import torch
 
-from kvpilot.kernels import cpu_layer_ops, gguf_matmul_cpu, kernel_cache, paged_decode_cpu
+from support.kernel_locks import holding_every_kernel_build
 
 pytestmark = pytest.mark.slow
 
@@ -97,14 +96,8 @@ def test_a_killed_session_takes_its_server_and_engine_core_along(tmp_path, demo_
     who holds it, with /health 503): a session killed then must not leave it waiting."""
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "kernels"))
     monkeypatch.delenv("KVPILOT_PREBUILT_KERNELS", raising=False)
-    isa = torch.backends.cpu.get_cpu_capability()
     log = tmp_path / "serve.log"
-    with contextlib.ExitStack() as held:
-        for kernel in (paged_decode_cpu, cpu_layer_ops, gguf_matmul_cpu):
-            name, flags = kernel.variant(isa)
-            directory = kernel_cache.cache_directory(name, kernel.SOURCE, flags, kernel.LDFLAGS)
-            directory.mkdir(parents=True)
-            held.enter_context(kernel_cache.build_lock(directory, "kernel"))
+    with holding_every_kernel_build():
         inner = _nested_pytest(tmp_path, 600, "signal", dict(os.environ))
         below = Descendants(inner)
         try:
