@@ -79,7 +79,9 @@ def test_a_cold_grammar_compiles_off_the_step_loop(server):
         warm = client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2,
                                                     "structured_outputs": {"choice": ["yes", "no"]}})
         assert warm.status_code == 200, warm.text[:300]
-    streams = [VictimStream(launched.base_url, None, MODEL) for _ in range(NUM_STREAMS)]
+    # renewed at max_tokens: on a fast step loop 4,000 tokens can run out before the compile
+    # (slower under load) and the decode after it are done, which is no stall
+    streams = [VictimStream(launched.base_url, None, MODEL, renew=True) for _ in range(NUM_STREAMS)]
     for stream in streams:
         stream.start()
     for stream in streams:

@@ -30,12 +30,16 @@ class VictimStream(threading.Thread):
 
     ``wait_streaming()`` returns once chunks flow; ``finish()`` stops it and returns the
     largest gap between consecutive chunks seen from then on (the warm-up excluded).
+    With ``renew``, a completion that ends at ``max_tokens`` is followed at once by the
+    next one, so the stream lasts as long as the test, however fast the engine decodes
+    (the arrivals go on in one list; ``renewals`` counts the restarts).
     """
 
     def __init__(self, base_url: str, api_key: str | None, model: str,
-                 max_tokens: int = 4000) -> None:
+                 max_tokens: int = 4000, renew: bool = False) -> None:
         super().__init__(daemon=True)
         self.base_url, self.model, self.max_tokens = base_url, model, max_tokens
+        self.renew, self.renewals = renew, 0
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.arrivals: list[float] = []
         self.error: str | None = None
@@ -44,31 +48,38 @@ class VictimStream(threading.Thread):
         self._halt = threading.Event()
 
     def run(self) -> None:
-        body = {"model": self.model, "prompt": "The victim says", "max_tokens": self.max_tokens,
-                "ignore_eos": True, "temperature": 0, "stream": True}
         try:
-            with httpx.Client(base_url=self.base_url, timeout=60, headers=self.headers) as client, \
-                    client.stream("POST", "/v1/completions", json=body) as response:
-                if response.status_code != 200:
-                    self.error = f"HTTP {response.status_code}: {response.read()[:300]!r}"
-                    return
-                for line in response.iter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    event = json.loads(line[6:])
-                    if "error" in event:
-                        self.error = str(event["error"])
-                        return
-                    self.arrivals.append(time.monotonic())
-                    if len(self.arrivals) >= 5:
-                        self._streaming.set()
-                    self.finish_reason = event["choices"][0].get("finish_reason") or self.finish_reason
-                    if self._halt.is_set():
-                        return
+            with httpx.Client(base_url=self.base_url, timeout=60, headers=self.headers) as client:
+                while self._stream_once(client) and self.renew and not self._halt.is_set():
+                    self.renewals += 1
         except httpx.HTTPError as exc:
             self.error = f"{type(exc).__name__}: {exc}"
         finally:
             self._streaming.set()
+
+    def _stream_once(self, client: httpx.Client) -> bool:
+        """One streamed completion; True when it ended by ``max_tokens``."""
+        body = {"model": self.model, "prompt": "The victim says", "max_tokens": self.max_tokens,
+                "ignore_eos": True, "temperature": 0, "stream": True}
+        self.finish_reason = None
+        with client.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                self.error = f"HTTP {response.status_code}: {response.read()[:300]!r}"
+                return False
+            for line in response.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    self.error = str(event["error"])
+                    return False
+                self.arrivals.append(time.monotonic())
+                if len(self.arrivals) >= 5:
+                    self._streaming.set()
+                self.finish_reason = event["choices"][0].get("finish_reason") or self.finish_reason
+                if self._halt.is_set():
+                    return False
+        return self.finish_reason == "length"
 
     def wait_streaming(self, timeout: float = 60.0) -> float:
         """Waits until chunks flow; returns the time from which gaps count."""
