@@ -5,8 +5,8 @@ shuffled block tables with NaN in every unused cache slot (the kernel must never
 one); head sizes 16/64/80/96/128, MHA, GQA 2/3/4 and MQA; fp32/fp16/bf16 against
 ``unified_attention_ref`` (fp32 on the same cache) within the shared tolerances, and
 fp64 against the torch path; sliding windows shorter and longer than a sequence; the
-engine's torch backend routing only its decode rows to the kernel, beside a chunked
-prefill. Bad arguments are refused before any memory is read.
+engine's torch backend routing its decode rows and its short multi-token rows (a
+speculative step's verification) to the kernel, beside a chunked prefill. Bad arguments are refused before any memory is read.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kvpilot.engine.model.attention import select_attention_backend
-from kvpilot.engine.model.attention.torch_backend import paged_attention
+from kvpilot.engine.model.attention.torch_backend import KERNEL_MAX_QUERY, paged_attention
 from kvpilot.kernels import paged_decode_cpu
 from kvpilot.kernels.paged_batch import make_paged_batch
 from kvpilot.kernels.unified_attention import unified_attention_ref
@@ -99,10 +99,12 @@ def test_sliding_window_reads_only_the_last_keys(window):
 
 
 @pytest.mark.parametrize("window", [None, 40])
-def test_the_cpu_backend_sends_only_decode_rows_to_the_kernel(window):
-    """Decode rows beside a chunked prefill on a cached prefix and a fresh prefill, with
-    padding rows: the same output as the pure-torch path, padding rows zero."""
-    specs = ((37, 1), (20, 13), (300, 1), (0, 9), (5, 1))
+def test_the_cpu_backend_sends_decode_and_short_rows_to_the_kernel(window):
+    """Decode rows, a 13-token chunk on a cached prefix (a speculative step's verification
+    has this shape) and a fresh 9-token prefill go to the kernel, one row per token; a
+    24-token chunk (over ``KERNEL_MAX_QUERY``) and a fresh 40-token prefill keep the masked
+    path. With padding rows: the same output as the pure-torch path, padding rows zero."""
+    specs = ((37, 1), (20, 13), (300, 1), (0, 9), (5, 1), (60, KERNEL_MAX_QUERY + 8), (0, 40))
     batch = stored(make_paged_batch(specs, num_heads=4, num_kv_heads=2, head_dim=64, fill="zero"))
     args = (batch.query, batch.kv_cache, batch.metadata, batch.scale, batch.k_scale, batch.v_scale)
     calls = []
@@ -111,15 +113,27 @@ def test_the_cpu_backend_sends_only_decode_rows_to_the_kernel(window):
         supports = staticmethod(paged_decode_cpu.supports)
 
         @staticmethod
-        def paged_decode(query, *rest):
-            calls.append(query.shape[0])
-            return paged_decode_cpu.paged_decode(query, *rest)
+        def paged_decode(query, kv_cache, tables, seq_lens, *rest):
+            calls.append(seq_lens.tolist())
+            return paged_decode_cpu.paged_decode(query, kv_cache, tables, seq_lens, *rest)
 
     with_kernel = paged_attention(*args, window, Recorded)
-    assert calls == [3]   # the three decode rows, in one call
+    # one call: each short sequence's tokens as rows ending at that token, in step order
+    assert calls == [[38, *range(21, 34), 301, *range(1, 10), 6]]
     torch.testing.assert_close(with_kernel, paged_attention(*args, window), atol=1e-5, rtol=1e-5)
     n = batch.metadata.num_actual_tokens
     assert bool((with_kernel[n:] == 0).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_verification_row_matches_the_masked_path(dtype):
+    """A step of one sequence's 7 new tokens (1 + 6 drafts) on a 130-token context: the
+    kernel's rows are the step's tokens in order, and its output equals the masked path's."""
+    batch = stored(make_paged_batch(((130, 7),), num_heads=4, num_kv_heads=2, head_dim=64, fill="zero",
+                                    dtype=dtype))
+    args = (batch.query, batch.kv_cache, batch.metadata, batch.scale, batch.k_scale, batch.v_scale)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(paged_attention(*args, None, paged_decode_cpu), paged_attention(*args, None), **tol)
 
 
 def test_the_backend_is_chosen_by_name():

@@ -2,7 +2,10 @@
 
 Decode-only sequences are attended as one padded batch; sequences with several new
 tokens (prefill, chunked prefill on top of a prefix hit) are attended one by one with a
-causal mask offset by their cached context. Accumulation is float32 when the inputs are
+causal mask offset by their cached context. With a decode kernel, a sequence of up to
+``KERNEL_MAX_QUERY`` new tokens (a speculative step's verification, a short chunk after a
+prefix hit) goes to the kernel too, as one decode row per token whose sequence ends at
+that token: the kernel's causal mask is the row's length. Accumulation is float32 when the inputs are
 16-bit; fp8 caches are dequantized with the per-tensor scales on load.
 """
 
@@ -17,6 +20,12 @@ import torch.nn.functional as F
 
 from kvpilot.kernels.attention_metadata import AttentionMetadata
 from kvpilot.kernels.fp8 import FP8_DTYPES  # torch-only module: no triton import
+
+# New tokens of one sequence up to which a decode kernel attends them, one decode row per
+# token (each row reads the sequence's keys again: cheap next to a masked SDPA per layer for
+# a handful of queries, which gathers, converts and masks the whole context each time).
+# A speculative step verifies 1 + num_speculative_tokens tokens.
+KERNEL_MAX_QUERY = 16
 
 
 def quantize_kv(x: torch.Tensor, scale: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
@@ -115,7 +124,7 @@ def paged_attention(
             [i for i, q in enumerate(query_lens) if q == 1],
             [i for i, q in enumerate(query_lens) if q > 1])
     starts, decode_ids, other_ids = rows
-    use_kernel = bool(decode_ids) and decode_kernel is not None and decode_kernel.supports(query, kv_cache)
+    use_kernel = decode_kernel is not None and decode_kernel.supports(query, kv_cache)
     n = len(decode_ids)
     if use_kernel and n == len(metadata.query_lens_cpu) == query.shape[0] == metadata.num_actual_tokens:
         # every row is one sequence's decode row, in order: the kernel's output is the result
@@ -124,8 +133,8 @@ def paged_attention(
                                           lens if lens.shape[0] == n else lens[:n], scale, sliding_window)
     out = torch.zeros_like(query)
     if use_kernel:
-        _decode_with_kernel(out, query, kv_cache, metadata, scale, sliding_window, decode_ids, starts,
-                            decode_kernel)
+        other_ids = _attend_with_kernel(out, query, kv_cache, metadata, scale, sliding_window, starts,
+                                        decode_kernel)
     elif decode_ids:
         _decode(out, query, kv_cache, metadata, scale, k_scale, v_scale, sliding_window,
                 decode_ids, starts)
@@ -168,26 +177,41 @@ class DecodeKernel(Protocol):
                      sliding_window: int | None = None) -> torch.Tensor: ...
 
 
-def _decode_with_kernel(out, query, kv_cache, metadata, scale, sliding_window,
-                        decode_ids: list[int], starts: list[int], kernel: DecodeKernel) -> None:
-    """Decode-only sequences through ``kernel``, into ``out``; which rows those are is
-    worked out by the step's first layer and kept in its metadata."""
-    rows = metadata.torch_scratch.get("kernel-rows")
-    if rows is None:
-        if len(decode_ids) == len(metadata.query_lens_cpu) == metadata.num_actual_tokens:
-            rows = None, None   # every sequence is a decode row, in row order
-        else:
-            rows = (torch.tensor(decode_ids, device=query.device),
-                    torch.tensor([starts[i] for i in decode_ids], device=query.device))
-        metadata.torch_scratch["kernel-rows"] = rows
-    idx, query_rows = rows
-    n = len(decode_ids)
-    if idx is None:
-        out[:n] = kernel.paged_decode(query[:n], kv_cache, metadata.block_tables[:n],
-                                      metadata.seq_lens[:n], scale, sliding_window)
-    else:
-        out[query_rows] = kernel.paged_decode(query[query_rows], kv_cache, metadata.block_tables[idx],
-                                              metadata.seq_lens[idx], scale, sliding_window)
+def _attend_with_kernel(out, query, kv_cache, metadata, scale, sliding_window,
+                        starts: list[int], kernel: DecodeKernel) -> list[int]:
+    """Every sequence of at most ``KERNEL_MAX_QUERY`` new tokens through ``kernel``, into
+    ``out``, one decode row per token (its sequence's block table, the sequence's length up
+    to and including that token); returns the sequences left for the masked path. Which
+    rows those are is worked out by the step's first layer and kept in its metadata."""
+    plan = metadata.torch_scratch.get("kernel-rows")
+    if plan is None:
+        token_rows: list[int] = []
+        seq_rows: list[int] = []
+        row_lens: list[int] = []
+        rest: list[int] = []
+        for i, q_len in enumerate(metadata.query_lens_cpu):
+            if q_len > KERNEL_MAX_QUERY:
+                rest.append(i)
+                continue
+            context = metadata.seq_lens_cpu[i] - q_len
+            token_rows.extend(range(starts[i], starts[i] + q_len))
+            seq_rows.extend([i] * q_len)
+            row_lens.extend(range(context + 1, context + q_len + 1))
+        device = query.device
+        plan = metadata.torch_scratch["kernel-rows"] = (
+            torch.tensor(token_rows, device=device, dtype=torch.long),
+            metadata.block_tables[torch.tensor(seq_rows, device=device, dtype=torch.long)],
+            torch.tensor(row_lens, device=device, dtype=torch.int32), rest)
+    token_rows, tables, row_lens, rest = plan
+    if len(token_rows) and not rest:
+        # every sequence is the kernel's, so its rows are the step's tokens in order (one
+        # sequence's verification, say): no gather and no scatter
+        n = len(token_rows)
+        out[:n] = kernel.paged_decode(query[:n], kv_cache, tables, row_lens, scale, sliding_window)
+    elif len(token_rows):
+        out[token_rows] = kernel.paged_decode(query[token_rows], kv_cache, tables, row_lens, scale,
+                                              sliding_window)
+    return rest
 
 
 def _first_visible(position: int, sliding_window: int | None) -> int:
