@@ -26,15 +26,16 @@ _HISTOGRAMS = (
 )
 _COUNTERS = (
     ("kvpilot:nixl_num_failed_transfers", "num_failed_transfers",
-     "NIXL KV reads that failed (decode engine): the prefill engine died, refused the handshake "
-     "or no longer held the blocks."),
+     "NIXL KV reads that failed (decode engine): the prefill engine died (before or during the "
+     "read), refused the handshake or no longer held the blocks."),
     ("kvpilot:nixl_num_failed_notifications", "num_failed_notifications",
      "Releases of unread KV the prefill engine never got (decode engine)."),
     ("kvpilot:nixl_num_kv_expired_reqs", "num_expired_requests",
      "Requests whose KV a prefill engine held for a decode engine that never read it, freed "
      "after kv_lease_duration (prefill engine)."),
     ("kvpilot:kv_transfer_blocks_received", "num_blocks_received",
-     "KV blocks read from prefill engines (decode engine)."),
+     "KV blocks read from prefill engines (decode engine; of a read that failed part-way, those "
+     "that arrived before the failure)."),
     ("kvpilot:kv_transfer_failed_loads", "num_failed_loads",
      "Requests whose KV load failed in part or whole (decode engine): recomputed here or failed, "
      "per kv_load_failure_policy."),

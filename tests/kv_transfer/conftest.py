@@ -32,7 +32,15 @@ def pd_prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="session")
 def fault_prompts() -> list[list[int]]:
-    """The fault tests' own prompts, one per test (the replicas are shared: no other test's
-    prompt may sit in their prefix caches)."""
+    """The fault tests' own prompts (the replicas are shared: no other test's prompt may
+    sit in their prefix caches); the last, 87 blocks to read, is the one read half-way."""
     rng = random.Random(45)
-    return [[rng.randrange(3, 4096) for _ in range(n)] for n in (210, 350, 650, 250)]
+    return [[rng.randrange(3, 4096) for _ in range(n)] for n in (210, 350, 650, 250, 1400)]
+
+
+@pytest.fixture(scope="session")
+def feature_prompts() -> list[list[int]]:
+    """The feature tests' own prompts (n > 1, stop strings, LoRA twice, structured
+    outputs), each read by the decode replica once."""
+    rng = random.Random(46)
+    return [[rng.randrange(3, 4096) for _ in range(n)] for n in (300, 250, 120, 100, 260)]

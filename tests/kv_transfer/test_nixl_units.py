@@ -62,9 +62,13 @@ def test_settings_from_config_and_environment():
     assert (s.engine_id, s.producer, s.consumer, s.side_channel_host, s.side_channel_port, s.lease_seconds) == \
         ("e1", True, False, "10.1.2.3", 6000, 2.0)
     assert NixlSettings.from_config(CONSUMER, env={"VLLM_NIXL_ABORT_REQUEST_TIMEOUT": "30"}).lease_seconds == 30.0
+    assert s.read_pause is None   # one transfer per read, unless a test asks otherwise
+    assert NixlSettings.from_config(CONSUMER, env={"KVPILOT_NIXL_TEST_READ_PAUSE": "64:2.5"}).read_pause == (64, 2.5)
     for extra, env, words in [({"kv_lease": 1}, {}, "unknown key"), ({"kv_read_timeout": 0}, {}, "kv_read_timeout"),
                               ({}, {"VLLM_NIXL_SIDE_CHANNEL_PORT": "99999"}, "port number"),
-                              ({"backends": "UCX"}, {}, "backends")]:
+                              ({"backends": "UCX"}, {}, "backends"),
+                              ({}, {"KVPILOT_NIXL_TEST_READ_PAUSE": "0:1"}, "BLOCKS:SECONDS"),
+                              ({}, {"KVPILOT_NIXL_TEST_READ_PAUSE": "64"}, "BLOCKS:SECONDS")]:
         with pytest.raises(ValueError, match=words):
             NixlSettings.from_config(dataclasses.replace(CONSUMER, kv_connector_extra_config=extra), env=env)
 

@@ -36,6 +36,32 @@ def build_adapter(base: Path, out: Path, rank: int, seed: int, *, alpha: float |
     return out
 
 
+def random_adapter(base: Path, out: Path, rank: int, seed: int, std: float = 0.08) -> Path:
+    """Save a PEFT adapter of ``rank`` on every projection of ``base`` into ``out``, written
+    directly (``adapter_config.json`` and ``adapter_model.safetensors`` in PEFT's names),
+    A and B drawn at random: milliseconds, where ``build_adapter`` loads transformers, PEFT
+    and the model (seconds). For tests whose oracle is the engine itself, not PEFT."""
+    from safetensors.torch import save_file
+
+    from kvpilot.contract.lora_slots import ATTENTION_MODULES, projection_shapes
+    from kvpilot.engine.model.hf_config import load_arch_config
+
+    arch = load_arch_config(base)
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(arch.num_hidden_layers):
+        for module, (fan_in, fan_out) in projection_shapes(arch).items():
+            key = f"base_model.model.model.layers.{layer}.{'self_attn' if module in ATTENTION_MODULES else 'mlp'}"
+            tensors[f"{key}.{module}.lora_A.weight"] = torch.randn(rank, fan_in, generator=gen) * std
+            tensors[f"{key}.{module}.lora_B.weight"] = torch.randn(fan_out, rank, generator=gen) * std
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, out / "adapter_model.safetensors")
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base), "r": rank,
+        "lora_alpha": 2 * rank, "lora_dropout": 0.0, "bias": "none", "target_modules": ALL_MODULES}))
+    return out
+
+
 def edit_config(adapter: Path, **changes) -> None:
     """Rewrite fields of an adapter's ``adapter_config.json``."""
     file = adapter / "adapter_config.json"

@@ -31,6 +31,7 @@ from kvpilot.engine.bench.server_process import (
     launch_server,
     stop_process,
 )
+from kvpilot.engine.kv_transfer.nixl.settings import READ_PAUSE_ENV
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 400
@@ -39,6 +40,11 @@ MAX_TOKENS = 8
 LEASE_S = 4.0          # the prefill replica's hold on unread KV (short: the expiry test waits it)
 HANDSHAKE_S = 2.0      # the decode replica's wait for a side channel
 FAIL_HANDSHAKE_S = 0.5  # the prefill replica's (its own pulls fail under the ``fail`` policy)
+# The decode replica's test hook (``KVPILOT_NIXL_TEST_READ_PAUSE``): a read of more than
+# MID_READ_BLOCKS blocks pauses MID_READ_PAUSE_S after its first MID_READ_BLOCKS (a test
+# kills the prefill replica then); shorter reads, every other test's, are one transfer.
+MID_READ_BLOCKS = 64
+MID_READ_PAUSE_S = 2.0
 
 
 def serve_flags(model_dir: str) -> list[str]:
@@ -55,12 +61,14 @@ def transfer_config(role: str, **extra) -> str:
                        "kv_connector_extra_config": extra})
 
 
-def start_replica(model_dir: str, role: str, log_path: Path, **extra) -> tuple[LaunchedServer, int]:
-    """A replica with a NixlConnector; returns it and its side-channel port."""
+def start_replica(model_dir: str, role: str, log_path: Path, flags: tuple[str, ...] = (),
+                  env: dict[str, str] | None = None, **extra) -> tuple[LaunchedServer, int]:
+    """A replica with a NixlConnector (and further ``flags`` and ``env``); returns it and its
+    side-channel port."""
     port = free_port()
     env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port),
-           "OMP_NUM_THREADS": "1"}
-    flags = [*serve_flags(model_dir), "--kv-transfer-config", transfer_config(role, **extra)]
+           "OMP_NUM_THREADS": "1", **(env or {})}
+    flags = [*serve_flags(model_dir), *flags, "--kv-transfer-config", transfer_config(role, **extra)]
     return launch_server(flags, log_path=log_path, env=env, timeout=180), port
 
 
@@ -143,7 +151,9 @@ class PDPair:
 
     - prefill: ``kv_both`` (vLLM's usual P/D role), holding unread KV for ``LEASE_S``; its
       own pulls fail under ``kv_load_failure_policy: fail`` after ``FAIL_HANDSHAKE_S``;
-    - decode: ``kv_consumer``, ``recompute``, waiting ``HANDSHAKE_S`` for a side channel.
+    - decode: ``kv_consumer``, ``recompute``, waiting ``HANDSHAKE_S`` for a side channel,
+      pausing reads of more than ``MID_READ_BLOCKS`` blocks half-way (``MID_READ_PAUSE_S``);
+    - both: ``serve_flags`` and ``flags``.
 
     Both start side by side in the background from construction (the caller may compute
     meanwhile); ``prefill`` and ``decode`` wait for them. A test may kill the prefill
@@ -151,8 +161,9 @@ class PDPair:
     engine id) and a fresh router, so tests pass in any order.
     """
 
-    def __init__(self, model_dir: str, logs: Path) -> None:
+    def __init__(self, model_dir: str, logs: Path, flags: tuple[str, ...] = ()) -> None:
         self.model_dir = model_dir
+        self.flags = flags
         self.logs = logs
         self._prefill: LaunchedServer | None = None
         self._decode: LaunchedServer | None = None
@@ -166,13 +177,14 @@ class PDPair:
     def _start_prefill(self) -> None:
         self._num_prefills += 1
         server, port = start_replica(self.model_dir, "kv_both", self.logs / f"prefill-{self._num_prefills}.log",
-                                     kv_lease_duration=LEASE_S, kv_handshake_timeout=FAIL_HANDSHAKE_S,
+                                     self.flags, kv_lease_duration=LEASE_S, kv_handshake_timeout=FAIL_HANDSHAKE_S,
                                      kv_load_failure_policy="fail")
         server.side_channel_port = port
         self._prefill = server
 
     def _start_decode(self) -> None:
-        server, port = start_replica(self.model_dir, "kv_consumer", self.logs / "decode.log",
+        server, port = start_replica(self.model_dir, "kv_consumer", self.logs / "decode.log", self.flags,
+                                     {READ_PAUSE_ENV: f"{MID_READ_BLOCKS}:{MID_READ_PAUSE_S:g}"},
                                      kv_handshake_timeout=HANDSHAKE_S)
         server.side_channel_port = port
         self._decode = server

@@ -10,7 +10,11 @@
   pinned for reading (a consumer that dies mid-read frees them then);
 - ``kv_handshake_timeout`` (default 5 s): how long a consumer waits for a producer's side
   channel before the request's load counts as failed;
-- ``backends`` (default ``["UCX"]``): NIXL backends, as vLLM reads them.
+- ``backends`` (default ``["UCX"]``): NIXL backends, as vLLM reads them;
+- ``KVPILOT_NIXL_TEST_READ_PAUSE=BLOCKS:SECONDS`` (a test hook, unset in production): a
+  consumer posts a read of more than BLOCKS blocks as several NIXL transfers of at most
+  BLOCKS blocks and sleeps SECONDS on its transfer thread after each but the last, logging
+  "paused mid-read", so that a test can kill the producer while a read is half done.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ ABORT_REQUEST_TIMEOUT_ENV = "VLLM_NIXL_ABORT_REQUEST_TIMEOUT"
 DEFAULT_LEASE_SECONDS = 480.0        # vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT
 DEFAULT_READ_TIMEOUT_SECONDS = 120.0
 DEFAULT_HANDSHAKE_TIMEOUT_SECONDS = 5.0
+READ_PAUSE_ENV = "KVPILOT_NIXL_TEST_READ_PAUSE"
 EXTRA_KEYS = ("kv_lease_duration", "kv_read_timeout", "kv_handshake_timeout", "backends")
 
 
@@ -38,6 +43,21 @@ def _seconds(value, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
     return float(value)
+
+
+def _read_pause(text: str | None) -> tuple[int, float] | None:
+    """``KVPILOT_NIXL_TEST_READ_PAUSE``: ``(blocks per transfer, seconds between)``."""
+    if not text:
+        return None
+    blocks, _, seconds = text.partition(":")
+    try:
+        pause = int(blocks), float(seconds)
+    except ValueError:
+        pause = (0, 0.0)
+    if pause[0] < 1 or not pause[1] >= 0:
+        raise ValueError(f"{READ_PAUSE_ENV} must be BLOCKS:SECONDS (a test hook: blocks per NIXL transfer, "
+                         f"pause between transfers), got {text!r}")
+    return pause
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +72,9 @@ class NixlSettings:
     handshake_timeout_seconds: float
     backends: tuple[str, ...]
     load_failure_policy: str
+    # A test hook (``READ_PAUSE_ENV``): reads split into transfers of this many blocks,
+    # this many seconds apart; None: one transfer per read.
+    read_pause: tuple[int, float] | None = None
 
     @classmethod
     def from_config(cls, config: KVTransferConfig, env: Mapping[str, str] | None = None) -> NixlSettings:
@@ -88,4 +111,5 @@ class NixlSettings:
             handshake_timeout_seconds=_seconds(extra.get("kv_handshake_timeout",
                                                          DEFAULT_HANDSHAKE_TIMEOUT_SECONDS),
                                                "kv_handshake_timeout"),
-            backends=tuple(backends), load_failure_policy=config.kv_load_failure_policy)
+            backends=tuple(backends), load_failure_policy=config.kv_load_failure_policy,
+            read_pause=_read_pause(env.get(READ_PAUSE_ENV)))

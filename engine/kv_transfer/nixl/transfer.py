@@ -11,6 +11,12 @@ blocks over the side channel, READ them with a notification carrying the produce
 request id, which frees them there) and a ``ReleaseJob`` (tell a producer to free blocks
 no one will read). Outcomes: ``ReadDone`` per read, ``Notified`` (a producer: the request
 ids its readers finished with), ``ReleaseFailed``.
+
+A read is one NIXL transfer, except under the test hook ``KVPILOT_NIXL_TEST_READ_PAUSE``
+(``settings``): then several, in block order, paused between, the notification on the
+last. A read that fails part-way reports how many blocks arrived before the failure
+(``ReadDone.num_arrived``): the consumer keeps those and recomputes from the first that
+did not.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from kvpilot.engine.kv_transfer.nixl.layout import (
     check_compatible,
     transfer_descs,
 )
-from kvpilot.engine.kv_transfer.nixl.settings import NixlSettings
+from kvpilot.engine.kv_transfer.nixl.settings import READ_PAUSE_ENV, NixlSettings
 from kvpilot.engine.kv_transfer.params import RemotePrefill
 
 logger = logging.getLogger(__name__)
@@ -61,6 +67,7 @@ class ReadDone:
     seconds: float = 0.0
     num_bytes: int = 0
     num_descriptors: int = 0
+    num_arrived: int = 0          # a failed read: its first blocks that arrived intact
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,10 +90,13 @@ class _Remote:
 @dataclass(slots=True)
 class _InFlight:
     job: ReadJob
-    handle: object
+    remote: _Remote
     start: float
-    num_bytes: int
-    num_descriptors: int
+    handle: object = None
+    posted: int = 0               # blocks of the transfers posted (the last one may be in flight)
+    arrived: int = 0              # blocks of the transfers done
+    num_bytes: int = 0
+    num_descriptors: int = 0
 
 
 def nixl_api():
@@ -117,7 +127,12 @@ class TransferThread:
         # Unique per process: a consumer that sees a new name at a known address redoes
         # the handshake (the producer restarted, its memory moved).
         self.agent_name = f"{settings.engine_id}:{uuid.uuid4().hex[:8]}"
-        self._agent = nixl_agent(self.agent_name, nixl_agent_config(backends=list(settings.backends)))
+        # No NIXL progress thread: NIXL's Python API runs it without a delay, a core spinning
+        # for as long as the engine lives (idle included). This thread drives progress
+        # instead (``check_xfer_state`` while reading, ``get_new_notifs`` on a producer);
+        # measured here, 64 MiB reads over UCX (shared memory or TCP) are no slower.
+        self._agent = nixl_agent(self.agent_name, nixl_agent_config(enable_prog_thread=False,
+                                                                    backends=list(settings.backends)))
         self._agent.register_memory(tensors)
         self.local_info = AgentInfo(**{**local_info.to_wire(), "agent_metadata": self._agent.get_agent_metadata()})
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -208,15 +223,46 @@ class TransferThread:
             raise
 
     def _post_read(self, job: ReadJob, remote: _Remote) -> None:
-        local_rows, remote_rows = transfer_descs(self.regions, job.local_blocks, remote.info, job.remote_blocks)
+        read = _InFlight(job, remote, time.perf_counter())
+        self._post_transfer(read)
+        self._reads[job.request_id] = read
+        self._poll_reads()   # a transfer may be done (or failed) within the call: report it now
+
+    def _post_transfer(self, read: _InFlight) -> None:
+        """Post the read's next transfer: its remaining blocks (the test hook: at most its
+        block count); the producer's notification goes with the last."""
+        job, num_blocks = read.job, len(read.job.local_blocks)
+        end = num_blocks if self.settings.read_pause is None else min(num_blocks,
+                                                                      read.posted + self.settings.read_pause[0])
+        blocks = slice(read.posted, end)
+        local_rows, remote_rows = transfer_descs(self.regions, job.local_blocks[blocks], read.remote.info,
+                                                 job.remote_blocks[blocks])
         agent = self._agent
-        start = time.perf_counter()
-        handle = agent.initialize_xfer("READ", agent.get_xfer_descs(local_rows, self.regions.mem_type),
-                                       agent.get_xfer_descs(remote_rows, remote.info.mem_type),
-                                       remote.agent_name, job.remote.request_id.encode())
-        self._reads[job.request_id] = _InFlight(job, handle, start, int(local_rows[:, 1].sum()), len(local_rows))
-        if agent.transfer(handle) != "PROC":   # done (or failed) within the call: report it now
-            self._poll_reads()
+        read.handle = agent.initialize_xfer("READ", agent.get_xfer_descs(local_rows, self.regions.mem_type),
+                                            agent.get_xfer_descs(remote_rows, read.remote.info.mem_type),
+                                            read.remote.agent_name,
+                                            job.remote.request_id.encode() if end == num_blocks else b"")
+        read.posted = end
+        read.num_bytes += int(local_rows[:, 1].sum())
+        read.num_descriptors += len(local_rows)
+        try:
+            agent.transfer(read.handle)
+        except Exception:
+            with contextlib.suppress(Exception):
+                agent.release_xfer_handle(read.handle)
+            raise
+
+    def _next_transfer(self, read: _InFlight) -> str | None:
+        """The test hook's pause, then the read's next transfer; why it failed, or None."""
+        num_blocks, seconds = len(read.job.local_blocks), self.settings.read_pause[1]
+        logger.info("request %s: paused mid-read for %g s after %d of %d blocks (test hook %s)",
+                    read.job.request_id, seconds, read.arrived, num_blocks, READ_PAUSE_ENV)
+        time.sleep(seconds)
+        try:
+            self._post_transfer(read)
+        except Exception as exc:  # noqa: BLE001 - NIXL raises its own errors (a peer that died)
+            return f"the NIXL read failed ({type(exc).__name__}: {exc})"
+        return None
 
     def _handshake(self, ref: RemotePrefill) -> _Remote:
         """The producer's agent, added on first contact."""
@@ -251,11 +297,21 @@ class TransferThread:
                 error = None if state == "DONE" else "the NIXL read failed (state ERR)"
             if state == "PROC":
                 continue
-            del self._reads[rid]
             with contextlib.suppress(Exception):   # a failed read's handle may not release
                 self._agent.release_xfer_handle(read.handle)
+            num_blocks = len(read.job.local_blocks)
+            if error is None:
+                read.arrived = read.posted
+                if read.arrived < num_blocks:
+                    error = self._next_transfer(read)
+                    if error is None:
+                        continue
+            del self._reads[rid]
+            if error is not None and read.arrived:
+                error += f" after {read.arrived} of {num_blocks} blocks arrived"
             seconds = time.perf_counter() - read.start
-            self._post(ReadDone(rid, read.job.local_blocks, error, seconds, read.num_bytes, read.num_descriptors))
+            self._post(ReadDone(rid, read.job.local_blocks, error, seconds, read.num_bytes, read.num_descriptors,
+                                read.arrived))
 
     def _poll_notifs(self) -> None:
         notifs = self._agent.get_new_notifs()

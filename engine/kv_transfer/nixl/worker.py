@@ -8,8 +8,8 @@
   consumer never reads blocks given to another request. The hold table is shared with the
   side channel's thread under a lock.
 - Consumer: the step's pulls and releases go to the transfer thread (``transfer``); their
-  outcomes come back as ``finished_recving`` and, for a failed read, every block of that
-  read in ``failed_block_ids``.
+  outcomes come back as ``finished_recving`` and, for a failed read, its blocks from the
+  first that did not arrive in ``failed_block_ids``.
 """
 
 from __future__ import annotations
@@ -153,10 +153,11 @@ class NixlConnectorWorker:
             self.counters.transferred(done.seconds, done.num_bytes, done.num_descriptors, len(done.local_blocks))
             return
         self.counters.failed_transfers += 1
-        output.failed_block_ids.update(done.local_blocks)
+        self.counters.blocks_received += done.num_arrived   # kept; the rest is recomputed or fails
+        output.failed_block_ids.update(done.local_blocks[done.num_arrived:])
         output.failures[done.request_id] = f"the KV transfer from the prefill engine failed: {done.error}"
-        logger.warning("request %s: KV load of %d blocks failed: %s", done.request_id, len(done.local_blocks),
-                       done.error)
+        logger.warning("request %s: KV load of %d of %d blocks failed: %s", done.request_id,
+                       len(done.local_blocks) - done.num_arrived, len(done.local_blocks), done.error)
 
     def wait(self, timeout: float) -> None:
         self._transfer.wait(timeout)   # an outcome (a read done, a notification) wakes it early
