@@ -69,5 +69,7 @@ def test_cpu_decode_kernel(batch):
     metadata = dataclasses.replace(b.metadata)   # an empty scratch: plan the rows afresh
     out = paged_attention(b.query, b.kv_cache, metadata, b.scale, b.k_scale, b.v_scale, WINDOW,
                           decode_kernel=Counting)
-    assert rows == [3]
+    # the three decode rows and the 9-token chunk (up to KERNEL_MAX_QUERY new tokens: one row
+    # per token); the 30-token prefill keeps the masked path
+    assert rows == [3 + 9]
     assert_attention_close(out, ref, b.query.dtype)

@@ -55,4 +55,8 @@ def test_four_adapters_in_a_batch_vs_the_base_model(tmp_path):
           f"base model, LoRA off {base_plain:.0f} tok/s | base model, LoRA on {base_lora_engine:.0f} "
           f"tok/s | 4 adapters in every batch {mixed:.0f} tok/s ({mixed / base_plain:.0%} of base; "
           f"best of {ROUNDS} interleaved rounds)")
-    assert mixed > 0.2 * base_plain
+    # alone here 50-60 %; beside `make test`'s other worker one CI run saw 18 % (OpenMP threads
+    # of two processes on two cores). The bar catches a pathological path (a Python loop per
+    # request or per adapter, 10x and worse), not a regression of a few percent: that is the
+    # benchmarks' job.
+    assert mixed > 0.1 * base_plain

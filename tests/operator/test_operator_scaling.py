@@ -62,7 +62,9 @@ def test_scaling_keeps_the_pod_template_until_a_replan_is_asked_for(cluster):
     cluster.kubectl("annotate", "inferenceservice", "steady", f"{c.ANNOTATION_REPLAN}=1")
     replanned = wait_for(lambda: (t := _template(cluster, "steady")) != before and t, what="the re-plan")
     assert _flag(_args(replanned), "--max-num-seqs") == "4"
-    assert cluster.cr("steady")["status"]["plan"]["plannedFor"]["replicas"] == 2
+    # the Deployment is written before the status patch that records the plan: wait for it
+    wait_for(lambda: cluster.cr("steady")["status"]["plan"].get("plannedFor", {}).get("replicas") == 2,
+             what="the status's plan for 2 replicas")
     assert "without re-planning" not in cluster.condition("steady", "Planned")["message"]
     # another spec change re-plans too, for the count of the moment
     _scaled(cluster, "steady", 4)
