@@ -18,6 +18,12 @@ can flip a near-tie late in a long random-weight generation).
 ``--dtypes bfloat16,float32`` runs the engine once per dtype (``auto`` included: the
 engine's own choice for this CPU) on the same workload and prints their throughputs and
 ratio side by side; the first dtype is the one compared with HF and used for the rest.
+
+On a CPU it also prints the single-stream decode roofline (``roofline``): the machine's read
+bandwidth (measured on the engine's threads before it starts), the bytes one decode token
+reads per engine dtype (weights as served, KV at the workload's mean context) and the
+ceiling in tokens/s; with ``--max-num-seqs 1`` (one stream) also the share of that ceiling
+each dtype's output tokens/s reaches (prefill included, as in every figure here).
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from dataclasses import dataclass
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("offline", help="engine vs HF transformers throughput, and KV waste",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="HF checkpoint directory (default: built-in demo model)")
+    p.add_argument("--model", default=None, help="HF checkpoint directory or GGUF file (default: built-in demo model)")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--workload", choices=("longtail", "uniform"), default="longtail",
                    help="longtail: log-normal prompt and output lengths (median 150 / 48 tokens, "
@@ -76,10 +82,11 @@ def _lengths(rng: random.Random, args) -> tuple[int, int]:
 
 def make_workload(args, vocab: int) -> Workload:
     rng = random.Random(args.seed)
+    low = min(1000, vocab // 2)    # past the special tokens of a real vocabulary, within a tiny one
     prompts, outs = [], []
     for _ in range(args.num_prompts):
         n, out = _lengths(rng, args)
-        prompts.append([rng.randrange(1000, min(vocab, 100000)) for _ in range(n)])
+        prompts.append([rng.randrange(low, min(vocab, 100000)) for _ in range(n)])
         outs.append(out)
     return Workload(prompts, outs)
 
@@ -131,7 +138,11 @@ def run_hf(model_dir: str, wl: Workload, batch_size: int) -> float:
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    from kvpilot.contract.gguf import find_gguf
+
+    gguf = find_gguf(model_dir)   # transformers dequantizes a GGUF file to float32
+    model = (AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32) if gguf is None else
+             AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)).eval()
     pad = 0
     start = time.perf_counter()
     with torch.no_grad():
@@ -149,7 +160,7 @@ def run_hf(model_dir: str, wl: Workload, batch_size: int) -> float:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from kvpilot.engine.model.hf_config import load_arch_config
+    from kvpilot.engine.bench.roofline import model_arch, read_bandwidth
 
     model_dir = args.model
     if model_dir is None:
@@ -157,17 +168,21 @@ def run(args: argparse.Namespace) -> int:
 
         model_dir = str(ensure_demo_model())
     torch.manual_seed(0)
-    wl = make_workload(args, load_arch_config(model_dir).vocab_size)
+    wl = make_workload(args, model_arch(model_dir).vocab_size)
     plens = sorted(map(len, wl.prompts))
     olens = sorted(wl.output_lens)
     print(f"workload ({args.workload}): {len(wl.prompts)} prompts of {plens[0]}-{plens[-1]} tokens "
           f"(median {plens[len(plens) // 2]}), outputs of {olens[0]}-{olens[-1]} tokens "
           f"(median {olens[len(olens) // 2]}, {wl.total_output} in total); threads={torch.get_num_threads()}")
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()] or ["float32"]
+    on_cpu = not torch.cuda.is_available()    # the engine's device (auto); the probe reads CPU memory
+    bandwidth = read_bandwidth() if on_cpu else None
     runs = {d: run_engine(model_dir, wl, args, dtype=d) for d in dtypes}
     for d, r in runs.items():
         print(f"kvpilot engine {d:>9}: {r.seconds:7.2f} s  {wl.total_output / r.seconds:8.1f} output tok/s  "
               f"({1000 * r.seconds / r.num_steps:.1f} ms/step)")
+    if bandwidth is not None:
+        _print_roofline(model_dir, wl, args, {d: wl.total_output / r.seconds for d, r in runs.items()}, bandwidth)
     one = runs[dtypes[0]]
     eng_tps = wl.total_output / one.seconds
     for d in dtypes[1:]:
@@ -198,3 +213,27 @@ def _compare_tensor_parallel(model_dir: str, wl: Workload, args, one: EngineRun,
           f"({1000 * split.seconds / split.num_steps:.1f} ms/step)")
     print(f"throughput ratio (TP={tp} / TP=1)   : {tps / one_tps:.2f}x; steps {split.num_steps} vs "
           f"{one.num_steps}; identical outputs: {same}/{len(one.token_ids)} requests")
+
+
+def _print_roofline(model_dir: str, wl: Workload, args, tokens_per_s: dict[str, float], bandwidth: float) -> None:
+    """One line: bandwidth, bytes per decode token and ceiling per engine dtype, and the share
+    of it each dtype's output tokens/s reaches when the run was one stream."""
+    import torch
+
+    from kvpilot.contract.constants import MODEL_DTYPE_BYTES
+    from kvpilot.engine.bench import roofline as rl
+    from kvpilot.engine.model.auto_dtype import resolve_auto_dtype
+
+    arch = rl.model_arch(model_dir)
+    context = rl.mean_decode_context([len(p) for p in wl.prompts], wl.output_lens)
+    one_stream = args.max_num_seqs == 1
+    cells = []
+    for d, tps in tokens_per_s.items():
+        dtype = resolve_auto_dtype(arch.dtype, "cpu")[0] if d == "auto" else d
+        roof = rl.Roofline(bandwidth, rl.weight_bytes_per_token(model_dir, dtype),
+                           rl.kv_bytes_per_token(arch, context, MODEL_DTYPE_BYTES[dtype]), context)
+        label = f"auto ({dtype})" if d == "auto" else d
+        cells.append(f"{label} {roof.describe(tps if one_stream else None)}")
+    print(f"roofline (1 stream; weights + KV at {context} tokens of context): read {bandwidth / 1e9:.1f} GB/s "
+          f"({torch.get_num_threads()} threads); " + "; ".join(cells)
+          + ("" if one_stream else " (the share of it: run with --max-num-seqs 1)"))

@@ -9,7 +9,11 @@ machine hits them alike; each figure is the median over the repeats.
 
 It prints the CPU (model and the flags that pick kernels), every server's figures, the
 ratios of each kvpilot variant to each peer (> 1 is better for tokens/s, < 1 for
-latencies), and the targets of issue 28 met or missed. Peers are benchmark tools: a peer
+latencies), the targets of issue 28 met or missed, and the single-stream roofline
+(``roofline``): the machine's read bandwidth (measured before any server starts, on the
+servers' threads), the bytes one decode token reads on each server (its weights as it holds
+them, and its KV at the mean context of the 1-stream load) and the share of that ceiling
+each server's ``tok/s@1`` reaches. Peers are benchmark tools: a peer
 that is not installed is skipped with the command that installs it (``--install-peers``
 does it here), and one that cannot run on this CPU is skipped with the reason.
 """
@@ -22,6 +26,10 @@ import dataclasses
 import json
 import statistics
 from pathlib import Path
+
+from kvpilot.contract.constants import MODEL_DTYPE_BYTES
+from kvpilot.engine.bench import roofline as rl
+from kvpilot.engine.model.cpu_info import CPUInfo
 
 # kvpilot variants: name -> (model format, extra `kvpilot serve` flags)
 KVPILOT_VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -131,6 +139,34 @@ def _print_ratios(table: dict[tuple[str, str], dict[str, float]], names: list[st
     return checks
 
 
+def served_dtype(server: str, cpu: CPUInfo, checkpoint_dtype: str) -> str:
+    """The dtype ``server`` computes in, keeps its KV cache in and dequantizes weights to."""
+    if server == "llama.cpp":
+        return "float16"        # llama-server's default KV type; GGUF weights stay as stored
+    if server == "vLLM-CPU":
+        return "bfloat16"       # its x86 CPU platform lists bfloat16 first, so a float32 checkpoint runs in it
+    from kvpilot.engine.model.auto_dtype import resolve_auto_dtype
+
+    extra = KVPILOT_VARIANTS[server][1]
+    if "--dtype" in extra:
+        return extra[extra.index("--dtype") + 1]
+    return resolve_auto_dtype(checkpoint_dtype, "cpu", cpu)[0]
+
+
+def rooflines(servers: dict[str, Path], bandwidth: float, cpu: CPUInfo, context: int) -> dict[str, rl.Roofline]:
+    """server -> its single-stream ``Roofline`` for the model file it serves (``servers``):
+    weights as that server holds them (GGUF: llama.cpp as stored, kvpilot as its engine
+    holds them), KV in its dtype at ``context`` tokens."""
+    out = {}
+    for name, model in servers.items():
+        arch = rl.model_arch(model)
+        dtype = served_dtype(name, cpu, arch.dtype)
+        weights = rl.weight_bytes_per_token(model, None if name == "llama.cpp" else dtype)
+        kv = rl.kv_bytes_per_token(arch, context, MODEL_DTYPE_BYTES[dtype])
+        out[name] = rl.Roofline(bandwidth, weights, kv, context)
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     from kvpilot.engine.bench import peer_models
     from kvpilot.engine.bench.peer_load import Workload, measure
@@ -170,6 +206,7 @@ def run(args: argparse.Namespace) -> int:
             else peer_models.checkpoint_token_ids(checkpoint))
     print(f"model: {gguf} (checkpoint: {checkpoint}); threads {settings.threads}, "
           f"{settings.context_per_stream} tokens of context per stream", flush=True)
+    bandwidth = rl.read_bandwidth(threads=settings.threads)   # before any server loads the machine
 
     runs: dict[str, list[dict]] = {p.name: [] for p in peers}
     for repeat in range(args.repeats):
@@ -191,8 +228,17 @@ def run(args: argparse.Namespace) -> int:
     figures = {name: {f: _median([r[f] for r in rs]) for f in names} for name, rs in runs.items() if rs}
     print(f"\n== median of {args.repeats} repeat(s); CPU: {cpu.describe()}")
     _print_table(figures, names)
+    served = {p.name: gguf if p.model_format == "gguf" else checkpoint for p in peers if p.name in figures}
+    context = rl.mean_decode_context([workload.input_len], [workload.output_len])   # of the 1-stream load
+    roofs = rooflines(served, bandwidth, cpu, context)
+    one = {name: figures[name].get("tok/s@1") for name in roofs}
+    print(f"\nroofline (1 stream; weights + KV at {context} tokens of context): read "
+          f"{bandwidth / 1e9:.1f} GB/s ({settings.threads} threads); "
+          + "; ".join(f"{n} {r.describe(one[n])}" for n, r in roofs.items()))
     checks = _print_ratios(ratios(figures), names)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(
-            {"cpu": cpu.describe(), "workload": dataclasses.asdict(workload), "runs": runs, "median": figures, "targets": checks, "skipped": skipped}, indent=2))
+            {"cpu": cpu.describe(), "workload": dataclasses.asdict(workload), "runs": runs, "median": figures,
+             "targets": checks, "skipped": skipped, "read_bandwidth_gb_s": bandwidth / 1e9,
+             "roofline": {n: r.as_dict(one[n]) for n, r in roofs.items()}}, indent=2))
     return 0

@@ -153,7 +153,7 @@ def llama_cpp_isa_flags(cpu: CPUInfo | None = None) -> list[str]:
     """llama.cpp's instruction-set flags: native, except on an AMX CPU, where the AVX-512
     set is named without AMX: sandboxes of this kind refuse AMX tile state (llama-server dies
     with SIGILL in its AMX kernel at the first matmul)."""
-    from kvpilot.engine.bench.machine import cpu_info
+    from kvpilot.engine.model.cpu_info import cpu_info
 
     cpu = cpu or cpu_info()
     if "amx_tile" not in cpu.flags:

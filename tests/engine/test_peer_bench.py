@@ -1,6 +1,7 @@
 """``kvpilot bench peer`` at toy sizes: the harness runs a server through every part of the
 load, skips a peer that is not installed with the command that
-installs it, and divides kvpilot's figures by each peer's. Timings here mean nothing."""
+installs it, divides kvpilot's figures by each peer's and states each server's roofline.
+Timings here mean nothing."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import json
 import subprocess
 import sys
 
-from kvpilot.engine.bench.peer import ratios
+import pytest
+
+from kvpilot.engine.bench.peer import ratios, served_dtype
 from kvpilot.engine.bench.peer_servers import LLAMA_CPP, VLLM_CPU
 from kvpilot.engine.model.cpu_info import CPUInfo, cpu_info
 
@@ -39,6 +42,14 @@ def test_ratios_divide_each_kvpilot_variant_by_each_peer():
     assert table[("kvpilot-gguf", "vLLM-CPU")] == {"tok/s@1": 2.0}   # no division by 0 / None
 
 
+def test_each_server_is_counted_in_the_dtype_it_serves_in():
+    bf16_cpu, plain_cpu = CPUInfo("new", 2, frozenset({"avx512f", "avx512_bf16"})), CPUInfo("old", 2, frozenset())
+    assert served_dtype("kvpilot-gguf", bf16_cpu, "float32") == "bfloat16"   # --dtype auto
+    assert served_dtype("kvpilot-gguf", plain_cpu, "float32") == "float32"
+    assert served_dtype("kvpilot-bf16", plain_cpu, "float32") == "bfloat16"  # its --dtype flag
+    assert served_dtype("llama.cpp", bf16_cpu, "float32") == "float16"       # llama-server's KV type
+
+
 def test_bench_peer_runs_kvpilot_through_the_whole_load(tiny_checkpoint, tmp_path):
     out = tmp_path / "peer.json"
     proc = subprocess.run(
@@ -61,3 +72,8 @@ def test_bench_peer_runs_kvpilot_through_the_whole_load(tiny_checkpoint, tmp_pat
     assert result["median"]["kvpilot-f32"]["tok/s@2"] > 0
     assert result["targets"] == []   # no peer ran: nothing to compare with
     assert "CPU:" in proc.stdout
+    roof = result["roofline"]["kvpilot-f32"]     # float32 weights, float32 KV at 8 + (4 - 1) / 2 tokens
+    assert roof["context"] == 10 and roof["read_bandwidth_gb_s"] == result["read_bandwidth_gb_s"] > 0
+    assert roof["ceiling_tok_s"] == pytest.approx(roof["read_bandwidth_gb_s"] * 1e9 / roof["bytes_per_token"])
+    assert roof["share"] == pytest.approx(result["median"]["kvpilot-f32"]["tok/s@1"] / roof["ceiling_tok_s"])
+    assert "roofline (1 stream" in proc.stdout and "kvpilot-f32" in proc.stdout
