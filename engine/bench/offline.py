@@ -168,7 +168,8 @@ def run(args: argparse.Namespace) -> int:
 
         model_dir = str(ensure_demo_model())
     torch.manual_seed(0)
-    wl = make_workload(args, model_arch(model_dir).vocab_size)
+    arch = model_arch(model_dir)
+    wl = make_workload(args, arch.vocab_size)
     plens = sorted(map(len, wl.prompts))
     olens = sorted(wl.output_lens)
     print(f"workload ({args.workload}): {len(wl.prompts)} prompts of {plens[0]}-{plens[-1]} tokens "
@@ -182,7 +183,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvpilot engine {d:>9}: {r.seconds:7.2f} s  {wl.total_output / r.seconds:8.1f} output tok/s  "
               f"({1000 * r.seconds / r.num_steps:.1f} ms/step)")
     if bandwidth is not None:
-        _print_roofline(model_dir, wl, args, {d: wl.total_output / r.seconds for d, r in runs.items()}, bandwidth)
+        _print_roofline(model_dir, arch, wl, args, {d: wl.total_output / r.seconds for d, r in runs.items()},
+                        bandwidth)
     one = runs[dtypes[0]]
     eng_tps = wl.total_output / one.seconds
     for d in dtypes[1:]:
@@ -215,7 +217,8 @@ def _compare_tensor_parallel(model_dir: str, wl: Workload, args, one: EngineRun,
           f"{one.num_steps}; identical outputs: {same}/{len(one.token_ids)} requests")
 
 
-def _print_roofline(model_dir: str, wl: Workload, args, tokens_per_s: dict[str, float], bandwidth: float) -> None:
+def _print_roofline(model_dir: str, arch, wl: Workload, args, tokens_per_s: dict[str, float],
+                    bandwidth: float) -> None:
     """One line: bandwidth, bytes per decode token and ceiling per engine dtype, and the share
     of it each dtype's output tokens/s reaches when the run was one stream."""
     import torch
@@ -224,7 +227,6 @@ def _print_roofline(model_dir: str, wl: Workload, args, tokens_per_s: dict[str, 
     from kvpilot.engine.bench import roofline as rl
     from kvpilot.engine.model.auto_dtype import resolve_auto_dtype
 
-    arch = rl.model_arch(model_dir)
     context = rl.mean_decode_context([len(p) for p in wl.prompts], wl.output_lens)
     one_stream = args.max_num_seqs == 1
     cells = []

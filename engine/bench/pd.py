@@ -33,7 +33,6 @@ import json
 import random
 import shlex
 import shutil
-import statistics
 import subprocess
 import tempfile
 import time
@@ -178,9 +177,10 @@ async def plain(http, url: str, prompt: list[int], max_tokens: int) -> str:
 
 
 def _pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
+    """``serve.percentile`` (linear interpolation), NaN where nothing was measured."""
+    from kvpilot.engine.bench.serve import percentile
+
+    return percentile(values, q) if values else float("nan")
 
 
 @dataclass(slots=True)
