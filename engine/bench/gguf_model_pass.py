@@ -5,6 +5,8 @@ SmolLM2-135M-Instruct.Q4_1's GGUF matrices (30 layers of qkv 960x576, o 576x576,
 - ``float``: the exact float kernel (``gguf_matmul_cpu.matmul``, float32 activations; past
   ``MAX_VECTOR_BATCH`` tokens the prefill path: tiles decoded for bfloat16 ``F.linear``);
 - ``q8``: the q8-activation kernel (``gguf_matmul_cpu.matmul_q8``, bfloat16 in and out);
+- ``q8i``: the same over the interleaved layout (``matmul_q8_interleaved``; AVX512-VNNI
+  only, else left out), as the engine's 16-bit layers hold such weights;
 - ``bf16``: ``F.linear`` over dense bfloat16 weights of the same shapes (4x the bytes).
 
 Rounds alternate the methods (the machine may be shared); the median round is reported
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 # (rows, columns, ggml type, copies per pass)
 SMOLLM2_PASS = ((960, 576, 3, 30), (576, 576, 3, 30), (3072, 576, 3, 30), (576, 1536, 3, 30),
                 (49152, 576, 8, 1))
-METHODS = ("float", "q8", "bf16")
+METHODS = ("float", "q8", "q8i", "bf16")
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,9 +31,18 @@ class PassResult:
     ms: dict[str, float]     # method -> median milliseconds per pass
 
 
+def methods() -> tuple[str, ...]:
+    """The methods this machine runs (``q8i`` needs AVX512-VNNI)."""
+    from kvpilot.kernels import gguf_matmul_cpu as g
+
+    return METHODS if g.q8_isa() == "vnni" else tuple(m for m in METHODS if m != "q8i")
+
+
 def _weights(rng):
     import torch
     from gguf.quants import quantize
+
+    from kvpilot.kernels import gguf_matmul_cpu as g
 
     out = []
     for rows, columns, qtype, copies in SMOLLM2_PASS:
@@ -39,7 +50,9 @@ def _weights(rng):
         raw = torch.from_numpy(quantize(w, qtype))
         dense = torch.from_numpy(w).to(torch.bfloat16)
         # distinct copies, so that a pass streams its weights from memory as a model does
-        out += [(raw.clone(), dense.clone(), qtype, columns) for _ in range(copies)]
+        packed = g.interleave(raw, qtype) if "q8i" in methods() else None
+        out += [(raw.clone(), dense.clone(), qtype, columns, None if packed is None else packed.clone())
+                for _ in range(copies)]
     return out
 
 
@@ -50,10 +63,12 @@ def _pass(method: str, weights, xs) -> float:
     from kvpilot.kernels import gguf_matmul_cpu as g
 
     start = time.perf_counter()
-    for raw, dense, qtype, columns in weights:
+    for raw, dense, qtype, columns, packed in weights:
         x32, x16 = xs[columns]
         if method == "q8":
             g.matmul_q8(x16, raw, qtype)
+        elif method == "q8i":
+            g.matmul_q8_interleaved(x16, packed, qtype)
         elif method == "bf16":
             F.linear(x16, dense)
         elif x32.shape[0] <= g.MAX_VECTOR_BATCH:
@@ -76,19 +91,21 @@ def measure(batches: list[int], rounds: int) -> list[PassResult]:
         for columns in {c for _, c, _, _ in SMOLLM2_PASS}:
             x = torch.randn(batch, columns)
             xs[columns] = (x, x.to(torch.bfloat16))
-        times = {m: [] for m in METHODS}
-        for m in METHODS:      # warm-up
+        times = {m: [] for m in methods()}
+        for m in methods():      # warm-up
             _pass(m, weights, xs)
         for _ in range(rounds):
-            for m in METHODS:
+            for m in methods():
                 times[m].append(_pass(m, weights, xs))
         results.append(PassResult(batch, {m: statistics.median(v) for m, v in times.items()}))
     return results
 
 
 def report(results: list[PassResult]) -> None:
-    print(f"{'batch':>5}" + "".join(f"{m + ' ms':>11}" for m in METHODS) + f"{'float/q8':>10}{'bf16/q8':>9}")
+    shown = [m for m in METHODS if results and m in results[0].ms]
+    ratios = [m for m in shown if m != "q8"]
+    print(f"{'batch':>5}" + "".join(f"{m + ' ms':>11}" for m in shown) + "".join(f"{m + '/q8':>10}" for m in ratios))
     for r in results:
         q8 = r.ms["q8"]
-        print(f"{r.batch:>5}" + "".join(f"{r.ms[m]:>11.2f}" for m in METHODS)
-              + f"{r.ms['float'] / q8:>10.2f}{r.ms['bf16'] / q8:>9.2f}", flush=True)
+        print(f"{r.batch:>5}" + "".join(f"{r.ms[m]:>11.2f}" for m in shown)
+              + "".join(f"{r.ms[m] / q8:>10.2f}" for m in ratios), flush=True)

@@ -398,6 +398,11 @@ using FQ6_K = Format<256, 210, KVPILOT_DECODER(q6_k)>;
 
 constexpr int kRowTile = 4;
 constexpr int kTokenTile = 4;
+// Rows the interleaved layout groups (one 512-bit lane of int32 sums per row).
+constexpr int kInterleave = 16;
+
+// Weight bytes one task multiplies at the least (rows x bytes per row x token tiles).
+constexpr int64_t kMinTaskBytes = 16 << 10;
 
 enum Isa : int64_t { kIsaBest = 0, kIsaVnni = 1, kIsaAvx2 = 2 };
 
@@ -717,6 +722,125 @@ KVPILOT_AVX2 void dot_tile_avx2(const RowTile& tile, int n, const QuantizedX& q,
     for (int r = 0; r < n; ++r)
       store(out + (t0 + t) * rows + r0 + r, hsum8(acc[r][t]) + (bias ? bias[r0 + r] : 0.f));
 }
+
+// ---------------------------------------------------------------------------------------
+// The row-interleaved layout (kInterleave rows; llama.cpp repacks Q4_0 similarly): the same
+// bytes as kInterleave GGUF rows, rearranged so that one 512-bit VNNI instruction multiplies
+// 4 codes of each of 16 rows by the same 4 activation codes, and each row's sum stays in
+// its own lane: no tile is decoded and stored, and no horizontal sum is taken. Per group of
+// 16 rows and per block along the input, in order:
+//   d[16] (the rows' fp16 scales), m[16] (Q4_1 only: the fp16 mins), then the codes in
+//   chunks of 64 bytes: chunk j holds, for row r at bytes 4r..4r+3, the row's code bytes
+//   4j..4j+3 (Q4: qs bytes, each the values i (low nibble) and i + 16 (high nibble);
+//   Q8_0: the signed codes + 128).
+// A group's block is 16 x type_size bytes, so an interleaved weight is exactly as large as
+// the file's rows. Each token's sum for a row adds the same terms in the same order however
+// many tokens a call takes (verification steps match single-token decoding bit for bit).
+
+template <int Type> struct Interleaved;
+template <> struct Interleaved<Q4_0> { static constexpr int scales = 1, chunks = 4, offset = 8; };
+template <> struct Interleaved<Q4_1> { static constexpr int scales = 2, chunks = 4, offset = 0; };
+template <> struct Interleaved<Q8_0> { static constexpr int scales = 1, chunks = 8, offset = 128; };
+
+// forward: rows -> interleaved (true) or back (false); rows a multiple of kInterleave
+template <int Type>
+void interleave_as(const uint8_t* src, uint8_t* dst, int64_t rows, int64_t bpr, bool forward) {
+  using I = Interleaved<Type>;
+  constexpr int ts = Codes<Type>::type_size, code_bytes = I::chunks * 4;
+  const int64_t nb = bpr / ts;
+  at::parallel_for(0, rows / kInterleave, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t b = 0; b < nb; ++b) {
+        uint8_t* group = (forward ? dst : const_cast<uint8_t*>(src)) + g * kInterleave * bpr + b * kInterleave * ts;
+        for (int r = 0; r < kInterleave; ++r) {
+          uint8_t* row = (forward ? const_cast<uint8_t*>(src) : dst) + (g * kInterleave + r) * bpr + b * ts;
+          const uint8_t flip = Type == Q8_0 ? 0x80 : 0;
+          for (int s = 0; s < I::scales; ++s) {
+            if (forward) std::memcpy(group + s * 32 + r * 2, row + s * 2, 2);
+            else std::memcpy(row + s * 2, group + s * 32 + r * 2, 2);
+          }
+          uint8_t* codes = group + 32 * I::scales;
+          for (int k = 0; k < code_bytes; ++k) {
+            uint8_t& packed = codes[(k / 4) * 64 + r * 4 + k % 4];
+            if (forward) packed = row[2 * I::scales + k] ^ flip;
+            else row[2 * I::scales + k] = packed ^ flip;
+          }
+        }
+      }
+  });
+}
+
+// One group's 16 outputs for tokens t0..t0+NT (+ bias), from the interleaved blocks at gp.
+template <int Type, int NT, typename T>
+KVPILOT_VNNI void interleaved_group(const uint8_t* gp, const QuantizedX& q, int64_t t0, const float* bias,
+                                    int64_t r0, T* out, int64_t rows) {
+  using I = Interleaved<Type>;
+  constexpr int block_bytes = kInterleave * Codes<Type>::type_size;
+  __m512 acc[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < q.nb; ++b) {
+    const uint8_t* bp = gp + b * block_bytes;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bp)));
+    __m512 m = _mm512_setzero_ps();
+    if (I::scales == 2) m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bp + 32)));
+    const uint8_t* cp = bp + 32 * I::scales;
+    __m512i w[8];   // w[j] pairs with the activation codes 4j..4j+3 of the block
+    if (I::chunks == 4) {
+      for (int j = 0; j < 4; ++j) {
+        const __m512i v = _mm512_loadu_si512(cp + 64 * j);
+        w[j] = _mm512_and_si512(v, nibble);
+        w[4 + j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+      }
+    } else {
+      for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(cp + 64 * j);
+    }
+    for (int t = 0; t < NT; ++t) {
+      const int64_t k = (t0 + t) * q.nbp + b;
+      int32_t a[8];
+      std::memcpy(a, q.a.data() + (t0 + t) * q.kp + b * 32, 32);
+      __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_set1_epi32(a[0]));
+      __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], _mm512_set1_epi32(a[1]));
+      for (int j = 2; j < 8; j += 2) {
+        s0 = _mm512_dpbusd_epi32(s0, w[j], _mm512_set1_epi32(a[j]));
+        s1 = _mm512_dpbusd_epi32(s1, w[j + 1], _mm512_set1_epi32(a[j + 1]));
+      }
+      __m512i s = _mm512_add_epi32(s0, s1);
+      if (I::offset) s = _mm512_sub_epi32(s, _mm512_set1_epi32(I::offset * q.sum[k]));
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(q.dx[k])), acc[t]);
+      if (I::scales == 2) acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(q.sx[(t0 + t) * q.ns + b]), acc[t]);
+    }
+  }
+  for (int t = 0; t < NT; ++t) {
+    alignas(64) float v[kInterleave];
+    _mm512_store_ps(v, acc[t]);
+    T* o = out + (t0 + t) * rows + r0;
+    for (int r = 0; r < kInterleave; ++r) store(o + r, v[r] + (bias ? bias[r0 + r] : 0.f));
+  }
+}
+
+template <int Type, typename T>
+void matmul_interleaved_as(const QuantizedX& q, const uint8_t* w, int64_t rows, int64_t bpr, int64_t batch,
+                           const float* bias, T* out) {
+  const int64_t groups = rows / kInterleave, group_bytes = kInterleave * bpr;
+  const int64_t work = group_bytes * ((batch + kTokenTile - 1) / kTokenTile);
+  const int64_t grain = std::max<int64_t>(1, kMinTaskBytes / std::max<int64_t>(work, 1));
+  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const uint8_t* gp = w + g * group_bytes;
+      const int64_t r0 = g * kInterleave;
+      int64_t t0 = 0;
+      for (; t0 + kTokenTile <= batch; t0 += kTokenTile)
+        interleaved_group<Type, kTokenTile, T>(gp, q, t0, bias, r0, out, rows);
+      switch (batch - t0) {
+        case 3: interleaved_group<Type, 3, T>(gp, q, t0, bias, r0, out, rows); break;
+        case 2: interleaved_group<Type, 2, T>(gp, q, t0, bias, r0, out, rows); break;
+        case 1: interleaved_group<Type, 1, T>(gp, q, t0, bias, r0, out, rows); break;
+        default: break;
+      }
+    }
+  });
+}
 #endif
 
 int64_t resolve_isa(int64_t isa) {
@@ -727,8 +851,6 @@ int64_t resolve_isa(int64_t isa) {
   return isa;
 }
 
-// Weight bytes one task multiplies at the least (rows x bytes per row x token tiles).
-constexpr int64_t kMinTaskBytes = 16 << 10;
 
 template <int Type, typename T>
 void matmul_q8_as(const QuantizedX& q, const uint8_t* src, int64_t rows, int64_t bpr, int64_t batch,
@@ -775,9 +897,26 @@ void matmul_q8_as(const QuantizedX& q, const uint8_t* src, int64_t rows, int64_t
 #endif
 }
 
+// The interleaved layout's product for a type it takes.
+template <typename T>
+void matmul_interleaved(int64_t qtype, const QuantizedX& q, const uint8_t* src, int64_t rows, int64_t bpr,
+                        int64_t batch, const float* bias, T* dst) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  switch (qtype) {
+    case Q4_0: matmul_interleaved_as<Q4_0, T>(q, src, rows, bpr, batch, bias, dst); break;
+    case Q4_1: matmul_interleaved_as<Q4_1, T>(q, src, rows, bpr, batch, bias, dst); break;
+    case Q8_0: matmul_interleaved_as<Q8_0, T>(q, src, rows, bpr, batch, bias, dst); break;
+    default: TORCH_CHECK(false, "no interleaved layout for ggml type ", qtype);
+  }
+#else
+  TORCH_CHECK(false, "the interleaved layout needs an x86-64 CPU");
+#endif
+}
+
+// isa: kIsaVnni or kIsaAvx2 for GGUF rows; interleaved: the weight in the interleaved layout (VNNI).
 template <typename T>
 torch::Tensor matmul_q8_typed(const torch::Tensor& x, const torch::Tensor& w, int64_t qtype,
-                              const c10::optional<torch::Tensor>& bias, int64_t isa) {
+                              const c10::optional<torch::Tensor>& bias, int64_t isa, bool interleaved) {
   const int64_t batch = x.size(0), cols = x.size(1), rows = w.size(0), bpr = w.size(1);
   QuantizedX q;
   quantize_rows<T>(x.data_ptr<T>(), batch, cols, q);
@@ -785,6 +924,10 @@ torch::Tensor matmul_q8_typed(const torch::Tensor& x, const torch::Tensor& w, in
   const float* b = bias ? bias->data_ptr<float>() : nullptr;
   T* dst = out.data_ptr<T>();
   const uint8_t* src = w.data_ptr<uint8_t>();
+  if (interleaved) {
+    matmul_interleaved<T>(qtype, q, src, rows, bpr, batch, b, dst);
+    return out;
+  }
   switch (qtype) {
     case Q4_0: matmul_q8_as<Q4_0, T>(q, src, rows, bpr, batch, b, dst, isa); break;
     case Q4_1: matmul_q8_as<Q4_1, T>(q, src, rows, bpr, batch, b, dst, isa); break;
@@ -805,6 +948,10 @@ int64_t q8_type_size(int64_t qtype) {
     case Q8_0: return Codes<Q8_0>::type_size;
     default: return 0;
   }
+}
+
+int64_t interleaved_type_size(int64_t qtype) {
+  return qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0 ? q8_type_size(qtype) : 0;
 }
 
 }  // namespace
@@ -836,9 +983,53 @@ torch::Tensor matmul_q8(torch::Tensor x, torch::Tensor w, int64_t qtype, c10::op
   const int64_t chosen = resolve_isa(isa);
   TORCH_CHECK(chosen > 0, "the q8 path needs AVX2 or AVX512-VNNI");
   switch (x.scalar_type()) {
-    case torch::kFloat32: return matmul_q8_typed<float>(x, w, qtype, bias, chosen);
-    case torch::kBFloat16: return matmul_q8_typed<c10::BFloat16>(x, w, qtype, bias, chosen);
-    case torch::kHalf: return matmul_q8_typed<c10::Half>(x, w, qtype, bias, chosen);
+    case torch::kFloat32: return matmul_q8_typed<float>(x, w, qtype, bias, chosen, false);
+    case torch::kBFloat16: return matmul_q8_typed<c10::BFloat16>(x, w, qtype, bias, chosen, false);
+    case torch::kHalf: return matmul_q8_typed<c10::Half>(x, w, qtype, bias, chosen, false);
+    default: TORCH_CHECK(false, "x must be float32, bfloat16 or float16");
+  }
+}
+
+// GGUF rows [rows, bytes per row] of Q4_0, Q4_1 or Q8_0 (rows a multiple of 16) in the
+// interleaved layout (forward) or interleaved bytes back to rows (not forward).
+torch::Tensor interleave(torch::Tensor w, int64_t qtype, bool forward) {
+  const int64_t type_size = interleaved_type_size(qtype);
+  TORCH_CHECK(type_size, "no interleaved layout for ggml type ", qtype);
+  check_weight(w, type_size, 32);
+  TORCH_CHECK(w.size(0) % kInterleave == 0, "the interleaved layout takes a multiple of ", kInterleave, " rows; got ",
+              w.size(0));
+  auto src = w.contiguous();
+  auto out = torch::empty_like(src);
+#if defined(__x86_64__) && defined(__GNUC__)
+  const uint8_t* from = src.data_ptr<uint8_t>();
+  uint8_t* to = out.data_ptr<uint8_t>();
+  switch (qtype) {
+    case Q4_0: interleave_as<Q4_0>(from, to, w.size(0), w.size(1), forward); break;
+    case Q4_1: interleave_as<Q4_1>(from, to, w.size(0), w.size(1), forward); break;
+    default: interleave_as<Q8_0>(from, to, w.size(0), w.size(1), forward); break;
+  }
+#else
+  TORCH_CHECK(false, "the interleaved layout needs an x86-64 CPU");
+#endif
+  return out;
+}
+
+// x [batch, columns] times an interleaved weight's transpose through q8 activations (AVX512-VNNI).
+torch::Tensor matmul_q8_interleaved(torch::Tensor x, torch::Tensor w, int64_t qtype, c10::optional<torch::Tensor> bias) {
+  const int64_t type_size = interleaved_type_size(qtype);
+  TORCH_CHECK(type_size, "no interleaved layout for ggml type ", qtype);
+  const int64_t cols = check_weight(w, type_size, 32);
+  TORCH_CHECK(w.size(0) % kInterleave == 0, "an interleaved weight has a multiple of ", kInterleave, " rows");
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(), "x must be a contiguous CPU [batch, columns] tensor");
+  TORCH_CHECK(x.size(1) == cols, "x has ", x.size(1), " columns; the weight has ", cols);
+  TORCH_CHECK(cols <= kMaxColumns, "the q8 path takes at most ", kMaxColumns, " columns");
+  if (bias) TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == w.size(0),
+                        "the bias must be float32 [rows]");
+  TORCH_CHECK(resolve_isa(kIsaBest) == kIsaVnni, "the interleaved layout needs AVX512-VNNI");
+  switch (x.scalar_type()) {
+    case torch::kFloat32: return matmul_q8_typed<float>(x, w, qtype, bias, kIsaVnni, true);
+    case torch::kBFloat16: return matmul_q8_typed<c10::BFloat16>(x, w, qtype, bias, kIsaVnni, true);
+    case torch::kHalf: return matmul_q8_typed<c10::Half>(x, w, qtype, bias, kIsaVnni, true);
     default: TORCH_CHECK(false, "x must be float32, bfloat16 or float16");
   }
 }
@@ -854,6 +1045,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("w"), py::arg("qtype"), py::arg("dtype") = torch::kFloat32);
   m.def("matmul_q8", &matmul_q8, "x [batch, columns] @ weight^T through q8 activations -> [batch, rows] in x's dtype",
         py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("bias") = py::none(), py::arg("isa") = 0);
+  m.def("interleave", &interleave, "GGUF rows -> the interleaved layout (forward) or back",
+        py::arg("w"), py::arg("qtype"), py::arg("forward") = true);
+  m.def("matmul_q8_interleaved", &matmul_q8_interleaved,
+        "x [batch, columns] @ interleaved weight^T through q8 activations -> [batch, rows] in x's dtype",
+        py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("bias") = py::none());
   m.def("q8_isa", &q8_isa, "the q8 path's instruction set on this CPU: 1 AVX512-VNNI, 2 AVX2, 0 none");
   m.def("matmul", &matmul, "x [batch, columns] float32 @ dequantize(weight)^T -> float32 [batch, rows]");
 }

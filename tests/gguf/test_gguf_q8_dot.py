@@ -30,6 +30,7 @@ from kvpilot.engine.model.layers.gguf_linear import build_layout, gguf_linear, u
 from kvpilot.kernels import gguf_matmul_cpu
 
 from support.gguf_blocks import random_blocks
+from support.q8_reference import quantize_like_the_kernel
 
 Q8_TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)
 BATCHES = (1, 3, 16, 17, 33, 64)
@@ -38,21 +39,6 @@ ISAS = [isa for isa in ("vnni", "avx2")
         ({1} if isa == "vnni" else {1, 2})]
 
 pytestmark = pytest.mark.skipif(not ISAS, reason="no q8 path here (no compiler, or neither AVX2 nor VNNI)")
-
-
-def quantize_like_the_kernel(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float64 ``[batch, columns]`` of ``x``'s q8 blocks dequantized (``dx * a``), and
-    ``dx`` where ``x * 127 / amax`` lies within float32 rounding of a half (the kernel's
-    product may round to the other side of the tie: one code step either way), else 0."""
-    blocks = x.float().reshape(x.shape[0], -1, 32)
-    amax = blocks.abs().amax(-1, keepdim=True)
-    d = amax * torch.tensor(1.0 / 127.0, dtype=torch.float32)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
-    scaled = blocks * inv
-    codes = torch.round(scaled)
-    assert codes.abs().max() <= 127
-    tie = ((scaled - scaled.floor() - 0.5).abs() < 1e-5 * (1 + scaled.abs())).double() * d.double()
-    return (codes.double() * d.double()).reshape(x.shape), tie.reshape(x.shape)
 
 
 def _weight(qtype: T, rows: int, columns: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,8 +145,9 @@ def test_a_bfloat16_engine_follows_transformers_gguf(tmp_path, qtype, monkeypatc
             hf_logprobs = torch.log_softmax(logits.double(), -1) if hf_logprobs is None else hf_logprobs
             ids.append(int(logits.argmax()))
     calls = []
-    real = gguf_matmul_cpu.matmul_q8
-    monkeypatch.setattr(gguf_matmul_cpu, "matmul_q8", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for name in ("matmul_q8", "matmul_q8_interleaved"):     # the layout the layer chose
+        real = getattr(gguf_matmul_cpu, name)
+        monkeypatch.setattr(gguf_matmul_cpu, name, lambda *a, real=real, **k: calls.append(1) or real(*a, **k))
     monkeypatch.delenv(gguf_matmul_cpu.Q8_ENV, raising=False)
     llm = LLM(str(tmp_path / "model.gguf"), dtype="bfloat16", num_gpu_blocks=16, max_model_len=64)
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True,

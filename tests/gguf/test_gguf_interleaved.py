@@ -1,0 +1,106 @@
+"""The interleaved layout of the CPU GGUF kernel (``gguf_matmul_cpu.interleave`` and
+``matmul_q8_interleaved``) and the layers that hold it.
+
+Oracles: the file's rows (the layout turns back into exactly them); the pure-torch model
+of the q8 path (``support.q8_reference``) (activation codes as the kernel rounds them, times
+the ``gguf`` package's dequantization in float64), to float32 rounding; the same call one
+token at a time (bit-identical: a verification step must equal single-token decoding);
+float64 ``F.linear`` over the dequantized weight for a layer on both of its paths.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize as reference_dequantize
+
+from kvpilot.engine.model.layers.gguf_linear import build_layout, gguf_linear, interleaves
+from kvpilot.kernels import gguf_matmul_cpu
+
+from support.gguf_blocks import random_blocks
+from support.q8_reference import quantize_like_the_kernel
+
+TYPES = (T.Q4_0, T.Q4_1, T.Q8_0)
+VNNI = gguf_matmul_cpu.load() is not None and gguf_matmul_cpu.load().q8_isa() == 1
+
+pytestmark = pytest.mark.skipif(not VNNI, reason="the interleaved layout needs AVX512-VNNI")
+
+
+def _weight(qtype: T, rows: int, columns: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    raw = random_blocks(qtype, rows, columns, np.random.default_rng(seed))
+    return torch.from_numpy(raw), torch.from_numpy(reference_dequantize(raw, qtype)).double()
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_the_layout_holds_the_same_bytes_and_turns_back_into_the_rows(qtype):
+    raw, _ = _weight(qtype, 48, 96, int(qtype))
+    packed = gguf_matmul_cpu.interleave(raw, int(qtype))
+    assert packed.shape == raw.shape and packed.dtype == torch.uint8
+    assert not torch.equal(packed, raw)
+    assert torch.equal(gguf_matmul_cpu.deinterleave(packed, int(qtype)), raw)
+    # groups are independent: the second group's bytes are the second group's rows
+    assert torch.equal(gguf_matmul_cpu.deinterleave(packed[16:32], int(qtype)), raw[16:32])
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_the_kernel_matches_the_q8_reference_and_one_token_at_a_time(qtype):
+    torch.manual_seed(int(qtype))
+    rows, columns = 48, 96
+    raw, weight = _weight(qtype, rows, columns, 10 + int(qtype))
+    packed = gguf_matmul_cpu.interleave(raw, int(qtype))
+    bias = torch.randn(rows)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for batch in (1, 3, 4, 7, 24):
+            x = (torch.randn(batch, columns) * torch.rand(batch, 1) * 4).to(dtype)
+            x[0, :32] = 0                                    # an all-zero block: scale 0
+            b = bias if batch % 2 else None
+            y = gguf_matmul_cpu.matmul_q8_interleaved(x, packed, int(qtype), b)
+            assert y.dtype == dtype and y.shape == (batch, rows)
+            xq, tie = quantize_like_the_kernel(x)
+            ref = xq @ weight.T + (bias.double() if b is not None else 0)
+            bound = 2e-6 * (xq.abs() @ weight.abs().T + 1) + tie @ weight.abs().T
+            if dtype != torch.float32:
+                bound = bound + ref.abs() * torch.finfo(dtype).eps
+            err = (y.double() - ref).abs()
+            assert (err <= bound).all(), (dtype, batch, (err / bound).max().item())
+            alone = torch.cat([gguf_matmul_cpu.matmul_q8_interleaved(x[i:i + 1], packed, int(qtype), b)
+                               for i in range(batch)])
+            assert torch.equal(alone, y)
+
+
+def test_bad_weights_are_refused():
+    raw, _ = _weight(T.Q4_1, 40, 64, 1)
+    with pytest.raises(ValueError, match="multiple of 16 rows"):
+        gguf_matmul_cpu.interleave(raw, int(T.Q4_1))
+    k_quant, _ = _weight(T.Q4_K, 16, 256, 1)
+    with pytest.raises(ValueError, match="no interleaved layout"):
+        gguf_matmul_cpu.interleave(k_quant, int(T.Q4_K))
+    with pytest.raises(ValueError, match="no interleaved layout"):
+        gguf_matmul_cpu.interleave(_weight(T.Q5_0, 16, 64, 1)[0], int(T.Q5_0))
+
+
+def test_a_layer_chooses_the_layout_and_serves_both_paths(monkeypatch):
+    monkeypatch.delenv(gguf_matmul_cpu.Q8_ENV, raising=False)
+    q41, q80 = int(T.Q4_1), int(T.Q8_0)
+    assert interleaves(torch.bfloat16, [32, 16], [q41, q80], 256)
+    assert not interleaves(torch.float32, [32], [q41], 256)        # the exact float path stays
+    assert not interleaves(torch.bfloat16, [40], [q41], 256)       # not whole groups
+    assert not interleaves(torch.bfloat16, [32], [int(T.Q5_1)], 256)
+    monkeypatch.setenv(gguf_matmul_cpu.Q8_ENV, "0")
+    assert not interleaves(torch.bfloat16, [32], [q41], 256)       # the q8 path switched off
+    monkeypatch.delenv(gguf_matmul_cpu.Q8_ENV)
+
+    parts = [(_weight(T.Q4_1, 32, 256, 3)), (_weight(T.Q8_0, 16, 256, 4))]
+    layout = build_layout(256, [32, 16], [q41, q80], interleaved=True)
+    flat = torch.cat([gguf_matmul_cpu.interleave(raw, q).reshape(-1)
+                      for (raw, _), q in zip(parts, (q41, q80), strict=True)])
+    weight = torch.cat([w for _, w in parts])
+    bias = torch.randn(48).to(torch.bfloat16)      # the model dtype, as a layer holds it
+    for batch in (1, 5, gguf_matmul_cpu.Q8_MAX_BATCH + 9):        # q8, q8, then the tile path
+        x = torch.randn(batch, 256).to(torch.bfloat16)
+        y = gguf_linear(x, flat, bias, layout)
+        truth = x.double() @ weight.T + bias.double()
+        assert y.dtype == torch.bfloat16 and y.shape == (batch, 48)
+        assert (y.double() - truth).abs().max() <= 3e-2 * truth.abs().max()
