@@ -31,7 +31,7 @@ import statistics
 import time
 from pathlib import Path
 
-DEFAULT_SPEC = ('{"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_min": 2, '
+DEFAULT_SPEC = ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
                 '"prompt_lookup_max": 5, "disable_by_batch_size": 6}')
 DEFAULT_SERVERS = ("kvpilot,kvpilot+ngram,llama.cpp,llama.cpp+ngram-simple,llama.cpp+ngram-map-k,"
                    "llama.cpp+ngram-mod,llama.cpp+ngram-cache,llama.cpp+ngram-simple:size-n=3:size-m=16")
