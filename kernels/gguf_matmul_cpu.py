@@ -69,6 +69,11 @@ Q8_TYPES = frozenset({2, 3, 6, 7, 8})
 # bfloat16: `kvpilot bench gguf-matmul --model-pass`: tiles/q8 1.32 at 16 tokens, 0.92 at
 # 24, 0.86 at 32).
 Q8_MAX_BATCH = 24
+# The same bound for a weight in the interleaved layout, which stays ahead of the tiles longer
+# (same bench, ms per pass of q8i/tiles: 28/60 at 32 tokens, 48/70 at 64): it takes decode
+# steps of up to 32 streams, and still leaves a prompt of more than 32 tokens (the README's
+# question is 37) to the tiles, whose float activations the answers were checked with.
+Q8_INTERLEAVED_MAX_BATCH = 32
 # the widest input the q8 path takes (kMaxColumns in the source)
 Q8_MAX_COLUMNS = 4096
 # the types the interleaved layout takes, and the rows it groups

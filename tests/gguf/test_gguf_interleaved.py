@@ -98,9 +98,15 @@ def test_a_layer_chooses_the_layout_and_serves_both_paths(monkeypatch):
                       for (raw, _), q in zip(parts, (q41, q80), strict=True)])
     weight = torch.cat([w for _, w in parts])
     bias = torch.randn(48).to(torch.bfloat16)      # the model dtype, as a layer holds it
-    for batch in (1, 5, gguf_matmul_cpu.Q8_MAX_BATCH + 9):        # q8, q8, then the tile path
+    calls = []
+    real = gguf_matmul_cpu.matmul_q8_interleaved
+    monkeypatch.setattr(gguf_matmul_cpu, "matmul_q8_interleaved", lambda *a, **k: calls.append(1) or real(*a, **k))
+    bound = gguf_matmul_cpu.Q8_INTERLEAVED_MAX_BATCH
+    for batch in (1, gguf_matmul_cpu.Q8_MAX_BATCH + 1, bound, bound + 1):   # q8 up to the bound, then tiles
+        calls.clear()
         x = torch.randn(batch, 256).to(torch.bfloat16)
         y = gguf_linear(x, flat, bias, layout)
+        assert bool(calls) == (batch <= bound)
         truth = x.double() @ weight.T + bias.double()
         assert y.dtype == torch.bfloat16 and y.shape == (batch, 48)
         assert (y.double() - truth).abs().max() <= 3e-2 * truth.abs().max()

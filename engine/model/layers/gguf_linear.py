@@ -28,7 +28,8 @@ Forward (``gguf_linear``) takes one of three paths per run of rows of one type:
 Where the model runs in bfloat16/float16 on an AVX512-VNNI CPU and every part is Q4_0,
 Q4_1 or Q8_0 with a multiple of 16 rows, the layer holds its bytes in the kernel's
 interleaved layout instead (``gguf_matmul_cpu.interleave``, as they load; the same size):
-the q8 path then takes ``matmul_q8_interleaved`` (about twice ``matmul_q8``'s speed), and
+the q8 path then takes ``matmul_q8_interleaved`` (about twice ``matmul_q8``'s speed) for up
+to ``Q8_INTERLEAVED_MAX_BATCH`` tokens, and
 the tile path turns each tile back into rows before decoding it (``deinterleave``).
 
 Layers without a fast path (a type the kernel does not decode, a GPU, no compiler, a
@@ -273,12 +274,13 @@ def gguf_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return y.to(x.dtype).reshape(*x.shape[:-1], layout.rows)
 
 
-def uses_q8(dtype: torch.dtype, qtype: int, tokens: int, columns: int) -> bool:
+def uses_q8(dtype: torch.dtype, qtype: int, tokens: int, columns: int, interleaved: bool = False) -> bool:
     """Whether ``tokens`` activations of ``dtype`` take the q8 path through a ``qtype``
-    weight of ``columns`` inputs (module docstring)."""
+    weight of ``columns`` inputs, held ``interleaved`` or not (module docstring)."""
+    bound = gguf_matmul_cpu.Q8_INTERLEAVED_MAX_BATCH if interleaved else gguf_matmul_cpu.Q8_MAX_BATCH
     return (dtype in (torch.bfloat16, torch.float16) and qtype in gguf_matmul_cpu.Q8_TYPES
             and gguf_matmul_cpu.q8_enabled()
-            and tokens <= gguf_matmul_cpu.Q8_MAX_BATCH and columns <= gguf_matmul_cpu.Q8_MAX_COLUMNS
+            and tokens <= bound and columns <= gguf_matmul_cpu.Q8_MAX_COLUMNS
             and gguf_matmul_cpu.q8_isa() is not None)
 
 
@@ -288,7 +290,7 @@ def _segment(flat: torch.Tensor, weight: torch.Tensor, seg: GgufPart, layout: Gg
     dtype): the activation dtype from the q8 path and tiles, float32 from the float kernel."""
     columns = layout.columns
     rows = weight[seg.byte_offset:seg.byte_offset + seg.num_bytes].view(seg.rows, seg.bytes_per_row)
-    if uses_q8(flat.dtype, seg.qtype, flat.shape[0], columns):
+    if uses_q8(flat.dtype, seg.qtype, flat.shape[0], columns, layout.interleaved):
         if layout.interleaved:
             return gguf_matmul_cpu.matmul_q8_interleaved(flat, rows, seg.qtype, bias)
         return gguf_matmul_cpu.matmul_q8(flat, rows, seg.qtype, bias)
