@@ -189,10 +189,11 @@ def deinterleave(weight: torch.Tensor, qtype: int) -> torch.Tensor:
 
 def matmul_q8_interleaved(x: torch.Tensor, weight: torch.Tensor, qtype: int,
                           bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``matmul_q8`` for an interleaved weight (AVX512-VNNI only: ``q8_isa() == "vnni"``)."""
-    _check_interleaved(weight, qtype)
+    """``matmul_q8`` for an interleaved weight (AVX512-VNNI only: ``q8_isa() == "vnni"``).
+    The kernel checks the shapes and types itself (a RuntimeError names what is wrong):
+    this call runs for every layer of every decode step, so it adds no checks of its own."""
     b = None if bias is None else bias.to(torch.float32).contiguous()
-    return _module().matmul_q8_interleaved(x.contiguous(), weight.contiguous(), qtype, b)
+    return _module().matmul_q8_interleaved(x.contiguous(), weight, qtype, b)
 
 
 def interleaves(qtype: int, rows: int, columns: int) -> bool:

@@ -79,6 +79,17 @@ def test_bad_weights_are_refused():
         gguf_matmul_cpu.interleave(k_quant, int(T.Q4_K))
     with pytest.raises(ValueError, match="no interleaved layout"):
         gguf_matmul_cpu.interleave(_weight(T.Q5_0, 16, 64, 1)[0], int(T.Q5_0))
+    # the product checks in the kernel (no Python checks on the decode path)
+    packed = gguf_matmul_cpu.interleave(_weight(T.Q4_1, 32, 64, 2)[0], int(T.Q4_1))
+    x = torch.randn(2, 64).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="multiple of 16 rows"):
+        gguf_matmul_cpu.matmul_q8_interleaved(x, packed[:24], int(T.Q4_1))
+    with pytest.raises(RuntimeError, match="no interleaved layout"):
+        gguf_matmul_cpu.matmul_q8_interleaved(x, packed, int(T.Q5_1))
+    with pytest.raises(RuntimeError, match="columns"):
+        gguf_matmul_cpu.matmul_q8_interleaved(torch.randn(2, 32).to(torch.bfloat16), packed, int(T.Q4_1))
+    with pytest.raises(RuntimeError, match="uint8"):
+        gguf_matmul_cpu.matmul_q8_interleaved(x, packed.float(), int(T.Q4_1))
 
 
 def test_a_layer_chooses_the_layout_and_serves_both_paths(monkeypatch):
