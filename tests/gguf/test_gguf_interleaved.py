@@ -16,7 +16,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize as reference_dequantize
 
-from kvpilot.engine.model.layers.gguf_linear import build_layout, gguf_linear, interleaves
+from kvpilot.engine.model.layers.gguf_linear import build_layout, gguf_embedding, gguf_linear, interleaves
 from kvpilot.kernels import gguf_matmul_cpu
 
 from support.gguf_blocks import random_blocks
@@ -121,3 +121,16 @@ def test_a_layer_chooses_the_layout_and_serves_both_paths(monkeypatch):
         truth = x.double() @ weight.T + bias.double()
         assert y.dtype == torch.bfloat16 and y.shape == (batch, 48)
         assert (y.double() - truth).abs().max() <= 3e-2 * truth.abs().max()
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_an_interleaved_embedding_looks_up_the_files_rows(qtype):
+    raw, weight = _weight(qtype, 64, 64, 20 + int(qtype))
+    rows_layout = build_layout(64, [64], [int(qtype)])
+    packed_layout = build_layout(64, [64], [int(qtype)], interleaved=True)
+    ids = torch.tensor([[0, 17, 63, 17], [5, 16, 15, 48]])        # repeats, group edges
+    packed = gguf_matmul_cpu.interleave(raw, int(qtype)).reshape(-1)
+    for dtype in (torch.float32, torch.bfloat16):
+        expected = gguf_embedding(ids, raw.reshape(-1), rows_layout, dtype)
+        assert torch.equal(gguf_embedding(ids, packed, packed_layout, dtype), expected)
+        assert torch.allclose(expected.double(), weight[ids].to(dtype).double())

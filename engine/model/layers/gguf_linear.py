@@ -184,7 +184,8 @@ def use_gguf_embedding(embedding: nn.Module, qtype: int, device: torch.device | 
     reason = fast_path_reason(embedding, [qtype], device)
     if reason is None:
         try:
-            layout = build_layout(columns, [rows], [qtype])
+            layout = build_layout(columns, [rows], [qtype],
+                                  interleaves(embedding.weight.dtype, [rows], [qtype], columns))
         except ValueError as exc:
             reason = str(exc)
     if reason is not None:
@@ -199,9 +200,17 @@ def use_gguf_embedding(embedding: nn.Module, qtype: int, device: torch.device | 
 
 def gguf_embedding(input_ids: torch.Tensor, weight: torch.Tensor, layout: GgufLayout,
                    dtype: torch.dtype) -> torch.Tensor:
-    """The embeddings of ``input_ids`` in ``dtype``, decoding only their rows."""
+    """The embeddings of ``input_ids`` in ``dtype``, decoding only their rows (of an
+    interleaved weight: the groups holding them, turned back into rows)."""
     (part,) = layout.parts
-    rows = weight.view(part.rows, part.bytes_per_row).index_select(0, input_ids.reshape(-1))
+    ids = input_ids.reshape(-1)
+    if layout.interleaved:
+        step = gguf_matmul_cpu.INTERLEAVE_ROWS
+        groups = weight.view(part.rows // step, step * part.bytes_per_row).index_select(0, ids // step)
+        group_rows = gguf_matmul_cpu.deinterleave(groups.view(-1, part.bytes_per_row), part.qtype)
+        rows = group_rows.view(-1, step, part.bytes_per_row)[torch.arange(ids.numel()), ids % step]
+    else:
+        rows = weight.view(part.rows, part.bytes_per_row).index_select(0, ids)
     direct = dtype in (torch.float32, torch.bfloat16, torch.float16)
     values = gguf_matmul_cpu.dequantize(rows, part.qtype, dtype if direct else torch.float32)
     return values.to(dtype).reshape(*input_ids.shape, layout.columns)
