@@ -127,7 +127,8 @@ def build_layout(columns: int, part_rows: Sequence[int], qtypes: Sequence[int],
 
 def interleaves(dtype: torch.dtype, part_rows: Sequence[int], qtypes: Sequence[int], columns: int) -> bool:
     """Whether a layer of ``dtype`` with these parts keeps its bytes interleaved (module
-    docstring): only where every call of up to ``Q8_MAX_BATCH`` tokens takes the q8 path."""
+    docstring): only where every call of up to ``Q8_INTERLEAVED_MAX_BATCH`` 16-bit tokens
+    takes the q8 path (the type, whole groups of rows, AVX512-VNNI, the q8 path switched on)."""
     return dtype in Q8_DTYPES and all(
         gguf_matmul_cpu.interleaves(q, rows, columns) for rows, q in zip(part_rows, qtypes, strict=True))
 
