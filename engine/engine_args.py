@@ -28,7 +28,6 @@ from kvpilot.engine.lora.config import LoRAConfig, LoRAModule
 from kvpilot.engine.model.auto_dtype import resolve_auto_dtype
 from kvpilot.engine.model.builtin_model import BUILTIN_MODEL_NAME, DEMO_MODEL, packaged_smollm2
 from kvpilot.engine.model.device_memory import FAKE_DEVICE_MEMORY_ENV
-from kvpilot.engine.model.hf_config import load_arch_config
 
 logger = logging.getLogger(__name__)
 
@@ -213,12 +212,9 @@ class EngineArgs:
     def _arch(self, model: str) -> ArchConfig:
         """The architecture of ``model``: a GGUF file's metadata (or ``hf_config_path``'s
         config.json), else the checkpoint's config.json."""
-        gguf_file = find_gguf(model)
-        if gguf_file is not None:
-            from kvpilot.engine.model.gguf.arch import load_gguf_arch_config
+        from kvpilot.engine.model.gguf.arch import load_model_arch
 
-            return load_gguf_arch_config(gguf_file, self.architecture, self.hf_config_path)
-        return load_arch_config(model, self.architecture)
+        return load_model_arch(model, self.architecture, self.hf_config_path)
 
     def create_lora_config(self) -> LoRAConfig | None:
         """The ``LoRAConfig``, or None when LoRA is off; ValueError for what cannot be served."""

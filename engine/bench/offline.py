@@ -160,7 +160,8 @@ def run_hf(model_dir: str, wl: Workload, batch_size: int) -> float:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from kvpilot.engine.bench.roofline import model_arch, read_bandwidth
+    from kvpilot.engine.bench.roofline import read_bandwidth
+    from kvpilot.engine.model.gguf.arch import load_model_arch
 
     model_dir = args.model
     if model_dir is None:
@@ -168,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
 
         model_dir = str(ensure_demo_model())
     torch.manual_seed(0)
-    arch = model_arch(model_dir)
+    arch = load_model_arch(model_dir)
     wl = make_workload(args, arch.vocab_size)
     plens = sorted(map(len, wl.prompts))
     olens = sorted(wl.output_lens)

@@ -157,9 +157,11 @@ def rooflines(servers: dict[str, Path], bandwidth: float, cpu: CPUInfo, context:
     """server -> its single-stream ``Roofline`` for the model file it serves (``servers``):
     weights as that server holds them (GGUF: llama.cpp as stored, kvpilot as its engine
     holds them), KV in its dtype at ``context`` tokens."""
+    from kvpilot.engine.model.gguf.arch import load_model_arch
+
     out = {}
     for name, model in servers.items():
-        arch = rl.model_arch(model)
+        arch = load_model_arch(model)
         dtype = served_dtype(name, cpu, arch.dtype)
         weights = rl.weight_bytes_per_token(model, None if name == "llama.cpp" else dtype)
         kv = rl.kv_bytes_per_token(arch, context, MODEL_DTYPE_BYTES[dtype])

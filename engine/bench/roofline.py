@@ -136,18 +136,6 @@ def weight_bytes_per_token(model: str | Path, dtype: str | None) -> int:
     return checkpoint_weight_bytes(model, dtype)
 
 
-def model_arch(model: str | Path) -> ArchConfig:
-    """The architecture of ``model`` (a GGUF file's metadata, else ``config.json``)."""
-    gguf = find_gguf(model)
-    if gguf is not None:
-        from kvpilot.engine.model.gguf.arch import load_gguf_arch_config
-
-        return load_gguf_arch_config(gguf)
-    from kvpilot.engine.model.hf_config import load_arch_config
-
-    return load_arch_config(model)
-
-
 def kv_bytes_per_token(arch: ArchConfig, context: int, dtype_bytes: int) -> int:
     """KV bytes one decode token reads with ``context`` tokens cached: 2 (keys, values) x
     kv_heads x head_dim x ``dtype_bytes`` per cached token and layer, a sliding-window

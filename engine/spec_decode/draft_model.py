@@ -15,20 +15,17 @@ import torch
 
 from kvpilot.contract.arch_config import ArchConfig, kv_cache_groups
 from kvpilot.contract.gguf import find_gguf
-from kvpilot.engine.model.hf_config import load_arch_config
 from kvpilot.engine.model.step_inputs import StepInputs
 
 
 def load_draft_arch(path: str) -> tuple[str, ArchConfig]:
     """(what to load, its architecture) for a draft checkpoint directory or GGUF file."""
-    gguf = find_gguf(Path(path))
-    if gguf is not None:
-        from kvpilot.engine.model.gguf.arch import load_gguf_arch_config
+    from kvpilot.engine.model.gguf.arch import load_model_arch
 
-        return str(gguf), load_gguf_arch_config(gguf)
-    if not Path(path).is_dir():
+    gguf = find_gguf(Path(path))
+    if gguf is None and not Path(path).is_dir():
         raise FileNotFoundError(f"speculative_config: draft model {path} does not exist")
-    return path, load_arch_config(path)
+    return (path if gguf is None else str(gguf)), load_model_arch(path)
 
 
 def check_same_vocabulary(draft: ArchConfig, target: ArchConfig, what: str) -> None:

@@ -19,10 +19,10 @@ from kvpilot.engine.bench.roofline import (
     Roofline,
     kv_bytes_per_token,
     mean_decode_context,
-    model_arch,
     read_bandwidth,
     weight_bytes_per_token,
 )
+from kvpilot.engine.model.gguf.arch import load_model_arch
 
 from support.gguf_files import COMMON, VOCAB, hf_model, write_gguf
 
@@ -64,7 +64,7 @@ def test_a_checkpoint_token_counts_its_weights_in_the_served_dtype(tiny_checkpoi
     elements = _header_elements(untied)
     assert "lm_head.weight" in elements
     embedding = elements["model.embed_tokens.weight"]
-    hidden = embedding // model_arch(untied).vocab_size
+    hidden = embedding // load_model_arch(untied).vocab_size
     per_token = sum(elements.values()) - embedding + hidden
     assert weight_bytes_per_token(untied, "float32") == 4 * per_token
     assert weight_bytes_per_token(untied, "bfloat16") == 2 * per_token
@@ -75,15 +75,15 @@ def test_a_checkpoint_token_counts_its_weights_in_the_served_dtype(tiny_checkpoi
 def test_a_tied_checkpoint_embedding_counts_whole_and_once(tiny_checkpoint):
     tied = tiny_checkpoint("qwen3", tie_word_embeddings=True)
     elements = _header_elements(tied)
-    assert "lm_head.weight" not in elements and model_arch(tied).tie_word_embeddings
+    assert "lm_head.weight" not in elements and load_model_arch(tied).tie_word_embeddings
     assert weight_bytes_per_token(tied, "bfloat16") == 2 * sum(elements.values())
 
 
 def test_kv_bytes_count_each_layer_up_to_its_window(gguf_files, tiny_checkpoint):
-    arch = model_arch(tiny_checkpoint("llama"))
+    arch = load_model_arch(tiny_checkpoint("llama"))
     per_slot = 2 * arch.num_key_value_heads * arch.head_dim
     assert kv_bytes_per_token(arch, 100, 2) == arch.num_hidden_layers * per_slot * 2 * 100
-    gemma = model_arch(gguf_files["tied"])
+    gemma = load_model_arch(gguf_files["tied"])
     layer_types = hf_model("gemma3").config.layer_types          # transformers' own reading
     window = hf_model("gemma3").config.sliding_window
     slots = sum(min(100, window) if t == "sliding_attention" else 100 for t in layer_types)

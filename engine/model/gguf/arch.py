@@ -9,10 +9,20 @@ from pathlib import Path
 from typing import Any
 
 from kvpilot.contract.arch_config import ArchConfig
-from kvpilot.contract.gguf import TOKENIZER_ARRAYS, gguf_config_dict
+from kvpilot.contract.gguf import TOKENIZER_ARRAYS, find_gguf, gguf_config_dict
 from kvpilot.engine.model.checkpoint_checks import check_config_file
 from kvpilot.engine.model.gguf.files import metadata, open_reader
-from kvpilot.engine.model.hf_config import parse_arch_config
+from kvpilot.engine.model.hf_config import load_arch_config, parse_arch_config
+
+
+def load_model_arch(model: str | Path, architecture: str | None = None,
+                    hf_config_path: str | Path | None = None) -> ArchConfig:
+    """The ``ArchConfig`` of ``model``: a GGUF file's (or a directory holding one:
+    ``load_gguf_arch_config``), else the checkpoint directory's ``config.json``."""
+    gguf = find_gguf(model)
+    if gguf is not None:
+        return load_gguf_arch_config(gguf, architecture, hf_config_path)
+    return load_arch_config(model, architecture)
 
 
 def load_gguf_arch_config(path: str | Path, architecture: str | None = None,
