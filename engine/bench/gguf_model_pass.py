@@ -44,13 +44,14 @@ def _weights(rng):
 
     from kvpilot.kernels import gguf_matmul_cpu as g
 
+    interleaved = "q8i" in methods()
     out = []
     for rows, columns, qtype, copies in SMOLLM2_PASS:
         w = rng.standard_normal((rows, columns)).astype("float32")
         raw = torch.from_numpy(quantize(w, qtype))
         dense = torch.from_numpy(w).to(torch.bfloat16)
         # distinct copies, so that a pass streams its weights from memory as a model does
-        packed = g.interleave(raw, qtype) if "q8i" in methods() else None
+        packed = g.interleave(raw, qtype) if interleaved else None
         out += [(raw.clone(), dense.clone(), qtype, columns, None if packed is None else packed.clone())
                 for _ in range(copies)]
     return out
@@ -91,11 +92,12 @@ def measure(batches: list[int], rounds: int) -> list[PassResult]:
         for columns in {c for _, c, _, _ in SMOLLM2_PASS}:
             x = torch.randn(batch, columns)
             xs[columns] = (x, x.to(torch.bfloat16))
-        times = {m: [] for m in methods()}
-        for m in methods():      # warm-up
+        runs = methods()
+        times = {m: [] for m in runs}
+        for m in runs:      # warm-up
             _pass(m, weights, xs)
         for _ in range(rounds):
-            for m in methods():
+            for m in runs:
                 times[m].append(_pass(m, weights, xs))
         results.append(PassResult(batch, {m: statistics.median(v) for m, v in times.items()}))
     return results

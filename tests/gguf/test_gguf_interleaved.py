@@ -16,7 +16,12 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize as reference_dequantize
 
-from kvpilot.engine.model.layers.gguf_linear import build_layout, gguf_embedding, gguf_linear, interleaves
+from kvpilot.engine.model.layers.gguf_linear import (
+    build_layout,
+    gguf_embedding,
+    gguf_linear,
+    interleaves,
+)
 from kvpilot.kernels import gguf_matmul_cpu
 
 from support.gguf_blocks import random_blocks

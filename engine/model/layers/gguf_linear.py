@@ -207,9 +207,10 @@ def gguf_embedding(input_ids: torch.Tensor, weight: torch.Tensor, layout: GgufLa
     ids = input_ids.reshape(-1)
     if layout.interleaved:
         step = gguf_matmul_cpu.INTERLEAVE_ROWS
-        groups = weight.view(part.rows // step, step * part.bytes_per_row).index_select(0, ids // step)
+        group_ids, where = torch.unique(ids // step, return_inverse=True)   # each group once (a prompt repeats tokens)
+        groups = weight.view(part.rows // step, step * part.bytes_per_row).index_select(0, group_ids)
         group_rows = gguf_matmul_cpu.deinterleave(groups.view(-1, part.bytes_per_row), part.qtype)
-        rows = group_rows.view(-1, step, part.bytes_per_row)[torch.arange(ids.numel()), ids % step]
+        rows = group_rows.view(-1, step, part.bytes_per_row)[where, ids % step]
     else:
         rows = weight.view(part.rows, part.bytes_per_row).index_select(0, ids)
     direct = dtype in (torch.float32, torch.bfloat16, torch.float16)
