@@ -66,9 +66,10 @@ def test_no_lws_api_a_condition_and_nothing_built_then_the_group(own_cluster):
     children = wait_for(lambda: (ch := cluster.children(NAME)) and {"LeaderWorkerSet", "Service"} <= set(ch)
                         and ch, what="the group's children")
     assert "Deployment" not in children
-    headless = cluster.obj("services", GROUP)
+    # two Services (the group's headless one and the client's), applied one after the other
+    headless = wait_for(lambda: cluster.obj("services", GROUP), 30, what="the headless Service")
     assert headless["spec"]["clusterIP"] == "None"
-    client = cluster.obj("services", NAME)
+    client = wait_for(lambda: cluster.obj("services", NAME), 30, what="the client Service")
     assert client["spec"]["selector"].items() <= group["leaderTemplate"]["metadata"]["labels"].items()
     assert not client["spec"]["selector"].items() <= group["workerTemplate"]["metadata"]["labels"].items()
     cluster.wait_condition(NAME, "Degraded", "False")
