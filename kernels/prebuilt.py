@@ -55,7 +55,7 @@ def find_cpu_kernel(name: str, flags: list[str], source: Path) -> Path | None:
 
 # the CPU kernel modules (each defines SOURCE, LDFLAGS and variant(isa) -> (name, flags))
 CPU_KERNELS = ("kvpilot.kernels.paged_decode_cpu", "kvpilot.kernels.gguf_matmul_cpu",
-               "kvpilot.kernels.cpu_layer_ops")
+               "kvpilot.kernels.cpu_layer_ops", "kvpilot.kernels.fused_decode_cpu")
 
 
 def build_cpu_kernels(dest: Path, isas: tuple[str | None, ...] | None = None,

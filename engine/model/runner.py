@@ -199,6 +199,8 @@ class ModelRunner:
             from kvpilot.engine.lora.layers import apply_lora
 
             apply_lora(self.model, lora.slots)
+        if self.backend.name == "cpu" and hasattr(self.model, "use_fused_decode"):
+            self.model.use_fused_decode(self.dtype)   # after LoRA: wrapped layers keep their path
         self.lora = lora
         self.count_nan_logits = count_nan_logits
         if pp.enabled:

@@ -24,6 +24,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "entry_points.h"
 #include "vec_lanes.h"
 
 namespace {
@@ -416,4 +417,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_inplace", &rotary_inplace, "rotate-half rotary embedding of q and k, in place");
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up of a fused gate_up projection");
   m.def("store_kv", &store_kv, "write K and V rows into their cache slots");
+  m.def("entry_points", [] {
+    py::dict d;
+    d["add_rms_norm"] = entry_points::wrap<entry_points::AddRmsNorm>(&add_rms_norm, entry_points::kAddRmsNorm);
+    d["rotary_inplace"] = entry_points::wrap<entry_points::RotaryInplace>(&rotary_inplace,
+                                                                          entry_points::kRotaryInplace);
+    d["silu_mul"] = entry_points::wrap<entry_points::SiluMul>(&silu_mul, entry_points::kSiluMul);
+    d["store_kv"] = entry_points::wrap<entry_points::StoreKv>(&store_kv, entry_points::kStoreKv);
+    return d;
+  }, "the ops as capsules, for another kernel module's native calls (entry_points.h)");
 }

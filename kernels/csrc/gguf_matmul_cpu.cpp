@@ -13,6 +13,8 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
+#include "entry_points.h"
+
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -1052,4 +1054,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("bias") = py::none());
   m.def("q8_isa", &q8_isa, "the q8 path's instruction set on this CPU: 1 AVX512-VNNI, 2 AVX2, 0 none");
   m.def("matmul", &matmul, "x [batch, columns] float32 @ dequantize(weight)^T -> float32 [batch, rows]");
+  m.def("entry_points", [] {
+    py::dict d;
+    d["matmul_q8"] = entry_points::wrap<entry_points::MatmulQ8>(&matmul_q8, entry_points::kMatmulQ8);
+    d["matmul_q8_interleaved"] = entry_points::wrap<entry_points::MatmulQ8Interleaved>(
+        &matmul_q8_interleaved, entry_points::kMatmulQ8Interleaved);
+    return d;
+  }, "the q8 matmuls as capsules, for another kernel module's native calls (entry_points.h)");
 }

@@ -16,6 +16,7 @@
 #include <limits>
 #include <vector>
 
+#include "entry_points.h"
 #include "vec_lanes.h"
 
 namespace {
@@ -205,4 +206,9 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor key_cache, torch::
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention on CPU");
+  m.def("entry_points", [] {
+    py::dict d;
+    d["paged_decode"] = entry_points::wrap<entry_points::PagedDecode>(&paged_decode, entry_points::kPagedDecode);
+    return d;
+  }, "the kernel as a capsule, for another kernel module's native calls (entry_points.h)");
 }

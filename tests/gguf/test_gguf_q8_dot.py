@@ -144,10 +144,14 @@ def test_a_bfloat16_engine_follows_transformers_gguf(tmp_path, qtype, monkeypatc
             logits = hf(torch.tensor([ids])).logits[0, -1]
             hf_logprobs = torch.log_softmax(logits.double(), -1) if hf_logprobs is None else hf_logprobs
             ids.append(int(logits.argmax()))
+    from kvpilot.engine.model.fused_decode import FusedDecode
+
     calls = []
     for name in ("matmul_q8", "matmul_q8_interleaved"):     # the layout the layer chose
         real = getattr(gguf_matmul_cpu, name)
         monkeypatch.setattr(gguf_matmul_cpu, name, lambda *a, real=real, **k: calls.append(1) or real(*a, **k))
+    real_fused = FusedDecode.run     # or the fused decode step, which calls the same kernels natively
+    monkeypatch.setattr(FusedDecode, "run", lambda *a: (out := real_fused(*a)) is not None and calls.append(1) or out)
     monkeypatch.delenv(gguf_matmul_cpu.Q8_ENV, raising=False)
     llm = LLM(str(tmp_path / "model.gguf"), dtype="bfloat16", num_gpu_blocks=16, max_model_len=64)
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True,

@@ -18,7 +18,7 @@ import textwrap
 import pytest
 import torch
 
-from kvpilot.kernels import cpu_layer_ops, gguf_matmul_cpu, paged_decode_cpu
+from kvpilot.kernels import cpu_layer_ops, fused_decode_cpu, gguf_matmul_cpu, paged_decode_cpu
 from kvpilot.kernels.prebuilt import build_cpu_kernels, find_cpu_kernel
 
 pytestmark = pytest.mark.slow
@@ -34,10 +34,11 @@ def _run(code: str, env: dict) -> subprocess.CompletedProcess:
 
 def test_the_cpu_kernel_prebuilt_loads_where_nothing_can_compile(tmp_path, monkeypatch):
     isa = torch.backends.cpu.get_cpu_capability()
-    path, gguf_path, ops_path = build_cpu_kernels(tmp_path, isas=(isa,))
+    path, gguf_path, ops_path, fused_path = build_cpu_kernels(tmp_path, isas=(isa,))
     name, flags = paged_decode_cpu.variant(isa)
     assert gguf_path.name.startswith(gguf_matmul_cpu.variant(isa)[0])
     assert ops_path.name.startswith(cpu_layer_ops.variant(isa)[0])
+    assert fused_path.name.startswith(fused_decode_cpu.variant(isa)[0])
     monkeypatch.setenv("KVPILOT_PREBUILT_KERNELS", str(tmp_path))
     assert find_cpu_kernel(name, flags, paged_decode_cpu.SOURCE) == path
     # other flags: not this build
@@ -72,10 +73,15 @@ def test_the_cpu_kernel_prebuilt_loads_where_nothing_can_compile(tmp_path, monke
         assert ops is not None and ops.__file__.startswith({str(tmp_path)!r}), ops
         h, w = torch.randn(3, 40).bfloat16(), torch.rand(40).bfloat16()
         print("ops", torch.equal(cpu_layer_ops.add_rms_norm(h, w, 1e-6), cpu_layer_ops.add_rms_norm_ref(h, w, 1e-6)))
+        from kvpilot.kernels import fused_decode_cpu
+        fused = fused_decode_cpu.load()
+        assert fused is not None and fused.__file__.startswith({str(tmp_path)!r}), fused
+        print("fused", fused_decode_cpu.new_decoder(4, 2, 32, 0.125).num_layers() == 0)
     """
     done = _run(check, {**NO_COMPILER, "KVPILOT_PREBUILT_KERNELS": str(tmp_path)})
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "close True" in done.stdout and "gguf True" in done.stdout and "ops True" in done.stdout, done.stdout
+    assert "close True" in done.stdout and "gguf True" in done.stdout and "ops True" in done.stdout \
+        and "fused True" in done.stdout, done.stdout
     stale = _run("from kvpilot.kernels import paged_decode_cpu; print(paged_decode_cpu.load())",
                  {**NO_COMPILER, "KVPILOT_PREBUILT_KERNELS": str(tmp_path / "elsewhere")})
     assert stale.stdout.strip() == "None"   # nothing prebuilt, nothing to build with: the torch path

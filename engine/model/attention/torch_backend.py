@@ -99,6 +99,19 @@ def gather_kv(
     return k[..., :num_tokens, :, :], v[..., :num_tokens, :, :]
 
 
+def step_rows(metadata: AttentionMetadata) -> tuple[list[int], list[int], list[int]]:
+    """``(each sequence's first token row and the end, the one-token sequences, the
+    others)``, from the host copies (no device sync); kept in the step's metadata."""
+    rows = metadata.torch_scratch.get("rows")
+    if rows is None:
+        query_lens = metadata.query_lens_cpu
+        rows = metadata.torch_scratch["rows"] = (
+            [0, *itertools.accumulate(query_lens)],
+            [i for i, q in enumerate(query_lens) if q == 1],
+            [i for i, q in enumerate(query_lens) if q > 1])
+    return rows
+
+
 def paged_attention(
     query: torch.Tensor,          # [num_tokens, num_heads, head_dim]
     kv_cache: torch.Tensor,       # [2, num_blocks, block_size, num_kv_heads, head_dim]
@@ -116,14 +129,7 @@ def paged_attention(
     manager may have released them). ``decode_kernel``: attends the decode rows instead
     of the padded torch batches where it ``supports`` the query and cache.
     """
-    rows = metadata.torch_scratch.get("rows")
-    if rows is None:   # host copies: no device sync
-        query_lens = metadata.query_lens_cpu
-        rows = metadata.torch_scratch["rows"] = (
-            [0, *itertools.accumulate(query_lens)],
-            [i for i, q in enumerate(query_lens) if q == 1],
-            [i for i, q in enumerate(query_lens) if q > 1])
-    starts, decode_ids, other_ids = rows
+    starts, decode_ids, other_ids = step_rows(metadata)
     use_kernel = decode_kernel is not None and decode_kernel.supports(query, kv_cache)
     n = len(decode_ids)
     if use_kernel and n == len(metadata.query_lens_cpu) == query.shape[0] == metadata.num_actual_tokens:
@@ -180,9 +186,27 @@ class DecodeKernel(Protocol):
 def _attend_with_kernel(out, query, kv_cache, metadata, scale, sliding_window,
                         starts: list[int], kernel: DecodeKernel) -> list[int]:
     """Every sequence of at most ``KERNEL_MAX_QUERY`` new tokens through ``kernel``, into
-    ``out``, one decode row per token (its sequence's block table, the sequence's length up
-    to and including that token); returns the sequences left for the masked path. Which
-    rows those are is worked out by the step's first layer and kept in its metadata."""
+    ``out``, one decode row per token (``kernel_rows``); returns the sequences left for the
+    masked path."""
+    token_rows, tables, row_lens, rest = kernel_rows(metadata, starts)
+    if len(token_rows) and not rest:
+        # every sequence is the kernel's, so its rows are the step's tokens in order (one
+        # sequence's verification, say): no gather and no scatter
+        n = len(token_rows)
+        out[:n] = kernel.paged_decode(query[:n], kv_cache, tables, row_lens, scale, sliding_window)
+    elif len(token_rows):
+        out[token_rows] = kernel.paged_decode(query[token_rows], kv_cache, tables, row_lens, scale,
+                                              sliding_window)
+    return rest
+
+
+def kernel_rows(metadata: AttentionMetadata, starts: list[int]
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    """The decode rows of the step's sequences of at most ``KERNEL_MAX_QUERY`` new tokens,
+    one per token: ``(token rows, block tables, lengths, other sequences)``, a row's table
+    its sequence's and its length the sequence's up to and including that token
+    (``starts``: each sequence's first token row). Worked out by the step's first layer
+    and kept in its metadata."""
     plan = metadata.torch_scratch.get("kernel-rows")
     if plan is None:
         token_rows: list[int] = []
@@ -197,21 +221,12 @@ def _attend_with_kernel(out, query, kv_cache, metadata, scale, sliding_window,
             token_rows.extend(range(starts[i], starts[i] + q_len))
             seq_rows.extend([i] * q_len)
             row_lens.extend(range(context + 1, context + q_len + 1))
-        device = query.device
+        device = metadata.block_tables.device
         plan = metadata.torch_scratch["kernel-rows"] = (
             torch.tensor(token_rows, device=device, dtype=torch.long),
             metadata.block_tables[torch.tensor(seq_rows, device=device, dtype=torch.long)],
             torch.tensor(row_lens, device=device, dtype=torch.int32), rest)
-    token_rows, tables, row_lens, rest = plan
-    if len(token_rows) and not rest:
-        # every sequence is the kernel's, so its rows are the step's tokens in order (one
-        # sequence's verification, say): no gather and no scatter
-        n = len(token_rows)
-        out[:n] = kernel.paged_decode(query[:n], kv_cache, tables, row_lens, scale, sliding_window)
-    elif len(token_rows):
-        out[token_rows] = kernel.paged_decode(query[token_rows], kv_cache, tables, row_lens, scale,
-                                              sliding_window)
-    return rest
+    return plan
 
 
 def _first_visible(position: int, sliding_window: int | None) -> int:

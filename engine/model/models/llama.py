@@ -173,6 +173,8 @@ class LlamaForCausalLM(nn.Module):
         self._is_last_stage = stage.is_last
         # Whether the checkpoint brought fp8 KV scales (``load_kv_scales``).
         self.loaded_kv_scales = False
+        # All layers in one native call for the decode steps it takes (``use_fused_decode``).
+        self.fused_decode = None
 
     def load_kv_scales(self, scales: dict[tuple[int, str], float]) -> None:
         """The checkpoint's fp8 KV scales, ``(layer, "k" | "v") -> scale`` (``layer``: this
@@ -196,12 +198,23 @@ class LlamaForCausalLM(nn.Module):
         else:
             hidden, residual = intermediate
         per_layer = not isinstance(metadata, AttentionMetadata)
-        for i, layer in enumerate(self.layers):
-            hidden, residual = layer(positions, hidden, residual, kv_caches[i],
-                                     metadata[i] if per_layer else metadata, backend)
+        fused = None
+        if self.fused_decode is not None and not per_layer:
+            fused = self.fused_decode.run(positions, hidden, residual, kv_caches, metadata)
+        if fused is not None:
+            hidden, residual = fused
+        else:
+            hidden, residual = self._run_layers(positions, hidden, residual, kv_caches, metadata, backend)
         if not self._is_last_stage:
             return hidden, residual
         return self.norm(hidden, residual)[0]
+
+    def _run_layers(self, positions, hidden, residual, kv_caches, metadata, backend):
+        per_layer = not isinstance(metadata, AttentionMetadata)
+        for i, layer in enumerate(self.layers):
+            hidden, residual = layer(positions, hidden, residual, kv_caches[i],
+                                     metadata[i] if per_layer else metadata, backend)
+        return hidden, residual
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The input embeddings (Gemma scales them)."""
@@ -237,6 +250,18 @@ class LlamaForCausalLM(nn.Module):
             elif isinstance(module, MLP) and module.act is F.silu:
                 module.use_act_mul(cpu_layer_ops.silu_mul)
         return True
+
+    def use_fused_decode(self, dtype: torch.dtype) -> bool:
+        """Run the decode steps it takes through one native call for all layers
+        (``kvpilot.engine.model.fused_decode``); False, layers kept, where the model does not
+        qualify. Call it after the layers are final (the CPU layer ops on, LoRA wrapped)."""
+        from kvpilot.engine.model.fused_decode import build_fused_decode
+
+        plain = all(type(layer) is DecoderLayer and type(layer.self_attn) is Attention and type(layer.mlp) is MLP
+                    for layer in self.layers)
+        self.fused_decode = build_fused_decode(
+            self.layers, dtype, None if plain else "the layers are not (only) Llama-family decoder layers")
+        return self.fused_decode is not None
 
     @property
     def output_weight(self) -> torch.Tensor:

@@ -1,0 +1,160 @@
+"""Decode steps through one native call for all decoder layers (CPU, GGUF q8 weights).
+
+``build_fused_decode`` looks at a loaded Llama-family model and, where every layer is one
+the fused kernel (``kvpilot.kernels.fused_decode_cpu``) runs exactly as the Python layers
+do, returns a ``FusedDecode`` holding the layers' weights; ``LlamaForCausalLM.forward``
+hands it each step and it runs the ones it takes. The kernel calls the same kernels as the
+layers, so a step's hidden states are the layer path's bit for bit (``tests/gguf/
+test_fused_decode.py`` checks that, and the engine's output against transformers).
+
+A model qualifies when, at one tensor-parallel rank, every layer has:
+- q/k/v, o, gate/up and down in GGUF blocks of one 32-value type each that take the q8
+  path (``gguf_linear.uses_q8``), interleaved or not, in a 16-bit model dtype;
+- the compiled CPU layer ops for its RMSNorms (and Qwen3's per-head q/k norms), rotary and
+  SiLU * up (``LlamaForCausalLM.use_cpu_layer_ops``);
+- no sliding window, and plain projections (a LoRA-wrapped one keeps the layer path).
+
+A step is taken when it has at most the q8 path's token bound, all real rows, one metadata
+for every layer, no fp8 KV scale calibration, a KV cache of the activations' dtype, and
+every sequence's new tokens (a decode token, a speculative step's verification) can be
+attended as decode rows (``torch_backend.kernel_rows``). Prefill and mixed steps keep the
+layer path. ``$KVPILOT_FUSED_DECODE=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvpilot.engine.model.attention.torch_backend import KERNEL_MAX_QUERY, kernel_rows, step_rows
+from kvpilot.engine.model.layers.gguf_linear import uses_q8
+from kvpilot.engine.model.layers.norm import RMSNorm
+from kvpilot.engine.model.parallel.linear import ColumnParallelLinear, RowParallelLinear
+from kvpilot.kernels import cpu_layer_ops, fused_decode_cpu, gguf_matmul_cpu
+from kvpilot.kernels.attention_metadata import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+FUSED_DECODE_ENV = "KVPILOT_FUSED_DECODE"
+
+
+@dataclass(frozen=True, slots=True)
+class FusedDecode:
+    """A model's decoder layers as one native call, for steps of at most ``max_tokens``."""
+
+    layers: object        # the kernel's DecodeLayers
+    max_tokens: int
+    dtype: torch.dtype
+
+    def run(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+            kv_caches, metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(hidden, residual)`` after the last layer, or None where the step is not one this
+        path takes (module docstring); the caller then runs the layers itself."""
+        tokens = hidden.shape[0]
+        if (tokens > self.max_tokens or tokens != metadata.num_actual_tokens or hidden.dtype != self.dtype
+                or metadata.calibrate_kv_scales or kv_caches[0].dtype != self.dtype):
+            return None
+        if metadata.max_query_len == 1:   # decode tokens only: the step's own tables
+            tables, lens = metadata.block_tables, metadata.seq_lens
+            if tables.shape[0] != tokens:
+                tables, lens = tables[:tokens], lens[:tokens]
+        elif metadata.max_query_len <= KERNEL_MAX_QUERY:
+            _, tables, lens, rest = kernel_rows(metadata, step_rows(metadata)[0])
+            if rest:
+                return None
+        else:
+            return None
+        caches = kv_caches if isinstance(kv_caches, list) else list(kv_caches)
+        out, residual = self.layers.forward(hidden, residual, positions, caches, metadata.slot_mapping,
+                                            tokens, tables, lens)
+        return out, residual
+
+
+def build_fused_decode(layers: Sequence[torch.nn.Module], dtype: torch.dtype,
+                       unfit: str | None = None) -> FusedDecode | None:
+    """The fused decode step of a model's Llama-family decoder ``layers`` (the model checks
+    their classes; ``unfit``: why they are not), or None (the reason logged)."""
+    reason = unfit or _unfit_reason(layers, dtype)
+    if reason is not None:
+        logger.info("decode steps run layer by layer: %s", reason)
+        return None
+    attn = layers[0].self_attn
+    decoder = fused_decode_cpu.new_decoder(attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale)
+    bounds = []
+    for layer in layers:
+        a, mlp = layer.self_attn, layer.mlp
+        linears = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        parts = [_linear_part(linear) for linear in linears]
+        bounds.extend(p[3] for p in parts)
+        decoder.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                         None if a.q_norm is None else a.q_norm.weight,
+                         None if a.k_norm is None else a.k_norm.weight,
+                         layer.input_layernorm.eps, a.rotary.cos_table, a.rotary.sin_table, a.rotary.rotary_dim,
+                         [p[0] for p in parts], [p[1] for p in parts], [p[2] for p in parts],
+                         [p[4] for p in parts])
+    fused = FusedDecode(decoder, min(bounds), dtype)
+    logger.info("decode steps of up to %d tokens run all %d decoder layers in one native call",
+                fused.max_tokens, len(layers))
+    return fused
+
+
+def _linear_part(linear) -> tuple[torch.Tensor, int, torch.Tensor | None, int, int]:
+    """``(weight rows, ggml type, float32 bias, token bound, ISA id; -1: interleaved)``,
+    as ``gguf_linear`` hands them to the kernel."""
+    (seg,) = linear.gguf.segments
+    weight = linear.weight.view(seg.rows, seg.bytes_per_row)
+    bias = None if linear.bias is None else linear.bias.to(torch.float32).contiguous()
+    if linear.gguf.interleaved:
+        return weight, seg.qtype, bias, gguf_matmul_cpu.Q8_INTERLEAVED_MAX_BATCH, -1
+    return weight, seg.qtype, bias, gguf_matmul_cpu.Q8_MAX_BATCH, gguf_matmul_cpu.ISA_IDS[gguf_matmul_cpu.q8_isa()]
+
+
+def _unfit_reason(layers: Sequence[torch.nn.Module], dtype: torch.dtype) -> str | None:
+    """Why ``layers`` cannot take the fused step (None: they can)."""
+    if os.environ.get(FUSED_DECODE_ENV, "1") == "0":
+        return f"${FUSED_DECODE_ENV}=0"
+    if not layers:
+        return "no decoder layers"
+    if fused_decode_cpu.load() is None:
+        return "the fused CPU decode step could not be built"
+    geometry = set()
+    for i, layer in enumerate(layers):
+        a, mlp = layer.self_attn, layer.mlp
+        if a.tp.world_size > 1:
+            return "tensor parallelism"
+        if a.sliding_window is not None:
+            return f"layer {i} has a sliding window"
+        norms = [layer.input_layernorm, layer.post_attention_layernorm] + ([a.q_norm, a.k_norm] if a.q_norm else [])
+        if any(type(n) is not RMSNorm or n._kernel is not cpu_layer_ops.add_rms_norm for n in norms):
+            return f"layer {i}'s norms are not the compiled CPU op"
+        if len({n.eps for n in norms}) != 1:
+            return f"layer {i}'s norms differ in epsilon"
+        if a.rotary._kernel is not cpu_layer_ops.rotary_inplace or mlp._act_mul is not cpu_layer_ops.silu_mul:
+            return f"layer {i}'s rotary or activation is not the compiled CPU op"
+        for name, linear in (("qkv_proj", a.qkv_proj), ("o_proj", a.o_proj), ("gate_up_proj", mlp.gate_up_proj),
+                             ("down_proj", mlp.down_proj)):
+            reason = _linear_reason(linear, dtype)
+            if reason is not None:
+                return f"layer {i}'s {name}: {reason}"
+        geometry.add((a.num_heads, a.num_kv_heads, a.head_dim, a.scale))
+    if len(geometry) != 1:
+        return "the layers' attention heads differ"
+    return None
+
+
+def _linear_reason(linear, dtype: torch.dtype) -> str | None:
+    if type(linear) not in (ColumnParallelLinear, RowParallelLinear):
+        return f"a {type(linear).__name__} (LoRA, say), not a plain projection"
+    layout = linear.gguf
+    if layout is None:
+        return "not in GGUF blocks"
+    if len(layout.segments) != 1:
+        return "parts of different GGUF types"
+    (seg,) = layout.segments
+    if not uses_q8(dtype, seg.qtype, 1, layout.columns, layout.interleaved):
+        return f"no q8 path for ggml type {seg.qtype} in {dtype}"
+    return None

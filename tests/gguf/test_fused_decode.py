@@ -1,0 +1,114 @@
+"""The fused decode step (``engine/model/fused_decode.py``, ``kernels/fused_decode_cpu``):
+all decoder layers of a decode step in one native call, bit for bit the layer path.
+
+The oracle is the engine's own layer-by-layer path, which the GGUF parity tests check
+against transformers and ``test_gguf_interleaved``/``test_gguf_q8_dot`` against the q8
+reference. Every step the fused call takes here is run again through the layers on the
+same inputs (writing the same K/V again) and the hidden states and residuals must be
+equal to the bit: decode steps of several sequences of different lengths (prefix hits, a
+pool small enough to share blocks) and n-gram verification steps of several tokens, on
+Llama (Q4_1), Qwen2 (q/k/v bias, Q8_0) and Qwen3 (per-head q/k norms, Q4_0) files.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from kvpilot.engine import LLM, SamplingParams
+from kvpilot.engine.model import fused_decode
+from kvpilot.kernels import fused_decode_cpu, gguf_matmul_cpu
+
+from support.gguf_files import write_gguf
+
+pytestmark = pytest.mark.skipif(
+    gguf_matmul_cpu.load() is None or gguf_matmul_cpu.q8_isa() is None or fused_decode_cpu.load() is None,
+    reason="the fused decode step needs the q8 GGUF path (AVX2 or AVX512-VNNI) and a C++ compiler")
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+
+
+def _prompts() -> list[list[int]]:
+    """Repeating patterns (n-gram drafts), of different lengths; two share a prefix."""
+    shared = [7, 8, 9, 10] * 8
+    return [[11, 12, 13] * 5, shared + [20, 21], shared + [30, 31, 32, 33] * 3, [40, 41]]
+
+
+@pytest.mark.parametrize(("kind", "qtype"), [("llama", "Q4_1"), ("qwen2", "Q8_0"), ("qwen3", "Q4_0")])
+def test_every_fused_step_equals_the_layers_bit_for_bit(tmp_path, monkeypatch, kind, qtype):
+    write_gguf(tmp_path / "model.gguf", kind, qtype, seed=3)
+    llm = LLM(str(tmp_path / "model.gguf"), dtype="bfloat16", num_gpu_blocks=64, max_model_len=256,
+              max_num_seqs=4, speculative_config=SPEC)
+    try:
+        model = llm.llm_engine.runner.model
+        assert model.fused_decode is not None
+        seen = {"steps": 0, "rows": set(), "verify": 0}
+        real_run = fused_decode.FusedDecode.run
+
+        def checked_run(self, positions, hidden, residual, kv_caches, metadata):
+            out = real_run(self, positions, hidden, residual, kv_caches, metadata)
+            if out is not None:
+                layers = model._run_layers(positions, hidden, residual, kv_caches, metadata, llm.llm_engine.runner.backend)
+                assert torch.equal(out[0], layers[0]) and torch.equal(out[1], layers[1])
+                seen["steps"] += 1
+                seen["rows"].add(hidden.shape[0])
+                seen["verify"] += metadata.max_query_len > 1
+            return out
+
+        monkeypatch.setattr(fused_decode.FusedDecode, "run", checked_run)
+        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=1)
+        fused = llm.generate(_prompts(), params)
+    finally:
+        llm.llm_engine.close()
+    assert seen["steps"] > 10 and max(seen["rows"]) > 1 and seen["verify"] > 0, seen
+
+    monkeypatch.setenv(fused_decode.FUSED_DECODE_ENV, "0")
+    plain = LLM(str(tmp_path / "model.gguf"), dtype="bfloat16", num_gpu_blocks=64, max_model_len=256, max_num_seqs=4)
+    try:
+        assert plain.llm_engine.runner.model.fused_decode is None
+        layered = plain.generate(_prompts(), params)
+    finally:
+        plain.llm_engine.close()
+    for a, b in zip(fused, layered, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert [sorted((t, p.logprob) for t, p in d.items()) for d in a.outputs[0].logprobs] == \
+            [sorted((t, p.logprob) for t, p in d.items()) for d in b.outputs[0].logprobs]
+
+
+def test_models_the_kernel_does_not_run_exactly_keep_the_layers(tmp_path, caplog):
+    write_gguf(tmp_path / "llama.gguf", "llama", "Q4_1", seed=4)
+    write_gguf(tmp_path / "gemma.gguf", "gemma3", "Q8_0", seed=4)
+    cases = [("llama.gguf", "float32", "no q8 path"),            # float32 keeps the exact float path
+             ("llama.gguf", "bfloat16", None),
+             ("gemma.gguf", "bfloat16", "not (only) Llama-family decoder layers")]
+    for name, dtype, reason in cases:
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="kvpilot.engine.model.fused_decode"):
+            llm = LLM(str(tmp_path / name), dtype=dtype, num_gpu_blocks=32, max_model_len=128)
+        try:
+            built = llm.llm_engine.runner.model.fused_decode
+        finally:
+            llm.llm_engine.close()
+        assert (built is None) == (reason is not None), (name, dtype)
+        if reason is not None:
+            assert reason in caplog.text
+
+
+def test_the_kernel_refuses_swapped_entry_points_and_bad_steps():
+    ops = fused_decode_cpu.entry_points()
+    swapped = {**ops, "silu_mul": ops["store_kv"]}
+    with pytest.raises(TypeError, match="kvpilot.silu_mul"):
+        fused_decode_cpu.load().DecodeLayers(swapped, 4, 2, 64, 0.125)
+    with pytest.raises(ValueError, match="share"):
+        fused_decode_cpu.new_decoder(4, 3, 64, 0.125)
+    layers = fused_decode_cpu.new_decoder(4, 2, 64, 0.125)
+    hidden = torch.zeros(2, 256, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="one KV cache per layer"):
+        layers.forward(hidden, None, torch.zeros(2, dtype=torch.long), [torch.zeros(1)],
+                       torch.zeros(2, dtype=torch.long), 2, torch.zeros(2, 1, dtype=torch.int32),
+                       torch.ones(2, dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="four linears"):
+        layers.add_layer(torch.ones(256), torch.ones(256), None, None, 1e-6, torch.ones(8, 64), torch.ones(8, 64), 64,
+                         [], [], [], [])
