@@ -95,6 +95,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
                         else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp))
         self._is_last_stage = True
         self.loaded_kv_scales = False
+        self.fused_decode = None   # Gemma 3's layers are not the fused step's (``use_fused_decode``)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The scaled embeddings: the normaliser is rounded to the model dtype first, as
