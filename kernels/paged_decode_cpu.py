@@ -30,9 +30,10 @@ from kvpilot.kernels.cpu_isa import isa_variant
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 # -ffast-math lets the exp loop vectorize through glibc's vector math (libmvec) and the
-# sums reassociate (results stay within float32 rounding of the reference).
-CFLAGS = ["-O3", "-ffast-math", "-fopenmp-simd"]
-LDFLAGS = ("-lm",)
+# sums reassociate (results stay within float32 rounding of the reference). -fopenmp:
+# ATen's parallel_for is an inline OpenMP region in torch's CPU builds, serial without it.
+CFLAGS = ["-O3", "-ffast-math", "-fopenmp"]
+LDFLAGS = ("-lm", "-fopenmp")
 def variant(isa: str | None) -> tuple[str, list[str]]:
     """The module name and compiler flags of the kernel for ``isa`` (None or unknown: baseline)."""
     return isa_variant("kvpilot_paged_decode_cpu", isa, CFLAGS)

@@ -2,7 +2,10 @@
 // place from the paged KV cache (no gathered copy), two passes per (sequence, KV head):
 // scores, then the softmax-weighted sum of values. The query heads that share a KV head
 // are computed together, so each key and value row is loaded once for all of them.
-// Accumulation is in at::opmath_type (float for 16-bit inputs, double for double).
+// Accumulation is in at::opmath_type (float for 16-bit inputs, double for double). Past
+// kChunk keys a (sequence, KV head) is split into chunks that run in parallel (one long
+// sequence would otherwise keep one thread per KV head busy), each with its own softmax
+// maximum and sum, merged by rescaling to the overall maximum.
 
 #include <torch/extension.h>
 #include <ATen/OpMathType.h>
@@ -44,6 +47,19 @@ acc_t dot(const acc_t* q, const scalar_t* k, int64_t n) {
 
 using vec_lanes::load_lanes;
 using vec_lanes::VecF;
+// Keys per work item past which a (sequence, KV head) is split into chunks: a function of
+// the sequence's length only, so a row's result never depends on its batch or the threads.
+constexpr int64_t kChunk = 256;
+
+struct Item {
+  int64_t seq, kv_head, lo, hi;   // keys lo .. hi - 1
+  int64_t part;                   // its chunk's slot in the partial results; -1: the whole sequence
+};
+
+struct Split {
+  int64_t seq, kv_head, first_part, num_parts;
+};
+
 constexpr int64_t kLanes = vec_lanes::kVecLanes;   // the vector path's lanes (vec_lanes.h)
 
 inline float lane_sum(VecF v) {   // -ffast-math: a tree of shuffles and adds
@@ -106,15 +122,35 @@ void decode_rows(const torch::Tensor& query, const torch::Tensor& key_cache,
     }
   }
 
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // Work items: one (sequence, KV head) over its visible keys, or, past kChunk keys, over one
+  // chunk of them (both threads busy on one long sequence), the chunks merged after.
+  std::vector<Item> items;
+  std::vector<Split> splits;
+  int64_t num_parts = 0;
+  for (int64_t seq = 0; seq < num_seqs; ++seq) {
+    const int64_t len = lens[seq];
+    const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
+    for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+      if (len - first <= kChunk) {
+        items.push_back({seq, kv_head, first, len, -1});
+        continue;
+      }
+      splits.push_back({seq, kv_head, num_parts, 0});
+      for (int64_t lo = first; lo < len; lo += kChunk, ++splits.back().num_parts)
+        items.push_back({seq, kv_head, lo, std::min(len, lo + kChunk), num_parts++});
+    }
+  }
+  // a chunk's softmax maximum and sum, and its unnormalised output, per query head
+  std::vector<acc_t> part_max(num_parts * group), part_sum(num_parts * group), part_acc(num_parts * group * head_dim);
+
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     // per chunk of work items: the scaled queries of one KV head's group, their output
     // accumulators and scores (one row of ``count`` per query head)
     std::vector<acc_t> q_rows(group * head_dim), acc(group * head_dim), scores;
     std::vector<VecF> q_vecs(vector_path ? group * nvec : 0), acc_vecs(vector_path ? group * nvec : 0);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;
-      const int64_t len = lens[seq];
-      const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
+    for (int64_t index = begin; index < end; ++index) {
+      const Item& item = items[index];
+      const int64_t seq = item.seq, kv_head = item.kv_head, first = item.lo, len = item.hi;
       const int64_t count = len - first;
       const int32_t* table = tables + seq * max_blocks;
       const int64_t head_offset = kv_head * head_dim;
@@ -145,10 +181,16 @@ void decode_rows(const torch::Tensor& query, const torch::Tensor& key_cache,
           for (int64_t g = 0; g < group; ++g) scores[g * count + t] = dot(q_rows.data() + g * head_dim, k, head_dim);
         });
       }
-      for (int64_t g = 0; g < group; ++g) {
+      for (int64_t g = 0; g < group; ++g) {   // a chunk keeps its exp(s - max) and their sum unnormalised
         acc_t* s = scores.data() + g * count;
         const acc_t best = *std::max_element(s, s + count);
-        const acc_t inv_total = acc_t(1) / exp_shifted(s, count, best);
+        const acc_t total = exp_shifted(s, count, best);
+        if (item.part >= 0) {
+          part_max[item.part * group + g] = best;
+          part_sum[item.part * group + g] = total;
+          continue;
+        }
+        const acc_t inv_total = acc_t(1) / total;
         for (int64_t t = 0; t < count; ++t) s[t] *= inv_total;
       }
       if constexpr (kVectorType<scalar_t>) {
@@ -179,12 +221,36 @@ void decode_rows(const torch::Tensor& query, const torch::Tensor& key_cache,
           }
         });
       }
+      if (item.part >= 0) {
+        std::copy(acc.begin(), acc.end(), part_acc.begin() + item.part * group * head_dim);
+        continue;
+      }
       for (int64_t g = 0; g < group; ++g) {
         scalar_t* dst = o + (seq * num_heads + kv_head * group + g) * head_dim;
         for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[g * head_dim + d]);
       }
     }
   });
+
+  // the chunks of a split (sequence, KV head): each rescaled to the overall maximum
+  std::vector<acc_t> merged(head_dim);
+  for (const Split& split : splits) {
+    for (int64_t g = 0; g < group; ++g) {
+      acc_t best = -std::numeric_limits<acc_t>::infinity();
+      for (int64_t c = 0; c < split.num_parts; ++c) best = std::max(best, part_max[(split.first_part + c) * group + g]);
+      acc_t total = 0;
+      std::fill(merged.begin(), merged.end(), acc_t(0));
+      for (int64_t c = 0; c < split.num_parts; ++c) {
+        const int64_t part = (split.first_part + c) * group + g;
+        const acc_t weight = std::exp(part_max[part] - best);
+        total += weight * part_sum[part];
+        const acc_t* a = part_acc.data() + part * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) merged[d] += weight * a[d];
+      }
+      scalar_t* dst = o + (split.seq * num_heads + split.kv_head * group + g) * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(merged[d] / total);
+    }
+  }
 }
 
 }  // namespace

@@ -71,6 +71,26 @@ def test_decode_rows_match_the_dense_reference(dtype, num_heads, num_kv_heads, h
     assert_attention_close(_kernel(batch), attend(batch, unified_attention_ref), dtype)
 
 
+def test_a_rows_result_depends_on_neither_its_batch_nor_the_threads():
+    """Long rows are split into chunks that run in parallel and are merged: the chunks
+    follow the row's length only, so a row alone, in a batch, on one or two threads, gives
+    the same bits (speculative verification relies on it: its rows equal decode rows)."""
+    batch = stored(make_paged_batch(DECODE, num_heads=6, num_kv_heads=2, head_dim=64, block_size=16,
+                                     dtype=torch.bfloat16, num_padding_tokens=0))
+    m = batch.metadata
+    together = _kernel(batch)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = [paged_decode_cpu.paged_decode(batch.query[i:i + 1], batch.kv_cache, m.block_tables[i:i + 1],
+                                               m.seq_lens[i:i + 1], batch.scale)[0]
+                 for i in range(len(m.query_lens_cpu))]
+    finally:
+        torch.set_num_threads(threads)
+    assert max(m.seq_lens_cpu) > 512    # several chunks
+    assert torch.equal(together, torch.stack(alone))
+
+
 def test_float64_matches_the_torch_path():
     batch = stored(make_paged_batch(DECODE, num_heads=6, num_kv_heads=2, head_dim=64,
                                      dtype=torch.float64, fill="zero", num_padding_tokens=0))
