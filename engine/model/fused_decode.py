@@ -1,4 +1,4 @@
-"""Decode steps through one native call for all decoder layers (CPU, GGUF q8 weights).
+"""Decode steps through one native call for all decoder layers (CPU; GGUF q8 or packed bf16 weights).
 
 ``build_fused_decode`` looks at a loaded Llama-family model and, where every layer is one
 the fused kernel (``kvpilot.kernels.fused_decode_cpu``) runs exactly as the Python layers
@@ -9,12 +9,14 @@ test_fused_decode.py`` checks that, and the engine's output against transformers
 
 A model qualifies when, at one tensor-parallel rank, every layer has:
 - q/k/v, o, gate/up and down in GGUF blocks of one 32-value type each that take the q8
-  path (``gguf_linear.uses_q8``), interleaved or not, in a 16-bit model dtype;
+  path (``gguf_linear.uses_q8``), interleaved or not, in a 16-bit model dtype; or bfloat16
+  weights prepacked for oneDNN (``layers.packed_linear``, a checkpoint in bfloat16);
 - the compiled CPU layer ops for its RMSNorms (and Qwen3's per-head q/k norms), rotary and
   SiLU * up (``LlamaForCausalLM.use_cpu_layer_ops``);
 - no sliding window, and plain projections (a LoRA-wrapped one keeps the layer path).
 
-A step is taken when it has at most the q8 path's token bound, all real rows, one metadata
+A step is taken when it has at most the layers' token bound (the q8 path's; oneDNN-packed
+layers: ``PACKED_MAX_TOKENS``), all real rows, one metadata
 for every layer, no fp8 KV scale calibration, a KV cache of the activations' dtype, and
 every sequence's new tokens (a decode token, a speculative step's verification) can be
 attended as decode rows (``torch_backend.kernel_rows``). Prefill and mixed steps keep the
@@ -40,6 +42,9 @@ from kvpilot.kernels.attention_metadata import AttentionMetadata
 logger = logging.getLogger(__name__)
 
 FUSED_DECODE_ENV = "KVPILOT_FUSED_DECODE"
+# Tokens a step may have for the fused call when no layer bounds it (oneDNN-packed layers):
+# past this a step's Python cost is small next to its arithmetic.
+PACKED_MAX_TOKENS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,8 +108,11 @@ def build_fused_decode(layers: Sequence[torch.nn.Module], dtype: torch.dtype,
 
 
 def _linear_part(linear) -> tuple[torch.Tensor, int, torch.Tensor | None, int, int]:
-    """``(weight rows, ggml type, float32 bias, token bound, ISA id; -1: interleaved)``,
-    as ``gguf_linear`` hands them to the kernel."""
+    """``(weight, ggml type, bias, token bound, kind)`` as the layer hands them to its kernel:
+    kind -2 a oneDNN packing (``packed_linear``), -1 an interleaved GGUF weight, else GGUF
+    rows on the q8 path with that ISA id (``gguf_linear``)."""
+    if linear.packed:
+        return linear.weight, 0, linear.bias, PACKED_MAX_TOKENS, -2
     (seg,) = linear.gguf.segments
     weight = linear.weight.view(seg.rows, seg.bytes_per_row)
     bias = None if linear.bias is None else linear.bias.to(torch.float32).contiguous()
@@ -149,9 +157,11 @@ def _unfit_reason(layers: Sequence[torch.nn.Module], dtype: torch.dtype) -> str 
 def _linear_reason(linear, dtype: torch.dtype) -> str | None:
     if type(linear) not in (ColumnParallelLinear, RowParallelLinear):
         return f"a {type(linear).__name__} (LoRA, say), not a plain projection"
+    if linear.packed:
+        return None
     layout = linear.gguf
     if layout is None:
-        return "not in GGUF blocks"
+        return "neither in GGUF blocks nor prepacked for oneDNN"
     if len(layout.segments) != 1:
         return "parts of different GGUF types"
     (seg,) = layout.segments

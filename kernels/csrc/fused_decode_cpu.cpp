@@ -1,4 +1,5 @@
-// A decode step's decoder layers in one native call (Llama family, GGUF q8 weights, CPU).
+// A decode step's decoder layers in one native call (Llama family on CPU: GGUF q8 weights, or
+// bfloat16 weights prepacked for oneDNN).
 //
 // A single-stream decode step of a small model spends more time in Python, between the
 // kernels, than in them: a layer is about ten calls (norm, q/k/v, rotary, KV store,
@@ -13,6 +14,7 @@
 // and including it), 16-bit activations, a KV cache of their dtype, no sliding window.
 
 #include <torch/extension.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 
 #include <string>
 #include <vector>
@@ -21,11 +23,16 @@
 
 namespace {
 
+// How a linear's weight is held and multiplied (the Python path's layer does the same).
+constexpr int64_t kInterleaved = -1;   // GGUF, interleaved: matmul_q8_interleaved
+constexpr int64_t kPacked = -2;        // bfloat16 prepacked for oneDNN: mkldnn::_linear_pointwise
+                                       // (layers/packed_linear.py); >= 0: GGUF rows, matmul_q8 on that ISA
+
 struct Linear {
-  torch::Tensor weight;                // GGUF bytes [rows, bytes per row], interleaved or not
+  torch::Tensor weight;                // GGUF bytes [rows, bytes per row], or the oneDNN packing
   int64_t qtype = 0;
-  c10::optional<torch::Tensor> bias;   // float32 [rows]
-  int64_t isa = -1;                    // the q8 path's ISA id; -1: the interleaved kernel
+  c10::optional<torch::Tensor> bias;   // GGUF: float32 [rows]; packed: the model dtype
+  int64_t kind = kInterleaved;
 };
 
 struct Layer {
@@ -37,12 +44,29 @@ struct Layer {
   Linear qkv, o, gate_up, down;
 };
 
-Linear make_linear(torch::Tensor weight, int64_t qtype, c10::optional<torch::Tensor> bias, int64_t isa) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kUInt8 && weight.is_contiguous(),
-              "a GGUF weight must be contiguous uint8 [rows, bytes per row]; got ", weight.sizes());
-  if (bias) TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == weight.size(0),
-                        "a bias must be float32 [", weight.size(0), "]");
-  return Linear{std::move(weight), qtype, std::move(bias), isa};
+Linear make_linear(torch::Tensor weight, int64_t qtype, c10::optional<torch::Tensor> bias, int64_t kind) {
+  TORCH_CHECK(weight.dim() == 2, "a weight must be 2-D; got ", weight.sizes());
+  if (kind == kPacked) {
+    TORCH_CHECK(weight.is_mkldnn(), "a packed weight must be oneDNN's packing (layers/packed_linear.py)");
+    if (bias) TORCH_CHECK(bias->numel() == weight.size(0), "a bias must have ", weight.size(0), " values");
+  } else {
+    TORCH_CHECK(kind >= kInterleaved && weight.scalar_type() == torch::kUInt8 && weight.is_contiguous(),
+                "a GGUF weight must be contiguous uint8 [rows, bytes per row]; got ", weight.sizes());
+    if (bias) TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() &&
+                              bias->numel() == weight.size(0),
+                          "a bias must be float32 [", weight.size(0), "]");
+  }
+  return Linear{std::move(weight), qtype, std::move(bias), kind};
+}
+
+// mkldnn::_linear_pointwise(X, W, B, "none", [], ""), as packed_linear calls it from Python.
+torch::Tensor packed_linear(const torch::Tensor& x, const Linear& l) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x, l.weight, l.bias, c10::IValue(std::string("none")),
+                          c10::IValue(c10::List<c10::optional<c10::Scalar>>()), c10::IValue(std::string(""))};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
 }
 
 }  // namespace
@@ -63,12 +87,12 @@ class DecodeLayers {
     paged_decode_ = entry_points::unwrap<entry_points::PagedDecode>(ops["paged_decode"], entry_points::kPagedDecode);
   }
 
-  // One layer, in order. A linear's `isa` is the q8 path's ISA id, or -1 for an interleaved weight.
+  // One layer, in order. A linear's kind: the q8 path's ISA id, kInterleaved or kPacked.
   void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, c10::optional<torch::Tensor> q_norm,
                  c10::optional<torch::Tensor> k_norm, double eps, torch::Tensor cos, torch::Tensor sin,
                  int64_t rotary_dim, std::vector<torch::Tensor> weights, std::vector<int64_t> qtypes,
-                 std::vector<c10::optional<torch::Tensor>> biases, std::vector<int64_t> isas) {
-    TORCH_CHECK(weights.size() == 4 && qtypes.size() == 4 && biases.size() == 4 && isas.size() == 4,
+                 std::vector<c10::optional<torch::Tensor>> biases, std::vector<int64_t> kinds) {
+    TORCH_CHECK(weights.size() == 4 && qtypes.size() == 4 && biases.size() == 4 && kinds.size() == 4,
                 "a layer has four linears: qkv, o, gate_up, down");
     TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q_norm and k_norm come together");
     const int64_t hidden = input_norm.size(0);
@@ -87,7 +111,7 @@ class DecodeLayers {
     layer.sin = std::move(sin);
     layer.rotary_dim = rotary_dim;
     Linear* linears[4] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
-    for (size_t i = 0; i < 4; ++i) *linears[i] = make_linear(weights[i], qtypes[i], biases[i], isas[i]);
+    for (size_t i = 0; i < 4; ++i) *linears[i] = make_linear(weights[i], qtypes[i], biases[i], kinds[i]);
     layers_.push_back(std::move(layer));
   }
 
@@ -140,7 +164,9 @@ class DecodeLayers {
 
  private:
   torch::Tensor matmul(const Linear& l, const torch::Tensor& x) const {
-    return l.isa < 0 ? matmul_q8i_(x, l.weight, l.qtype, l.bias) : matmul_q8_(x, l.weight, l.qtype, l.bias, l.isa);
+    if (l.kind == kPacked) return packed_linear(x, l);
+    if (l.kind == kInterleaved) return matmul_q8i_(x, l.weight, l.qtype, l.bias);
+    return matmul_q8_(x, l.weight, l.qtype, l.bias, l.kind);
   }
 
   int64_t num_heads_, num_kv_heads_, head_dim_;

@@ -7,7 +7,8 @@ reference. Every step the fused call takes here is run again through the layers 
 same inputs (writing the same K/V again) and the hidden states and residuals must be
 equal to the bit: decode steps of several sequences of different lengths (prefix hits, a
 pool small enough to share blocks) and n-gram verification steps of several tokens, on
-Llama (Q4_1), Qwen2 (q/k/v bias, Q8_0) and Qwen3 (per-head q/k norms, Q4_0) files.
+Llama (Q4_1), Qwen2 (q/k/v bias, Q8_0) and Qwen3 (per-head q/k norms, Q4_0) files, and
+Qwen2 and Qwen3 bfloat16 checkpoints (oneDNN-packed projections).
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ import torch
 
 from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.model import fused_decode
+from kvpilot.engine.model.layers import packed_linear
 from kvpilot.kernels import fused_decode_cpu, gguf_matmul_cpu
 
 from support.gguf_files import write_gguf
+from support.tiny_checkpoints import build_checkpoint
 
 pytestmark = pytest.mark.skipif(
     gguf_matmul_cpu.load() is None or gguf_matmul_cpu.q8_isa() is None or fused_decode_cpu.load() is None,
@@ -36,11 +39,21 @@ def _prompts() -> list[list[int]]:
     return [[11, 12, 13] * 5, shared + [20, 21], shared + [30, 31, 32, 33] * 3, [40, 41]]
 
 
-@pytest.mark.parametrize(("kind", "qtype"), [("llama", "Q4_1"), ("qwen2", "Q8_0"), ("qwen3", "Q4_0")])
-def test_every_fused_step_equals_the_layers_bit_for_bit(tmp_path, monkeypatch, kind, qtype):
-    write_gguf(tmp_path / "model.gguf", kind, qtype, seed=3)
-    llm = LLM(str(tmp_path / "model.gguf"), dtype="bfloat16", num_gpu_blocks=64, max_model_len=256,
-              max_num_seqs=4, speculative_config=SPEC)
+def _model(tmp_path, kind: str, weights: str) -> str:
+    """A GGUF file of ``weights`` (a ggml type), or a bfloat16 checkpoint (its projections
+    prepacked for oneDNN as they load)."""
+    if weights == "bf16-checkpoint":
+        return str(build_checkpoint(tmp_path / "ckpt", kind, seed=3, dtype=torch.bfloat16))
+    return str(write_gguf(tmp_path / "model.gguf", kind, weights, seed=3))
+
+
+@pytest.mark.parametrize(("kind", "weights"), [("llama", "Q4_1"), ("qwen2", "Q8_0"), ("qwen3", "Q4_0"),
+                                               ("qwen2", "bf16-checkpoint"), ("qwen3", "bf16-checkpoint")])
+def test_every_fused_step_equals_the_layers_bit_for_bit(tmp_path, monkeypatch, kind, weights):
+    if weights == "bf16-checkpoint" and not packed_linear.available():
+        pytest.skip("no oneDNN packing in this torch build")
+    path = _model(tmp_path, kind, weights)
+    llm = LLM(path, dtype="bfloat16", num_gpu_blocks=64, max_model_len=256, max_num_seqs=4, speculative_config=SPEC)
     try:
         model = llm.llm_engine.runner.model
         assert model.fused_decode is not None
@@ -65,7 +78,7 @@ def test_every_fused_step_equals_the_layers_bit_for_bit(tmp_path, monkeypatch, k
     assert seen["steps"] > 10 and max(seen["rows"]) > 1 and seen["verify"] > 0, seen
 
     monkeypatch.setenv(fused_decode.FUSED_DECODE_ENV, "0")
-    plain = LLM(str(tmp_path / "model.gguf"), dtype="bfloat16", num_gpu_blocks=64, max_model_len=256, max_num_seqs=4)
+    plain = LLM(path, dtype="bfloat16", num_gpu_blocks=64, max_model_len=256, max_num_seqs=4)
     try:
         assert plain.llm_engine.runner.model.fused_decode is None
         layered = plain.generate(_prompts(), params)
