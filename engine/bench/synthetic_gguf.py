@@ -38,8 +38,6 @@ logger = logging.getLogger(__name__)
 INIT_STD = 0.02
 FINAL_NORM_GAIN = 8.0      # as the demo model's: real-model-like logits from N(0, 0.02) tied embeddings
 ROW_CHUNK = 16384          # rows quantized at a time (bounds the float32 copy of the embedding)
-# GGUF token types (gguf.TokenType)
-NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5
 GEMMA_SPECIALS = ("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>")
 GEMMA_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<start_of_turn>"
                   "{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n{{ m['content'] | trim }}"
@@ -200,19 +198,21 @@ def qwen_vocab(size: int) -> tuple[list[str], list[int], list[str]]:
     llama.cpp's converter pads it (``[PAD<id>]``, unused)."""
     import json
 
+    from gguf.constants import TokenType
+
     from kvpilot.engine.model.models.demo import QWEN_ADDED_TOKENS, build_qwen_tokenizer
 
     bpe = json.loads(build_qwen_tokenizer().to_str())["model"]
     tokens = [t for t, _ in sorted(bpe["vocab"].items(), key=lambda kv: kv[1])]
     if [bpe["vocab"][t] for t in tokens] != list(range(len(tokens))):
         raise ValueError("Qwen's BPE ids are not contiguous")
-    types = [NORMAL] * len(tokens)
+    types = [TokenType.NORMAL] * len(tokens)
     for content, special in QWEN_ADDED_TOKENS:
         tokens.append(content)
-        types.append(CONTROL if special else USER_DEFINED)
+        types.append(TokenType.CONTROL if special else TokenType.USER_DEFINED)
     pad = range(len(tokens), size)
     tokens += [f"[PAD{i}]" for i in pad]
-    types += [UNUSED] * len(pad)
+    types += [TokenType.UNUSED] * len(pad)
     merges = [m if isinstance(m, str) else " ".join(m) for m in bpe["merges"]]
     return tokens, types, merges
 
@@ -220,6 +220,8 @@ def qwen_vocab(size: int) -> tuple[list[str], list[int], list[str]]:
 def synthetic_vocab(size: int, specials: tuple[str, ...]) -> tuple[list[str], list[int], list[str]]:
     """(tokens, token types, merges) of a made-up byte-level BPE of ``size`` ids: ``specials``
     (control), the 256 byte symbols, every pair of them, then symbol + pair."""
+    from gguf.constants import TokenType
+
     from kvpilot.engine.text.tiktoken_convert import bytes_to_unicode
 
     symbols = [bytes_to_unicode()[b] for b in range(256)]
@@ -232,5 +234,5 @@ def synthetic_vocab(size: int, specials: tuple[str, ...]) -> tuple[list[str], li
         merges.append(f"{left} {right}")
     if len(tokens) < size:
         raise ValueError(f"a synthetic vocabulary holds at most {len(tokens)} tokens, not {size}")
-    types = [CONTROL] * len(specials) + [NORMAL] * (size - len(specials))
+    types = [TokenType.CONTROL] * len(specials) + [TokenType.NORMAL] * (size - len(specials))
     return tokens, types, merges
