@@ -210,7 +210,8 @@ def vllm_installed(peers_dir: Path) -> bool:
     python = vllm_python(peers_dir)
     if not python.exists():
         return False
-    probe = subprocess.run([str(python), "-c", "import vllm.entrypoints.openai.api_server"],
+    # -P: run from this repository's root, the cwd would put its operator/ before the stdlib's
+    probe = subprocess.run([str(python), "-P", "-c", "import vllm.entrypoints.openai.api_server"],
                            capture_output=True, timeout=300)
     return probe.returncode == 0
 
@@ -221,7 +222,7 @@ def vllm_command(peers_dir: Path, s: ServerSettings, model: Path, port: int):
            "--max-model-len", str(s.context_per_stream), "--max-num-seqs", str(s.max_streams),
            "--disable-uvicorn-access-log"]
     env = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, round(s.kv_cache_gib))),
-           "OMP_NUM_THREADS": str(s.threads), "VLLM_CPU_OMP_THREADS_BIND": "auto"}
+           "OMP_NUM_THREADS": str(s.threads), "VLLM_CPU_OMP_THREADS_BIND": "auto", "PYTHONSAFEPATH": "1"}
     return cmd, env
 
 

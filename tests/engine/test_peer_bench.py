@@ -76,4 +76,8 @@ def test_bench_peer_runs_kvpilot_through_the_whole_load(tiny_checkpoint, tmp_pat
     assert roof["context"] == 10 and roof["read_bandwidth_gb_s"] == result["read_bandwidth_gb_s"] > 0
     assert roof["ceiling_tok_s"] == pytest.approx(roof["read_bandwidth_gb_s"] * 1e9 / roof["bytes_per_token"])
     assert roof["share"] == pytest.approx(result["median"]["kvpilot-f32"]["tok/s@1"] / roof["ceiling_tok_s"])
+    # decode alone: the rate of one stream's inter-token gaps, against the same ceiling
+    assert roof["decode_tok_s"] == pytest.approx(1000 / result["median"]["kvpilot-f32"]["itl_p50@1"])
+    assert roof["decode_share"] == pytest.approx(roof["decode_tok_s"] / roof["ceiling_tok_s"])
     assert "roofline (1 stream" in proc.stdout and "kvpilot-f32" in proc.stdout
+    assert "roofline, decode alone" in proc.stdout
