@@ -16,8 +16,8 @@ codes by the activation codes (AVX512-VNNI ``dpbusd`` where the CPU has it, else
 ``maddubs`` + ``madd``), scaled in float32; the weight's min (Q4_1, Q5_1) multiplies the
 block's activation sum. The result comes out in the activation dtype. Its numerics differ
 from ``matmul`` by the activation rounding (about 0.4 % of a block's largest value per
-value, like llama.cpp's). It serves the 32-value types (``Q8_TYPES``); the k-quants keep
-the float path. ``KVPILOT_GGUF_Q8_ISA`` (``vnni``, ``avx2``, ``off``) overrides the
+value, like llama.cpp's). It serves the 32-value types (``Q8_TYPES``) at any width (the
+kernel decodes a wide row a tile's width at a time); the k-quants keep the float path. ``KVPILOT_GGUF_Q8_ISA`` (``vnni``, ``avx2``, ``off``) overrides the
 run-time choice of instruction set (``q8_isa``).
 
 ``interleave`` rearranges the rows of a Q4_0, Q4_1 or Q8_0 weight (a multiple of 16 of
@@ -74,8 +74,6 @@ Q8_MAX_BATCH = 24
 # steps of up to 32 streams, and still leaves a prompt of more than 32 tokens (the README's
 # question is 37) to the tiles, whose float activations the answers were checked with.
 Q8_INTERLEAVED_MAX_BATCH = 32
-# the widest input the q8 path takes (kMaxColumns in the source)
-Q8_MAX_COLUMNS = 4096
 # the types the interleaved layout takes, and the rows it groups
 INTERLEAVE_TYPES = frozenset({2, 3, 8})
 INTERLEAVE_ROWS = 16
@@ -196,11 +194,10 @@ def matmul_q8_interleaved(x: torch.Tensor, weight: torch.Tensor, qtype: int,
     return _module().matmul_q8_interleaved(x.contiguous(), weight, qtype, b)
 
 
-def interleaves(qtype: int, rows: int, columns: int) -> bool:
-    """Whether a weight of ``rows`` x ``columns`` of ``qtype`` can take the interleaved
-    layout on this machine (the type, whole groups, the q8 path's width, AVX512-VNNI)."""
-    return (qtype in INTERLEAVE_TYPES and rows % INTERLEAVE_ROWS == 0 and columns <= Q8_MAX_COLUMNS
-            and q8_enabled() and q8_isa() == "vnni")
+def interleaves(qtype: int, rows: int) -> bool:
+    """Whether a weight of ``rows`` rows of ``qtype`` (any number of columns) can take the
+    interleaved layout on this machine (the type, whole groups, AVX512-VNNI)."""
+    return qtype in INTERLEAVE_TYPES and rows % INTERLEAVE_ROWS == 0 and q8_enabled() and q8_isa() == "vnni"
 
 
 def _check_interleaved(weight: torch.Tensor, qtype: int) -> None:

@@ -165,6 +165,6 @@ def _linear_reason(linear, dtype: torch.dtype) -> str | None:
     if len(layout.segments) != 1:
         return "parts of different GGUF types"
     (seg,) = layout.segments
-    if not uses_q8(dtype, seg.qtype, 1, layout.columns, layout.interleaved):
+    if not uses_q8(dtype, seg.qtype, 1, interleaved=layout.interleaved):
         return f"no q8 path for ggml type {seg.qtype} in {dtype}"
     return None

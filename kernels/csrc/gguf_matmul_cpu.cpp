@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -396,7 +397,8 @@ using FQ6_K = Format<256, 210, KVPILOT_DECODER(q6_k)>;
 // the scales in float32. Types: Q4_0 (o 8), Q4_1 (min), Q5_0 (o 16), Q5_1 (min), Q8_0
 // (o 128: u = q + 128; the AVX2 path multiplies |q| by sign(q) * a, as maddubs would
 // overflow 255 * 127 * 2). A tile of kRowTile rows is decoded once into codes and scales
-// (in L1) and then multiplied into every token, kTokenTile tokens at a time.
+// (in L1) and then multiplied into every token, kTokenTile tokens at a time; a row wider
+// than kTileColumns, one chunk of that many columns at a time (see kTileColumns).
 
 constexpr int kRowTile = 4;
 constexpr int kTokenTile = 4;
@@ -532,37 +534,91 @@ void quantize_rows(const T* x, int64_t batch, int64_t cols, QuantizedX& q) {
   });
 }
 
-// A tile of decoded weight rows for the AVX2 path: codes [kRowTile][kp], scales dw, mins mw [ns].
-struct RowTile {
-  alignas(64) uint8_t u[kRowTile][4096];
-  alignas(64) float dw[kRowTile][128];
-  alignas(64) float mw[kRowTile][128];
-};
-constexpr int64_t kMaxColumns = 4096;   // (the tile's bound; wider layers take the float path)
+// Columns a tile holds: a wider row is decoded and multiplied a tile's width (a chunk) at a
+// time, each token's sums carried from one chunk to the next, so that a row's terms add up
+// in the same order whatever its width (a row of at most this many columns is one chunk).
+constexpr int64_t kTileColumns = 4096;
+constexpr int64_t kTileBlocks = kTileColumns / 32;
 
+// n floats on the heap, zeroed, 64-byte aligned (a tile's per-row scales, its carried sums).
+class AlignedFloats {
+ public:
+  explicit AlignedFloats(int64_t n) : buf_(n + 16, 0.f) {
+    data_ = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf_.data()) + 63) & ~uintptr_t(63));
+  }
+  AlignedFloats(const AlignedFloats&) = delete;
+  AlignedFloats& operator=(const AlignedFloats&) = delete;
+  float* data() const { return data_; }
+
+ private:
+  std::vector<float> buf_;
+  float* data_;
+};
+
+// A tile of decoded weight rows for the AVX2 path: one chunk's codes [kRowTile][chunk codes]
+// and scales dw, and the whole rows' mins mw [kRowTile][ns] (added after the last chunk);
+// carry: [token][kRowTile] 8-lane sums between chunks (a row of more than one chunk).
+struct RowTile {
+  alignas(64) uint8_t u[kRowTile][kTileColumns];
+  alignas(64) float dw[kRowTile][kTileBlocks];
+  const int64_t ns;
+  AlignedFloats mw, carry;
+  RowTile(const QuantizedX& q, int64_t batch)
+      : ns(q.ns), mw(kRowTile * q.ns), carry(q.nbp > kTileBlocks ? kRowTile * batch * 8 : 0) {}
+  float* mins(int r) const { return mw.data() + r * ns; }
+};
+
+// Blocks b0..b1 (a chunk) of the tile of rows r0.. (n of them real; the others zero).
 template <int Type>
-void decode_tile(const uint8_t* src, int64_t bpr, int64_t r0, int n, const QuantizedX& q, RowTile& tile) {
+void decode_tile(const uint8_t* src, int64_t bpr, int64_t r0, int n, const QuantizedX& q, int64_t b0, int64_t b1,
+                 RowTile& tile) {
   using C = Codes<Type>;
   for (int r = 0; r < kRowTile; ++r) {
-    if (r >= n) {   // rows past the layer's end: zero codes and scales
-      std::memset(tile.u[r], 0, q.kp);
+    float* mw = tile.mins(r);
+    if (r >= n) {   // rows past the layer's end: zero codes and scales (the mins past nbp stay zero)
+      std::memset(tile.u[r], 0, (b1 - b0) * 32);
       std::memset(tile.dw[r], 0, sizeof(tile.dw[r]));
-      std::memset(tile.mw[r], 0, sizeof(tile.mw[r]));
+      std::memset(mw + b0, 0, (b1 - b0) * sizeof(float));
       continue;
     }
     const uint8_t* row = src + (r0 + r) * bpr;
-    for (int64_t b = 0; b < q.nbp; ++b) {
+    for (int64_t b = b0; b < b1; ++b) {
       float d = 0.f, m = 0.f;
-      if (b < q.nb) C::decode(row + b * C::type_size, tile.u[r] + b * 32, &d, &m);
-      else std::memset(tile.u[r] + b * 32, C::offset, 32);
-      tile.dw[r][b] = d, tile.mw[r][b] = m;
+      if (b < q.nb) C::decode(row + b * C::type_size, tile.u[r] + (b - b0) * 32, &d, &m);
+      else std::memset(tile.u[r] + (b - b0) * 32, C::offset, 32);
+      tile.dw[r][b - b0] = d, mw[b] = m;
     }
-    for (int64_t b = q.nbp; b < q.ns; ++b) tile.mw[r][b] = 0.f;
   }
 }
 
 template <typename T>
 inline void store(T* dst, float v) { *dst = static_cast<T>(v); }
+
+// fn(t0, NT) for the token tiles of a batch: kTokenTile tokens at a time, then the 1 to 3
+// left (NT a std::integral_constant, for the kernels' template argument).
+template <typename Fn>
+inline void for_token_tiles(int64_t batch, Fn&& fn) {
+  int64_t t0 = 0;
+  for (; t0 + kTokenTile <= batch; t0 += kTokenTile) fn(t0, std::integral_constant<int, kTokenTile>());
+  switch (batch - t0) {
+    case 3: fn(t0, std::integral_constant<int, 3>()); break;
+    case 2: fn(t0, std::integral_constant<int, 2>()); break;
+    case 1: fn(t0, std::integral_constant<int, 1>()); break;
+    default: break;
+  }
+}
+
+// fn(c0, c1) for the chunks of at most `step` that cover 0..total in order (at least one,
+// however small the total).
+template <typename Fn>
+inline void for_chunks(int64_t total, int64_t step, Fn&& fn) {
+  int64_t c0 = 0;
+  do {
+    const int64_t c1 = std::min(total, c0 + step);
+    fn(c0, c1);
+    c0 = c1;
+  } while (c0 < total);
+}
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #define KVPILOT_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
@@ -614,60 +670,79 @@ KVPILOT_VNNI inline PairVnni decode_pair_vnni(const uint8_t* b0, const uint8_t* 
   return out;
 }
 
-// kRowTile rows (n of them real) decoded once per call: [kRowTile][pairs].
+constexpr int64_t kTilePairs = kTileColumns / 64;
+
+// kRowTile rows (n of them real) decoded once per call: one chunk's block pairs
+// [kRowTile][chunk pairs], and the whole rows' d0 m0 d1 m1 ... [kRowTile][ni] (zero-padded
+// to 16; the mins are added after the last chunk); carry: [token][kRowTile] 16-lane sums
+// between chunks (a row of more than one chunk).
 struct TileVnni {
   struct Pair {
     __m512i u;
     __m512 d;
-  } pair[kRowTile][kMaxColumns / 64];
-  alignas(64) float dm[kRowTile][kMaxColumns / 16 + 16];   // d0 m0 d1 m1 ..., zero-padded to 16
+  } pair[kRowTile][kTilePairs];
+  const int64_t ni;
+  AlignedFloats dm, carry;
+  TileVnni(const QuantizedX& q, int64_t batch)
+      : ni(q.ni), dm(kRowTile * q.ni), carry(q.nbp / 2 > kTilePairs ? kRowTile * batch * 16 : 0) {}
+  float* scales(int r) const { return dm.data() + r * ni; }
 };
 
+// Pairs p0..p1 (a chunk) of the tile of rows r0.. (n of them real; the others repeat the last).
 template <int Type>
 KVPILOT_VNNI void decode_tile_vnni(const uint8_t* src, int64_t bpr, int64_t r0, int n, const QuantizedX& q,
-                                   TileVnni& tile) {
+                                   int64_t p0, int64_t p1, TileVnni& tile) {
   constexpr int ts = Codes<Type>::type_size;
   for (int r = 0; r < kRowTile; ++r) {
     const uint8_t* row = src + (r0 + std::min(r, n - 1)) * bpr;   // rows past the end repeat the last
-    for (int64_t p = 0; p < q.nbp / 2; ++p) {
+    float* dm = tile.scales(r);   // (past 2 * nbp it stays zero from the allocation)
+    for (int64_t p = p0; p < p1; ++p) {
       const uint8_t* b0 = row + 2 * p * ts;
       const uint8_t* b1 = 2 * p + 1 < q.nb ? b0 + ts : kZeroBlock;
       const PairVnni w = decode_pair_vnni<Type>(b0, b1);
-      tile.pair[r][p] = {w.u, w.d};
-      _mm_store_ps(tile.dm[r] + 4 * p, w.dm);
+      tile.pair[r][p - p0] = {w.u, w.d};
+      _mm_store_ps(dm + 4 * p, w.dm);
     }
-    for (int64_t j = 2 * q.nbp; j < q.ni; ++j) tile.dm[r][j] = 0.f;
   }
 }
 
-// Tokens t0..t0+NT of a decoded row tile; out[t][r] += bias.
+// Tokens t0..t0+NT of a decoded row tile over its chunk of pairs p0..p1: the sums start at
+// zero (the first chunk) or from tile.carry, and go back to tile.carry (not the last chunk)
+// or, with the mins, to out[t][r] += bias.
 template <int Type, int NT, typename T>
-KVPILOT_VNNI void dot_tile_vnni(const TileVnni& tile, int n, const QuantizedX& q, int64_t t0,
-                                const float* bias, int64_t r0, T* out, int64_t rows) {
+KVPILOT_VNNI void dot_tile_vnni(const TileVnni& tile, int n, const QuantizedX& q, int64_t t0, int64_t p0,
+                                int64_t p1, const float* bias, int64_t r0, T* out, int64_t rows) {
   using C = Codes<Type>;
   __m512 acc[kRowTile][NT];
   for (int r = 0; r < kRowTile; ++r)
-    for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
+    for (int t = 0; t < NT; ++t)
+      acc[r][t] = p0 == 0 ? _mm512_setzero_ps() : _mm512_load_ps(tile.carry.data() + ((t0 + t) * kRowTile + r) * 16);
   const __m512i off = _mm512_set1_epi8(static_cast<char>(C::offset));
-  for (int64_t p = 0; p < q.nbp / 2; ++p) {
+  for (int64_t p = p0; p < p1; ++p) {
     for (int t = 0; t < NT; ++t) {
       const __m512i a = _mm512_loadu_si512(q.a.data() + (t0 + t) * q.kp + p * 64);
       const __m512 dx = _mm512_loadu_ps(q.dx16.data() + ((t0 + t) * q.nbp + 2 * p) * 8);
       __m512i corr = _mm512_setzero_si512();
       if (C::offset) corr = _mm512_dpbusd_epi32(corr, off, a);
       for (int r = 0; r < kRowTile; ++r) {
-        const TileVnni::Pair& w = tile.pair[r][p];
+        const TileVnni::Pair& w = tile.pair[r][p - p0];
         __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w.u, a);
         if (C::offset) s = _mm512_sub_epi32(s, corr);
         acc[r][t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s), dx), w.d, acc[r][t]);
       }
     }
   }
+  if (p1 < q.nbp / 2) {   // more chunks to come
+    for (int r = 0; r < kRowTile; ++r)
+      for (int t = 0; t < NT; ++t) _mm512_store_ps(tile.carry.data() + ((t0 + t) * kRowTile + r) * 16, acc[r][t]);
+    return;
+  }
   if (C::has_min)   // sum over blocks of m * dx * sum(a)
     for (int64_t j = 0; j < q.ni; j += 16)
       for (int t = 0; t < NT; ++t) {
         const __m512 sx = _mm512_loadu_ps(q.sxi.data() + (t0 + t) * q.ni + j);
-        for (int r = 0; r < kRowTile; ++r) acc[r][t] = _mm512_fmadd_ps(_mm512_load_ps(tile.dm[r] + j), sx, acc[r][t]);
+        for (int r = 0; r < kRowTile; ++r)
+          acc[r][t] = _mm512_fmadd_ps(_mm512_load_ps(tile.scales(r) + j), sx, acc[r][t]);
       }
   for (int t = 0; t < NT; ++t)
     for (int r = 0; r < n; ++r)
@@ -682,21 +757,22 @@ KVPILOT_AVX2 inline float hsum8(__m256 v) {
 }
 
 template <int Type, int NT, typename T>
-KVPILOT_AVX2 void dot_tile_avx2(const RowTile& tile, int n, const QuantizedX& q, int64_t t0,
-                                const float* bias, int64_t r0, T* out, int64_t rows) {
+KVPILOT_AVX2 void dot_tile_avx2(const RowTile& tile, int n, const QuantizedX& q, int64_t t0, int64_t b0,
+                                int64_t b1, const float* bias, int64_t r0, T* out, int64_t rows) {
   using C = Codes<Type>;
   __m256 acc[kRowTile][NT];
   for (int r = 0; r < kRowTile; ++r)
-    for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_ps();
+    for (int t = 0; t < NT; ++t)
+      acc[r][t] = b0 == 0 ? _mm256_setzero_ps() : _mm256_load_ps(tile.carry.data() + ((t0 + t) * kRowTile + r) * 8);
   const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(static_cast<char>(0x80));
   const __m256i off = _mm256_set1_epi8(static_cast<char>(C::offset == 128 ? 0 : C::offset));
-  for (int64_t b = 0; b < q.nbp; ++b) {
+  for (int64_t b = b0; b < b1; ++b) {
     __m256i w[kRowTile];
     __m256 dw[kRowTile];
     for (int r = 0; r < kRowTile; ++r) {
-      w[r] = _mm256_load_si256(reinterpret_cast<const __m256i*>(tile.u[r] + b * 32));
+      w[r] = _mm256_load_si256(reinterpret_cast<const __m256i*>(tile.u[r] + (b - b0) * 32));
       if (C::offset == 128) w[r] = _mm256_xor_si256(w[r], flip);   // back to the signed q
-      dw[r] = _mm256_broadcast_ss(tile.dw[r] + b);
+      dw[r] = _mm256_broadcast_ss(tile.dw[r] + (b - b0));
     }
     for (int t = 0; t < NT; ++t) {
       const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.a.data() + (t0 + t) * q.kp + b * 32));
@@ -714,11 +790,16 @@ KVPILOT_AVX2 void dot_tile_avx2(const RowTile& tile, int n, const QuantizedX& q,
       }
     }
   }
+  if (b1 < q.nbp) {   // more chunks to come
+    for (int r = 0; r < kRowTile; ++r)
+      for (int t = 0; t < NT; ++t) _mm256_store_ps(tile.carry.data() + ((t0 + t) * kRowTile + r) * 8, acc[r][t]);
+    return;
+  }
   if (C::has_min)
     for (int64_t j = 0; j < q.ns; j += 8)
       for (int t = 0; t < NT; ++t) {
         const __m256 sx = _mm256_loadu_ps(q.sx.data() + (t0 + t) * q.ns + j);
-        for (int r = 0; r < kRowTile; ++r) acc[r][t] = _mm256_fmadd_ps(_mm256_load_ps(tile.mw[r] + j), sx, acc[r][t]);
+        for (int r = 0; r < kRowTile; ++r) acc[r][t] = _mm256_fmadd_ps(_mm256_load_ps(tile.mins(r) + j), sx, acc[r][t]);
       }
   for (int t = 0; t < NT; ++t)
     for (int r = 0; r < n; ++r)
@@ -831,15 +912,9 @@ void matmul_interleaved_as(const QuantizedX& q, const uint8_t* w, int64_t rows, 
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* gp = w + g * group_bytes;
       const int64_t r0 = g * kInterleave;
-      int64_t t0 = 0;
-      for (; t0 + kTokenTile <= batch; t0 += kTokenTile)
-        interleaved_group<Type, kTokenTile, T>(gp, q, t0, bias, r0, out, rows);
-      switch (batch - t0) {
-        case 3: interleaved_group<Type, 3, T>(gp, q, t0, bias, r0, out, rows); break;
-        case 2: interleaved_group<Type, 2, T>(gp, q, t0, bias, r0, out, rows); break;
-        case 1: interleaved_group<Type, 1, T>(gp, q, t0, bias, r0, out, rows); break;
-        default: break;
-      }
+      for_token_tiles(batch, [&](int64_t t0, auto nt) {
+        interleaved_group<Type, decltype(nt)::value, T>(gp, q, t0, bias, r0, out, rows);
+      });
     }
   });
 }
@@ -863,35 +938,29 @@ void matmul_q8_as(const QuantizedX& q, const uint8_t* src, int64_t rows, int64_t
   const int64_t grain = std::max<int64_t>(1, kMinTaskBytes / std::max<int64_t>(work, 1));
   at::parallel_for(0, tiles, grain, [&](int64_t i0, int64_t i1) {
     if (isa == kIsaVnni) {
-      std::unique_ptr<TileVnni> tile(new TileVnni);
+      std::unique_ptr<TileVnni> tile(new TileVnni(q, batch));
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t r0 = i * kRowTile;
         const int n = static_cast<int>(std::min<int64_t>(kRowTile, rows - r0));
-        decode_tile_vnni<Type>(src, bpr, r0, n, q, *tile);
-        int64_t t0 = 0;
-        for (; t0 + kTokenTile <= batch; t0 += kTokenTile) dot_tile_vnni<Type, kTokenTile, T>(*tile, n, q, t0, bias, r0, out, rows);
-        switch (batch - t0) {
-          case 3: dot_tile_vnni<Type, 3, T>(*tile, n, q, t0, bias, r0, out, rows); break;
-          case 2: dot_tile_vnni<Type, 2, T>(*tile, n, q, t0, bias, r0, out, rows); break;
-          case 1: dot_tile_vnni<Type, 1, T>(*tile, n, q, t0, bias, r0, out, rows); break;
-          default: break;
-        }
+        for_chunks(q.nbp / 2, kTilePairs, [&](int64_t p0, int64_t p1) {
+          decode_tile_vnni<Type>(src, bpr, r0, n, q, p0, p1, *tile);
+          for_token_tiles(batch, [&](int64_t t0, auto nt) {
+            dot_tile_vnni<Type, decltype(nt)::value, T>(*tile, n, q, t0, p0, p1, bias, r0, out, rows);
+          });
+        });
       }
       return;
     }
-    std::unique_ptr<RowTile> tile(new RowTile);
+    std::unique_ptr<RowTile> tile(new RowTile(q, batch));
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t r0 = i * kRowTile;
       const int n = static_cast<int>(std::min<int64_t>(kRowTile, rows - r0));
-      decode_tile<Type>(src, bpr, r0, n, q, *tile);
-      int64_t t0 = 0;
-      for (; t0 + kTokenTile <= batch; t0 += kTokenTile) dot_tile_avx2<Type, kTokenTile, T>(*tile, n, q, t0, bias, r0, out, rows);
-      switch (batch - t0) {
-        case 3: dot_tile_avx2<Type, 3, T>(*tile, n, q, t0, bias, r0, out, rows); break;
-        case 2: dot_tile_avx2<Type, 2, T>(*tile, n, q, t0, bias, r0, out, rows); break;
-        case 1: dot_tile_avx2<Type, 1, T>(*tile, n, q, t0, bias, r0, out, rows); break;
-        default: break;
-      }
+      for_chunks(q.nbp, kTileBlocks, [&](int64_t b0, int64_t b1) {
+        decode_tile<Type>(src, bpr, r0, n, q, b0, b1, *tile);
+        for_token_tiles(batch, [&](int64_t t0, auto nt) {
+          dot_tile_avx2<Type, decltype(nt)::value, T>(*tile, n, q, t0, b0, b1, bias, r0, out, rows);
+        });
+      });
     }
   });
 #else
@@ -979,7 +1048,6 @@ torch::Tensor matmul_q8(torch::Tensor x, torch::Tensor w, int64_t qtype, c10::op
   const int64_t cols = check_weight(w, type_size, 32);
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(), "x must be a contiguous CPU [batch, columns] tensor");
   TORCH_CHECK(x.size(1) == cols, "x has ", x.size(1), " columns; the weight has ", cols);
-  TORCH_CHECK(cols <= kMaxColumns, "the q8 path takes at most ", kMaxColumns, " columns");
   if (bias) TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == w.size(0),
                         "the bias must be float32 [rows]");
   const int64_t chosen = resolve_isa(isa);
@@ -1024,7 +1092,6 @@ torch::Tensor matmul_q8_interleaved(torch::Tensor x, torch::Tensor w, int64_t qt
   TORCH_CHECK(w.size(0) % kInterleave == 0, "an interleaved weight has a multiple of ", kInterleave, " rows");
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(), "x must be a contiguous CPU [batch, columns] tensor");
   TORCH_CHECK(x.size(1) == cols, "x has ", x.size(1), " columns; the weight has ", cols);
-  TORCH_CHECK(cols <= kMaxColumns, "the q8 path takes at most ", kMaxColumns, " columns");
   if (bias) TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == w.size(0),
                         "the bias must be float32 [rows]");
   TORCH_CHECK(resolve_isa(kIsaBest) == kIsaVnni, "the interleaved layout needs AVX512-VNNI");

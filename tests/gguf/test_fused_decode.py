@@ -7,8 +7,10 @@ reference. Every step the fused call takes here is run again through the layers 
 same inputs (writing the same K/V again) and the hidden states and residuals must be
 equal to the bit: decode steps of several sequences of different lengths (prefix hits, a
 pool small enough to share blocks) and n-gram verification steps of several tokens, on
-Llama (Q4_1), Qwen2 (q/k/v bias, Q8_0) and Qwen3 (per-head q/k norms, Q4_0) files, and
-Qwen2 and Qwen3 bfloat16 checkpoints (oneDNN-packed projections).
+Llama (Q4_1), Qwen2 (q/k/v bias, Q8_0) and Qwen3 (per-head q/k norms, Q4_0) files, a Qwen2
+file whose down_proj is wider than the q8 kernel's 4,096-column tile (Q5_1: GGUF rows, its
+sums carried across chunks of the row), and Qwen2 and Qwen3 bfloat16 checkpoints
+(oneDNN-packed projections).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ pytestmark = pytest.mark.skipif(
     gguf_matmul_cpu.load() is None or gguf_matmul_cpu.q8_isa() is None or fused_decode_cpu.load() is None,
     reason="the fused decode step needs the q8 GGUF path (AVX2 or AVX512-VNNI) and a C++ compiler")
 
+# a down_proj of 4,160 inputs: past the 4,096 that the q8 path once stopped at
+WIDE = {"intermediate_size": 4160}
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 
 
@@ -41,13 +45,15 @@ def _prompts() -> list[list[int]]:
 
 def _model(tmp_path, kind: str, weights: str) -> str:
     """A GGUF file of ``weights`` (a ggml type), or a bfloat16 checkpoint (its projections
-    prepacked for oneDNN as they load)."""
+    prepacked for oneDNN as they load); ``KIND-wide``: ``kind`` with the ``WIDE`` MLP."""
     if weights == "bf16-checkpoint":
         return str(build_checkpoint(tmp_path / "ckpt", kind, seed=3, dtype=torch.bfloat16))
-    return str(write_gguf(tmp_path / "model.gguf", kind, weights, seed=3))
+    kind, wide = kind.removesuffix("-wide"), kind.endswith("-wide")
+    return str(write_gguf(tmp_path / "model.gguf", kind, weights, seed=3, overrides=WIDE if wide else None))
 
 
 @pytest.mark.parametrize(("kind", "weights"), [("llama", "Q4_1"), ("qwen2", "Q8_0"), ("qwen3", "Q4_0"),
+                                               ("qwen2-wide", "Q5_1"),
                                                ("qwen2", "bf16-checkpoint"), ("qwen3", "bf16-checkpoint")])
 def test_every_fused_step_equals_the_layers_bit_for_bit(tmp_path, monkeypatch, kind, weights):
     if weights == "bf16-checkpoint" and not packed_linear.available():
@@ -57,6 +63,9 @@ def test_every_fused_step_equals_the_layers_bit_for_bit(tmp_path, monkeypatch, k
     try:
         model = llm.llm_engine.runner.model
         assert model.fused_decode is not None
+        if kind.endswith("-wide"):   # the wide projection in GGUF rows, multiplied by matmul_q8 in the step
+            down = model.layers[0].mlp.down_proj.gguf
+            assert down.columns == WIDE["intermediate_size"] and not down.interleaved
         seen = {"steps": 0, "rows": set(), "verify": 0}
         real_run = fused_decode.FusedDecode.run
 

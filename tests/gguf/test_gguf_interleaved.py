@@ -25,7 +25,7 @@ from kvpilot.engine.model.layers.gguf_linear import (
 from kvpilot.kernels import gguf_matmul_cpu
 
 from support.gguf_blocks import random_blocks
-from support.q8_reference import quantize_like_the_kernel
+from support.q8_reference import assert_matches_q8_reference
 
 TYPES = (T.Q4_0, T.Q4_1, T.Q8_0)
 VNNI = gguf_matmul_cpu.load() is not None and gguf_matmul_cpu.load().q8_isa() == 1
@@ -36,6 +36,18 @@ pytestmark = pytest.mark.skipif(not VNNI, reason="the interleaved layout needs A
 def _weight(qtype: T, rows: int, columns: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     raw = random_blocks(qtype, rows, columns, np.random.default_rng(seed))
     return torch.from_numpy(raw), torch.from_numpy(reference_dequantize(raw, qtype)).double()
+
+
+def _assert_product(x: torch.Tensor, packed: torch.Tensor, qtype: T, weight: torch.Tensor,
+                    bias: torch.Tensor | None) -> None:
+    """The kernel's product in ``x``'s dtype: the q8 reference's to float32 rounding, and
+    bit for bit the same one token at a time."""
+    y = gguf_matmul_cpu.matmul_q8_interleaved(x, packed, int(qtype), bias)
+    assert y.dtype == x.dtype and y.shape == (x.shape[0], packed.shape[0])
+    assert_matches_q8_reference(y, x, weight, bias)
+    alone = torch.cat([gguf_matmul_cpu.matmul_q8_interleaved(x[i:i + 1], packed, int(qtype), bias)
+                       for i in range(x.shape[0])])
+    assert torch.equal(alone, y)
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
@@ -60,19 +72,21 @@ def test_the_kernel_matches_the_q8_reference_and_one_token_at_a_time(qtype):
         for batch in (1, 3, 4, 7, 24):
             x = (torch.randn(batch, columns) * torch.rand(batch, 1) * 4).to(dtype)
             x[0, :32] = 0                                    # an all-zero block: scale 0
-            b = bias if batch % 2 else None
-            y = gguf_matmul_cpu.matmul_q8_interleaved(x, packed, int(qtype), b)
-            assert y.dtype == dtype and y.shape == (batch, rows)
-            xq, tie = quantize_like_the_kernel(x)
-            ref = xq @ weight.T + (bias.double() if b is not None else 0)
-            bound = 2e-6 * (xq.abs() @ weight.abs().T + 1) + tie @ weight.abs().T
-            if dtype != torch.float32:
-                bound = bound + ref.abs() * torch.finfo(dtype).eps
-            err = (y.double() - ref).abs()
-            assert (err <= bound).all(), (dtype, batch, (err / bound).max().item())
-            alone = torch.cat([gguf_matmul_cpu.matmul_q8_interleaved(x[i:i + 1], packed, int(qtype), b)
-                               for i in range(batch)])
-            assert torch.equal(alone, y)
+            _assert_product(x, packed, qtype, weight, bias if batch % 2 else None)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_rows_wider_than_4096_columns_match_the_q8_reference(qtype):
+    """Qwen2.5-0.5B's down_proj width (4,864) and 8,192 + 32 (an odd number of blocks)."""
+    torch.manual_seed(30 + int(qtype))
+    rows = 32
+    for columns in (4864, 8224):
+        raw, weight = _weight(qtype, rows, columns, 30 + int(qtype))
+        packed = gguf_matmul_cpu.interleave(raw, int(qtype))
+        bias = torch.randn(rows)
+        for dtype, batch in ((torch.bfloat16, 1), (torch.float16, 7)):
+            x = (torch.randn(batch, columns) * torch.rand(batch, 1) * 4).to(dtype)
+            _assert_product(x, packed, qtype, weight, bias)
 
 
 def test_bad_weights_are_refused():
@@ -100,12 +114,12 @@ def test_bad_weights_are_refused():
 def test_a_layer_chooses_the_layout_and_serves_both_paths(monkeypatch):
     monkeypatch.delenv(gguf_matmul_cpu.Q8_ENV, raising=False)
     q41, q80 = int(T.Q4_1), int(T.Q8_0)
-    assert interleaves(torch.bfloat16, [32, 16], [q41, q80], 256)
-    assert not interleaves(torch.float32, [32], [q41], 256)        # the exact float path stays
-    assert not interleaves(torch.bfloat16, [40], [q41], 256)       # not whole groups
-    assert not interleaves(torch.bfloat16, [32], [int(T.Q5_1)], 256)
+    assert interleaves(torch.bfloat16, [32, 16], [q41, q80])
+    assert not interleaves(torch.float32, [32], [q41])             # the exact float path stays
+    assert not interleaves(torch.bfloat16, [40], [q41])            # not whole groups
+    assert not interleaves(torch.bfloat16, [32], [int(T.Q5_1)])
     monkeypatch.setenv(gguf_matmul_cpu.Q8_ENV, "0")
-    assert not interleaves(torch.bfloat16, [32], [q41], 256)       # the q8 path switched off
+    assert not interleaves(torch.bfloat16, [32], [q41])            # the q8 path switched off
     monkeypatch.delenv(gguf_matmul_cpu.Q8_ENV)
 
     parts = [(_weight(T.Q4_1, 32, 256, 3)), (_weight(T.Q8_0, 16, 256, 4))]

@@ -30,10 +30,14 @@ from kvpilot.engine.model.layers.gguf_linear import build_layout, gguf_linear, u
 from kvpilot.kernels import gguf_matmul_cpu
 
 from support.gguf_blocks import random_blocks
-from support.q8_reference import quantize_like_the_kernel
+from support.q8_reference import assert_matches_q8_reference
 
 Q8_TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)
 BATCHES = (1, 3, 16, 17, 33, 64)
+# Rows wider than the kernel's 4,096-column tile, which it multiplies a tile's width at a
+# time: Qwen2.5-0.5B's down_proj (a whole and a partial chunk), and 8,192 + 32 (two whole
+# chunks, then one half-empty block pair)
+WIDE_COLUMNS = (4864, 8224)
 ISAS = [isa for isa in ("vnni", "avx2")
         if gguf_matmul_cpu.load() is not None and gguf_matmul_cpu.load().q8_isa() in
         ({1} if isa == "vnni" else {1, 2})]
@@ -59,13 +63,24 @@ def test_kernel_matches_the_q8_reference_to_float_rounding(qtype, isa):
             x[0, :32] = 0                                # an all-zero block: scale 0
             y = gguf_matmul_cpu.matmul_q8(x, raw, int(qtype), bias if batch % 2 else None, isa=isa)
             assert y.dtype == dtype and y.shape == (batch, rows)
-            xq, tie = quantize_like_the_kernel(x)
-            ref = xq @ weight.T + (bias.double() if batch % 2 else 0)
-            bound = 2e-6 * (xq.abs() @ weight.abs().T + 1) + tie @ weight.abs().T  # float32 scales and sums
-            if dtype != torch.float32:                      # one rounding to the output dtype
-                bound = bound + ref.abs() * torch.finfo(dtype).eps
-            err = (y.double() - ref).abs()
-            assert (err <= bound).all(), (dtype, batch, (err / bound).max().item())
+            assert_matches_q8_reference(y, x, weight, bias if batch % 2 else None)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("qtype", Q8_TYPES, ids=lambda t: t.name)
+def test_rows_wider_than_the_kernels_tile_match_the_q8_reference(qtype, isa):
+    """Each row's sums carried from one 4,096-column chunk to the next, the mins added once."""
+    torch.manual_seed(200 + int(qtype))
+    rows = 13                   # a partial row tile
+    for columns in WIDE_COLUMNS:
+        raw, weight = _weight(qtype, rows, columns, 200 + int(qtype))
+        bias = torch.randn(rows)
+        for dtype, batch in ((torch.bfloat16, 1), (torch.float16, 7), (torch.float32, 6)):  # token tiles + rest
+            x = (torch.randn(batch, columns) * torch.rand(batch, 1) * 4).to(dtype)
+            x[0, 4096:4128] = 0                          # an all-zero block in the second chunk
+            y = gguf_matmul_cpu.matmul_q8(x, raw, int(qtype), bias if batch % 2 else None, isa=isa)
+            assert y.dtype == dtype and y.shape == (batch, rows)
+            assert_matches_q8_reference(y, x, weight, bias if batch % 2 else None)
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -87,7 +102,7 @@ def test_kernel_is_close_to_f_linear_over_the_dequantized_weight(qtype, isa):
 
 def test_the_layer_takes_the_q8_path_for_16_bit_activations_only(monkeypatch):
     monkeypatch.setenv(gguf_matmul_cpu.Q8_ENV, "0")
-    assert not uses_q8(torch.bfloat16, int(T.Q4_1), 1, 256)          # the switch
+    assert not uses_q8(torch.bfloat16, int(T.Q4_1), 1)               # the switch
     monkeypatch.delenv(gguf_matmul_cpu.Q8_ENV)                        # on by default
     raw, weight = _weight(T.Q4_1, 40, 256, 3)
     layout = build_layout(256, [40], [int(T.Q4_1)])
@@ -100,10 +115,10 @@ def test_the_layer_takes_the_q8_path_for_16_bit_activations_only(monkeypatch):
         calls.clear()
         x = torch.randn(batch, 256).to(dtype)
         y = gguf_linear(x, flat, None, layout)
-        assert y.dtype == dtype and bool(calls) == q8 == uses_q8(dtype, int(T.Q4_1), batch, 256)
+        assert y.dtype == dtype and bool(calls) == q8 == uses_q8(dtype, int(T.Q4_1), batch)
         truth = x.double() @ weight.T
         assert (y.double() - truth).abs().max() <= 2e-2 * truth.abs().max()
-    assert not uses_q8(torch.bfloat16, int(T.Q4_K), 1, 256)         # k-quants: the float path
+    assert not uses_q8(torch.bfloat16, int(T.Q4_K), 1)              # k-quants: the float path
 
 
 def test_the_isa_can_be_forced_and_refused(monkeypatch):
@@ -112,7 +127,7 @@ def test_the_isa_can_be_forced_and_refused(monkeypatch):
     assert gguf_matmul_cpu.q8_isa() == "avx2"
     monkeypatch.setenv(gguf_matmul_cpu.Q8_ISA_ENV, "off")
     assert gguf_matmul_cpu.q8_isa() is None
-    assert not uses_q8(torch.bfloat16, int(T.Q4_1), 1, 256)
+    assert not uses_q8(torch.bfloat16, int(T.Q4_1), 1)
     monkeypatch.setenv(gguf_matmul_cpu.Q8_ISA_ENV, "sse")
     with pytest.raises(ValueError, match="expected one of"):
         gguf_matmul_cpu.q8_isa()

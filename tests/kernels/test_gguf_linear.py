@@ -94,7 +94,7 @@ def test_layer_matches_f_linear_over_the_dequantized_weight(qtype, dtype):
     assert resident_bytes(layer) == raw.nbytes + rows * layer.bias.element_size()  # the file's bytes, and the bias
     for batch in BATCHES:
         x = torch.randn(batch, columns).to(dtype)
-        _check_close(layer(x), x, weight, layer.bias, uses_q8(dtype, int(qtype), batch, columns))
+        _check_close(layer(x), x, weight, layer.bias, uses_q8(dtype, int(qtype), batch))
     x3 = torch.randn(2, 3, columns).to(dtype)                  # leading dims are kept
     assert layer(x3).shape == (2, 3, rows)
 

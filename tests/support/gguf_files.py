@@ -52,8 +52,9 @@ _GEMMA3_NAMES = {**_LAYER_NAMES, "post_attention_layernorm": "post_attention_nor
 K_QUANTS = {"Q4_K": (144, 0, 2, 3e-4, 7.5), "Q5_K": (176, 0, 2, 1.5e-4, 15.5), "Q6_K": (210, 208, None, 4e-5, 0)}
 
 
-def hf_model(kind: str, seed: int = 0):
-    """A seeded random transformers model of ``kind`` (float32)."""
+def hf_model(kind: str, seed: int = 0, overrides: dict | None = None):
+    """A seeded random transformers model of ``kind`` (float32), its config changed by
+    ``overrides`` (say a wider ``intermediate_size``)."""
     import transformers
 
     classes = {
@@ -65,7 +66,7 @@ def hf_model(kind: str, seed: int = 0):
     }
     cfg_cls, model_cls = classes[kind]
     torch.manual_seed(seed)
-    model = model_cls(cfg_cls(**{**COMMON, **KINDS[kind][1]})).float().eval()
+    model = model_cls(cfg_cls(**{**COMMON, **KINDS[kind][1], **(overrides or {})})).float().eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if kind == "gemma3" and name.endswith("norm.weight"):   # random: 1 + w would hide w
@@ -166,12 +167,12 @@ def add_vocab(writer, sentencepiece: bool, with_merges: bool = True, **flags) ->
 
 
 def write_gguf(path: Path, kind: str, qtype: str, seed: int = 0, sentencepiece: bool = False,
-               name: str | None = None) -> Path:
-    """A GGUF file of ``hf_model(kind, seed)`` with its 2-D weights in ``qtype``."""
+               name: str | None = None, overrides: dict | None = None) -> Path:
+    """A GGUF file of ``hf_model(kind, seed, overrides)`` with its 2-D weights in ``qtype``."""
     import gguf
 
     arch, _ = KINDS[kind]
-    model = hf_model(kind, seed)
+    model = hf_model(kind, seed, overrides)
     cfg = model.config
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(name or f"tiny-{kind}")

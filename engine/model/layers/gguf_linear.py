@@ -125,12 +125,12 @@ def build_layout(columns: int, part_rows: Sequence[int], qtypes: Sequence[int],
     return GgufLayout(columns, tuple(parts), tuple(segments), interleaved)
 
 
-def interleaves(dtype: torch.dtype, part_rows: Sequence[int], qtypes: Sequence[int], columns: int) -> bool:
+def interleaves(dtype: torch.dtype, part_rows: Sequence[int], qtypes: Sequence[int]) -> bool:
     """Whether a layer of ``dtype`` with these parts keeps its bytes interleaved (module
     docstring): only where every call of up to ``Q8_INTERLEAVED_MAX_BATCH`` 16-bit tokens
     takes the q8 path (the type, whole groups of rows, AVX512-VNNI, the q8 path switched on)."""
     return dtype in Q8_DTYPES and all(
-        gguf_matmul_cpu.interleaves(q, rows, columns) for rows, q in zip(part_rows, qtypes, strict=True))
+        gguf_matmul_cpu.interleaves(q, rows) for rows, q in zip(part_rows, qtypes, strict=True))
 
 
 def fast_path_reason(linear: nn.Module, qtypes: Sequence[int], device: torch.device | str) -> str | None:
@@ -163,7 +163,7 @@ def use_gguf_weight(linear: nn.Module, qtype: int | Sequence[int],
     if reason is None:
         try:
             layout = build_layout(columns, parts, qtypes,
-                                  interleaves(linear.weight.dtype, parts, qtypes, columns))
+                                  interleaves(linear.weight.dtype, parts, qtypes))
         except ValueError as exc:
             reason = str(exc)
     if reason is not None:
@@ -186,7 +186,7 @@ def use_gguf_embedding(embedding: nn.Module, qtype: int, device: torch.device | 
     if reason is None:
         try:
             layout = build_layout(columns, [rows], [qtype],
-                                  interleaves(embedding.weight.dtype, [rows], [qtype], columns))
+                                  interleaves(embedding.weight.dtype, [rows], [qtype]))
         except ValueError as exc:
             reason = str(exc)
     if reason is not None:
@@ -293,13 +293,13 @@ def gguf_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return y.to(x.dtype).reshape(*x.shape[:-1], layout.rows)
 
 
-def uses_q8(dtype: torch.dtype, qtype: int, tokens: int, columns: int, interleaved: bool = False) -> bool:
+def uses_q8(dtype: torch.dtype, qtype: int, tokens: int, *, interleaved: bool = False) -> bool:
     """Whether ``tokens`` activations of ``dtype`` take the q8 path through a ``qtype``
-    weight of ``columns`` inputs, held ``interleaved`` or not (module docstring)."""
+    weight (of any width), held ``interleaved`` or not (module docstring)."""
     bound = gguf_matmul_cpu.Q8_INTERLEAVED_MAX_BATCH if interleaved else gguf_matmul_cpu.Q8_MAX_BATCH
     return (dtype in Q8_DTYPES and qtype in gguf_matmul_cpu.Q8_TYPES
             and gguf_matmul_cpu.q8_enabled()
-            and tokens <= bound and columns <= gguf_matmul_cpu.Q8_MAX_COLUMNS
+            and tokens <= bound
             and gguf_matmul_cpu.q8_isa() is not None)
 
 
@@ -309,7 +309,7 @@ def _segment(flat: torch.Tensor, weight: torch.Tensor, seg: GgufPart, layout: Gg
     dtype): the activation dtype from the q8 path and tiles, float32 from the float kernel."""
     columns = layout.columns
     rows = weight[seg.byte_offset:seg.byte_offset + seg.num_bytes].view(seg.rows, seg.bytes_per_row)
-    if uses_q8(flat.dtype, seg.qtype, flat.shape[0], columns, layout.interleaved):
+    if uses_q8(flat.dtype, seg.qtype, flat.shape[0], interleaved=layout.interleaved):
         if layout.interleaved:
             return gguf_matmul_cpu.matmul_q8_interleaved(flat, rows, seg.qtype, bias)
         return gguf_matmul_cpu.matmul_q8(flat, rows, seg.qtype, bias)
