@@ -80,6 +80,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     interface the runner and the loader use); ``nn.Module.__init__`` instead of Llama's,
     whose layers these replace."""
 
+    FUSED_LAYER_TYPES = (Gemma3DecoderLayer, Gemma3Attention)
+
     def __init__(self, cfg: ArchConfig, max_model_len: int, tp: TPGroup | None = None) -> None:
         nn.Module.__init__(self)
         self.cfg = cfg
@@ -95,7 +97,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
                         else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp))
         self._is_last_stage = True
         self.loaded_kv_scales = False
-        self.fused_decode = None   # Gemma 3's layers are not the fused step's (``use_fused_decode``)
+        self.fused_decode = None   # all layers in one native call (``use_fused_decode``)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The scaled embeddings: the normaliser is rounded to the model dtype first, as
