@@ -147,3 +147,12 @@ def test_the_kernel_refuses_swapped_entry_points_and_bad_steps():
     with pytest.raises(RuntimeError, match="four linears"):
         layers.add_layer(torch.ones(256), torch.ones(256), None, None, 1e-6, torch.ones(8, 64), torch.ones(8, 64), 64,
                          [], [], [], [])
+    q8 = [torch.zeros(rows, 34, dtype=torch.uint8) for rows in (512, 256, 1024, 256)]   # Q8_0 [rows, 32 values]
+    linears = (q8, [8] * 4, [None] * 4, [-1] * 4)
+    for options, message in ((dict(norm_form="rms"), "a norm form"), (dict(activation="relu"), "an activation"),
+                             (dict(post_attn_norm=torch.ones(256)), "come together"),
+                             (dict(sliding_window=-1), "sliding window")):
+        with pytest.raises(RuntimeError, match=message):
+            layers.add_layer(torch.ones(256), torch.ones(256), None, None, 1e-6, torch.ones(8, 64), torch.ones(8, 64),
+                             64, *linears, **options)
+    assert layers.num_layers() == 0
