@@ -16,6 +16,8 @@ head and tensor-parallel layers are reused):
 - The softmax scale is ``query_pre_attn_scalar ** -0.5``, not ``head_dim ** -0.5``.
 - Logits are soft-capped, ``cap * tanh(logits / cap)``, where the config sets
   ``final_logit_softcapping``; the embedding is tied to the LM head by default.
+- On CPU a decode step's layers can run in one native call (``fused_decode``, as for
+  Llama: ``FUSED_LAYER_TYPES``), bit for bit these layers.
 
 Weights: HF's checkpoint names (``model.layers.N.pre_feedforward_layernorm.weight``,
 ``...self_attn.q_norm.weight``, ...); the engine's parameters are those names without
