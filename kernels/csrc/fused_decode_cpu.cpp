@@ -23,7 +23,6 @@
 #include <torch/extension.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
-#include <cmath>
 #include <string>
 #include <vector>
 
@@ -102,73 +101,11 @@ Activation parse_activation(const std::string& name) {
   TORCH_CHECK(false, "an activation is \"silu\", \"gelu_tanh\" or \"gelu\"; got \"", name, "\"");
 }
 
-// GemmaRMSNorm.forward (layers/norm.py) of x [tokens, hidden] or a view [tokens, heads, head_dim]
-// (+ residual first): {normed} or {normed, x + residual}; `gain` is its `1.0 + weight.float()`.
-// Its torch ops are `x = x + residual; h = x.float(); h = h * rsqrt(h.pow(2).mean(-1, keepdim)
-// + eps); (h * gain).to(x.dtype)`, about ten ATen calls a norm (six norms a Gemma 3 layer): here
-// the one reduction is ATen's mean itself (its summation order is ATen's), and the elementwise
-// steps are two loops that round where the ops round (each op is one IEEE operation on float32
-// values, or a round to nearest even to the 16-bit type; this file has no -ffast-math), so
-// the result is the torch ops' bit for bit (tests/gguf/test_fused_decode.py).
-std::vector<torch::Tensor> gemma_norm(const torch::Tensor& x, const c10::optional<torch::Tensor>& residual,
-                                      const torch::Tensor& gain, double eps) {
-  TORCH_CHECK((x.dim() == 2 || x.dim() == 3) && x.stride(-1) == 1, "a Gemma norm's input is [tokens, hidden] or "
-              "[tokens, heads, head_dim] with contiguous rows");
-  const auto x3 = x.dim() == 2 ? x.unsqueeze(1) : x;
-  const int64_t tokens = x3.size(0), heads = x3.size(1), dim = x3.size(2);
-  TORCH_CHECK(gain.scalar_type() == torch::kFloat && gain.is_contiguous() && gain.numel() == dim,
-              "a Gemma norm's gain is float32 [", dim, "]");
-  torch::Tensor res3, summed;
-  if (residual) {
-    TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type() &&
-                    residual->stride(-1) == 1,
-                "the residual must be like x");
-    res3 = (x.dim() == 2 ? residual->unsqueeze(1) : *residual);
-    summed = at::empty(x.sizes(), x.options());
-  }
-  auto squares = at::empty(x.sizes(), x.options().dtype(torch::kFloat));
-  auto out = at::empty(x.sizes(), x.options());
-  AT_DISPATCH_REDUCED_FLOATING_TYPES(x.scalar_type(), "gemma_norm", [&] {
-    // the rows' values as the norm sees them (x + residual, rounded to the 16-bit type), squared
-    const scalar_t* xp = x3.data_ptr<scalar_t>();
-    const scalar_t* rp = residual ? res3.data_ptr<scalar_t>() : nullptr;
-    scalar_t* sp = residual ? summed.data_ptr<scalar_t>() : nullptr;
-    float* qp = squares.data_ptr<float>();
-    const int64_t xs0 = x3.stride(0), xs1 = x3.stride(1);
-    const int64_t rs0 = residual ? res3.stride(0) : 0, rs1 = residual ? res3.stride(1) : 0;
-    auto row_in = [&](int64_t t, int64_t h) -> const scalar_t* {
-      return rp ? sp + (t * heads + h) * dim : xp + t * xs0 + h * xs1;
-    };
-    for (int64_t t = 0; t < tokens; ++t)
-      for (int64_t h = 0; h < heads; ++h) {
-        float* q = qp + (t * heads + h) * dim;
-        if (rp) {
-          const scalar_t* a = xp + t * xs0 + h * xs1;
-          const scalar_t* b = rp + t * rs0 + h * rs1;
-          scalar_t* s = sp + (t * heads + h) * dim;
-          for (int64_t d = 0; d < dim; ++d) s[d] = static_cast<scalar_t>(static_cast<float>(a[d]) + static_cast<float>(b[d]));
-        }
-        const scalar_t* v = row_in(t, h);
-        for (int64_t d = 0; d < dim; ++d) {
-          const float f = static_cast<float>(v[d]);
-          q[d] = f * f;
-        }
-      }
-    const auto mean = squares.mean({-1}, true).contiguous();
-    const float* mp = mean.data_ptr<float>();
-    const float* g = gain.data_ptr<float>();
-    const float e = static_cast<float>(eps);
-    scalar_t* op = out.data_ptr<scalar_t>();
-    for (int64_t t = 0; t < tokens; ++t)
-      for (int64_t h = 0; h < heads; ++h) {
-        const float r = 1.0f / std::sqrt(mp[t * heads + h] + e);
-        const scalar_t* v = row_in(t, h);
-        scalar_t* o = op + (t * heads + h) * dim;
-        for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<scalar_t>((static_cast<float>(v[d]) * r) * g[d]);
-      }
-  });
-  if (residual) return {out, summed};
-  return {out};
+// GemmaRMSNorm._norm (layers/norm.py), op for op: `gain` is its `1.0 + weight.float()`.
+torch::Tensor gemma_norm(const torch::Tensor& x, const torch::Tensor& gain, double eps) {
+  auto h = x.to(torch::kFloat);
+  h = h * torch::rsqrt(h.pow(2).mean({-1}, true) + eps);
+  return (h * gain).to(x.scalar_type());
 }
 
 }  // namespace
@@ -306,14 +243,16 @@ class DecodeLayers {
   std::vector<torch::Tensor> norm(const Layer& L, const torch::Tensor& x, const c10::optional<torch::Tensor>& residual,
                                   const torch::Tensor& weight) const {
     if (L.norm_form == NormForm::kLlama) return add_rms_norm_(x, residual, weight, L.eps);
-    return gemma_norm(x, residual, weight, L.eps);
+    if (!residual) return {gemma_norm(x, weight, L.eps)};
+    auto summed = x + *residual;
+    return {gemma_norm(summed, weight, L.eps), summed};
   }
 
   // A per-head norm of q or k ([tokens, heads, head_dim], a view of the projection) as the
   // layer's norm module computes it: RMSNorm.forward's kernel on a flat copy, viewed back;
   // GemmaRMSNorm on the view itself.
   torch::Tensor head_norm(const Layer& L, const torch::Tensor& x, const torch::Tensor& weight) const {
-    if (L.norm_form == NormForm::kGemma) return gemma_norm(x, c10::nullopt, weight, L.eps)[0];
+    if (L.norm_form == NormForm::kGemma) return gemma_norm(x, weight, L.eps);
     return add_rms_norm_(x.reshape({-1, head_dim_}), c10::nullopt, weight, L.eps)[0].view(x.sizes());
   }
 
