@@ -7,10 +7,13 @@ reference. Every step the fused call takes here is run again through the layers 
 same inputs (writing the same K/V again) and the hidden states and residuals must be
 equal to the bit: decode steps of several sequences of different lengths (prefix hits, a
 pool small enough to share blocks) and n-gram verification steps of several tokens, on
-Llama (Q4_1), Qwen2 (q/k/v bias, Q8_0) and Qwen3 (per-head q/k norms, Q4_0) files, a Qwen2
-file whose down_proj is wider than the q8 kernel's 4,096-column tile (Q5_1: GGUF rows, its
-sums carried across chunks of the row), and Qwen2 and Qwen3 bfloat16 checkpoints
-(oneDNN-packed projections).
+Llama (Q4_1), Qwen2 (q/k/v bias, Q8_0), Qwen3 (per-head q/k norms, Q4_0) and Gemma 3 (Q8_0)
+files, a Qwen2 file whose down_proj is wider than the q8 kernel's 4,096-column tile (Q5_1:
+GGUF rows, its sums carried across chunks of the row), and Qwen2, Qwen3 and Gemma 3 bfloat16
+checkpoints (oneDNN-packed projections). The Gemma 3 models have 5 local layers to 1 global
+(windows of 16 and 32 tokens, their own rope) and contexts past the window: a hybrid KV
+cache, each layer reading its group's tables, as for a Qwen2 checkpoint whose second layer
+has a window of 8.
 """
 
 from __future__ import annotations
@@ -24,9 +27,11 @@ from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.model import fused_decode
 from kvpilot.engine.model.layers import packed_linear
 from kvpilot.kernels import fused_decode_cpu, gguf_matmul_cpu
+from kvpilot.kernels.attention_metadata import AttentionMetadata
 
+from support.gemma3_checkpoints import build_gemma3
 from support.gguf_files import write_gguf
-from support.tiny_checkpoints import build_checkpoint
+from support.tiny_checkpoints import build_checkpoint, save_tokenizer
 
 pytestmark = pytest.mark.skipif(
     gguf_matmul_cpu.load() is None or gguf_matmul_cpu.q8_isa() is None or fused_decode_cpu.load() is None,
@@ -46,6 +51,13 @@ def _prompts() -> list[list[int]]:
 def _model(tmp_path, kind: str, weights: str) -> str:
     """A GGUF file of ``weights`` (a ggml type), or a bfloat16 checkpoint (its projections
     prepacked for oneDNN as they load); ``KIND-wide``: ``kind`` with the ``WIDE`` MLP."""
+    if weights == "bf16-checkpoint" and kind == "gemma3":
+        path = build_gemma3(tmp_path / "ckpt", seed=3)   # float32, loaded in bfloat16
+        save_tokenizer(path, 512)
+        return str(path)
+    if kind == "qwen2-window":   # a window of 8 on its second layer: a hybrid KV cache
+        return str(build_checkpoint(tmp_path / "ckpt", "qwen2", seed=3, dtype=torch.bfloat16,
+                                    use_sliding_window=True, sliding_window=8, max_window_layers=1))
     if weights == "bf16-checkpoint":
         return str(build_checkpoint(tmp_path / "ckpt", kind, seed=3, dtype=torch.bfloat16))
     kind, wide = kind.removesuffix("-wide"), kind.endswith("-wide")
@@ -53,8 +65,9 @@ def _model(tmp_path, kind: str, weights: str) -> str:
 
 
 @pytest.mark.parametrize(("kind", "weights"), [("llama", "Q4_1"), ("qwen2", "Q8_0"), ("qwen3", "Q4_0"),
-                                               ("qwen2-wide", "Q5_1"),
-                                               ("qwen2", "bf16-checkpoint"), ("qwen3", "bf16-checkpoint")])
+                                               ("qwen2-wide", "Q5_1"), ("gemma3", "Q8_0"),
+                                               ("qwen2", "bf16-checkpoint"), ("qwen3", "bf16-checkpoint"),
+                                               ("gemma3", "bf16-checkpoint"), ("qwen2-window", "bf16-checkpoint")])
 def test_every_fused_step_equals_the_layers_bit_for_bit(tmp_path, monkeypatch, kind, weights):
     if weights == "bf16-checkpoint" and not packed_linear.available():
         pytest.skip("no oneDNN packing in this torch build")
@@ -66,7 +79,10 @@ def test_every_fused_step_equals_the_layers_bit_for_bit(tmp_path, monkeypatch, k
         if kind.endswith("-wide"):   # the wide projection in GGUF rows, multiplied by matmul_q8 in the step
             down = model.layers[0].mlp.down_proj.gguf
             assert down.columns == WIDE["intermediate_size"] and not down.interleaved
-        seen = {"steps": 0, "rows": set(), "verify": 0}
+        if kind.endswith("-wide"):   # the wide projection in GGUF rows, multiplied by matmul_q8 in the step
+            down = model.layers[0].mlp.down_proj.gguf
+            assert down.columns == WIDE["intermediate_size"] and not down.interleaved
+        seen = {"steps": 0, "rows": set(), "verify": 0, "hybrid": 0}
         real_run = fused_decode.FusedDecode.run
 
         def checked_run(self, positions, hidden, residual, kv_caches, metadata):
@@ -76,15 +92,20 @@ def test_every_fused_step_equals_the_layers_bit_for_bit(tmp_path, monkeypatch, k
                 assert torch.equal(out[0], layers[0]) and torch.equal(out[1], layers[1])
                 seen["steps"] += 1
                 seen["rows"].add(hidden.shape[0])
-                seen["verify"] += metadata.max_query_len > 1
+                hybrid = not isinstance(metadata, AttentionMetadata)
+                seen["verify"] += (metadata[0] if hybrid else metadata).max_query_len > 1
+                seen["hybrid"] += hybrid
             return out
 
         monkeypatch.setattr(fused_decode.FusedDecode, "run", checked_run)
-        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=1)
+        # Gemma 3's tiny models repeat their drafts more (fewer steps): a longer run
+        params = SamplingParams(temperature=0.0, max_tokens=40 if kind == "gemma3" else 24, ignore_eos=True,
+                                logprobs=1)
         fused = llm.generate(_prompts(), params)
     finally:
         llm.llm_engine.close()
     assert seen["steps"] > 10 and max(seen["rows"]) > 1 and seen["verify"] > 0, seen
+    assert (seen["hybrid"] == seen["steps"]) == (kind in ("gemma3", "qwen2-window")), seen
 
     monkeypatch.setenv(fused_decode.FUSED_DECODE_ENV, "0")
     plain = LLM(path, dtype="bfloat16", num_gpu_blocks=64, max_model_len=256, max_num_seqs=4)
@@ -101,10 +122,13 @@ def test_every_fused_step_equals_the_layers_bit_for_bit(tmp_path, monkeypatch, k
 
 def test_models_the_kernel_does_not_run_exactly_keep_the_layers(tmp_path, caplog):
     write_gguf(tmp_path / "llama.gguf", "llama", "Q4_1", seed=4)
+    write_gguf(tmp_path / "k-quants.gguf", "llama", "Q4_K", seed=4)
     write_gguf(tmp_path / "gemma.gguf", "gemma3", "Q8_0", seed=4)
     cases = [("llama.gguf", "float32", "no q8 path"),            # float32 keeps the exact float path
              ("llama.gguf", "bfloat16", None),
-             ("gemma.gguf", "bfloat16", "not (only) Llama-family decoder layers")]
+             ("k-quants.gguf", "bfloat16", "no q8 path for ggml type 12"),   # 256-value blocks
+             ("gemma.gguf", "float32", "no q8 path"),
+             ("gemma.gguf", "bfloat16", None)]
     for name, dtype, reason in cases:
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="kvpilot.engine.model.fused_decode"):
@@ -129,8 +153,17 @@ def test_the_kernel_refuses_swapped_entry_points_and_bad_steps():
     hidden = torch.zeros(2, 256, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="one KV cache per layer"):
         layers.forward(hidden, None, torch.zeros(2, dtype=torch.long), [torch.zeros(1)],
-                       torch.zeros(2, dtype=torch.long), 2, torch.zeros(2, 1, dtype=torch.int32),
-                       torch.ones(2, dtype=torch.int32))
+                       [torch.zeros(2, dtype=torch.long)], 2, [torch.zeros(2, 1, dtype=torch.int32)],
+                       [torch.ones(2, dtype=torch.int32)])
     with pytest.raises(RuntimeError, match="four linears"):
         layers.add_layer(torch.ones(256), torch.ones(256), None, None, 1e-6, torch.ones(8, 64), torch.ones(8, 64), 64,
                          [], [], [], [])
+    q8 = [torch.zeros(rows, 34, dtype=torch.uint8) for rows in (512, 256, 1024, 256)]   # Q8_0 [rows, 32 values]
+    linears = (q8, [8] * 4, [None] * 4, [-1] * 4)
+    for options, message in ((dict(norm_form="rms"), "a norm form"), (dict(activation="relu"), "an activation"),
+                             (dict(post_attn_norm=torch.ones(256)), "come together"),
+                             (dict(sliding_window=-1), "sliding window")):
+        with pytest.raises(RuntimeError, match=message):
+            layers.add_layer(torch.ones(256), torch.ones(256), None, None, 1e-6, torch.ones(8, 64), torch.ones(8, 64),
+                             64, *linears, **options)
+    assert layers.num_layers() == 0

@@ -16,6 +16,8 @@ head and tensor-parallel layers are reused):
 - The softmax scale is ``query_pre_attn_scalar ** -0.5``, not ``head_dim ** -0.5``.
 - Logits are soft-capped, ``cap * tanh(logits / cap)``, where the config sets
   ``final_logit_softcapping``; the embedding is tied to the LM head by default.
+- On CPU a decode step's layers can run in one native call (``fused_decode``, as for
+  Llama: ``FUSED_LAYER_TYPES``), bit for bit these layers.
 
 Weights: HF's checkpoint names (``model.layers.N.pre_feedforward_layernorm.weight``,
 ``...self_attn.q_norm.weight``, ...); the engine's parameters are those names without
@@ -80,6 +82,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     interface the runner and the loader use); ``nn.Module.__init__`` instead of Llama's,
     whose layers these replace."""
 
+    FUSED_LAYER_TYPES = (Gemma3DecoderLayer, Gemma3Attention)
+
     def __init__(self, cfg: ArchConfig, max_model_len: int, tp: TPGroup | None = None) -> None:
         nn.Module.__init__(self)
         self.cfg = cfg
@@ -95,7 +99,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
                         else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp))
         self._is_last_stage = True
         self.loaded_kv_scales = False
-        self.fused_decode = None   # Gemma 3's layers are not the fused step's (``use_fused_decode``)
+        self.fused_decode = None   # all layers in one native call (``use_fused_decode``)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The scaled embeddings: the normaliser is rounded to the model dtype first, as

@@ -152,6 +152,9 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """One class for the supported architectures; ``cfg`` switches the variants."""
 
+    # The decoder layer and attention classes the fused decode step runs (``use_fused_decode``)
+    FUSED_LAYER_TYPES: tuple[type, type] = (DecoderLayer, Attention)
+
     def __init__(self, cfg: ArchConfig, max_model_len: int, tp: TPGroup | None = None,
                  stage: StageLayers | None = None) -> None:
         super().__init__()
@@ -197,9 +200,8 @@ class LlamaForCausalLM(nn.Module):
             hidden, residual = self.embed(input_ids), None
         else:
             hidden, residual = intermediate
-        per_layer = not isinstance(metadata, AttentionMetadata)
         fused = None
-        if self.fused_decode is not None and not per_layer:
+        if self.fused_decode is not None:
             fused = self.fused_decode.run(positions, hidden, residual, kv_caches, metadata)
         if fused is not None:
             hidden, residual = fused
@@ -257,10 +259,11 @@ class LlamaForCausalLM(nn.Module):
         qualify. Call it after the layers are final (the CPU layer ops on, LoRA wrapped)."""
         from kvpilot.engine.model.fused_decode import build_fused_decode
 
-        plain = all(type(layer) is DecoderLayer and type(layer.self_attn) is Attention and type(layer.mlp) is MLP
+        layer_type, attention_type = self.FUSED_LAYER_TYPES
+        plain = all(type(layer) is layer_type and type(layer.self_attn) is attention_type and type(layer.mlp) is MLP
                     for layer in self.layers)
         self.fused_decode = build_fused_decode(
-            self.layers, dtype, None if plain else "the layers are not (only) Llama-family decoder layers")
+            self.layers, dtype, None if plain else f"the layers are not (only) {layer_type.__name__}s")
         return self.fused_decode is not None
 
     @property
