@@ -38,9 +38,9 @@ from dataclasses import dataclass
 import torch
 
 from kvpilot.engine.model.attention.torch_backend import KERNEL_MAX_QUERY, kernel_rows, step_rows
+from kvpilot.engine.model.layers.activation import ACTIVATIONS
 from kvpilot.engine.model.layers.gguf_linear import uses_q8
 from kvpilot.engine.model.layers.norm import GemmaRMSNorm, RMSNorm
-from kvpilot.engine.model.models.llama import ACTIVATIONS
 from kvpilot.engine.model.parallel.linear import ColumnParallelLinear, RowParallelLinear
 from kvpilot.kernels import cpu_layer_ops, fused_decode_cpu, gguf_matmul_cpu
 from kvpilot.kernels.attention_metadata import AttentionMetadata

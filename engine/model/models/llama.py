@@ -31,6 +31,7 @@ from kvpilot.contract.arch_config import ArchConfig
 from kvpilot.contract.pipeline_stages import StageLayers
 from kvpilot.engine.model.attention.backend import AttentionBackend
 from kvpilot.engine.model.attention.torch_backend import FP8_DTYPES
+from kvpilot.engine.model.layers.activation import ACTIVATIONS
 from kvpilot.engine.model.layers.gguf_linear import gguf_linear
 from kvpilot.engine.model.layers.norm import RMSNorm
 from kvpilot.engine.model.layers.packed_linear import can_pack, pack, packed_linear
@@ -44,8 +45,6 @@ from kvpilot.engine.model.parallel.linear import (
 )
 from kvpilot.engine.model.parallel.sharding import even_shard, kv_head_shard
 from kvpilot.kernels.attention_metadata import AttentionMetadata
-
-ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
 class Attention(nn.Module):
