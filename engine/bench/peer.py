@@ -247,8 +247,8 @@ def run(args: argparse.Namespace) -> int:
           f"{bandwidth / 1e9:.1f} GB/s ({settings.threads} threads); "
           + "; ".join(f"{n} {r.describe(one[n])}" for n, r in roofs.items()))
     # tok/s@1 pays each request's prefill (compute); decode alone is what the ceiling bounds
-    decode = {name: rl.decode_rate(figures[name].get("itl_p50@1")) for name in roofs}
-    print("roofline, decode alone (1000 / itl_p50@1): " + "; ".join(
+    decode = {name: figures[name].get("decode_tok/s@1") for name in roofs}
+    print("roofline, decode alone (decode_tok/s@1): " + "; ".join(
         f"{n} {'-' if decode[n] is None else f'{decode[n]:.0f} tok/s, {100 * r.share(decode[n]):.0f}%'}"
         for n, r in roofs.items()))
     checks = _print_ratios(ratios(figures), names)

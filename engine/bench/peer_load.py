@@ -8,12 +8,14 @@ makes exactly ``output_len`` tokens:
 - ``tok/s@N``: N concurrent streams, each sending ``requests_per_stream`` requests one
   after the other (``input_len`` prompt tokens, ``output_len`` output tokens); output
   tokens over the wall time, and the inter-token latency (``itl_p50@N``, the gaps between
-  streamed chunks);
+  streamed chunks); at one stream also ``decode_tok/s@1``, decode alone: the median over
+  the requests of the tokens after the first over the time after the first (prefill left
+  out; robust to a server that streams several tokens per chunk);
 - ``ttft_cached_prefix``: time to first token of a request whose ``prefix_len``-token
   prefix the server has just seen (``suffix_len`` new tokens after it), one at a time;
 - ``ttft_cold``: time to first token of a fresh ``cold_len``-token prompt, one at a time.
 
-Lower is better for every figure but ``tok/s``.
+Lower is better for every figure but the tokens/s ones.
 """
 
 from __future__ import annotations
@@ -23,7 +25,13 @@ import random
 import time
 from dataclasses import dataclass
 
-from kvpilot.engine.bench.serve import client_session, first_model, percentile, stream_completion
+from kvpilot.engine.bench.serve import (
+    RequestResult,
+    client_session,
+    first_model,
+    percentile,
+    stream_completion,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,17 +63,25 @@ class Workload:
     def figure_names(self) -> list[str]:
         names = []
         for n in self.streams:
-            names += [f"tok/s@{n}", f"itl_p50@{n}"]
+            names += [f"tok/s@{n}", f"itl_p50@{n}"] + (["decode_tok/s@1"] if n == 1 else [])
         return [*names, "ttft_cached_prefix", "ttft_cold"]
 
 
 def higher_is_better(figure: str) -> bool:
-    return figure.startswith("tok/s")
+    return figure.startswith(("tok/s", "decode_tok/s"))
+
+
+def decode_rate(results: list[RequestResult]) -> float | None:
+    """Median over ``results`` of tokens after the first / seconds after the first (None
+    when no request made two tokens)."""
+    rates = [(r.completion_tokens - 1) / (r.e2e - r.ttft) for r in results
+             if r.completion_tokens > 1 and r.e2e > r.ttft]
+    return percentile(rates, 50) if rates else None
 
 
 async def _streams(http, model: str, rng: random.Random, pool: list[int], w: Workload,
-                   num_streams: int) -> tuple[float, float | None]:
-    """(output tokens/s, ITL p50 in ms) of ``num_streams`` concurrent streams."""
+                   num_streams: int) -> tuple[float, float | None, float | None]:
+    """(output tokens/s, ITL p50 in ms, ``decode_rate``) of ``num_streams`` concurrent streams."""
     prompts = [[rng.choice(pool) for _ in range(w.input_len)]
                for _ in range(num_streams * w.requests_per_stream)]
     results = []
@@ -79,7 +95,7 @@ async def _streams(http, model: str, rng: random.Random, pool: list[int], w: Wor
     duration = time.perf_counter() - start
     gaps = [g * 1000 for r in results for g in r.chunk_gaps]
     return (sum(r.completion_tokens for r in results) / duration,
-            percentile(gaps, 50) if gaps else None)
+            percentile(gaps, 50) if gaps else None, decode_rate(results))
 
 
 async def _ttft(http, model: str, prompts: list[list[int]]) -> float:
@@ -103,7 +119,9 @@ async def measure(base_url: str, pool: list[int], w: Workload, seed: int = 0) ->
         for _ in range(2):   # warm-up, not measured (first-request costs, lazy compiles)
             await stream_completion(http, model, tokens(w.input_len), 8)
         for n in w.streams:
-            figures[f"tok/s@{n}"], figures[f"itl_p50@{n}"] = await _streams(http, model, rng, pool, w, n)
+            figures[f"tok/s@{n}"], figures[f"itl_p50@{n}"], decode = await _streams(http, model, rng, pool, w, n)
+            if n == 1:
+                figures["decode_tok/s@1"] = decode
         prefix = tokens(w.prefix_len)
         await stream_completion(http, model, prefix + tokens(w.suffix_len), 1)   # the prefix, seen once
         figures["ttft_cached_prefix"] = await _ttft(

@@ -197,15 +197,9 @@ class Roofline:
         return f"{self.bytes_per_token / 1e6:.1f} MB/token -> {self.ceiling:.0f} tok/s{reached}"
 
     def as_dict(self, tokens_per_s: float | None = None, decode_tok_s: float | None = None) -> dict:
-        """The figures; ``decode_tok_s``: the decode-only rate (``decode_rate``), if known."""
+        """The figures; ``decode_tok_s``: the rate of decode alone (``bench peer``'s
+        ``decode_tok/s@1``), if known."""
         return {"read_bandwidth_gb_s": self.bandwidth / 1e9, "weight_bytes": self.weight_bytes,
                 "kv_bytes": self.kv_bytes, "context": self.context, "bytes_per_token": self.bytes_per_token,
                 "ceiling_tok_s": self.ceiling, "tok_s": tokens_per_s, "share": self.share(tokens_per_s),
                 "decode_tok_s": decode_tok_s, "decode_share": self.share(decode_tok_s)}
-
-
-def decode_rate(itl_ms: float | None) -> float | None:
-    """Tokens/s of decode alone, from one stream's inter-token latency (ms): the rate the
-    roofline bounds. A stream's tok/s also pays each request's prefill, which is compute,
-    not a read of the weights (None or a non-positive latency: None)."""
-    return 1000.0 / itl_ms if itl_ms is not None and itl_ms > 0 else None

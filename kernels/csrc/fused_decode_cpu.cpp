@@ -46,7 +46,7 @@ struct Linear {
 // (GemmaRMSNorm: float32 times `1 + weight`, rounded once; torch ops in the Python layer).
 enum class NormForm { kLlama, kGemma };
 // The MLP's activation of [gate | up]: SiLU * up (cpu_layer_ops' silu_mul), or GELU (tanh or
-// exact) * up as torch computes it (models/llama.py's ACTIVATIONS).
+// exact) * up as torch computes it (layers/activation.py's ACTIVATIONS).
 enum class Activation { kSiluMul, kGeluTanh, kGelu };
 
 struct Layer {
