@@ -31,6 +31,7 @@ from kvpilot.contract.arch_config import ArchConfig
 from kvpilot.contract.pipeline_stages import StageLayers
 from kvpilot.engine.model.attention.backend import AttentionBackend
 from kvpilot.engine.model.attention.torch_backend import FP8_DTYPES
+from kvpilot.engine.model.fused_decode import build_fused_decode
 from kvpilot.engine.model.layers.activation import ACTIVATIONS
 from kvpilot.engine.model.layers.gguf_linear import gguf_linear
 from kvpilot.engine.model.layers.norm import RMSNorm
@@ -256,8 +257,6 @@ class LlamaForCausalLM(nn.Module):
         """Run the decode steps it takes through one native call for all layers
         (``kvpilot.engine.model.fused_decode``); False, layers kept, where the model does not
         qualify. Call it after the layers are final (the CPU layer ops on, LoRA wrapped)."""
-        from kvpilot.engine.model.fused_decode import build_fused_decode
-
         layer_type, attention_type = self.FUSED_LAYER_TYPES
         plain = all(type(layer) is layer_type and type(layer.self_attn) is attention_type and type(layer.mlp) is MLP
                     for layer in self.layers)
