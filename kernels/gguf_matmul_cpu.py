@@ -114,12 +114,16 @@ def _check(weight: torch.Tensor, qtype: int) -> None:
                          f"{tuple(weight.shape)} on {weight.device}")
 
 
+def _check_dtype(dtype: torch.dtype) -> None:
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"dequantize writes float32, bfloat16 or float16; got {dtype}")
+
+
 def dequantize(weight: torch.Tensor, qtype: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``[rows, columns]`` of a GGUF weight's bytes in ``dtype`` (float32, or bfloat16/float16
     rounded once from the decoded float32 value)."""
     _check(weight, qtype)
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"dequantize writes float32, bfloat16 or float16; got {dtype}")
+    _check_dtype(dtype)
     return _module().dequantize(weight.contiguous(), qtype, dtype)
 
 
@@ -183,6 +187,14 @@ def deinterleave(weight: torch.Tensor, qtype: int) -> torch.Tensor:
     """The GGUF rows of an interleaved weight (``interleave``'s inverse)."""
     _check_interleaved(weight, qtype)
     return _module().interleave(weight.contiguous(), qtype, False)
+
+
+def dequantize_interleaved(weight: torch.Tensor, qtype: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``dequantize(deinterleave(weight), qtype, dtype)`` bit for bit, without the
+    deinterleaved copy: the values of an interleaved weight, rows in the file's order."""
+    _check_interleaved(weight, qtype)
+    _check_dtype(dtype)
+    return _module().dequantize_interleaved(weight.contiguous(), qtype, dtype)
 
 
 def matmul_q8_interleaved(x: torch.Tensor, weight: torch.Tensor, qtype: int,

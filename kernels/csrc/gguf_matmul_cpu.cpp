@@ -853,6 +853,35 @@ void interleave_as(const uint8_t* src, uint8_t* dst, int64_t rows, int64_t bpr, 
   });
 }
 
+// An interleaved weight's values in Out, rows in the file's order: each row's block is put
+// back together from its group (scales, then codes four bytes at a time) and decoded by the
+// type's own decoder, so the values are dequantize(deinterleave(w))'s bit for bit, without
+// the deinterleaved copy (the large-batch path decodes its tiles with it).
+template <int Type, typename F, typename Out>
+void dequantize_interleaved_as(const uint8_t* src, Out* dst, int64_t rows, int64_t bpr) {
+  using I = Interleaved<Type>;
+  constexpr int ts = Codes<Type>::type_size, code_bytes = I::chunks * 4;
+  static_assert(F::type_size == ts && F::block == 32, "a 32-value type with its decoder");
+  const int64_t nb = bpr / ts, cols = nb * 32;
+  at::parallel_for(0, rows / kInterleave, std::max<int64_t>(1, grain_rows(bpr) / kInterleave), [&](int64_t g0, int64_t g1) {
+    alignas(64) uint8_t block[ts];
+    alignas(64) float values[32];
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* group = src + g * kInterleave * bpr + b * kInterleave * ts;
+        const uint8_t* codes = group + 32 * I::scales;
+        for (int r = 0; r < kInterleave; ++r) {
+          for (int s = 0; s < I::scales; ++s) std::memcpy(block + s * 2, group + s * 32 + r * 2, 2);
+          for (int c = 0; c < I::chunks; ++c) std::memcpy(block + 2 * I::scales + 4 * c, codes + c * 64 + r * 4, 4);
+          if (Type == Q8_0)
+            for (int k = 0; k < code_bytes; ++k) block[2 * I::scales + k] ^= 0x80;
+          F::decode(block, values);
+          store_block(values, 32, dst + (g * kInterleave + r) * cols + b * 32);
+        }
+      }
+  });
+}
+
 // One group's 16 outputs for tokens t0..t0+NT (+ bias), from the interleaved blocks at gp.
 template <int Type, int NT, typename T>
 KVPILOT_VNNI void interleaved_group(const uint8_t* gp, const QuantizedX& q, int64_t t0, const float* bias,
@@ -1084,6 +1113,36 @@ torch::Tensor interleave(torch::Tensor w, int64_t qtype, bool forward) {
   return out;
 }
 
+// The values of an interleaved Q4_0, Q4_1 or Q8_0 weight, [rows, columns] of dtype in the
+// file's row order: dequantize(interleave(w, qtype, false), qtype, dtype) without the copy.
+torch::Tensor dequantize_interleaved(torch::Tensor w, int64_t qtype, at::ScalarType dtype) {
+  const int64_t type_size = interleaved_type_size(qtype);
+  TORCH_CHECK(type_size, "no interleaved layout for ggml type ", qtype);
+  const int64_t cols = check_weight(w, type_size, 32), rows = w.size(0), bpr = w.size(1);
+  TORCH_CHECK(rows % kInterleave == 0, "an interleaved weight has a multiple of ", kInterleave, " rows");
+  TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16 || dtype == torch::kHalf,
+              "dequantize writes float32, bfloat16 or float16; got ", dtype);
+  auto out = torch::empty({rows, cols}, torch::TensorOptions().dtype(dtype));
+#if defined(__x86_64__) && defined(__GNUC__)
+  const uint8_t* src = w.data_ptr<uint8_t>();
+  auto typed = [&](auto* dst) {
+    switch (qtype) {
+      case Q4_0: return dequantize_interleaved_as<Q4_0, FQ4_0>(src, dst, rows, bpr);
+      case Q4_1: return dequantize_interleaved_as<Q4_1, FQ4_1>(src, dst, rows, bpr);
+      default: return dequantize_interleaved_as<Q8_0, FQ8_0>(src, dst, rows, bpr);
+    }
+  };
+  switch (dtype) {
+    case torch::kFloat32: typed(out.data_ptr<float>()); break;
+    case torch::kBFloat16: typed(out.data_ptr<c10::BFloat16>()); break;
+    default: typed(out.data_ptr<c10::Half>()); break;
+  }
+#else
+  TORCH_CHECK(false, "the interleaved layout needs an x86-64 CPU");
+#endif
+  return out;
+}
+
 // x [batch, columns] times an interleaved weight's transpose through q8 activations (AVX512-VNNI).
 torch::Tensor matmul_q8_interleaved(torch::Tensor x, torch::Tensor w, int64_t qtype, c10::optional<torch::Tensor> bias) {
   const int64_t type_size = interleaved_type_size(qtype);
@@ -1116,6 +1175,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("bias") = py::none(), py::arg("isa") = 0);
   m.def("interleave", &interleave, "GGUF rows -> the interleaved layout (forward) or back",
         py::arg("w"), py::arg("qtype"), py::arg("forward") = true);
+  m.def("dequantize_interleaved", &dequantize_interleaved,
+        "an interleaved weight -> [rows, columns] of dtype in the file's row order",
+        py::arg("w"), py::arg("qtype"), py::arg("dtype") = torch::kFloat32);
   m.def("matmul_q8_interleaved", &matmul_q8_interleaved,
         "x [batch, columns] @ interleaved weight^T through q8 activations -> [batch, rows] in x's dtype",
         py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("bias") = py::none());

@@ -16,6 +16,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize as reference_dequantize
 
+from kvpilot.engine.model.layers import gguf_linear as gguf_linear_module
 from kvpilot.engine.model.layers.gguf_linear import (
     build_layout,
     gguf_embedding,
@@ -89,6 +90,22 @@ def test_rows_wider_than_4096_columns_match_the_q8_reference(qtype):
             _assert_product(x, packed, qtype, weight, bias)
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_an_interleaved_weight_dequantizes_to_the_files_values(qtype):
+    """``dequantize_interleaved``: the row kernel's values of the file's rows, bit for bit
+    in each dtype, rows in the file's order (the gguf package's dequantization in float32)."""
+    raw, weight = _weight(qtype, 64, 4864, 30 + int(qtype))
+    packed = gguf_matmul_cpu.interleave(raw, int(qtype))
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        got = gguf_matmul_cpu.dequantize_interleaved(packed, int(qtype), dtype)
+        assert got.dtype == dtype and got.shape == (64, 4864)
+        assert torch.equal(got, gguf_matmul_cpu.dequantize(raw, int(qtype), dtype))
+        assert torch.allclose(got.double(), weight.to(dtype).double(), rtol=1e-6, atol=0)
+    # a group is its rows: a slice of whole groups decodes alone
+    assert torch.equal(gguf_matmul_cpu.dequantize_interleaved(packed[16:48], int(qtype)),
+                       gguf_matmul_cpu.dequantize(raw[16:48], int(qtype)))
+
+
 def test_bad_weights_are_refused():
     raw, _ = _weight(T.Q4_1, 40, 64, 1)
     with pytest.raises(ValueError, match="multiple of 16 rows"):
@@ -109,6 +126,10 @@ def test_bad_weights_are_refused():
         gguf_matmul_cpu.matmul_q8_interleaved(torch.randn(2, 32).to(torch.bfloat16), packed, int(T.Q4_1))
     with pytest.raises(RuntimeError, match="uint8"):
         gguf_matmul_cpu.matmul_q8_interleaved(x, packed.float(), int(T.Q4_1))
+    with pytest.raises(ValueError, match="multiple of 16 rows"):
+        gguf_matmul_cpu.dequantize_interleaved(packed[:24], int(T.Q4_1))
+    with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
+        gguf_matmul_cpu.dequantize_interleaved(packed, int(T.Q4_1), torch.float64)
 
 
 def test_a_layer_chooses_the_layout_and_serves_both_paths(monkeypatch):
@@ -132,14 +153,16 @@ def test_a_layer_chooses_the_layout_and_serves_both_paths(monkeypatch):
     real = gguf_matmul_cpu.matmul_q8_interleaved
     monkeypatch.setattr(gguf_matmul_cpu, "matmul_q8_interleaved", lambda *a, **k: calls.append(1) or real(*a, **k))
     bound = gguf_matmul_cpu.Q8_INTERLEAVED_MAX_BATCH
-    for batch in (1, gguf_matmul_cpu.Q8_MAX_BATCH + 1, bound, bound + 1):   # q8 up to the bound, then tiles
-        calls.clear()
-        x = torch.randn(batch, 256).to(torch.bfloat16)
-        y = gguf_linear(x, flat, bias, layout)
-        assert bool(calls) == (batch <= bound)
-        truth = x.double() @ weight.T + bias.double()
-        assert y.dtype == torch.bfloat16 and y.shape == (batch, 48)
-        assert (y.double() - truth).abs().max() <= 3e-2 * truth.abs().max()
+    for tile_rows in (48, 16):   # a part in one tile, or a tile of 16 rows at a time
+        monkeypatch.setattr(gguf_linear_module, "TILE_ELEMENTS", tile_rows * 256)
+        for batch in (1, gguf_matmul_cpu.Q8_MAX_BATCH + 1, bound, bound + 1):   # q8 up to the bound, then tiles
+            calls.clear()
+            x = torch.randn(batch, 256).to(torch.bfloat16)
+            y = gguf_linear(x, flat, bias, layout)
+            assert bool(calls) == (batch <= bound)
+            truth = x.double() @ weight.T + bias.double()
+            assert y.dtype == torch.bfloat16 and y.shape == (batch, 48)
+            assert (y.double() - truth).abs().max() <= 3e-2 * truth.abs().max()
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
