@@ -74,17 +74,46 @@ constexpr bool kVectorType = std::is_same_v<scalar_t, float> || std::is_same_v<s
 // The widest head the vector path holds in registers (head_dim / kLanes vectors per row).
 constexpr int64_t kMaxHeadVectors = 16;
 
+// Blocks ahead whose rows a pass asks the memory for before it reads them: in a decode step
+// the cache is cold (the layer's weights streamed through since this layer last ran), and
+// a head's rows are short runs at a stride that the hardware prefetcher does not follow.
+constexpr int64_t kPrefetchBlocks = 2;
+
+// Asks for the rows lo..hi-1 of one block of one head (`row_bytes` each), into every cache level.
+template <typename scalar_t>
+inline void prefetch_rows(const scalar_t* base, int64_t lo, int64_t hi, int64_t token_stride, int64_t row_bytes) {
+  for (int64_t i = lo; i < hi; ++i) {
+    const char* row = reinterpret_cast<const char*>(base + i * token_stride);
+    for (int64_t offset = 0; offset < row_bytes; offset += 64) __builtin_prefetch(row + offset, 0, 3);
+  }
+}
+
 // The keys and values of one (sequence, KV head) visited a block at a time: fn(row, t)
-// for t = 0..count-1, row the cache row of token first + t (no division per token).
+// for t = 0..count-1, row the cache row of token first + t (no division per token). The rows
+// of the next kPrefetchBlocks blocks are requested before a block's are read.
 template <typename scalar_t, typename Fn>
 inline void for_each_row(const scalar_t* cache, const int32_t* table, int64_t first, int64_t len,
                          int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t head_offset,
-                         Fn fn) {
+                         int64_t head_dim, Fn fn) {
+  const int64_t first_block = first / block_size, end_block = (len + block_size - 1) / block_size;
+  const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(scalar_t));
+  auto rows = [&](int64_t b, int64_t* lo, int64_t* hi) {
+    *lo = std::max<int64_t>(first, b * block_size) - b * block_size;
+    *hi = std::min<int64_t>(len, (b + 1) * block_size) - b * block_size;
+    return cache + table[b] * block_stride + head_offset;
+  };
+  int64_t lo, hi;
+  for (int64_t b = first_block; b < std::min(end_block, first_block + kPrefetchBlocks); ++b) {
+    const scalar_t* base = rows(b, &lo, &hi);
+    prefetch_rows(base, lo, hi, token_stride, row_bytes);
+  }
   int64_t t = 0;
-  for (int64_t b = first / block_size; b * block_size < len; ++b) {
-    const scalar_t* base = cache + table[b] * block_stride + head_offset;
-    const int64_t lo = std::max<int64_t>(first, b * block_size) - b * block_size;
-    const int64_t hi = std::min<int64_t>(len, (b + 1) * block_size) - b * block_size;
+  for (int64_t b = first_block; b < end_block; ++b) {
+    if (b + kPrefetchBlocks < end_block) {
+      const scalar_t* ahead = rows(b + kPrefetchBlocks, &lo, &hi);
+      prefetch_rows(ahead, lo, hi, token_stride, row_bytes);
+    }
+    const scalar_t* base = rows(b, &lo, &hi);
     for (int64_t i = lo; i < hi; ++i, ++t) fn(base + i * token_stride, t);
   }
 }
@@ -162,7 +191,7 @@ void decode_rows(const torch::Tensor& query, const torch::Tensor& key_cache,
       if constexpr (kVectorType<scalar_t>) {
         if (vector_path) {
           for (int64_t i = 0; i < group * nvec; ++i) q_vecs[i] = load_lanes(q_rows.data() + i * kLanes);
-          for_each_row(k_cache, table, first, len, block_size, block_stride, token_stride, head_offset,
+          for_each_row(k_cache, table, first, len, block_size, block_stride, token_stride, head_offset, head_dim,
                        [&](const scalar_t* k, int64_t t) {
             VecF kv[kMaxHeadVectors];
             for (int64_t j = 0; j < nvec; ++j) kv[j] = load_lanes(k + j * kLanes);
@@ -176,7 +205,7 @@ void decode_rows(const torch::Tensor& query, const torch::Tensor& key_cache,
         }
       }
       if (!vector_path) {
-        for_each_row(k_cache, table, first, len, block_size, block_stride, token_stride, head_offset,
+        for_each_row(k_cache, table, first, len, block_size, block_stride, token_stride, head_offset, head_dim,
                      [&](const scalar_t* k, int64_t t) {
           for (int64_t g = 0; g < group; ++g) scores[g * count + t] = dot(q_rows.data() + g * head_dim, k, head_dim);
         });
@@ -196,7 +225,7 @@ void decode_rows(const torch::Tensor& query, const torch::Tensor& key_cache,
       if constexpr (kVectorType<scalar_t>) {
         if (vector_path) {
           std::fill(acc_vecs.begin(), acc_vecs.end(), VecF{});
-          for_each_row(v_cache, table, first, len, block_size, block_stride, token_stride, head_offset,
+          for_each_row(v_cache, table, first, len, block_size, block_stride, token_stride, head_offset, head_dim,
                        [&](const scalar_t* v, int64_t t) {
             VecF vv[kMaxHeadVectors];
             for (int64_t j = 0; j < nvec; ++j) vv[j] = load_lanes(v + j * kLanes);
@@ -211,7 +240,7 @@ void decode_rows(const torch::Tensor& query, const torch::Tensor& key_cache,
       }
       if (!vector_path) {
         std::fill(acc.begin(), acc.end(), acc_t(0));
-        for_each_row(v_cache, table, first, len, block_size, block_stride, token_stride, head_offset,
+        for_each_row(v_cache, table, first, len, block_size, block_stride, token_stride, head_offset, head_dim,
                      [&](const scalar_t* v, int64_t t) {
           for (int64_t g = 0; g < group; ++g) {
             const acc_t p = scores[g * count + t];
