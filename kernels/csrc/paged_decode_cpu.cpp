@@ -19,6 +19,10 @@
 #include <limits>
 #include <vector>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 #include "entry_points.h"
 #include "vec_lanes.h"
 
@@ -85,6 +89,34 @@ inline void prefetch_rows(const scalar_t* base, int64_t lo, int64_t hi, int64_t 
   for (int64_t i = lo; i < hi; ++i) {
     const char* row = reinterpret_cast<const char*>(base + i * token_stride);
     for (int64_t offset = 0; offset < row_bytes; offset += 64) __builtin_prefetch(row + offset, 0, 3);
+  }
+}
+
+// a * b + c rounded once, in this order: what the compiler makes of `c += a * b` in a loop
+// whose length it does not know, kept when the length is known (an unrolled chain of
+// `+=` may be reassociated under -ffast-math, which would change a score's bits).
+inline VecF fma_lanes(VecF a, VecF b, VecF c) {
+#if defined(__AVX512F__)
+  return _mm512_fmadd_ps(a, b, c);
+#elif defined(__AVX2__) && defined(__FMA__)
+  return _mm256_fmadd_ps(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
+// fn(std::integral_constant<int64_t, W>) with W = nvec where it is a common head width in
+// vectors (64 or 128 values, with AVX2 or AVX-512), else W = 0 (the width at run time): a
+// known width unrolls a row's loops and keeps its vectors in registers.
+template <typename Fn>
+inline void with_head_vectors(int64_t nvec, Fn fn) {
+#if !defined(__AVX2__) || !defined(__FMA__)
+  return fn(std::integral_constant<int64_t, 0>{});   // no fused multiply-add to keep the order
+#endif
+  switch (nvec * kLanes) {
+    case 64: return fn(std::integral_constant<int64_t, 64 / kLanes>{});
+    case 128: return fn(std::integral_constant<int64_t, 128 / kLanes>{});
+    default: return fn(std::integral_constant<int64_t, 0>{});
   }
 }
 
@@ -191,16 +223,20 @@ void decode_rows(const torch::Tensor& query, const torch::Tensor& key_cache,
       if constexpr (kVectorType<scalar_t>) {
         if (vector_path) {
           for (int64_t i = 0; i < group * nvec; ++i) q_vecs[i] = load_lanes(q_rows.data() + i * kLanes);
-          for_each_row(k_cache, table, first, len, block_size, block_stride, token_stride, head_offset, head_dim,
-                       [&](const scalar_t* k, int64_t t) {
-            VecF kv[kMaxHeadVectors];
-            for (int64_t j = 0; j < nvec; ++j) kv[j] = load_lanes(k + j * kLanes);
-            for (int64_t g = 0; g < group; ++g) {
-              const VecF* qg = q_vecs.data() + g * nvec;
-              VecF sum = qg[0] * kv[0];
-              for (int64_t j = 1; j < nvec; ++j) sum += qg[j] * kv[j];
-              scores[g * count + t] = lane_sum(sum);
-            }
+          with_head_vectors(nvec, [&](auto width) {
+            constexpr int64_t kWidth = decltype(width)::value;
+            const int64_t n = kWidth ? kWidth : nvec;
+            for_each_row(k_cache, table, first, len, block_size, block_stride, token_stride, head_offset, head_dim,
+                         [&](const scalar_t* k, int64_t t) {
+              VecF kv[kMaxHeadVectors];
+              for (int64_t j = 0; j < n; ++j) kv[j] = load_lanes(k + j * kLanes);
+              for (int64_t g = 0; g < group; ++g) {
+                const VecF* qg = q_vecs.data() + g * n;
+                VecF sum = qg[0] * kv[0];
+                for (int64_t j = 1; j < n; ++j) sum = fma_lanes(qg[j], kv[j], sum);
+                scores[g * count + t] = lane_sum(sum);
+              }
+            });
           });
         }
       }
@@ -225,15 +261,19 @@ void decode_rows(const torch::Tensor& query, const torch::Tensor& key_cache,
       if constexpr (kVectorType<scalar_t>) {
         if (vector_path) {
           std::fill(acc_vecs.begin(), acc_vecs.end(), VecF{});
-          for_each_row(v_cache, table, first, len, block_size, block_stride, token_stride, head_offset, head_dim,
-                       [&](const scalar_t* v, int64_t t) {
-            VecF vv[kMaxHeadVectors];
-            for (int64_t j = 0; j < nvec; ++j) vv[j] = load_lanes(v + j * kLanes);
-            for (int64_t g = 0; g < group; ++g) {
-              const float p = scores[g * count + t];
-              VecF* a = acc_vecs.data() + g * nvec;
-              for (int64_t j = 0; j < nvec; ++j) a[j] += p * vv[j];
-            }
+          with_head_vectors(nvec, [&](auto width) {
+            constexpr int64_t kWidth = decltype(width)::value;
+            const int64_t n = kWidth ? kWidth : nvec;
+            for_each_row(v_cache, table, first, len, block_size, block_stride, token_stride, head_offset, head_dim,
+                         [&](const scalar_t* v, int64_t t) {
+              VecF vv[kMaxHeadVectors];
+              for (int64_t j = 0; j < n; ++j) vv[j] = load_lanes(v + j * kLanes);
+              for (int64_t g = 0; g < group; ++g) {
+                const float p = scores[g * count + t];
+                VecF* a = acc_vecs.data() + g * n;
+                for (int64_t j = 0; j < n; ++j) a[j] += p * vv[j];
+              }
+            });
           });
           for (int64_t i = 0; i < group * nvec; ++i) std::memcpy(acc.data() + i * kLanes, &acc_vecs[i], sizeof(VecF));
         }
