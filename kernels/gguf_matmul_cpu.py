@@ -28,7 +28,9 @@ so that ``matmul_q8_interleaved`` multiplies 4 codes of 16 rows by one instructi
 horizontal sum is taken. On SmolLM2-135M's matrices it streams the weights about twice as
 fast as ``matmul_q8`` at 1 to 16 tokens (``kvpilot bench gguf-matmul --model-pass``). Its
 results are ``matmul_q8``'s up to the float32 order of the per-block terms, and a token's
-result does not depend on how many tokens share the call.
+result does not depend on how many tokens share the call. ``dequantize_interleaved`` decodes
+an interleaved weight's values in the file's row order (the large-batch path's tiles, the
+embedding lookup) without turning the bytes back into rows first.
 
 The engine takes it (``gguf_linear``) where the model runs in bfloat16/float16 (the
 serving default on a CPU with AVX512-BF16, ``--dtype auto``), for up to ``Q8_MAX_BATCH``
