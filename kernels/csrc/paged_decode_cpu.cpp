@@ -110,14 +110,16 @@ inline VecF fma_lanes(VecF a, VecF b, VecF c) {
 // known width unrolls a row's loops and keeps its vectors in registers.
 template <typename Fn>
 inline void with_head_vectors(int64_t nvec, Fn fn) {
-#if !defined(__AVX2__) || !defined(__FMA__)
-  return fn(std::integral_constant<int64_t, 0>{});   // no fused multiply-add to keep the order
-#endif
+#if defined(__AVX2__) && defined(__FMA__)
   switch (nvec * kLanes) {
     case 64: return fn(std::integral_constant<int64_t, 64 / kLanes>{});
     case 128: return fn(std::integral_constant<int64_t, 128 / kLanes>{});
     default: return fn(std::integral_constant<int64_t, 0>{});
   }
+#else
+  (void)nvec;
+  return fn(std::integral_constant<int64_t, 0>{});   // no fused multiply-add to keep the order
+#endif
 }
 
 // The keys and values of one (sequence, KV head) visited a block at a time: fn(row, t)

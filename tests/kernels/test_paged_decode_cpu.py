@@ -59,6 +59,7 @@ def _windowed_ref(batch, window):
     (torch.float32, 4, 4, 64, 16),     # MHA
     (torch.float32, 4, 2, 16, 16),     # the micro model's heads
     (torch.float16, 4, 2, 128, 32),    # GQA 2
+    (torch.bfloat16, 8, 4, 128, 16),   # head 128: the vector path's unrolled rows (64: the MHA case)
     (torch.bfloat16, 8, 2, 80, 16),    # GQA 4, head 80
     (torch.float32, 6, 2, 96, 32),     # GQA 3
     (torch.bfloat16, 4, 1, 96, 16),    # MQA
