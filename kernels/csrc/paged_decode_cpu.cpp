@@ -152,6 +152,25 @@ inline void for_each_row(const scalar_t* cache, const int32_t* table, int64_t fi
   }
 }
 
+// The vector path's visit of those rows: fn(vecs, t, n), vecs row t's n = nvec vectors as
+// float lanes, n a compile-time constant where with_head_vectors knows the width (the
+// callers' loops over n unroll once fn is inlined).
+template <typename scalar_t, typename Fn>
+inline void for_each_row_vectors(int64_t nvec, const scalar_t* cache, const int32_t* table, int64_t first, int64_t len,
+                                 int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t head_offset,
+                                 Fn fn) {
+  with_head_vectors(nvec, [&](auto width) {
+    constexpr int64_t kWidth = decltype(width)::value;
+    const int64_t n = kWidth ? kWidth : nvec;
+    for_each_row(cache, table, first, len, block_size, block_stride, token_stride, head_offset, n * kLanes,
+                 [&](const scalar_t* row, int64_t t) {
+      VecF vecs[kMaxHeadVectors];
+      for (int64_t j = 0; j < n; ++j) vecs[j] = load_lanes(row + j * kLanes);
+      fn(vecs, t, n);
+    });
+  });
+}
+
 template <typename scalar_t>
 void decode_rows(const torch::Tensor& query, const torch::Tensor& key_cache,
                  const torch::Tensor& value_cache, const torch::Tensor& block_tables,
@@ -225,20 +244,14 @@ void decode_rows(const torch::Tensor& query, const torch::Tensor& key_cache,
       if constexpr (kVectorType<scalar_t>) {
         if (vector_path) {
           for (int64_t i = 0; i < group * nvec; ++i) q_vecs[i] = load_lanes(q_rows.data() + i * kLanes);
-          with_head_vectors(nvec, [&](auto width) {
-            constexpr int64_t kWidth = decltype(width)::value;
-            const int64_t n = kWidth ? kWidth : nvec;
-            for_each_row(k_cache, table, first, len, block_size, block_stride, token_stride, head_offset, head_dim,
-                         [&](const scalar_t* k, int64_t t) {
-              VecF kv[kMaxHeadVectors];
-              for (int64_t j = 0; j < n; ++j) kv[j] = load_lanes(k + j * kLanes);
-              for (int64_t g = 0; g < group; ++g) {
-                const VecF* qg = q_vecs.data() + g * n;
-                VecF sum = qg[0] * kv[0];
-                for (int64_t j = 1; j < n; ++j) sum = fma_lanes(qg[j], kv[j], sum);
-                scores[g * count + t] = lane_sum(sum);
-              }
-            });
+          for_each_row_vectors(nvec, k_cache, table, first, len, block_size, block_stride, token_stride, head_offset,
+                               [&](const VecF* kv, int64_t t, int64_t n) {
+            for (int64_t g = 0; g < group; ++g) {
+              const VecF* qg = q_vecs.data() + g * n;
+              VecF sum = qg[0] * kv[0];
+              for (int64_t j = 1; j < n; ++j) sum = fma_lanes(qg[j], kv[j], sum);
+              scores[g * count + t] = lane_sum(sum);
+            }
           });
         }
       }
@@ -263,19 +276,13 @@ void decode_rows(const torch::Tensor& query, const torch::Tensor& key_cache,
       if constexpr (kVectorType<scalar_t>) {
         if (vector_path) {
           std::fill(acc_vecs.begin(), acc_vecs.end(), VecF{});
-          with_head_vectors(nvec, [&](auto width) {
-            constexpr int64_t kWidth = decltype(width)::value;
-            const int64_t n = kWidth ? kWidth : nvec;
-            for_each_row(v_cache, table, first, len, block_size, block_stride, token_stride, head_offset, head_dim,
-                         [&](const scalar_t* v, int64_t t) {
-              VecF vv[kMaxHeadVectors];
-              for (int64_t j = 0; j < n; ++j) vv[j] = load_lanes(v + j * kLanes);
-              for (int64_t g = 0; g < group; ++g) {
-                const float p = scores[g * count + t];
-                VecF* a = acc_vecs.data() + g * n;
-                for (int64_t j = 0; j < n; ++j) a[j] += p * vv[j];
-              }
-            });
+          for_each_row_vectors(nvec, v_cache, table, first, len, block_size, block_stride, token_stride, head_offset,
+                               [&](const VecF* vv, int64_t t, int64_t n) {
+            for (int64_t g = 0; g < group; ++g) {
+              const float p = scores[g * count + t];
+              VecF* a = acc_vecs.data() + g * n;
+              for (int64_t j = 0; j < n; ++j) a[j] += p * vv[j];
+            }
           });
           for (int64_t i = 0; i < group * nvec; ++i) std::memcpy(acc.data() + i * kLanes, &acc_vecs[i], sizeof(VecF));
         }
