@@ -191,12 +191,17 @@ def deinterleave(weight: torch.Tensor, qtype: int) -> torch.Tensor:
     return _module().interleave(weight.contiguous(), qtype, False)
 
 
-def dequantize_interleaved(weight: torch.Tensor, qtype: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_interleaved(weight: torch.Tensor, qtype: int, dtype: torch.dtype = torch.float32,
+                           rows: torch.Tensor | None = None) -> torch.Tensor:
     """``dequantize(deinterleave(weight), qtype, dtype)`` bit for bit, without the
-    deinterleaved copy: the values of an interleaved weight, rows in the file's order."""
+    deinterleaved copy: the values of an interleaved weight, rows in the file's order; or,
+    given ``rows`` (int64 row indices), ``dequantize(deinterleave(weight), ...)[rows]``:
+    only those rows are decoded (an embedding lookup)."""
     _check_interleaved(weight, qtype)
     _check_dtype(dtype)
-    return _module().dequantize_interleaved(weight.contiguous(), qtype, dtype)
+    if rows is not None:
+        rows = rows.reshape(-1).to(torch.int64).contiguous()
+    return _module().dequantize_interleaved(weight.contiguous(), qtype, dtype, rows)
 
 
 def matmul_q8_interleaved(x: torch.Tensor, weight: torch.Tensor, qtype: int,

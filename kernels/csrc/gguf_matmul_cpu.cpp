@@ -853,32 +853,44 @@ void interleave_as(const uint8_t* src, uint8_t* dst, int64_t rows, int64_t bpr, 
   });
 }
 
-// An interleaved weight's values in Out, rows in the file's order: each row's block is put
-// back together from its group (scales, then codes four bytes at a time) and decoded by the
-// type's own decoder, so the values are dequantize(deinterleave(w))'s bit for bit, without
-// the deinterleaved copy (the large-batch path decodes its tiles with it).
-template <int Type, typename F, typename Out>
-void dequantize_interleaved_as(const uint8_t* src, Out* dst, int64_t rows, int64_t bpr) {
+// Row r's block b of an interleaved weight, put back together from its group (scales, then
+// codes four bytes at a time) into GGUF's own block layout.
+template <int Type>
+inline void gather_block(const uint8_t* src, int64_t bpr, int64_t row, int64_t b, uint8_t* block) {
   using I = Interleaved<Type>;
   constexpr int ts = Codes<Type>::type_size, code_bytes = I::chunks * 4;
+  const int64_t r = row % kInterleave;
+  const uint8_t* group = src + (row - r) * bpr + b * kInterleave * ts;
+  const uint8_t* codes = group + 32 * I::scales;
+  for (int s = 0; s < I::scales; ++s) std::memcpy(block + s * 2, group + s * 32 + r * 2, 2);
+  for (int c = 0; c < I::chunks; ++c) std::memcpy(block + 2 * I::scales + 4 * c, codes + c * 64 + r * 4, 4);
+  if (Type == Q8_0)
+    for (int k = 0; k < code_bytes; ++k) block[2 * I::scales + k] ^= 0x80;
+}
+
+// An interleaved weight's values in Out: every row in the file's order (ids null), or the
+// rows ids[0..n-1] in that order (an embedding lookup). Each row's blocks are put back
+// together (gather_block) and decoded by the type's own decoder, so the values are
+// dequantize(deinterleave(w))'s bit for bit, without the deinterleaved copy (the
+// large-batch path decodes its tiles with it).
+template <int Type, typename F, typename Out>
+void dequantize_interleaved_as(const uint8_t* src, Out* dst, int64_t rows, int64_t bpr, const int64_t* ids) {
+  constexpr int ts = Codes<Type>::type_size;
   static_assert(F::type_size == ts && F::block == 32, "a 32-value type with its decoder");
   const int64_t nb = bpr / ts, cols = nb * 32;
-  at::parallel_for(0, rows / kInterleave, std::max<int64_t>(1, grain_rows(bpr) / kInterleave), [&](int64_t g0, int64_t g1) {
+  // whole groups: a group's blocks are read together, once (rows: the groups' rows)
+  const int64_t units = ids ? rows : rows / kInterleave, per_unit = ids ? 1 : kInterleave;
+  at::parallel_for(0, units, std::max<int64_t>(1, grain_rows(bpr) / per_unit), [&](int64_t u0, int64_t u1) {
     alignas(64) uint8_t block[ts];
     alignas(64) float values[32];
-    for (int64_t g = g0; g < g1; ++g)
-      for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* group = src + g * kInterleave * bpr + b * kInterleave * ts;
-        const uint8_t* codes = group + 32 * I::scales;
-        for (int r = 0; r < kInterleave; ++r) {
-          for (int s = 0; s < I::scales; ++s) std::memcpy(block + s * 2, group + s * 32 + r * 2, 2);
-          for (int c = 0; c < I::chunks; ++c) std::memcpy(block + 2 * I::scales + 4 * c, codes + c * 64 + r * 4, 4);
-          if (Type == Q8_0)
-            for (int k = 0; k < code_bytes; ++k) block[2 * I::scales + k] ^= 0x80;
+    for (int64_t u = u0; u < u1; ++u)
+      for (int64_t b = 0; b < nb; ++b)
+        for (int64_t i = 0; i < per_unit; ++i) {
+          const int64_t out_row = u * per_unit + i;
+          gather_block<Type>(src, bpr, ids ? ids[u] : out_row, b, block);
           F::decode(block, values);
-          store_block(values, 32, dst + (g * kInterleave + r) * cols + b * 32);
+          store_block(values, 32, dst + out_row * cols + b * 32);
         }
-      }
   });
 }
 
@@ -1114,22 +1126,35 @@ torch::Tensor interleave(torch::Tensor w, int64_t qtype, bool forward) {
 }
 
 // The values of an interleaved Q4_0, Q4_1 or Q8_0 weight, [rows, columns] of dtype in the
-// file's row order: dequantize(interleave(w, qtype, false), qtype, dtype) without the copy.
-torch::Tensor dequantize_interleaved(torch::Tensor w, int64_t qtype, at::ScalarType dtype) {
+// file's row order: dequantize(interleave(w, qtype, false), qtype, dtype) without the copy;
+// with row_ids, only those rows ([len(row_ids), columns], in their order).
+torch::Tensor dequantize_interleaved(torch::Tensor w, int64_t qtype, at::ScalarType dtype,
+                                     c10::optional<torch::Tensor> row_ids) {
   const int64_t type_size = interleaved_type_size(qtype);
   TORCH_CHECK(type_size, "no interleaved layout for ggml type ", qtype);
-  const int64_t cols = check_weight(w, type_size, 32), rows = w.size(0), bpr = w.size(1);
-  TORCH_CHECK(rows % kInterleave == 0, "an interleaved weight has a multiple of ", kInterleave, " rows");
+  const int64_t cols = check_weight(w, type_size, 32), bpr = w.size(1);
+  TORCH_CHECK(w.size(0) % kInterleave == 0, "an interleaved weight has a multiple of ", kInterleave, " rows");
   TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16 || dtype == torch::kHalf,
               "dequantize writes float32, bfloat16 or float16; got ", dtype);
+  const int64_t* ids = nullptr;
+  int64_t rows = w.size(0);
+  if (row_ids) {
+    TORCH_CHECK(row_ids->device().is_cpu() && row_ids->scalar_type() == torch::kInt64 && row_ids->dim() == 1 &&
+                    row_ids->is_contiguous(),
+                "row ids must be a contiguous CPU int64 vector");
+    ids = row_ids->data_ptr<int64_t>();
+    rows = row_ids->numel();
+    for (int64_t i = 0; i < rows; ++i)
+      TORCH_CHECK(ids[i] >= 0 && ids[i] < w.size(0), "row id ", ids[i], " is outside the weight's ", w.size(0), " rows");
+  }
   auto out = torch::empty({rows, cols}, torch::TensorOptions().dtype(dtype));
 #if defined(__x86_64__) && defined(__GNUC__)
   const uint8_t* src = w.data_ptr<uint8_t>();
   auto typed = [&](auto* dst) {
     switch (qtype) {
-      case Q4_0: return dequantize_interleaved_as<Q4_0, FQ4_0>(src, dst, rows, bpr);
-      case Q4_1: return dequantize_interleaved_as<Q4_1, FQ4_1>(src, dst, rows, bpr);
-      default: return dequantize_interleaved_as<Q8_0, FQ8_0>(src, dst, rows, bpr);
+      case Q4_0: return dequantize_interleaved_as<Q4_0, FQ4_0>(src, dst, rows, bpr, ids);
+      case Q4_1: return dequantize_interleaved_as<Q4_1, FQ4_1>(src, dst, rows, bpr, ids);
+      default: return dequantize_interleaved_as<Q8_0, FQ8_0>(src, dst, rows, bpr, ids);
     }
   };
   switch (dtype) {
@@ -1176,8 +1201,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("interleave", &interleave, "GGUF rows -> the interleaved layout (forward) or back",
         py::arg("w"), py::arg("qtype"), py::arg("forward") = true);
   m.def("dequantize_interleaved", &dequantize_interleaved,
-        "an interleaved weight -> [rows, columns] of dtype in the file's row order",
-        py::arg("w"), py::arg("qtype"), py::arg("dtype") = torch::kFloat32);
+        "an interleaved weight -> [rows, columns] of dtype in the file's row order (or the rows row_ids)",
+        py::arg("w"), py::arg("qtype"), py::arg("dtype") = torch::kFloat32, py::arg("row_ids") = py::none());
   m.def("matmul_q8_interleaved", &matmul_q8_interleaved,
         "x [batch, columns] @ interleaved weight^T through q8 activations -> [batch, rows] in x's dtype",
         py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("bias") = py::none());

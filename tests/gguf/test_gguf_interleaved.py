@@ -104,6 +104,12 @@ def test_an_interleaved_weight_dequantizes_to_the_files_values(qtype):
     # a group is its rows: a slice of whole groups decodes alone
     assert torch.equal(gguf_matmul_cpu.dequantize_interleaved(packed[16:48], int(qtype)),
                        gguf_matmul_cpu.dequantize(raw[16:48], int(qtype)))
+    # chosen rows, in their order (repeats, group edges): those rows of the whole
+    rows = torch.tensor([63, 0, 17, 16, 15, 17, 48])
+    whole = gguf_matmul_cpu.dequantize(raw, int(qtype), torch.bfloat16)
+    assert torch.equal(gguf_matmul_cpu.dequantize_interleaved(packed, int(qtype), torch.bfloat16, rows=rows),
+                       whole[rows])
+    assert gguf_matmul_cpu.dequantize_interleaved(packed, int(qtype), rows=rows[:0]).shape == (0, 4864)
 
 
 def test_bad_weights_are_refused():
@@ -130,6 +136,9 @@ def test_bad_weights_are_refused():
         gguf_matmul_cpu.dequantize_interleaved(packed[:24], int(T.Q4_1))
     with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
         gguf_matmul_cpu.dequantize_interleaved(packed, int(T.Q4_1), torch.float64)
+    for bad in (32, -1):
+        with pytest.raises(RuntimeError, match=f"row id {bad} is outside the weight's 32 rows"):
+            gguf_matmul_cpu.dequantize_interleaved(packed, int(T.Q4_1), rows=torch.tensor([0, bad]))
 
 
 def test_a_layer_chooses_the_layout_and_serves_both_paths(monkeypatch):

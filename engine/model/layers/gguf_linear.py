@@ -203,17 +203,14 @@ def use_gguf_embedding(embedding: nn.Module, qtype: int, device: torch.device | 
 def gguf_embedding(input_ids: torch.Tensor, weight: torch.Tensor, layout: GgufLayout,
                    dtype: torch.dtype) -> torch.Tensor:
     """The embeddings of ``input_ids`` in ``dtype``, decoding only their rows (of an
-    interleaved weight: the groups holding them, each group once)."""
+    interleaved weight too: each row's blocks gathered from its group)."""
     (part,) = layout.parts
     ids = input_ids.reshape(-1)
     direct = dtype in (torch.float32, torch.bfloat16, torch.float16)
     decoded = dtype if direct else torch.float32
     if layout.interleaved:
-        step = gguf_matmul_cpu.INTERLEAVE_ROWS
-        group_ids, where = torch.unique(ids // step, return_inverse=True)   # a prompt repeats tokens
-        groups = weight.view(part.rows // step, step * part.bytes_per_row).index_select(0, group_ids)
-        values = gguf_matmul_cpu.dequantize_interleaved(groups.view(-1, part.bytes_per_row), part.qtype, decoded)
-        values = values.view(-1, step, layout.columns)[where, ids % step]
+        values = gguf_matmul_cpu.dequantize_interleaved(weight.view(part.rows, part.bytes_per_row), part.qtype,
+                                                        decoded, rows=ids)
     else:
         rows = weight.view(part.rows, part.bytes_per_row).index_select(0, ids)
         values = gguf_matmul_cpu.dequantize(rows, part.qtype, decoded)
