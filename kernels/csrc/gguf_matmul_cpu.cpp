@@ -921,13 +921,15 @@ KVPILOT_VNNI void interleaved_group(const uint8_t* gp, const QuantizedX& q, int6
     }
     for (int t = 0; t < NT; ++t) {
       const int64_t k = (t0 + t) * q.nbp + b;
-      int32_t a[8];
-      std::memcpy(a, q.a.data() + (t0 + t) * q.kp + b * 32, 32);
-      __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_set1_epi32(a[0]));
-      __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], _mm512_set1_epi32(a[1]));
+      // each activation word broadcast straight from memory (a load, not a move from a
+      // general register: the sums are integers, so how they are fed never changes them)
+      const auto* a = q.a.data() + (t0 + t) * q.kp + b * 32;
+      auto word = [a](int j) { int32_t v; std::memcpy(&v, a + 4 * j, 4); return _mm512_set1_epi32(v); };
+      __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], word(0));
+      __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], word(1));
       for (int j = 2; j < 8; j += 2) {
-        s0 = _mm512_dpbusd_epi32(s0, w[j], _mm512_set1_epi32(a[j]));
-        s1 = _mm512_dpbusd_epi32(s1, w[j + 1], _mm512_set1_epi32(a[j + 1]));
+        s0 = _mm512_dpbusd_epi32(s0, w[j], word(j));
+        s1 = _mm512_dpbusd_epi32(s1, w[j + 1], word(j + 1));
       }
       __m512i s = _mm512_add_epi32(s0, s1);
       if (I::offset) s = _mm512_sub_epi32(s, _mm512_set1_epi32(I::offset * q.sum[k]));
