@@ -894,6 +894,15 @@ void dequantize_interleaved_as(const uint8_t* src, Out* dst, int64_t rows, int64
   });
 }
 
+// The 4 activation codes at p in every int32 lane, broadcast straight from memory (a load,
+// not a move from a general register; the sums are integers, so how they are fed never
+// changes them). A function of its own: a lambda would not carry KVPILOT_VNNI's target.
+KVPILOT_VNNI inline __m512i broadcast_word(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
 // One group's 16 outputs for tokens t0..t0+NT (+ bias), from the interleaved blocks at gp.
 template <int Type, int NT, typename T>
 KVPILOT_VNNI void interleaved_group(const uint8_t* gp, const QuantizedX& q, int64_t t0, const float* bias,
@@ -921,15 +930,12 @@ KVPILOT_VNNI void interleaved_group(const uint8_t* gp, const QuantizedX& q, int6
     }
     for (int t = 0; t < NT; ++t) {
       const int64_t k = (t0 + t) * q.nbp + b;
-      // each activation word broadcast straight from memory (a load, not a move from a
-      // general register: the sums are integers, so how they are fed never changes them)
-      const auto* a = q.a.data() + (t0 + t) * q.kp + b * 32;
-      auto word = [a](int j) { int32_t v; std::memcpy(&v, a + 4 * j, 4); return _mm512_set1_epi32(v); };
-      __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], word(0));
-      __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], word(1));
+      const int8_t* a = q.a.data() + (t0 + t) * q.kp + b * 32;
+      __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], broadcast_word(a));
+      __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], broadcast_word(a + 4));
       for (int j = 2; j < 8; j += 2) {
-        s0 = _mm512_dpbusd_epi32(s0, w[j], word(j));
-        s1 = _mm512_dpbusd_epi32(s1, w[j + 1], word(j + 1));
+        s0 = _mm512_dpbusd_epi32(s0, w[j], broadcast_word(a + 4 * j));
+        s1 = _mm512_dpbusd_epi32(s1, w[j + 1], broadcast_word(a + 4 * j + 4));
       }
       __m512i s = _mm512_add_epi32(s0, s1);
       if (I::offset) s = _mm512_sub_epi32(s, _mm512_set1_epi32(I::offset * q.sum[k]));
