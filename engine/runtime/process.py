@@ -4,8 +4,8 @@ Started by ``zmq_channel.ProcessTransport`` with its ``zmq_channel.CoreSpec`` on
 length-prefixed pickle; unlike multiprocessing's spawn this never re-runs the caller's
 main script). It builds the ``LLMEngine`` (with tensor or pipeline parallelism it is the
 driver, rank 0, and starts the workers), reports ``Ready`` (or ``StartFailed``), and runs
-``EngineCore.run`` over the ZeroMQ channel until the API process closes the lifeline or
-the engine dies; then it closes the engine (KV offload saves) and exits.
+``EngineCore.run`` over its channel (``zmq_channel.CoreEnd``) until the API process closes
+the lifeline or the engine dies; then it closes the engine (KV offload saves) and exits.
 
 What runs here beside the model: detokenization, stop strings and structured-output
 grammars, because they decide when a request ends and so when its KV blocks are freed,
@@ -24,7 +24,7 @@ import zmq
 
 from kvpilot.engine.runtime.core import EngineCore
 from kvpilot.engine.runtime.messages import CoreInfo, Ready, StartFailed
-from kvpilot.engine.runtime.zmq_channel import LINGER_MS, CoreEnd, read_spec
+from kvpilot.engine.runtime.zmq_channel import CoreEnd, read_spec
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,8 @@ def main() -> int:
     except BaseException as exc:  # noqa: BLE001 - reported to the API process
         logger.error("the engine failed to start: %s", exc)
         channel.send(StartFailed(type(exc).__name__, str(exc), isinstance(exc, ValueError)))
-        context.destroy(linger=LINGER_MS)
+        channel.close()
+        context.destroy()
         return 1
     info = CoreInfo(engine.args, engine.model_config, engine.scheduler_config, engine.cache_info, os.getpid(),
                     tuple(engine.list_loras()))
@@ -72,7 +73,8 @@ def main() -> int:
         try:
             engine.close()
         finally:
-            context.destroy(linger=LINGER_MS)
+            channel.close()
+            context.destroy()
     return 0
 
 

@@ -1,14 +1,22 @@
-"""The engine core in its own process, behind two ZeroMQ sockets (the default of
-``kvpilot serve``): HTTP parsing, JSON and SSE framing in the API process never take the
-GIL from the step loop.
+"""The engine core in its own process (the default of ``kvpilot serve``): HTTP parsing, JSON
+and SSE framing in the API process never take the GIL from the step loop.
 
-``ProcessTransport`` (the API process's end) binds a PUSH socket for command lists and a
-PULL socket for messages in a private directory (ipc), starts ``python -m
-kvpilot.engine.runtime.process`` with its ``CoreSpec`` on stdin, and keeps the write end of
-that stdin open as the core's lifeline: end of file there (the API process closed it, or
-died) makes the core finish its background work and exit. A monitor thread waits for the
-core process; its end, whatever the cause, reaches the client as ``Dead`` (a moment later,
-so that a message the core sent first is read first).
+``ProcessTransport`` (the API process's end) binds a ZeroMQ PUSH socket for command lists
+in a private directory (ipc), makes a Unix socket pair for the core's messages, starts
+``python -m kvpilot.engine.runtime.process`` with its ``CoreSpec`` on stdin and the pair's
+other end inherited, and keeps the write end of that stdin open as the core's lifeline: end
+of file there (the API process closed it, or died) makes the core finish its background
+work and exit. A monitor thread waits for the core process; its end, whatever the cause,
+reaches the client as ``Dead`` (a moment later, so that a message the core sent first is
+read first).
+
+The core's messages (a ``StepReport`` per step: one per token of a stream) take the hot
+path, so they skip ZeroMQ: the core writes length-prefixed frames (``FRAME_HEADER``) to its
+end of the pair with one system call, and the API process's event loop reads its end
+directly (``loop.add_reader``, ``FrameReader``). Through ZeroMQ each message crossed an I/O
+thread in each process: two more threads to wake per token on a machine whose cores the
+step's threads already keep busy. Commands (one per request) stay on ZeroMQ, whose queue
+lets the event loop send without ever blocking.
 
 ``CoreEnd`` (the core's end) waits on the command socket and on stdin. Messages are
 pickled; a ``StepReport``'s outputs travel as flat rows of builtins (no per-request
@@ -17,7 +25,8 @@ objects, no prompt token ids: the client knows those), which the API end turns b
 
 NOTE: both processes run the same kvpilot, so pickle's class references (stats, configs,
 ``SamplingParams``) resolve on both sides; nothing here is read from an untrusted peer
-(the sockets are the API process's own, in a private directory).
+(the command socket is the API process's own, in a private directory; the message socket
+is a pair shared only with the core it started).
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ import logging
 import os
 import pickle
 import shutil
+import socket
 import struct
 import subprocess
 import sys
@@ -38,7 +48,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import zmq
-import zmq.asyncio
 
 from kvpilot.engine.exceptions import describe_exit
 from kvpilot.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -49,8 +58,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# How long a closing socket may try to deliver what it holds (the other side may be gone).
-LINGER_MS = 2000
 # How long after the core process ends its death is declared (messages it sent first are
 # read first: they say why).
 EXIT_GRACE_S = 0.05
@@ -58,6 +65,11 @@ EXIT_GRACE_S = 0.05
 # failed_step)
 _STEP = "step"
 SPEC_HEADER = struct.Struct("<Q")   # the spec's length, before it on the core's stdin
+FRAME_HEADER = struct.Struct("<Q")  # a message's length, before it on the message socket
+# Room in the core's send buffer for messages the API process has not read yet, so that a
+# busy event loop does not stall the step loop at once (the kernel's default is ~200 KiB).
+SEND_BUFFER_BYTES = 4 << 20
+RECEIVE_CHUNK_BYTES = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +78,7 @@ class CoreSpec:
 
     engine_args: EngineArgs
     input_address: str    # commands from the API process (it binds, the core connects)
-    output_address: str   # messages to the API process
+    output_fd: int        # messages to the API process: the core's end of a socket pair (inherited)
     log_level: int
 
 
@@ -146,16 +158,15 @@ def decode_output(row: tuple) -> RequestOutput:
 class ProcessTransport:
     """The API process's end: starts the core process and carries messages both ways."""
 
-    def __init__(self, spec_for: Callable[[str, str], CoreSpec]) -> None:
-        """``spec_for(commands_address, results_address)``: the spec the core starts with."""
+    def __init__(self, spec_for: Callable[[str, int], CoreSpec]) -> None:
+        """``spec_for(commands_address, message_fd)``: the spec the core starts with."""
         self._spec_for = spec_for
         self._process: subprocess.Popen | None = None
         self._dir: str | None = None
         self._context: zmq.Context | None = None
-        self._async_context: zmq.asyncio.Context | None = None
-        self._results: zmq.asyncio.Socket | None = None
         self._commands: zmq.Socket | None = None
-        self._reader: asyncio.Task | None = None
+        self._messages: socket.socket | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
 
     @property
@@ -164,25 +175,25 @@ class ProcessTransport:
 
     def start(self, loop: asyncio.AbstractEventLoop, on_message: Callable[[Message], None]) -> None:
         self._dir = tempfile.mkdtemp(prefix="kvpilot-core-")
-        results, commands = f"ipc://{self._dir}/results", f"ipc://{self._dir}/commands"
-        self._async_context = zmq.asyncio.Context()
-        self._results = self._async_context.socket(zmq.PULL)
-        self._results.setsockopt(zmq.LINGER, 0)
-        self._results.bind(results)
+        commands = f"ipc://{self._dir}/commands"
         self._context = zmq.Context()
         self._commands = self._context.socket(zmq.PUSH)
         self._commands.setsockopt(zmq.LINGER, 0)
         self._commands.setsockopt(zmq.SNDHWM, 0)   # never block the event loop
         self._commands.bind(commands)
+        self._messages, core_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._messages.setblocking(False)
         # PYTHONSAFEPATH: the working directory must not shadow the standard library
         env = {**os.environ, "PYTHONSAFEPATH": "1"}
-        self._process = subprocess.Popen([sys.executable, "-m", "kvpilot.engine.runtime.process"],
-                                         stdin=subprocess.PIPE, env=env)
-        with contextlib.suppress(BrokenPipeError):   # it died at once: the monitor says how
-            self._process.stdin.write(encode_spec(self._spec_for(commands, results)))
-            self._process.stdin.flush()
+        with core_end:   # the core holds its own copy from here on
+            self._process = subprocess.Popen([sys.executable, "-m", "kvpilot.engine.runtime.process"],
+                                             stdin=subprocess.PIPE, env=env, pass_fds=(core_end.fileno(),))
+            with contextlib.suppress(BrokenPipeError):   # it died at once: the monitor says how
+                self._process.stdin.write(encode_spec(self._spec_for(commands, core_end.fileno())))
+                self._process.stdin.flush()
         logger.info("engine core process started (pid %d)", self._process.pid)
-        self._reader = loop.create_task(self._read(on_message))
+        self._loop = loop
+        loop.add_reader(self._messages.fileno(), self._read, FrameReader(), on_message)
         threading.Thread(target=self._monitor, args=(self._process, loop, on_message),
                          name="kvpilot-core-monitor", daemon=True).start()
 
@@ -213,24 +224,37 @@ class ProcessTransport:
 
     def release(self) -> None:
         """Closes the sockets (on the event loop, after ``close``)."""
-        if self._reader is not None:
-            self._reader.cancel()
-        for socket in (self._results, self._commands):
-            if socket is not None:
-                socket.close(linger=0)
+        if self._messages is not None:
+            self._stop_reading()
+            self._messages.close()
+        if self._commands is not None:
+            self._commands.close(linger=0)
         if self._context is not None:
             self._context.term()
-            self._async_context.term()
 
-    async def _read(self, on_message: Callable[[Message], None]) -> None:
-        while True:
-            data = await self._results.recv()
+    def _read(self, frames: FrameReader, on_message: Callable[[Message], None]) -> None:
+        """What the core wrote since the last call (the event loop calls it when the socket
+        is readable), message by message."""
+        try:
+            data = self._messages.recv(RECEIVE_CHUNK_BYTES)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:   # reset: the core is gone, and the monitor says so
+            data = b""
+        if not data:      # the core closed its end: it exited
+            self._stop_reading()
+            return
+        for frame in frames.feed(data):
             try:
-                message = decode_message(data)
+                message = decode_message(frame)
             except Exception:  # noqa: BLE001 - one bad message must not stop the reader
                 logger.exception("a message from the engine core could not be read")
                 continue
             on_message(message)
+
+    def _stop_reading(self) -> None:
+        if self._loop is not None and not self._loop.is_closed() and self._messages.fileno() >= 0:
+            self._loop.remove_reader(self._messages.fileno())
 
     def _monitor(self, process: subprocess.Popen, loop: asyncio.AbstractEventLoop,
                  on_message: Callable[[Message], None]) -> None:
@@ -247,11 +271,10 @@ class CoreEnd:
     """The core process's end: the command socket and stdin in, the message socket out."""
 
     def __init__(self, context: zmq.Context, spec: CoreSpec, parent_fd: int) -> None:
-        self._context = context
-        self._address = spec.output_address
-        self._results = context.socket(zmq.PUSH)
-        self._results.setsockopt(zmq.LINGER, LINGER_MS)
-        self._results.connect(spec.output_address)
+        self._messages = socket.socket(fileno=spec.output_fd)
+        self._messages.setblocking(True)
+        with contextlib.suppress(OSError):   # a smaller buffer only stalls the loop sooner
+            self._messages.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
         self._commands = context.socket(zmq.PULL)
         self._commands.setsockopt(zmq.LINGER, 0)
         self._commands.connect(spec.input_address)
@@ -259,7 +282,7 @@ class CoreEnd:
         self._poller = zmq.Poller()
         self._poller.register(self._commands, zmq.POLLIN)
         self._poller.register(parent_fd, zmq.POLLIN)
-        self._dead_lock = threading.Lock()
+        self._send_lock = threading.Lock()   # frames from two threads never interleave
 
     def receive(self, wait: bool) -> list[Command] | None:
         events = dict(self._poller.poll(None if wait else 0))
@@ -276,14 +299,44 @@ class CoreEnd:
                 return commands
 
     def send(self, message: Message) -> None:
-        self._results.send(encode_message(message), copy=False)
+        self._write(encode_message(message))
 
     def send_dead(self, message: Dead) -> None:
-        """From another thread (the engine's ``on_dead``, maybe while a step is blocked):
-        through a socket of its own, sockets being single-threaded."""
-        with self._dead_lock:
-            socket = self._context.socket(zmq.PUSH)
-            socket.setsockopt(zmq.LINGER, LINGER_MS)
-            socket.connect(self._address)
-            socket.send(pack(message))
-            socket.close()
+        """From another thread (the engine's ``on_dead``, maybe while a step is blocked)."""
+        self._write(pack(message))
+
+    def close(self) -> None:
+        """Closes both sockets; a message already written stays readable at the API's end."""
+        self._commands.close(linger=0)
+        self._messages.close()
+
+    def _write(self, data: bytes) -> None:
+        with self._send_lock:
+            try:
+                self._messages.sendall(FRAME_HEADER.pack(len(data)) + data)
+            except (BrokenPipeError, ConnectionResetError):
+                # the API process is gone: nobody reads, and its lifeline's end stops the loop
+                logger.debug("a message to the API process was dropped: it is gone")
+
+
+class FrameReader:
+    """Splits the message socket's byte stream back into its frames (``FRAME_HEADER``'s
+    length, then that many bytes), however the reads cut it."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes) -> list[bytes]:
+        """The frames that ``data`` completes, in order; a partial one waits for more."""
+        buffer = self._buffer
+        buffer += data
+        frames, start, header = [], 0, FRAME_HEADER.size
+        while len(buffer) - start >= header:
+            (length,) = FRAME_HEADER.unpack_from(buffer, start)
+            end = start + header + length
+            if end > len(buffer):
+                break
+            frames.append(bytes(buffer[start + header:end]))
+            start = end
+        del buffer[:start]
+        return frames

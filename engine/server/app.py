@@ -95,7 +95,7 @@ def build_core_process_client(engine_args, config: ServerConfig,
     from kvpilot.engine.runtime.zmq_channel import CoreSpec
 
     level = logging.getLogger("kvpilot").getEffectiveLevel() or logging.INFO
-    return _client(ProcessTransport(lambda commands, results: CoreSpec(engine_args, commands, results, level)),
+    return _client(ProcessTransport(lambda commands, messages: CoreSpec(engine_args, commands, messages, level)),
                    config, registry)
 
 

@@ -1,25 +1,37 @@
 """The engine core in its own process (the default of ``kvpilot serve``).
 
 The rest of ``tests/server`` runs against the session's server, whose engine core is
-such a process; here: what crosses the channel equals what the engine produced, a
-killed core fails requests and /health at once, and the core never outlives the
+such a process; here: what crosses the channel equals what the engine produced (frames
+whole and in order, however large), a killed core fails requests and /health at once, and the core never outlives the
 server, whether it stops cleanly or is killed.
 """
 
 from __future__ import annotations
 
 import os
+import random
 import re
 import signal
+import socket
+import threading
 import time
 
 import httpx
 import pytest
+import zmq
 
 from kvpilot.engine import SamplingParams
 from kvpilot.engine.bench.server_process import launch_server
-from kvpilot.engine.runtime.messages import StepReport
-from kvpilot.engine.runtime.zmq_channel import decode_message, encode_message
+from kvpilot.engine.runtime.messages import Dead, StepReport
+from kvpilot.engine.runtime.zmq_channel import (
+    FRAME_HEADER,
+    RECEIVE_CHUNK_BYTES,
+    CoreEnd,
+    CoreSpec,
+    FrameReader,
+    decode_message,
+    encode_message,
+)
 
 DETECTION_LIMIT_S = 5.0
 SMALL = ["--model", "demo", "--device", "cpu", "--kv-cache-memory-bytes", "8Mi", "--max-model-len", "1024",
@@ -69,6 +81,52 @@ def test_step_outputs_cross_the_channel_unchanged(offline_llm):
         assert out.prompt_token_ids is None
         out.prompt_token_ids = [11, 12, 13, 14]
     assert decoded == outputs
+
+
+
+def test_frames_come_back_whole_however_the_stream_is_cut():
+    rng = random.Random(3)
+    frames = [b"", b"x", bytes(range(256)) * 40, rng.randbytes(3 << 20), b"tail"]
+    stream = b"".join(FRAME_HEADER.pack(len(f)) + f for f in frames)
+    for cut_sizes in ([1], [7, 13], [RECEIVE_CHUNK_BYTES], [len(stream)]):
+        reader, got, at = FrameReader(), [], 0
+        while at < len(stream):
+            size = rng.choice(cut_sizes)
+            got += reader.feed(stream[at:at + size])
+            at += size
+        assert got == frames
+        assert reader.feed(b"") == []   # nothing held back
+
+
+def test_core_messages_larger_than_the_socket_buffers_arrive_in_order(tmp_path):
+    """The core's end writes from two threads (the loop's ``send`` and ``send_dead``) into
+    one socket; the frames neither interleave nor tear, the large ones included."""
+    context = zmq.Context()
+    api_end, core_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    read_fd, write_fd = os.pipe()
+    try:
+        channel = CoreEnd(context, CoreSpec(None, f"ipc://{tmp_path}/commands", core_end.detach(), 0), read_fd)
+        big = [Dead("m" * (5 << 20)), Dead("n" * (3 << 20))]
+        small = [Dead(f"dead {i}") for i in range(200)]
+        writers = [threading.Thread(target=lambda: [channel.send(m) for m in big]),
+                   threading.Thread(target=lambda: [channel.send_dead(m) for m in small])]
+        for w in writers:
+            w.start()
+        reader, got = FrameReader(), []
+        while len(got) < len(big) + len(small):
+            data = api_end.recv(RECEIVE_CHUNK_BYTES)
+            assert data, "the core's end closed early"
+            got += [decode_message(f) for f in reader.feed(data)]
+        for w in writers:
+            w.join()
+        assert [m for m in got if len(m.message) > 1000] == big
+        assert [m for m in got if len(m.message) <= 1000] == small
+        channel.close()
+    finally:
+        api_end.close()
+        os.close(read_fd)
+        os.close(write_fd)
+        context.destroy(linger=0)
 
 
 @pytest.mark.slow
