@@ -3,7 +3,8 @@ steps did since the previous look (``StepStats``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import operator
+from dataclasses import dataclass, fields
 
 from kvpilot.engine.core.kv_residency import BlockResidency
 from kvpilot.engine.core.spec_stats import SpecDecodingStats
@@ -79,6 +80,12 @@ class EngineStats:
     # KV transfer between engines (NixlConnector); None without a transfer connector.
     kv_transfer: KVTransferStats | None = None
 
+    def __reduce__(self):
+        # one snapshot crosses to the API process per step: pickled as its fields' values
+        # (one C call each way) rather than a slotted dataclass's field-by-field state,
+        # about a third of the time
+        return EngineStats, _ENGINE_STATS_VALUES(self)
+
     @property
     def prompt_tokens_cached(self) -> int:
         """Prompt tokens not computed: device prefix-cache hits plus offload-tier loads."""
@@ -107,6 +114,9 @@ class EngineStats:
             return None
         queries = self.external_prefix_cache_queries
         return (self.external_prefix_cache_hits or 0) / queries if queries else 0.0
+
+
+_ENGINE_STATS_VALUES = operator.attrgetter(*(f.name for f in fields(EngineStats)))
 
 
 @dataclass(frozen=True, slots=True)

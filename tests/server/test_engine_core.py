@@ -75,7 +75,9 @@ def test_step_outputs_cross_the_channel_unchanged(offline_llm):
     while engine.has_unfinished_requests():
         outputs += engine.step()
     assert outputs and outputs[-1].finished
-    report = decode_message(encode_message(StepReport(outputs, engine.get_stats(), None, 0)))
+    stats = engine.get_stats()
+    report = decode_message(encode_message(StepReport(outputs, stats, None, 0)))
+    assert report.stats == stats and report.stats.generation_tokens == 10
     decoded = report.outputs
     for out in decoded:   # the prompt stays on the API side; its client attaches the ids
         assert out.prompt_token_ids is None
