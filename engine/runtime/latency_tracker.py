@@ -13,7 +13,6 @@ inference (first scheduling to last token = prefill + decode).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 from kvpilot.engine.core.kv_residency import BlockResidency
@@ -98,11 +97,14 @@ class RequestStatsTracker:
 
     def on_step(self, outputs: list[RequestOutput], now: float, step: StepStats) -> IterationStats:
         """``on_outputs`` with the engine's own figures of the steps (``step``) added."""
-        return dataclasses.replace(self.on_outputs(outputs, now), iteration_tokens=step.iteration_tokens,
-                                   kv_block_residency=step.kv_block_residency)
+        return IterationStats(*self._digest(outputs, now), step.iteration_tokens, step.kv_block_residency)
 
     def on_outputs(self, outputs: list[RequestOutput], now: float) -> IterationStats:
         """Digest one step's (delta) outputs; ``now`` is the wall-clock time (``time.time()``) after it."""
+        return IterationStats(*self._digest(outputs, now))
+
+    def _digest(self, outputs: list[RequestOutput], now: float) -> tuple[tuple, tuple, tuple]:
+        """(time to first tokens, inter-token latencies, finished) of one step's outputs."""
         ttfts: list[float] = []
         itls: list[float] = []
         finished = self._removed
@@ -131,7 +133,7 @@ class RequestStatsTracker:
             if out.finished:
                 del self._requests[out.request_id]
                 finished.append(_finished(out, state, now))
-        return IterationStats(tuple(ttfts), tuple(itls), tuple(finished))
+        return tuple(ttfts), tuple(itls), tuple(finished)
 
 
 def _finished(out: RequestOutput, state: _RequestState, now: float) -> FinishedRequestStats:
