@@ -36,6 +36,7 @@ from kvpilot.contract.arch_config import kv_cache_groups
 from kvpilot.contract.kv_layout import kv_heads_per_rank
 from kvpilot.engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from kvpilot.engine.core.scheduler import SchedulerOutput
+from kvpilot.engine.model import huge_pages
 from kvpilot.engine.model.attention import (
     AttentionBackend,
     AttentionMetadata,
@@ -195,6 +196,8 @@ class ModelRunner:
                                 self.dtype, device, tp, stage)
         self.backend = select_attention_backend(attention_backend, device)
         prepare_for_device(self.model, device, self.backend, self.dtype, stage.is_last)
+        if device.type == "cpu":   # every step streams the weights: huge pages, not 4 KiB ones
+            huge_pages.gather_parameters(self.model)
         if lora is not None:   # the model's targeted projections read the registry's slots
             from kvpilot.engine.lora.layers import apply_lora
 
@@ -265,11 +268,11 @@ class ModelRunner:
         blocks = (num_blocks, num_blocks if num_sliding_blocks is None else num_sliding_blocks)
         if len(set(dtypes)) == 1 and len(set(groups)) == 1:
             shape = (2, num_blocks, self.block_size, self.num_kv_heads, arch.head_dim)
-            self.kv_caches = torch.zeros((len(dtypes), *shape), dtype=dtypes[0], device=self.device)
+            self.kv_caches = self._zeros((len(dtypes), *shape), dtypes[0])
             return
         keys = list(zip(groups, dtypes, strict=True))
-        tensors = {key: torch.zeros((keys.count(key), 2, blocks[key[0]], self.block_size,
-                                     self.num_kv_heads, arch.head_dim), dtype=key[1], device=self.device)
+        tensors = {key: self._zeros((keys.count(key), 2, blocks[key[0]], self.block_size,
+                                     self.num_kv_heads, arch.head_dim), key[1])
                    for key in dict.fromkeys(keys)}
         seen = dict.fromkeys(tensors, 0)
         views = []
@@ -277,6 +280,13 @@ class ModelRunner:
             views.append(tensors[key][seen[key]])
             seen[key] += 1
         self.kv_caches = views
+
+    def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A zeroed KV cache tensor; on CPU in huge pages (``huge_pages``): a decode step's
+        reads of scattered blocks then walk no 4 KiB page tables."""
+        if self.device.type == "cpu":
+            return huge_pages.zeros(shape, dtype)
+        return torch.zeros(shape, dtype=dtype, device=self.device)
 
     def capture_cuda_graphs(self) -> None:
         """Capture decode graphs over the allocated cache: CUDA with the Triton backend,
