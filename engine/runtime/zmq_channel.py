@@ -66,8 +66,9 @@ EXIT_GRACE_S = 0.05
 _STEP = "step"
 SPEC_HEADER = struct.Struct("<Q")   # the spec's length, before it on the core's stdin
 FRAME_HEADER = struct.Struct("<Q")  # a message's length, before it on the message socket
-# Room in the core's send buffer for messages the API process has not read yet, so that a
-# busy event loop does not stall the step loop at once (the kernel's default is ~200 KiB).
+# Room asked for in the core's send buffer for messages the API process has not read yet,
+# so that a busy event loop does not stall the step loop at once (the kernel grants at most
+# net.core.wmem_max, ~200 KiB by default, doubled).
 SEND_BUFFER_BYTES = 4 << 20
 RECEIVE_CHUNK_BYTES = 1 << 20
 
@@ -273,6 +274,7 @@ class CoreEnd:
     def __init__(self, context: zmq.Context, spec: CoreSpec, parent_fd: int) -> None:
         self._messages = socket.socket(fileno=spec.output_fd)
         self._messages.setblocking(True)
+        self._messages.set_inheritable(False)   # a worker process it starts must not hold it open
         with contextlib.suppress(OSError):   # a smaller buffer only stalls the loop sooner
             self._messages.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
         self._commands = context.socket(zmq.PULL)
