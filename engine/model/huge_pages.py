@@ -78,8 +78,18 @@ def gather_parameters(model: torch.nn.Module) -> int:
             view = arena[offset:offset + nbytes].view(param.dtype).view(param.shape)
             view.copy_(param.data)
             param.data = view
+    _release_freed_memory()
     logger.debug("gathered %d parameters (%d bytes) into huge-page memory", len(movable), total)
     return total
+
+
+def _release_freed_memory() -> None:
+    """Hands the heap's free pages back to the system (glibc's ``malloc_trim``): parameters
+    smaller than malloc's mmap threshold were freed into the heap when they moved, and
+    would otherwise stay resident, counted against the machine, until reused."""
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)   # glibc only
+    if trim is not None:
+        trim(0)
 
 
 def _advise(address: int, length: int) -> None:
