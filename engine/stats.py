@@ -81,9 +81,9 @@ class EngineStats:
     kv_transfer: KVTransferStats | None = None
 
     def __reduce__(self):
-        # one snapshot crosses to the API process per step: pickled as its fields' values
-        # (one C call each way) rather than a slotted dataclass's field-by-field state,
-        # about a third of the time
+        # one snapshot crosses to the API process per step: pickled as its constructor's
+        # arguments (one attrgetter call) rather than a slotted dataclass's field-by-field
+        # state: dumps in about a third of the time, loads in about two thirds
         return EngineStats, _ENGINE_STATS_VALUES(self)
 
     @property
