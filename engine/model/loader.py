@@ -31,6 +31,7 @@ from kvpilot.contract.arch_config import ArchConfig
 from kvpilot.contract.gguf import find_gguf
 from kvpilot.contract.pipeline_stages import StageLayers
 from kvpilot.contract.weight_quant import Fp8WeightConfig
+from kvpilot.engine.model import huge_pages
 from kvpilot.engine.model.checkpoint_checks import (
     check_shard_names,
     check_tensor_list,
@@ -285,12 +286,14 @@ def _materialize_buffers(model: LlamaForCausalLM, cfg: ArchConfig, max_model_len
 def prepare_for_device(model: torch.nn.Module, device: torch.device, backend: AttentionBackend,
                        dtype: torch.dtype, has_head: bool = True) -> None:
     """The loaded model's kernels for ``device`` and ``backend``: on CPU a transposed (or
-    packed) LM head (``has_head``) and packed projections; the Triton or compiled CPU
-    layer ops (not under the pure-torch reference backend)."""
+    packed) LM head (``has_head``), packed projections and the parameters in huge pages
+    (``huge_pages``: every decode step streams them); the Triton or compiled CPU layer ops
+    (not under the pure-torch reference backend)."""
     if device.type == "cpu" and has_head:
         model.use_transposed_output_weight()
     if device.type == "cpu":
         model.use_packed_weights()
+        huge_pages.gather_parameters(model)
     if backend.name == "triton":
         model.use_triton_kernels()
     elif backend.name == "cpu":   # the compiled CPU path (not the pure-torch reference)

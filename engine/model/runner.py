@@ -196,8 +196,6 @@ class ModelRunner:
                                 self.dtype, device, tp, stage)
         self.backend = select_attention_backend(attention_backend, device)
         prepare_for_device(self.model, device, self.backend, self.dtype, stage.is_last)
-        if device.type == "cpu":   # every step streams the weights: huge pages, not 4 KiB ones
-            huge_pages.gather_parameters(self.model)
         if lora is not None:   # the model's targeted projections read the registry's slots
             from kvpilot.engine.lora.layers import apply_lora
 

@@ -64,8 +64,8 @@ EXIT_GRACE_S = 0.05
 # a StepReport on the wire: (_STEP, rows, stats, step_stats, num_adds, rejected, failed_alone,
 # failed_step)
 _STEP = "step"
-SPEC_HEADER = struct.Struct("<Q")   # the spec's length, before it on the core's stdin
-FRAME_HEADER = struct.Struct("<Q")  # a message's length, before it on the message socket
+# a frame's length, before it: the spec on the core's stdin, each message on the message socket
+FRAME_HEADER = struct.Struct("<Q")
 # Room asked for in the core's send buffer for messages the API process has not read yet,
 # so that a busy event loop does not stall the step loop at once (the kernel grants at most
 # net.core.wmem_max, ~200 KiB by default, doubled).
@@ -83,9 +83,13 @@ class CoreSpec:
     log_level: int
 
 
+def frame(data: bytes) -> bytes:
+    """``data`` as one frame: its length (``FRAME_HEADER``), then the bytes."""
+    return FRAME_HEADER.pack(len(data)) + data
+
+
 def encode_spec(spec: CoreSpec) -> bytes:
-    data = pickle.dumps(spec)
-    return SPEC_HEADER.pack(len(data)) + data
+    return frame(pickle.dumps(spec))
 
 
 def _read_exactly(fd: int, size: int) -> bytes:
@@ -100,7 +104,7 @@ def _read_exactly(fd: int, size: int) -> bytes:
 
 
 def read_spec(fd: int) -> CoreSpec:
-    (size,) = SPEC_HEADER.unpack(_read_exactly(fd, SPEC_HEADER.size))
+    (size,) = FRAME_HEADER.unpack(_read_exactly(fd, FRAME_HEADER.size))
     return pickle.loads(_read_exactly(fd, size))
 
 
@@ -315,7 +319,7 @@ class CoreEnd:
     def _write(self, data: bytes) -> None:
         with self._send_lock:
             try:
-                self._messages.sendall(FRAME_HEADER.pack(len(data)) + data)
+                self._messages.sendall(frame(data))
             except (BrokenPipeError, ConnectionResetError):
                 # the API process is gone: nobody reads, and its lifeline's end stops the loop
                 logger.debug("a message to the API process was dropped: it is gone")

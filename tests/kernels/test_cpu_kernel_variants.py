@@ -44,7 +44,6 @@ def test_the_kernels_with_intrinsics_are_found():
     assert {m.rsplit(".", 1)[1] for m in INTRINSICS_KERNELS} >= {"gguf_matmul_cpu", "paged_decode_cpu"}
 
 
-
 def test_the_kernels_compile_for_the_other_variants(tmp_path):
     built = build_cpu_kernels(tmp_path, tuple(OTHER_VARIANTS), tuple(INTRINSICS_KERNELS))
     assert len(built) == len(OTHER_VARIANTS) * len(INTRINSICS_KERNELS)
