@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import mmap
 import sys
 
 import torch
@@ -28,7 +29,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 HUGE_PAGE_BYTES = 2 << 20
-MADV_HUGEPAGE = 14          # <asm-generic/mman-common.h>
+MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)   # <asm-generic/mman-common.h>
 PARAMETER_ALIGNMENT = 64    # bytes: each gathered parameter starts on a cache line
 
 
@@ -39,9 +40,16 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     if nbytes < HUGE_PAGE_BYTES or not sys.platform.startswith("linux"):
         return torch.empty(shape, dtype=dtype)
     span = -(-nbytes // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
-    raw = torch.empty(span + HUGE_PAGE_BYTES, dtype=torch.uint8)   # a fresh mapping: untouched
+    # A private anonymous mapping of its own (a shared one is shmem, under another THP
+    # setting), never malloc's: glibc raises its mmap threshold as large blocks
+    # are freed, and then serves a large block from the heap, where pages may already be
+    # faulted in (4 KiB) and where the advice would outlive the tensor, handed on to
+    # whatever malloc puts there next. The tensor keeps the mapping alive; the unused head
+    # and tail are never touched, so never resident.
+    mapping = mmap.mmap(-1, span + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = torch.frombuffer(mapping, dtype=torch.uint8)
     offset = -raw.data_ptr() % HUGE_PAGE_BYTES
-    _advise(raw.data_ptr() + offset, span)
+    _advise(mapping, offset, span)
     return raw[offset:offset + nbytes].view(dtype).view(shape)
 
 
@@ -92,8 +100,9 @@ def _release_freed_memory() -> None:
         trim(0)
 
 
-def _advise(address: int, length: int) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), MADV_HUGEPAGE) != 0:
+def _advise(mapping: mmap.mmap, start: int, length: int) -> None:
+    try:
+        mapping.madvise(MADV_HUGEPAGE, start, length)
+    except (OSError, ValueError) as err:
         # no transparent huge pages in this kernel: ordinary pages, nothing else changes
-        logger.debug("madvise(MADV_HUGEPAGE) failed: errno %d", ctypes.get_errno())
+        logger.debug("madvise(MADV_HUGEPAGE) failed: %s", err)
