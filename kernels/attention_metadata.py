@@ -40,6 +40,10 @@ class AttentionMetadata:
     # The step that calibrates fp8 KV scales (the first batch when ``calculate_kv_scales``
     # is on): every attention layer sets its scales from this batch's K and V first.
     calibrate_kv_scales: bool = False
+    # The step computes some request's prompt tokens (a prefill, or a recompute from the
+    # prompt): quantized-activation matmuls keep to decode tokens (``gguf_linear``), so a
+    # prompt's KV is the same whether its prefix came from the cache or not.
+    computes_prompt: bool = False
     # Scratch of the torch path for this step's sequences: what every layer would derive
     # alike from the fields above (its decode plan), built by the first layer and read by
     # the others. Not an argument, so ``dataclasses.replace`` (a KV cache group's metadata

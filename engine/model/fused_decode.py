@@ -24,7 +24,9 @@ A step is taken when it has at most the layers' token bound (the q8 path's; oneD
 layers: ``PACKED_MAX_TOKENS``), all real rows, no fp8 KV scale calibration, a KV cache of
 the activations' dtype, and every sequence's new tokens (a decode token, a speculative
 step's verification) can be attended as decode rows (``torch_backend.kernel_rows``) in
-every KV cache group. Prefill and mixed steps keep the layer path.
+every KV cache group. Prefill and mixed steps keep the layer path, and so does any step
+that computes prompt tokens where the layers take the q8 path (``gguf_linear``: prompt
+tokens keep float activations).
 ``$KVPILOT_FUSED_DECODE=0`` turns it off.
 """
 
@@ -60,6 +62,7 @@ class FusedDecode:
     layers: object        # the kernel's DecodeLayers
     max_tokens: int
     dtype: torch.dtype
+    quantizes: bool = False   # some layer takes the q8 path: prompt tokens keep the layer path
 
     def run(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
             kv_caches, metadata: AttentionMetadata | Sequence[AttentionMetadata]
@@ -75,7 +78,8 @@ class FusedDecode:
             layer_groups = [index.setdefault(id(m), len(index)) for m in metadata]
             groups = tuple({id(m): m for m in metadata}.values())
         if (tokens > self.max_tokens or hidden.dtype != self.dtype or kv_caches[0].dtype != self.dtype
-                or any(m.num_actual_tokens != tokens or m.calibrate_kv_scales for m in groups)):
+                or any(m.num_actual_tokens != tokens or m.calibrate_kv_scales
+                       or (self.quantizes and m.computes_prompt) for m in groups)):
             return None
         rows = [_decode_rows(m, tokens) for m in groups]
         if any(r is None for r in rows):
@@ -110,12 +114,13 @@ def build_fused_decode(layers: Sequence[torch.nn.Module], dtype: torch.dtype,
         return None
     attn = layers[0].self_attn
     decoder = fused_decode_cpu.new_decoder(attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale)
-    bounds = []
+    bounds, kinds = [], []
     for layer in layers:
         a, mlp = layer.self_attn, layer.mlp
         linears = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
         parts = [_linear_part(linear) for linear in linears]
         bounds.extend(p[3] for p in parts)
+        kinds.extend(p[4] for p in parts)
         norm_in, post_attn, norm_mlp, post_mlp = _layer_norms(layer)
         decoder.add_layer(norm_in.weight, norm_mlp.weight,
                           None if a.q_norm is None else a.q_norm.weight,
@@ -127,7 +132,7 @@ def build_fused_decode(layers: Sequence[torch.nn.Module], dtype: torch.dtype,
                           post_mlp_norm=None if post_mlp is None else post_mlp.weight,
                           norm_form=_norm_form(_all_norms(layer)), activation=_activation(mlp),
                           sliding_window=a.sliding_window or 0)
-    fused = FusedDecode(decoder, min(bounds), dtype)
+    fused = FusedDecode(decoder, min(bounds), dtype, quantizes=any(k != -2 for k in kinds))
     logger.info("decode steps of up to %d tokens run all %d decoder layers in one native call",
                 fused.max_tokens, len(layers))
     return fused

@@ -113,8 +113,10 @@ class StepInputBuilder:
         """
         num_blocks = self.batch.num_blocks
         computed, num_new, sampling = [], [], []
-        width = 0
+        width, prompt = 0, False
         for s, row in zip(scheduled, rows, strict=True):
+            if s.num_computed_tokens < s.request.num_prompt_tokens:
+                prompt = True
             computed.append(s.num_computed_tokens)
             num_new.append(s.num_new_tokens)
             sampling.append(s.samples)
@@ -122,17 +124,19 @@ class StepInputBuilder:
                 width = num_blocks[row]
         return self.build_arrays(np.array(rows, dtype=np.int64), np.array(computed, dtype=np.int64),
                                  np.array(num_new, dtype=np.int64), np.array(sampling, dtype=bool),
-                                 width, pad_for, num_drafts)
+                                 width, pad_for, num_drafts, computes_prompt=prompt)
 
     def build_arrays(self, rows_np: np.ndarray, computed_np: np.ndarray, query_lens: np.ndarray,
                      sampling: np.ndarray, width: int,
                      pad_for: Callable[[int], int | None] | None = None,
-                     num_drafts: np.ndarray | None = None, token_offset: int = 0) -> StepInputs:
+                     num_drafts: np.ndarray | None = None, token_offset: int = 0,
+                     computes_prompt: bool = False) -> StepInputs:
         """``build`` from arrays: per sequence its batch row, tokens already cached, tokens
         to compute and whether it samples (its last token's logits); ``width``: the most
         blocks any of the rows holds. ``token_offset``: the input at position ``p`` is the
         row's token at ``p + token_offset`` (an EAGLE head reads the next token at each
-        position); the KV slots are position ``p``'s."""
+        position); the KV slots are position ``p``'s. ``computes_prompt``: some tokens are a
+        prompt's (``AttentionMetadata.computes_prompt``)."""
         batch = self.batch
         n = len(rows_np)
         ends = np.cumsum(query_lens)
@@ -195,6 +199,7 @@ class StepInputBuilder:
             query_lens_cpu=query_lens_cpu + (0,) * (num_seqs - n),
             seq_lens_cpu=tuple(seq_lens.tolist()) + (0,) * (num_seqs - n),
             max_seq_len=int(seq_lens.max()),
+            computes_prompt=computes_prompt,
         )
         group_metadata = tuple(
             replace(metadata, block_tables=tables.to_device(num_seqs, table_width),

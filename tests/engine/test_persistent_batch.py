@@ -71,6 +71,9 @@ def test_inputs_match_the_list_builder_under_random_traffic(seed):
         assert torch.equal(m.block_tables, meta.block_tables)
         assert (m.query_lens_cpu, m.seq_lens_cpu, m.max_query_len, m.num_actual_tokens) == \
             (meta.query_lens_cpu, meta.seq_lens_cpu, meta.max_query_len, meta.num_actual_tokens)
+        # prompt tokens in the step (a prefill, or a preempted request's recompute)
+        assert m.computes_prompt == any(s.num_computed_tokens < len(s.request.prompt_token_ids)
+                                        for s in out.scheduled)
         sampling = [s for s in out.scheduled if s.samples]
         assert got.sample_req_ids == [s.request.request_id for s in sampling]
         ends = np.cumsum([s.num_new_tokens for s in out.scheduled]) - 1

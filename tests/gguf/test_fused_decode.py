@@ -79,9 +79,6 @@ def test_every_fused_step_equals_the_layers_bit_for_bit(tmp_path, monkeypatch, k
         if kind.endswith("-wide"):   # the wide projection in GGUF rows, multiplied by matmul_q8 in the step
             down = model.layers[0].mlp.down_proj.gguf
             assert down.columns == WIDE["intermediate_size"] and not down.interleaved
-        if kind.endswith("-wide"):   # the wide projection in GGUF rows, multiplied by matmul_q8 in the step
-            down = model.layers[0].mlp.down_proj.gguf
-            assert down.columns == WIDE["intermediate_size"] and not down.interleaved
         seen = {"steps": 0, "rows": set(), "verify": 0, "hybrid": 0}
         real_run = fused_decode.FusedDecode.run
 

@@ -17,7 +17,13 @@ Forward (``gguf_linear``) takes one of three paths per run of rows of one type:
   dtype. It rounds the activations to 8 bits (as llama.cpp does), so it is used only
   where the model already runs in a 16-bit dtype; a float32 model keeps the exact float
   path below, token-identical to transformers in float32. ``$KVPILOT_GGUF_Q8=0`` turns
-  it off (the measured numerics: ``gguf_matmul_cpu``'s docstring).
+  it off (the measured numerics: ``gguf_matmul_cpu``'s docstring). Prompt tokens never
+  take it: inside ``float_activations()`` (the model's forward for a step that computes
+  prompt tokens, ``AttentionMetadata.computes_prompt``) the float paths below run,
+  whatever the row count. Otherwise a prompt whose prefix came from the cache would
+  compute its last few tokens in 8 bits where the cold prompt, too long for the q8 path,
+  computed them in 16: a different KV, and on the built-in SmolLM2 a different answer to
+  the README's question the second time it was asked.
 - otherwise up to ``gguf_matmul_cpu.MAX_VECTOR_BATCH`` tokens: the float kernel that
   decodes one block at a time into registers and multiplies every token by it (float32
   accumulation, result in the activation dtype): the weight bytes are read once, and no
@@ -40,7 +46,9 @@ dequantizes the bytes once as they load.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,6 +66,19 @@ logger = logging.getLogger(__name__)
 TILE_ELEMENTS = 1 << 21
 FLOAT_TYPES = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}   # ggml F32, F16, BF16
 Q8_DTYPES = (torch.bfloat16, torch.float16)   # the activation dtypes the q8 path takes
+# Set inside ``float_activations()``: the q8 path is off (module docstring).
+_FLOAT_ACTIVATIONS: ContextVar[bool] = ContextVar("gguf_float_activations", default=False)
+
+
+@contextmanager
+def float_activations() -> Iterator[None]:
+    """Within it, GGUF layers keep activations in float (no q8 path): for a step that
+    computes prompt tokens (module docstring)."""
+    token = _FLOAT_ACTIVATIONS.set(True)
+    try:
+        yield
+    finally:
+        _FLOAT_ACTIVATIONS.reset(token)
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,7 +300,7 @@ def gguf_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     """``x W^T + b`` for a GGUF ``W`` (see the module docstring for the two paths)."""
     flat = x.reshape(-1, layout.columns)
     if layout.interleaved and len(layout.segments) == 1 and flat.dtype in Q8_DTYPES \
-            and flat.shape[0] <= gguf_matmul_cpu.Q8_INTERLEAVED_MAX_BATCH:
+            and flat.shape[0] <= gguf_matmul_cpu.Q8_INTERLEAVED_MAX_BATCH and not _FLOAT_ACTIVATIONS.get():
         # a decode step's call, straight to the kernel: this path runs ~120 times a step,
         # where the general one's Python cost (~12 us a call) came to a tenth of a step
         (seg,) = layout.segments
@@ -294,9 +315,9 @@ def gguf_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 def uses_q8(dtype: torch.dtype, qtype: int, tokens: int, *, interleaved: bool = False) -> bool:
     """Whether ``tokens`` activations of ``dtype`` take the q8 path through a ``qtype``
-    weight (of any width), held ``interleaved`` or not (module docstring)."""
+    weight (of any width), held ``interleaved`` or not, here (module docstring)."""
     bound = gguf_matmul_cpu.Q8_INTERLEAVED_MAX_BATCH if interleaved else gguf_matmul_cpu.Q8_MAX_BATCH
-    return (dtype in Q8_DTYPES and qtype in gguf_matmul_cpu.Q8_TYPES
+    return (dtype in Q8_DTYPES and not _FLOAT_ACTIVATIONS.get() and qtype in gguf_matmul_cpu.Q8_TYPES
             and gguf_matmul_cpu.q8_enabled()
             and tokens <= bound
             and gguf_matmul_cpu.q8_isa() is not None)

@@ -33,7 +33,7 @@ from kvpilot.engine.model.attention.backend import AttentionBackend
 from kvpilot.engine.model.attention.torch_backend import FP8_DTYPES
 from kvpilot.engine.model.fused_decode import build_fused_decode
 from kvpilot.engine.model.layers.activation import ACTIVATIONS
-from kvpilot.engine.model.layers.gguf_linear import gguf_linear
+from kvpilot.engine.model.layers.gguf_linear import float_activations, gguf_linear
 from kvpilot.engine.model.layers.norm import RMSNorm
 from kvpilot.engine.model.layers.packed_linear import can_pack, pack, packed_linear
 from kvpilot.engine.model.layers.rotary import RotaryEmbedding
@@ -205,6 +205,9 @@ class LlamaForCausalLM(nn.Module):
             fused = self.fused_decode.run(positions, hidden, residual, kv_caches, metadata)
         if fused is not None:
             hidden, residual = fused
+        elif (metadata if isinstance(metadata, AttentionMetadata) else metadata[0]).computes_prompt:
+            with float_activations():   # prompt tokens: no 8-bit activations (gguf_linear)
+                hidden, residual = self._run_layers(positions, hidden, residual, kv_caches, metadata, backend)
         else:
             hidden, residual = self._run_layers(positions, hidden, residual, kv_caches, metadata, backend)
         if not self._is_last_stage:

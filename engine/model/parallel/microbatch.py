@@ -66,6 +66,7 @@ def _slice_metadata(meta: AttentionMetadata, a: int, b: int, t0: int, t1: int) -
         query_lens_cpu=query_lens,
         seq_lens_cpu=seq_lens,
         max_seq_len=max(seq_lens),
+        computes_prompt=meta.computes_prompt,
     )
 
 

@@ -27,7 +27,8 @@ HEADER_LEN = 10
 
 class Command(enum.IntEnum):
     STEP = 1          # num_tokens, num_seqs, table width, num logits rows, num actual tokens,
-                      # max query len, max seq len, calibrate kv scales; then the payload
+                      # max query len, max seq len, calibrate kv scales, computes a prompt;
+                      # then the payload
     PROFILE = 2       # max_num_batched_tokens, max_num_seqs: the memory-profiling step
     ALLOCATE = 3      # num_blocks, a hybrid model's windowed-pool blocks (0: none): allocate the KV cache
     SHUTDOWN = 4
@@ -80,7 +81,8 @@ class StepSender:
             flat[pos:pos + len(values)] = values
             pos += len(values)
         self.send(Command.STEP, num_tokens, num_seqs, width, num_logits, meta.num_actual_tokens,
-                  meta.max_query_len, -1 if meta.max_seq_len is None else meta.max_seq_len, int(calibrate))
+                  meta.max_query_len, -1 if meta.max_seq_len is None else meta.max_seq_len, int(calibrate),
+                  int(meta.computes_prompt))
         self.tp.broadcast_from_driver(self.payload[:size])
 
 
@@ -112,7 +114,8 @@ class StepReceiver:
 
     def recv_step(self, args: list[int]) -> tuple[StepInputs, bool]:
         """The payload of a STEP command whose header arguments are ``args``."""
-        num_tokens, num_seqs, width, num_logits, num_actual, max_query_len, max_seq_len, calibrate = args[:8]
+        (num_tokens, num_seqs, width, num_logits, num_actual, max_query_len, max_seq_len, calibrate,
+         computes_prompt) = args[:9]
         groups = list(zip(self.group_slot_mappings, self.group_block_tables, strict=True))
         size = _payload_len(num_tokens, num_seqs, width, num_logits, 1 + len(groups))
         flat = self.tp.broadcast_from_driver(self.payload[:size]).numpy()
@@ -145,6 +148,7 @@ class StepReceiver:
             query_lens_cpu=tuple(np.diff(starts).tolist()),
             seq_lens_cpu=tuple(seq_lens.tolist()),
             max_seq_len=None if max_seq_len < 0 else max_seq_len,
+            computes_prompt=bool(computes_prompt),
         )
         step = StepInputs(input_ids=self.input_ids.to_device(num_tokens),
                           positions=self.positions.to_device(num_tokens), metadata=metadata,
