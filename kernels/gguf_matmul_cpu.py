@@ -34,13 +34,14 @@ embedding lookup) without turning the bytes back into rows first.
 
 The engine takes it (``gguf_linear``) where the model runs in bfloat16/float16 (the
 serving default on a CPU with AVX512-BF16, ``--dtype auto``), for up to ``Q8_MAX_BATCH``
-tokens (decode steps, short prefill chunks); a float32 model always keeps the exact float
-path (token-identical to transformers). ``$KVPILOT_GGUF_Q8=0`` turns it off
+decode tokens (prompt tokens never: ``gguf_linear.float_activations``); a float32 model
+always keeps the exact float path (token-identical to transformers). ``$KVPILOT_GGUF_Q8=0`` turns it off
 (``q8_enabled``). Measured on SmolLM2-135M-Instruct.Q4_1 in bfloat16: it moves the first
 answer token's log-probabilities by up to ~0.3 nats against the float path (twice
 bfloat16's own shift from float32); run over the whole 37-token prompt of the README's
 "What is the capital of France?" it flips a near tie (0.08 nats in float32) and the
-answer derails, which is one reason longer prefill chunks keep the float/tile paths.
+answer derails, which is why prompt tokens keep the float/tile paths, however few of them a
+step computes (after a prefix-cache hit, the last 5 of those 37: once the same derailment).
 """
 
 from __future__ import annotations
@@ -73,8 +74,8 @@ Q8_TYPES = frozenset({2, 3, 6, 7, 8})
 Q8_MAX_BATCH = 24
 # The same bound for a weight in the interleaved layout, which stays ahead of the tiles longer
 # (same bench, ms per pass of q8i/tiles: 28/60 at 32 tokens, 48/70 at 64): it takes decode
-# steps of up to 32 streams, and still leaves a prompt of more than 32 tokens (the README's
-# question is 37) to the tiles, whose float activations the answers were checked with.
+# steps of up to 32 streams (prompt tokens keep float activations, whatever their number:
+# ``gguf_linear``).
 Q8_INTERLEAVED_MAX_BATCH = 32
 # the types the interleaved layout takes, and the rows it groups
 INTERLEAVE_TYPES = frozenset({2, 3, 8})

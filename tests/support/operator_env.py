@@ -11,6 +11,7 @@ import contextlib
 import copy
 import json
 import time
+import traceback
 import urllib.error
 import urllib.request
 from collections import Counter
@@ -137,7 +138,7 @@ def running(tmp: Path, env: dict[str, str] | None = None) -> Iterator[OperatorEn
             yield OperatorEnv(emu, Kubectl(kubeconfig, tmp), operator)
         finally:
             operator.stop()
-            assert emu.emulator.failures == []
+            assert emu.emulator.failures == [], "".join(traceback.format_exception(emu.emulator.failures[0]))
             assert "Traceback" not in operator.log(), operator.log()[-4000:]
             # every call the operator made here, faults and all, is one the Helm chart's RBAC grants
             assert_chart_grants(emu.emulator.calls, [CHART / "ci" / "ha-off-values.yaml"])
