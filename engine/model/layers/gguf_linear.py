@@ -22,7 +22,7 @@ Forward (``gguf_linear``) takes one of three paths per run of rows of one type:
   prompt tokens, ``AttentionMetadata.computes_prompt``) the float paths below run,
   whatever the row count. Otherwise a prompt whose prefix came from the cache would
   compute its last few tokens in 8 bits where the cold prompt, too long for the q8 path,
-  computed them in 16: a different KV, and on the built-in SmolLM2 a different answer to
+  computed them in 16 bits: a different KV, and on the built-in SmolLM2 a different answer to
   the README's question the second time it was asked.
 - otherwise up to ``gguf_matmul_cpu.MAX_VECTOR_BATCH`` tokens: the float kernel that
   decodes one block at a time into registers and multiplies every token by it (float32
@@ -71,10 +71,10 @@ _FLOAT_ACTIVATIONS: ContextVar[bool] = ContextVar("gguf_float_activations", defa
 
 
 @contextmanager
-def float_activations() -> Iterator[None]:
-    """Within it, GGUF layers keep activations in float (no q8 path): for a step that
-    computes prompt tokens (module docstring)."""
-    token = _FLOAT_ACTIVATIONS.set(True)
+def float_activations(on: bool = True) -> Iterator[None]:
+    """Within it, GGUF layers keep activations in float (no q8 path) when ``on``: for a
+    step that computes prompt tokens (module docstring)."""
+    token = _FLOAT_ACTIVATIONS.set(on)
     try:
         yield
     finally:

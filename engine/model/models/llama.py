@@ -205,11 +205,10 @@ class LlamaForCausalLM(nn.Module):
             fused = self.fused_decode.run(positions, hidden, residual, kv_caches, metadata)
         if fused is not None:
             hidden, residual = fused
-        elif (metadata if isinstance(metadata, AttentionMetadata) else metadata[0]).computes_prompt:
-            with float_activations():   # prompt tokens: no 8-bit activations (gguf_linear)
+        else:   # prompt tokens: no 8-bit activations (gguf_linear)
+            prompt = (metadata if isinstance(metadata, AttentionMetadata) else metadata[0]).computes_prompt
+            with float_activations(prompt):
                 hidden, residual = self._run_layers(positions, hidden, residual, kv_caches, metadata, backend)
-        else:
-            hidden, residual = self._run_layers(positions, hidden, residual, kv_caches, metadata, backend)
         if not self._is_last_stage:
             return hidden, residual
         return self.norm(hidden, residual)[0]
