@@ -29,6 +29,10 @@ class ModelConfig:
     # SamplingParams field names -> values (see generation_defaults.py).
     default_sampling: dict[str, Any] = field(default_factory=dict)
     enforce_eager: bool = False   # no CUDA graphs for decode steps
+    # GGUF layers' float32 decode tokens take the q8 path (8-bit activations, llama.cpp's
+    # numerics) as 16-bit ones do: ``--dtype auto`` on a CPU without native bfloat16
+    # (layers/gguf_linear.py). An explicit float32 keeps the exact float path.
+    gguf_float32_q8: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in MODEL_DTYPES[1:]:

@@ -152,8 +152,13 @@ class EngineArgs:
         arch = self._arch(model_dir)
         device = self.resolve_device()
         dtype = self.dtype
+        float32_q8 = False
         if dtype == "auto":
             dtype, why = resolve_auto_dtype(arch.dtype, device)
+            # a GGUF file's decode tokens take 8-bit activations in float32 as they do in 16 bits
+            float32_q8 = gguf_file is not None and device == "cpu" and dtype == "float32"
+            if float32_q8:
+                why += "; GGUF decode tokens take 8-bit activations (--dtype float32: exact)"
             logger.info("--dtype auto: computing in %s (%s)", dtype, why)
         max_model_len = self.max_model_len or arch.max_position_embeddings
         name = self.served_model_name or self._default_name(model_dir, gguf_file is not None)
@@ -166,7 +171,7 @@ class EngineArgs:
                                    max_model_len=max_model_len, seed=self.seed,
                                    tokenizer=tokenizer, max_logprobs=self.max_logprobs,
                                    default_sampling=defaults,
-                                   enforce_eager=self.enforce_eager)
+                                   enforce_eager=self.enforce_eager, gguf_float32_q8=float32_q8)
         kv_bytes = self.kv_cache_memory_bytes
         if (kv_bytes is None and self.num_gpu_blocks is None and device == "cpu"
                 and not os.environ.get(FAKE_DEVICE_MEMORY_ENV)):   # the test hook profiles instead

@@ -42,10 +42,12 @@ class AttentionMetadata:
     calibrate_kv_scales: bool = False
     # The step computes some request's prompt tokens (a prefill, or a recompute from the
     # prompt): quantized-activation matmuls keep to decode tokens (``gguf_linear``), so a
-    # prompt's KV is the same whether its prefix came from the cache or not.
+    # prompt's KV is the same whether its prefix came from the cache or not, and the logits
+    # of a prompt's last token (its first output) are the float ones.
     computes_prompt: bool = False
     # Scratch of the torch path for this step's sequences: what every layer would derive
     # alike from the fields above (its decode plan), built by the first layer and read by
     # the others. Not an argument, so ``dataclasses.replace`` (a KV cache group's metadata
     # with other block tables) starts with an empty one.
     torch_scratch: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+

@@ -68,4 +68,6 @@ def new_decoder(num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
         raise RuntimeError("the fused CPU decode step is not available on this machine")
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads do not share {num_kv_heads} KV heads evenly")
-    return module.DecodeLayers(entry_points(), num_heads, num_kv_heads, head_dim, float(scale))
+    isa = gguf_matmul_cpu.q8_isa()
+    return module.DecodeLayers(entry_points(), num_heads, num_kv_heads, head_dim, float(scale),
+                               gguf_matmul_cpu.ISA_IDS[isa] if isa else 0)

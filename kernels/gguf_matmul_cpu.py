@@ -24,13 +24,16 @@ run-time choice of instruction set (``q8_isa``).
 them) into groups of 16, block by block: the 16 rows' scales (and mins) side by side, then
 their codes four bytes per row at a time. The bytes are the same in number, only placed
 so that ``matmul_q8_interleaved`` multiplies 4 codes of 16 rows by one instruction
-(AVX512-VNNI) and keeps each row's sum in its own lane: no tile is decoded and stored, no
+(AVX512-VNNI; on AVX2 two halves of 8 rows, maddubs + madd, the same integer sums and the
+same bits) and keeps each row's sum in its own lane: no tile is decoded and stored, no
 horizontal sum is taken. On SmolLM2-135M's matrices it streams the weights about twice as
-fast as ``matmul_q8`` at 1 to 16 tokens (``kvpilot bench gguf-matmul --model-pass``). Its
+fast as ``matmul_q8`` at 1 to 16 tokens (``kvpilot bench gguf-matmul --model-pass``), on
+an AVX2 EPYC about 9x at 1 token (36 against 3.9 GB/s, SmolLM2's gate/up). Its
 results are ``matmul_q8``'s up to the float32 order of the per-block terms, and a token's
 result does not depend on how many tokens share the call. ``dequantize_interleaved`` decodes
 an interleaved weight's values in the file's row order (the large-batch path's tiles, the
-embedding lookup) without turning the bytes back into rows first.
+embedding lookup) without turning the bytes back into rows first; ``matmul_interleaved_float``
+multiplies a few float32 rows by them without 8-bit activations (AVX2).
 
 The engine takes it (``gguf_linear``) where the model runs in bfloat16/float16 (the
 serving default on a CPU with AVX512-BF16, ``--dtype auto``), for up to ``Q8_MAX_BATCH``
@@ -206,18 +209,32 @@ def dequantize_interleaved(weight: torch.Tensor, qtype: int, dtype: torch.dtype 
 
 
 def matmul_q8_interleaved(x: torch.Tensor, weight: torch.Tensor, qtype: int,
-                          bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``matmul_q8`` for an interleaved weight (AVX512-VNNI only: ``q8_isa() == "vnni"``).
-    The kernel checks the shapes and types itself (a RuntimeError names what is wrong):
-    this call runs for every layer of every decode step, so it adds no checks of its own."""
+                          bias: torch.Tensor | None = None, isa: str | None = None) -> torch.Tensor:
+    """``matmul_q8`` for an interleaved weight; ``isa``: ``"vnni"`` or ``"avx2"`` (default:
+    ``q8_isa()``), the same bits either way. The kernel checks the shapes and types itself
+    (a RuntimeError names what is wrong): this call runs for every layer of every decode
+    step, so it adds no checks of its own."""
     b = None if bias is None else bias.to(torch.float32).contiguous()
-    return _module().matmul_q8_interleaved(x.contiguous(), weight, qtype, b)
+    chosen = isa or q8_isa()
+    if chosen not in ISA_IDS:
+        raise RuntimeError("the q8 path is not available on this machine")
+    return _module().matmul_q8_interleaved(x.contiguous(), weight, qtype, b, ISA_IDS[chosen])
+
+
+def matmul_interleaved_float(x: torch.Tensor, weight: torch.Tensor, qtype: int,
+                             bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ dequantize(deinterleave(weight)).T + bias`` in float32 (``x`` converted to
+    float32; no 8-bit activations): the float path of a few rows over an interleaved weight
+    (AVX2), without decoding the whole weight into tiles."""
+    _check_interleaved(weight, qtype)
+    b = None if bias is None else bias.to(torch.float32).contiguous()
+    return _module().matmul_interleaved_float(x.to(torch.float32).contiguous(), weight.contiguous(), qtype, b)
 
 
 def interleaves(qtype: int, rows: int) -> bool:
     """Whether a weight of ``rows`` rows of ``qtype`` (any number of columns) can take the
-    interleaved layout on this machine (the type, whole groups, AVX512-VNNI)."""
-    return qtype in INTERLEAVE_TYPES and rows % INTERLEAVE_ROWS == 0 and q8_enabled() and q8_isa() == "vnni"
+    interleaved layout on this machine (the type, whole groups, a q8 path: AVX512-VNNI or AVX2)."""
+    return qtype in INTERLEAVE_TYPES and rows % INTERLEAVE_ROWS == 0 and q8_enabled() and q8_isa() is not None
 
 
 def _check_interleaved(weight: torch.Tensor, qtype: int) -> None:

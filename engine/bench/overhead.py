@@ -123,7 +123,7 @@ class _StepProbe:
     def forward(self, *args, **kwargs):
         return self._timed(self._forward, *args, **kwargs)
 
-    def logits(self, hidden):
+    def logits(self, hidden, metadata=None):
         return self._timed(self._logits, hidden)
 
 

@@ -5,7 +5,10 @@
   bfloat16, whatever the checkpoint holds, as vLLM-CPU does for float32 checkpoints; the
   matmuls then use the bf16 dot-product instructions and read half the bytes (about
   twice as fast).
-- Any other CPU: float32 (16-bit matmuls are emulated there and slower than float32).
+- Any other CPU: float32 (16-bit matmuls are emulated there and slower than float32). A
+  GGUF file's decode tokens then take 8-bit activations all the same (``EngineArgs`` sets
+  ``ModelConfig.gguf_float32_q8``; ``layers.gguf_linear``): an explicit ``--dtype float32``
+  is the exact path.
 
 Torch-free; ``resolve_auto_dtype`` returns the reason beside the choice, for the log.
 """

@@ -10,7 +10,9 @@ test_fused_decode.py`` checks that, and the engine's output against transformers
 
 A model qualifies when, at one tensor-parallel rank, every layer has:
 - q/k/v, o, gate/up and down in GGUF blocks of one 32-value type each that take the q8
-  path (``gguf_linear.uses_q8``), interleaved or not, in a 16-bit model dtype; or bfloat16
+  path (``gguf_linear.uses_q8``), interleaved or not, in a 16-bit model dtype (or float32
+  where the layers were loaded with ``float32_q8``: ``--dtype auto`` on a CPU without
+  native bfloat16); or bfloat16
   weights prepacked for oneDNN (``layers.packed_linear``, a checkpoint in bfloat16);
 - norms of one form: Llama's RMSNorms (and Qwen3's per-head q/k norms) on the compiled CPU
   op, or Gemma's (``GemmaRMSNorm``: Gemma 3's four norms of a layer and its q/k norms);
@@ -228,6 +230,6 @@ def _linear_reason(linear, dtype: torch.dtype) -> str | None:
     if len(layout.segments) != 1:
         return "parts of different GGUF types"
     (seg,) = layout.segments
-    if not uses_q8(dtype, seg.qtype, 1, interleaved=layout.interleaved):
+    if not uses_q8(dtype, seg.qtype, 1, interleaved=layout.interleaved, float32_q8=layout.float32_q8):
         return f"no q8 path for ggml type {seg.qtype} in {dtype}"
     return None

@@ -124,11 +124,12 @@ def _stage_target(name: str, stage: StageLayers, num_layers: int, tied: bool) ->
 
 def load_model(model_dir: str | Path, cfg: ArchConfig, max_model_len: int,
                dtype: torch.dtype, device: torch.device, tp: TPGroup | None = None,
-               stage: StageLayers | None = None) -> LlamaForCausalLM:
+               stage: StageLayers | None = None, *, float32_q8: bool = False) -> LlamaForCausalLM:
     """The model with this rank's shard of the checkpoint's weights (all of them at one
     rank), in ``dtype`` on ``device``; each rank reads only its own slices, and a pipeline
     stage (``stage``) only its own layers' tensors. ``model_dir`` may also be a GGUF file
-    (or a directory holding one): see ``kvpilot.engine.model.gguf``."""
+    (or a directory holding one): see ``kvpilot.engine.model.gguf``; ``float32_q8``: its
+    float32 decode tokens take the q8 path (``layers.gguf_linear``)."""
     model_dir = Path(model_dir)
     stage = stage or StageLayers()
     if stage.num_stages > 1 and find_gguf(model_dir) is not None:
@@ -151,7 +152,8 @@ def load_model(model_dir: str | Path, cfg: ArchConfig, max_model_len: int,
         model = model_class(cfg.architecture)(cfg, max_model_len, tp, **staged).to(dtype)
         if cfg.quantization is not None:
             _use_fp8_weights(model, cfg.quantization, stage.first_layer)
-        kept = _use_gguf_weights(model, checkpoint, device) if gguf_file is not None else None
+        kept = _use_gguf_weights(model, checkpoint, device, float32_q8) if gguf_file is not None else None
+        model.holds_gguf = bool(kept)
     model = model.to_empty(device=device)
     modules = dict(model.named_modules())
     params = dict(model.named_parameters())
@@ -202,7 +204,8 @@ def load_model(model_dir: str | Path, cfg: ArchConfig, max_model_len: int,
     return model.eval()
 
 
-def _use_gguf_weights(model: LlamaForCausalLM, checkpoint: Any, device: torch.device) -> dict[str, int]:
+def _use_gguf_weights(model: LlamaForCausalLM, checkpoint: Any, device: torch.device,
+                      float32_q8: bool = False) -> dict[str, int]:
     """GGUF block storage (``layers.gguf_linear``) for every linear layer, the token
     embedding and the LM head whose GGML types the CPU kernel multiplies; the rest keep
     the model dtype and are dequantized as they load (logged, with why). Returns the
@@ -233,9 +236,10 @@ def _use_gguf_weights(model: LlamaForCausalLM, checkpoint: Any, device: torch.de
         qtypes = [parts[k] for k in sorted(parts, key=lambda k: -1 if k is None else k)]
         label = "/".join(dict.fromkeys(qtype_name(q) for q in qtypes))
         if name in ("embed_tokens", "lm_head"):
-            reason = use_gguf_embedding(module, qtypes[0], device)
+            reason = use_gguf_embedding(module, qtypes[0], device, float32_q8=float32_q8)
         else:
-            reason = use_gguf_weight(module, qtypes[0] if len(set(qtypes)) == 1 else qtypes, device)
+            reason = use_gguf_weight(module, qtypes[0] if len(set(qtypes)) == 1 else qtypes, device,
+                                     float32_q8=float32_q8)
         if reason is None:
             kept[label] = kept.get(label, 0) + 1
         else:

@@ -143,7 +143,7 @@ class LocalForward:
             hidden = graphs.run(step, step.padded_size)
         else:
             hidden = self.model(step.input_ids, step.positions, kv_caches, metadata, self.backend)
-        logits = (self.model.compute_logits(hidden[step.logits_indices])
+        logits = (self.model.compute_logits(hidden[step.logits_indices], metadata)
                   if step.logits_indices.shape[0] else None)
         return (logits, hidden) if keep_hidden else logits
 
@@ -193,7 +193,7 @@ class ModelRunner:
         self.num_kv_heads = kv_heads_per_rank(model_config.arch.num_key_value_heads, tp.world_size)
         torch.manual_seed(model_config.seed)
         self.model = load_model(model_config.model, model_config.arch, model_config.max_model_len,
-                                self.dtype, device, tp, stage)
+                                self.dtype, device, tp, stage, float32_q8=model_config.gguf_float32_q8)
         self.backend = select_attention_backend(attention_backend, device)
         prepare_for_device(self.model, device, self.backend, self.dtype, stage.is_last)
         if lora is not None:   # the model's targeted projections read the registry's slots

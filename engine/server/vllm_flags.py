@@ -127,7 +127,7 @@ SERVE_FLAGS: tuple[Flag, ...] = (
         _h("--trust-remote-code", "accepted: kvpilot never runs code from a checkpoint (built-in architectures only), so there is nothing to trust", **_on),
         _h("--load-format", "weight format: safetensors checkpoints and GGUF files are told apart by --model (pickled weights are refused)",
            choices=LOAD_FORMATS, default="auto"),
-        _h("--dtype", "weight and activation dtype: `auto` is the checkpoint's dtype on a GPU; on CPU bfloat16 where the CPU has AVX512-BF16 or AMX, else float32; vLLM's `half` / `float` are accepted",
+        _h("--dtype", "weight and activation dtype: `auto` is the checkpoint's dtype on a GPU; on CPU bfloat16 where the CPU has AVX512-BF16 or AMX, else float32 (a GGUF file's decode tokens then still take 8-bit activations; `float32` keeps them exact); vLLM's `half` / `float` are accepted",
            engine="dtype", type=dtype, choices=MODEL_DTYPES),
         _h("--max-model-len", "context length (prompt + output)", engine="max_model_len", type=positive_int,
            metavar="TOKENS", default_text="the model's"),

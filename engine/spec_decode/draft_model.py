@@ -50,7 +50,8 @@ class DraftModel:
                              "layers (two KV cache groups) is not implemented")
         self.arch = arch
         self.device, self.backend, self.kv_dtype = runner.device, runner.backend, runner.kv_dtype
-        self.model = load_model(model_path, arch, target.max_model_len, runner.dtype, runner.device)
+        self.model = load_model(model_path, arch, target.max_model_len, runner.dtype, runner.device,
+                                float32_q8=target.gguf_float32_q8)
         prepare_for_device(self.model, runner.device, runner.backend, runner.dtype)
         self.kv_caches: torch.Tensor | None = None
 

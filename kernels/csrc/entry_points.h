@@ -18,7 +18,7 @@ namespace entry_points {
 using MatmulQ8 = torch::Tensor (*)(torch::Tensor x, torch::Tensor w, int64_t qtype,
                                    c10::optional<torch::Tensor> bias, int64_t isa);
 using MatmulQ8Interleaved = torch::Tensor (*)(torch::Tensor x, torch::Tensor w, int64_t qtype,
-                                              c10::optional<torch::Tensor> bias);
+                                              c10::optional<torch::Tensor> bias, int64_t isa);
 using AddRmsNorm = std::vector<torch::Tensor> (*)(torch::Tensor x, c10::optional<torch::Tensor> residual,
                                                   torch::Tensor weight, double eps);
 using RotaryInplace = void (*)(torch::Tensor positions, torch::Tensor q, torch::Tensor k, torch::Tensor cos,
@@ -32,7 +32,7 @@ using PagedDecode = torch::Tensor (*)(torch::Tensor query, torch::Tensor key_cac
 
 // The capsule names: the entry point's name and its signature's version.
 constexpr const char* kMatmulQ8 = "kvpilot.matmul_q8/1";
-constexpr const char* kMatmulQ8Interleaved = "kvpilot.matmul_q8_interleaved/1";
+constexpr const char* kMatmulQ8Interleaved = "kvpilot.matmul_q8_interleaved/2";
 constexpr const char* kAddRmsNorm = "kvpilot.add_rms_norm/1";
 constexpr const char* kRotaryInplace = "kvpilot.rotary_inplace/1";
 constexpr const char* kSiluMul = "kvpilot.silu_mul/1";

@@ -18,7 +18,8 @@
 //
 // What it takes (the caller, engine/model/fused_decode.py, checks the step is one): at most
 // a few tokens, each attended as a decode row (its sequence's block table, the length up to
-// and including it), 16-bit activations, a KV cache of their dtype.
+// and including it), 16-bit activations (float32 ones where the GGUF layers take 8-bit
+// activations in float32), a KV cache of their dtype.
 
 #include <torch/extension.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -112,8 +113,10 @@ torch::Tensor gemma_norm(const torch::Tensor& x, const torch::Tensor& gain, doub
 
 class DecodeLayers {
  public:
-  DecodeLayers(const py::dict& ops, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale)
-      : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), scale_(scale) {
+  DecodeLayers(const py::dict& ops, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale,
+               int64_t interleaved_isa)
+      : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), scale_(scale),
+        interleaved_isa_(interleaved_isa) {
     TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && num_heads % num_kv_heads == 0 && head_dim > 0,
                 "heads must be positive, the query heads a multiple of the KV heads");
     matmul_q8_ = entry_points::unwrap<entry_points::MatmulQ8>(ops["matmul_q8"], entry_points::kMatmulQ8);
@@ -266,12 +269,13 @@ class DecodeLayers {
 
   torch::Tensor matmul(const Linear& l, const torch::Tensor& x) const {
     if (l.kind == kPacked) return packed_linear(x, l);
-    if (l.kind == kInterleaved) return matmul_q8i_(x, l.weight, l.qtype, l.bias);
+    if (l.kind == kInterleaved) return matmul_q8i_(x, l.weight, l.qtype, l.bias, interleaved_isa_);
     return matmul_q8_(x, l.weight, l.qtype, l.bias, l.kind);
   }
 
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double scale_;
+  int64_t interleaved_isa_;   // the interleaved linears' ISA id (matmul_q8_interleaved's isa)
   std::vector<Layer> layers_;
   entry_points::MatmulQ8 matmul_q8_;
   entry_points::MatmulQ8Interleaved matmul_q8i_;
@@ -284,8 +288,9 @@ class DecodeLayers {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<DecodeLayers>(m, "DecodeLayers", "a decode step's decoder layers in one native call")
-      .def(py::init<const py::dict&, int64_t, int64_t, int64_t, double>(), py::arg("ops"), py::arg("num_heads"),
-           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("scale"))
+      .def(py::init<const py::dict&, int64_t, int64_t, int64_t, double, int64_t>(), py::arg("ops"),
+           py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("scale"),
+           py::arg("interleaved_isa") = 0)
       .def("add_layer", &DecodeLayers::add_layer, py::arg("input_norm"), py::arg("mlp_norm"), py::arg("q_norm"),
            py::arg("k_norm"), py::arg("eps"), py::arg("cos"), py::arg("sin"), py::arg("rotary_dim"),
            py::arg("weights"), py::arg("qtypes"), py::arg("biases"), py::arg("kinds"), py::kw_only(),

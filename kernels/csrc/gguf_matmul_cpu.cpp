@@ -951,9 +951,84 @@ KVPILOT_VNNI void interleaved_group(const uint8_t* gp, const QuantizedX& q, int6
   }
 }
 
+// The same product on AVX2 (no VNNI): a 256-bit register holds 8 rows' int32 lanes, so a
+// group is two halves, and maddubs + madd stand in for dpbusd. The integer sums are the
+// VNNI kernel's exactly and the float terms are added in its order, so the outputs are its
+// bits. Q4: each code byte pair times its activations is at most 2 x 15 x 127, so all 8
+// products of a block add up in int16 (at most 30,480) before one madd widens them.
+// Q8_0: the signed codes (the stored ones xor 0x80), |q| times sign(q) * a, each chunk's
+// int16 pairs widened at once (2 x 128 x 127 leaves no room for a second).
+template <int Type, int NT, typename T>
+KVPILOT_AVX2 void interleaved_group_avx2(const uint8_t* gp, const QuantizedX& q, int64_t t0, const float* bias,
+                                         int64_t r0, T* out, int64_t rows) {
+  using I = Interleaved<Type>;
+  constexpr int block_bytes = kInterleave * Codes<Type>::type_size;
+  __m256 acc[NT][2];
+  for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  for (int64_t b = 0; b < q.nb; ++b) {
+    const uint8_t* bp = gp + b * block_bytes;
+    __m256 d[2], m[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int h = 0; h < 2; ++h) {
+      d[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bp + 16 * h)));
+      if (I::scales == 2) m[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bp + 32 + 16 * h)));
+    }
+    const uint8_t* cp = bp + 32 * I::scales;
+    __m256i w[8][2];   // w[j][h] pairs with the activation codes 4j..4j+3 of the block
+    for (int h = 0; h < 2; ++h) {
+      if (I::chunks == 4) {
+        for (int j = 0; j < 4; ++j) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cp + 64 * j + 32 * h));
+          w[j][h] = _mm256_and_si256(v, nibble);
+          w[4 + j][h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+        }
+      } else {
+        for (int j = 0; j < 8; ++j)
+          w[j][h] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(cp + 64 * j + 32 * h)), flip);
+      }
+    }
+    for (int t = 0; t < NT; ++t) {
+      const int64_t k = (t0 + t) * q.nbp + b;
+      const int8_t* a = q.a.data() + (t0 + t) * q.kp + b * 32;
+      __m256i av[8];
+      for (int j = 0; j < 8; ++j) {
+        int32_t word;
+        std::memcpy(&word, a + 4 * j, 4);
+        av[j] = _mm256_set1_epi32(word);
+      }
+      const __m256 dx = _mm256_set1_ps(q.dx[k]);
+      for (int h = 0; h < 2; ++h) {
+        __m256i s;
+        if (I::chunks == 4) {
+          __m256i p = _mm256_maddubs_epi16(w[0][h], av[0]);
+          for (int j = 1; j < 8; ++j) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w[j][h], av[j]));
+          s = _mm256_madd_epi16(p, ones);
+          if (I::offset) s = _mm256_sub_epi32(s, _mm256_set1_epi32(I::offset * q.sum[k]));
+        } else {
+          s = _mm256_setzero_si256();
+          for (int j = 0; j < 8; ++j)
+            s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w[j][h], w[j][h]),
+                                                                            _mm256_sign_epi8(av[j], w[j][h])),
+                                                      ones));
+        }
+        acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d[h], dx), acc[t][h]);
+        if (I::scales == 2) acc[t][h] = _mm256_fmadd_ps(m[h], _mm256_set1_ps(q.sx[(t0 + t) * q.ns + b]), acc[t][h]);
+      }
+    }
+  }
+  for (int t = 0; t < NT; ++t) {
+    alignas(32) float v[kInterleave];
+    _mm256_store_ps(v, acc[t][0]);
+    _mm256_store_ps(v + 8, acc[t][1]);
+    T* o = out + (t0 + t) * rows + r0;
+    for (int r = 0; r < kInterleave; ++r) store(o + r, v[r] + (bias ? bias[r0 + r] : 0.f));
+  }
+}
+
 template <int Type, typename T>
 void matmul_interleaved_as(const QuantizedX& q, const uint8_t* w, int64_t rows, int64_t bpr, int64_t batch,
-                           const float* bias, T* out) {
+                           const float* bias, T* out, int64_t isa) {
   const int64_t groups = rows / kInterleave, group_bytes = kInterleave * bpr;
   const int64_t work = group_bytes * ((batch + kTokenTile - 1) / kTokenTile);
   const int64_t grain = std::max<int64_t>(1, kMinTaskBytes / std::max<int64_t>(work, 1));
@@ -962,9 +1037,95 @@ void matmul_interleaved_as(const QuantizedX& q, const uint8_t* w, int64_t rows, 
       const uint8_t* gp = w + g * group_bytes;
       const int64_t r0 = g * kInterleave;
       for_token_tiles(batch, [&](int64_t t0, auto nt) {
-        interleaved_group<Type, decltype(nt)::value, T>(gp, q, t0, bias, r0, out, rows);
+        if (isa == kIsaVnni)
+          interleaved_group<Type, decltype(nt)::value, T>(gp, q, t0, bias, r0, out, rows);
+        else
+          interleaved_group_avx2<Type, decltype(nt)::value, T>(gp, q, t0, bias, r0, out, rows);
       });
     }
+  });
+}
+
+// Float activations times an interleaved weight (AVX2, so every CPU with the layout runs it):
+// the float path for the few rows of a prompt step (the LM head's sampling rows, a short
+// prompt remainder after a prefix hit) in a float32 model, where decoding the whole weight
+// into tiles for F.linear would cost more than the product. Per block and row, sum(code * x)
+// in float32, then d times it (Q4_0: minus 8 sum(x); Q4_1: plus m sum(x)): the file's
+// values times x to float32 rounding, no 8-bit activations.
+template <int Type, int NT>
+KVPILOT_AVX2 void interleaved_float_group(const uint8_t* gp, const float* x, const float* xsum, int64_t nb,
+                                          int64_t cols, int64_t t0, const float* bias, int64_t r0, float* out,
+                                          int64_t rows) {
+  using I = Interleaved<Type>;
+  constexpr int block_bytes = kInterleave * Codes<Type>::type_size;
+  __m256 acc[NT][2];
+  for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+  const __m256i low4 = _mm256_set1_epi32(0x0F), low8 = _mm256_set1_epi32(0xFF);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* bp = gp + b * block_bytes;
+    const uint8_t* cp = bp + 32 * I::scales;
+    for (int h = 0; h < 2; ++h) {
+      __m256 s[NT];
+      for (int t = 0; t < NT; ++t) s[t] = _mm256_setzero_ps();
+      for (int j = 0; j < I::chunks; ++j) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cp + 64 * j + 32 * h));
+        for (int k = 0; k < 4; ++k) {
+          if (I::chunks == 4) {   // byte 4j + k: value 4j + k (low nibble) and 4j + k + 16 (high)
+            const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 8 * k), low4));
+            const __m256 hi = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 8 * k + 4), low4));
+            for (int t = 0; t < NT; ++t) {
+              const float* xb = x + (t0 + t) * cols + b * 32 + 4 * j + k;
+              s[t] = _mm256_fmadd_ps(lo, _mm256_broadcast_ss(xb), s[t]);
+              s[t] = _mm256_fmadd_ps(hi, _mm256_broadcast_ss(xb + 16), s[t]);
+            }
+          } else {                // byte 4j + k: value 4j + k, stored + 128
+            const __m256 c = _mm256_cvtepi32_ps(_mm256_sub_epi32(
+                _mm256_and_si256(_mm256_srli_epi32(v, 8 * k), low8), _mm256_set1_epi32(128)));
+            for (int t = 0; t < NT; ++t)
+              s[t] = _mm256_fmadd_ps(c, _mm256_broadcast_ss(x + (t0 + t) * cols + b * 32 + 4 * j + k), s[t]);
+          }
+        }
+      }
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bp + 16 * h)));
+      for (int t = 0; t < NT; ++t) {
+        const __m256 sx = _mm256_set1_ps(xsum[(t0 + t) * nb + b]);
+        if (I::offset == 8) s[t] = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), sx, s[t]);
+        acc[t][h] = _mm256_fmadd_ps(d, s[t], acc[t][h]);
+        if (I::scales == 2) {
+          const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bp + 32 + 16 * h)));
+          acc[t][h] = _mm256_fmadd_ps(m, sx, acc[t][h]);
+        }
+      }
+    }
+  }
+  for (int t = 0; t < NT; ++t) {
+    alignas(32) float v[kInterleave];
+    _mm256_store_ps(v, acc[t][0]);
+    _mm256_store_ps(v + 8, acc[t][1]);
+    float* o = out + (t0 + t) * rows + r0;
+    for (int r = 0; r < kInterleave; ++r) o[r] = v[r] + (bias ? bias[r0 + r] : 0.f);
+  }
+}
+
+template <int Type>
+void matmul_interleaved_float_as(const float* x, const uint8_t* w, int64_t rows, int64_t bpr, int64_t batch,
+                                 int64_t cols, const float* bias, float* out) {
+  const int64_t nb = cols / 32, groups = rows / kInterleave, group_bytes = kInterleave * bpr;
+  std::vector<float> xsum(batch * nb);   // each block's sum of x (the offset's and the min's term)
+  for (int64_t t = 0; t < batch; ++t)
+    for (int64_t b = 0; b < nb; ++b) {
+      float s = 0.f;
+      for (int i = 0; i < 32; ++i) s += x[t * cols + b * 32 + i];
+      xsum[t * nb + b] = s;
+    }
+  const int64_t work = group_bytes * ((batch + kTokenTile - 1) / kTokenTile);
+  const int64_t grain = std::max<int64_t>(1, kMinTaskBytes / std::max<int64_t>(work, 1));
+  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for_token_tiles(batch, [&](int64_t t0, auto nt) {
+        interleaved_float_group<Type, decltype(nt)::value>(w + g * group_bytes, x, xsum.data(), nb, cols, t0, bias,
+                                                           g * kInterleave, out, rows);
+      });
   });
 }
 #endif
@@ -1020,12 +1181,12 @@ void matmul_q8_as(const QuantizedX& q, const uint8_t* src, int64_t rows, int64_t
 // The interleaved layout's product for a type it takes.
 template <typename T>
 void matmul_interleaved(int64_t qtype, const QuantizedX& q, const uint8_t* src, int64_t rows, int64_t bpr,
-                        int64_t batch, const float* bias, T* dst) {
+                        int64_t batch, const float* bias, T* dst, int64_t isa) {
 #if defined(__x86_64__) && defined(__GNUC__)
   switch (qtype) {
-    case Q4_0: matmul_interleaved_as<Q4_0, T>(q, src, rows, bpr, batch, bias, dst); break;
-    case Q4_1: matmul_interleaved_as<Q4_1, T>(q, src, rows, bpr, batch, bias, dst); break;
-    case Q8_0: matmul_interleaved_as<Q8_0, T>(q, src, rows, bpr, batch, bias, dst); break;
+    case Q4_0: matmul_interleaved_as<Q4_0, T>(q, src, rows, bpr, batch, bias, dst, isa); break;
+    case Q4_1: matmul_interleaved_as<Q4_1, T>(q, src, rows, bpr, batch, bias, dst, isa); break;
+    case Q8_0: matmul_interleaved_as<Q8_0, T>(q, src, rows, bpr, batch, bias, dst, isa); break;
     default: TORCH_CHECK(false, "no interleaved layout for ggml type ", qtype);
   }
 #else
@@ -1033,7 +1194,7 @@ void matmul_interleaved(int64_t qtype, const QuantizedX& q, const uint8_t* src, 
 #endif
 }
 
-// isa: kIsaVnni or kIsaAvx2 for GGUF rows; interleaved: the weight in the interleaved layout (VNNI).
+// isa: kIsaVnni or kIsaAvx2; interleaved: the weight in the interleaved layout.
 template <typename T>
 torch::Tensor matmul_q8_typed(const torch::Tensor& x, const torch::Tensor& w, int64_t qtype,
                               const c10::optional<torch::Tensor>& bias, int64_t isa, bool interleaved) {
@@ -1045,7 +1206,7 @@ torch::Tensor matmul_q8_typed(const torch::Tensor& x, const torch::Tensor& w, in
   T* dst = out.data_ptr<T>();
   const uint8_t* src = w.data_ptr<uint8_t>();
   if (interleaved) {
-    matmul_interleaved<T>(qtype, q, src, rows, bpr, batch, b, dst);
+    matmul_interleaved<T>(qtype, q, src, rows, bpr, batch, b, dst, isa);
     return out;
   }
   switch (qtype) {
@@ -1176,8 +1337,10 @@ torch::Tensor dequantize_interleaved(torch::Tensor w, int64_t qtype, at::ScalarT
   return out;
 }
 
-// x [batch, columns] times an interleaved weight's transpose through q8 activations (AVX512-VNNI).
-torch::Tensor matmul_q8_interleaved(torch::Tensor x, torch::Tensor w, int64_t qtype, c10::optional<torch::Tensor> bias) {
+// x [batch, columns] times an interleaved weight's transpose through q8 activations (isa as
+// matmul_q8's: AVX512-VNNI or AVX2, the same bits either way).
+torch::Tensor matmul_q8_interleaved(torch::Tensor x, torch::Tensor w, int64_t qtype, c10::optional<torch::Tensor> bias,
+                                    int64_t isa) {
   const int64_t type_size = interleaved_type_size(qtype);
   TORCH_CHECK(type_size, "no interleaved layout for ggml type ", qtype);
   const int64_t cols = check_weight(w, type_size, 32);
@@ -1186,13 +1349,44 @@ torch::Tensor matmul_q8_interleaved(torch::Tensor x, torch::Tensor w, int64_t qt
   TORCH_CHECK(x.size(1) == cols, "x has ", x.size(1), " columns; the weight has ", cols);
   if (bias) TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == w.size(0),
                         "the bias must be float32 [rows]");
-  TORCH_CHECK(resolve_isa(kIsaBest) == kIsaVnni, "the interleaved layout needs AVX512-VNNI");
+  const int64_t chosen = resolve_isa(isa);
+  TORCH_CHECK(chosen > 0, "the interleaved layout needs AVX2 or AVX512-VNNI");
   switch (x.scalar_type()) {
-    case torch::kFloat32: return matmul_q8_typed<float>(x, w, qtype, bias, kIsaVnni, true);
-    case torch::kBFloat16: return matmul_q8_typed<c10::BFloat16>(x, w, qtype, bias, kIsaVnni, true);
-    case torch::kHalf: return matmul_q8_typed<c10::Half>(x, w, qtype, bias, kIsaVnni, true);
+    case torch::kFloat32: return matmul_q8_typed<float>(x, w, qtype, bias, chosen, true);
+    case torch::kBFloat16: return matmul_q8_typed<c10::BFloat16>(x, w, qtype, bias, chosen, true);
+    case torch::kHalf: return matmul_q8_typed<c10::Half>(x, w, qtype, bias, chosen, true);
     default: TORCH_CHECK(false, "x must be float32, bfloat16 or float16");
   }
+}
+
+// x [batch, columns] float32 times an interleaved weight's transpose in float32 (no 8-bit
+// activations; AVX2), plus bias (float32 [rows]) if given: float32 [batch, rows].
+torch::Tensor matmul_interleaved_float(torch::Tensor x, torch::Tensor w, int64_t qtype,
+                                       c10::optional<torch::Tensor> bias) {
+  const int64_t type_size = interleaved_type_size(qtype);
+  TORCH_CHECK(type_size, "no interleaved layout for ggml type ", qtype);
+  const int64_t cols = check_weight(w, type_size, 32);
+  TORCH_CHECK(w.size(0) % kInterleave == 0, "an interleaved weight has a multiple of ", kInterleave, " rows");
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat32,
+              "x must be a contiguous float32 CPU [batch, columns] tensor");
+  TORCH_CHECK(x.size(1) == cols, "x has ", x.size(1), " columns; the weight has ", cols);
+  if (bias) TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == w.size(0),
+                        "the bias must be float32 [rows]");
+  TORCH_CHECK(cpu_has_avx2(), "the interleaved float product needs AVX2");
+  auto out = torch::empty({x.size(0), w.size(0)}, x.options());
+#if defined(__x86_64__) && defined(__GNUC__)
+  const float* xp = x.data_ptr<float>();
+  const float* b = bias ? bias->data_ptr<float>() : nullptr;
+  const uint8_t* src = w.data_ptr<uint8_t>();
+  float* dst = out.data_ptr<float>();
+  const int64_t rows = w.size(0), bpr = w.size(1), batch = x.size(0);
+  switch (qtype) {
+    case Q4_0: matmul_interleaved_float_as<Q4_0>(xp, src, rows, bpr, batch, cols, b, dst); break;
+    case Q4_1: matmul_interleaved_float_as<Q4_1>(xp, src, rows, bpr, batch, cols, b, dst); break;
+    default: matmul_interleaved_float_as<Q8_0>(xp, src, rows, bpr, batch, cols, b, dst); break;
+  }
+#endif
+  return out;
 }
 
 // The q8 path's instruction set here: 1 AVX512-VNNI, 2 AVX2, 0 none.
@@ -1213,6 +1407,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("w"), py::arg("qtype"), py::arg("dtype") = torch::kFloat32, py::arg("row_ids") = py::none());
   m.def("matmul_q8_interleaved", &matmul_q8_interleaved,
         "x [batch, columns] @ interleaved weight^T through q8 activations -> [batch, rows] in x's dtype",
+        py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("bias") = py::none(), py::arg("isa") = 0);
+  m.def("matmul_interleaved_float", &matmul_interleaved_float,
+        "x [batch, columns] float32 @ interleaved weight^T in float32 -> float32 [batch, rows]",
         py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("bias") = py::none());
   m.def("q8_isa", &q8_isa, "the q8 path's instruction set on this CPU: 1 AVX512-VNNI, 2 AVX2, 0 none");
   m.def("matmul", &matmul, "x [batch, columns] float32 @ dequantize(weight)^T -> float32 [batch, rows]");

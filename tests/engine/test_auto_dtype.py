@@ -52,3 +52,34 @@ def test_auto_runs_the_model_in_bfloat16_on_a_bf16_cpu(tiny_checkpoint):
     llm = LLM(str(tiny_checkpoint("qwen3")), num_gpu_blocks=32, max_model_len=128)
     weights = {p.dtype for p in llm.llm_engine.runner.model.parameters()}
     assert weights == {torch.bfloat16}
+
+
+def test_a_gguf_file_on_a_cpu_without_bf16_takes_8_bit_activations_for_decode(tmp_path, monkeypatch, caplog,
+                                                                               tiny_checkpoint):
+    """``--dtype auto`` for a GGUF file where bfloat16 is not native: float32, and decode
+    tokens on the q8 path (``ModelConfig.gguf_float32_q8``), as 16-bit models and llama.cpp
+    run them; ``--dtype float32`` asks for the exact float path, and an HF checkpoint or a
+    CPU with native bfloat16 never sets it."""
+    from kvpilot.engine.model import auto_dtype
+
+    from support.gguf_files import write_gguf
+
+    gguf = str(write_gguf(tmp_path / "model.gguf", "llama", "Q4_1", seed=1))
+    zen3, amx = tmp_path / "zen3", tmp_path / "amx"
+    zen3.write_text(f"model name\t: Zen 3\n{ZEN3}")
+    amx.write_text(f"model name\t: Sapphire Rapids\n{SAPPHIRE_RAPIDS}")
+
+    def configs(cpuinfo, **kwargs):
+        monkeypatch.setattr(auto_dtype, "cpu_info", lambda: cpu_info(cpuinfo))
+        return EngineArgs(device="cpu", **kwargs).create_configs()[0]
+
+    with caplog.at_level(logging.INFO, logger="kvpilot.engine.engine_args"):
+        auto = configs(zen3, model=gguf)
+    assert (auto.dtype, auto.gguf_float32_q8) == ("float32", True)
+    assert "GGUF decode tokens take 8-bit activations (--dtype float32: exact)" in caplog.text
+    exact = configs(zen3, model=gguf, dtype="float32")
+    assert (exact.dtype, exact.gguf_float32_q8) == ("float32", False)
+    bf16 = configs(amx, model=gguf)
+    assert (bf16.dtype, bf16.gguf_float32_q8) == ("bfloat16", False)
+    checkpoint = configs(zen3, model=str(tiny_checkpoint("qwen3")))
+    assert (checkpoint.dtype, checkpoint.gguf_float32_q8) == ("float32", False)

@@ -24,7 +24,8 @@ import pytest
 import torch
 
 from kvpilot.engine import LLM, SamplingParams
-from kvpilot.engine.model import fused_decode
+from kvpilot.engine.model import auto_dtype, fused_decode
+from kvpilot.engine.model.cpu_info import CPUInfo
 from kvpilot.engine.model.layers import packed_linear
 from kvpilot.kernels import fused_decode_cpu, gguf_matmul_cpu
 from kvpilot.kernels.attention_metadata import AttentionMetadata
@@ -37,6 +38,7 @@ pytestmark = pytest.mark.skipif(
     gguf_matmul_cpu.load() is None or gguf_matmul_cpu.q8_isa() is None or fused_decode_cpu.load() is None,
     reason="the fused decode step needs the q8 GGUF path (AVX2 or AVX512-VNNI) and a C++ compiler")
 
+NO_BF16_CPU = CPUInfo("AMD EPYC 7B13", 2, frozenset({"avx2", "fma", "f16c"}))
 # a down_proj of 4,160 inputs: past the 4,096 that the q8 path once stopped at
 WIDE = {"intermediate_size": 4160}
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
@@ -48,9 +50,10 @@ def _prompts() -> list[list[int]]:
     return [[11, 12, 13] * 5, shared + [20, 21], shared + [30, 31, 32, 33] * 3, [40, 41]]
 
 
-def _model(tmp_path, kind: str, weights: str) -> str:
+def _model(tmp_path, kind: str, weights: str, tied: bool = False) -> str:
     """A GGUF file of ``weights`` (a ggml type), or a bfloat16 checkpoint (its projections
-    prepacked for oneDNN as they load); ``KIND-wide``: ``kind`` with the ``WIDE`` MLP."""
+    prepacked for oneDNN as they load); ``KIND-wide``: ``kind`` with the ``WIDE`` MLP;
+    ``tied``: the GGUF's token embedding is its LM head."""
     if weights == "bf16-checkpoint" and kind == "gemma3":
         path = build_gemma3(tmp_path / "ckpt", seed=3)   # float32, loaded in bfloat16
         save_tokenizer(path, 512)
@@ -61,21 +64,33 @@ def _model(tmp_path, kind: str, weights: str) -> str:
     if weights == "bf16-checkpoint":
         return str(build_checkpoint(tmp_path / "ckpt", kind, seed=3, dtype=torch.bfloat16))
     kind, wide = kind.removesuffix("-wide"), kind.endswith("-wide")
-    return str(write_gguf(tmp_path / "model.gguf", kind, weights, seed=3, overrides=WIDE if wide else None))
+    overrides = {**(WIDE if wide else {}), **({"tie_word_embeddings": True} if tied else {})}
+    return str(write_gguf(tmp_path / "model.gguf", kind, weights, seed=3, overrides=overrides or None))
 
 
 @pytest.mark.parametrize(("kind", "weights"), [("llama", "Q4_1"), ("qwen2", "Q8_0"), ("qwen3", "Q4_0"),
                                                ("qwen2-wide", "Q5_1"), ("gemma3", "Q8_0"),
+                                               ("llama", "Q4_1-float32"), ("qwen2", "Q8_0-float32"),
                                                ("qwen2", "bf16-checkpoint"), ("qwen3", "bf16-checkpoint"),
                                                ("gemma3", "bf16-checkpoint"), ("qwen2-window", "bf16-checkpoint")])
 def test_every_fused_step_equals_the_layers_bit_for_bit(tmp_path, monkeypatch, kind, weights):
+    """``TYPE-float32``: a float32 engine that ``--dtype auto`` chose on a CPU without native
+    bfloat16, its decode tokens on the q8 path in float32 (``ModelConfig.gguf_float32_q8``);
+    its LM head is the tied GGUF embedding, whose kernel gives a row the same bits in a
+    verification step as alone (a float32 head's ``F.linear`` need not: MKL's product of one
+    row and of several round differently, which 16-bit logits hide)."""
     if weights == "bf16-checkpoint" and not packed_linear.available():
         pytest.skip("no oneDNN packing in this torch build")
-    path = _model(tmp_path, kind, weights)
-    llm = LLM(path, dtype="bfloat16", num_gpu_blocks=64, max_model_len=256, max_num_seqs=4, speculative_config=SPEC)
+    dtype = "bfloat16"
+    if weights.endswith("-float32"):
+        monkeypatch.setattr(auto_dtype, "cpu_info", lambda: NO_BF16_CPU)
+        weights, dtype = weights.removesuffix("-float32"), "auto"
+    path = _model(tmp_path, kind, weights, tied=dtype == "auto")
+    llm = LLM(path, dtype=dtype, num_gpu_blocks=64, max_model_len=256, max_num_seqs=4, speculative_config=SPEC)
     try:
         model = llm.llm_engine.runner.model
         assert model.fused_decode is not None
+        assert model.fused_decode.dtype == (torch.float32 if dtype == "auto" else torch.bfloat16)
         if kind.endswith("-wide"):   # the wide projection in GGUF rows, multiplied by matmul_q8 in the step
             down = model.layers[0].mlp.down_proj.gguf
             assert down.columns == WIDE["intermediate_size"] and not down.interleaved
@@ -95,9 +110,9 @@ def test_every_fused_step_equals_the_layers_bit_for_bit(tmp_path, monkeypatch, k
             return out
 
         monkeypatch.setattr(fused_decode.FusedDecode, "run", checked_run)
-        # Gemma 3's tiny models repeat their drafts more (fewer steps): a longer run
-        params = SamplingParams(temperature=0.0, max_tokens=40 if kind == "gemma3" else 24, ignore_eos=True,
-                                logprobs=1)
+        # the tiny Gemma 3 and tied models repeat their drafts more (fewer steps): longer runs
+        params = SamplingParams(temperature=0.0, max_tokens=64 if dtype == "auto" else 40 if kind == "gemma3" else 24,
+                                ignore_eos=True, logprobs=1)
         fused = llm.generate(_prompts(), params)
     finally:
         llm.llm_engine.close()
@@ -105,7 +120,7 @@ def test_every_fused_step_equals_the_layers_bit_for_bit(tmp_path, monkeypatch, k
     assert (seen["hybrid"] == seen["steps"]) == (kind in ("gemma3", "qwen2-window")), seen
 
     monkeypatch.setenv(fused_decode.FUSED_DECODE_ENV, "0")
-    plain = LLM(path, dtype="bfloat16", num_gpu_blocks=64, max_model_len=256, max_num_seqs=4)
+    plain = LLM(path, dtype=dtype, num_gpu_blocks=64, max_model_len=256, max_num_seqs=4)
     try:
         assert plain.llm_engine.runner.model.fused_decode is None
         layered = plain.generate(_prompts(), params)

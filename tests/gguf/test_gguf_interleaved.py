@@ -5,7 +5,9 @@ Oracles: the file's rows (the layout turns back into exactly them); the pure-tor
 of the q8 path (``support.q8_reference``) (activation codes as the kernel rounds them, times
 the ``gguf`` package's dequantization in float64), to float32 rounding; the same call one
 token at a time (bit-identical: a verification step must equal single-token decoding);
-float64 ``F.linear`` over the dequantized weight for a layer on both of its paths.
+float64 ``F.linear`` over the dequantized weight for a layer on both of its paths. The
+product runs on each instruction set the CPU has (AVX512-VNNI, AVX2), and the two give the
+same bits.
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ from support.gguf_blocks import random_blocks
 from support.q8_reference import assert_matches_q8_reference
 
 TYPES = (T.Q4_0, T.Q4_1, T.Q8_0)
-VNNI = gguf_matmul_cpu.load() is not None and gguf_matmul_cpu.load().q8_isa() == 1
+_BEST = gguf_matmul_cpu.load().q8_isa() if gguf_matmul_cpu.load() is not None else 0
+ISAS = {1: ("vnni", "avx2"), 2: ("avx2",)}.get(_BEST, ())   # a VNNI CPU has AVX2 as well
 
-pytestmark = pytest.mark.skipif(not VNNI, reason="the interleaved layout needs AVX512-VNNI")
+pytestmark = pytest.mark.skipif(not ISAS, reason="the interleaved layout needs AVX512-VNNI or AVX2")
 
 
 def _weight(qtype: T, rows: int, columns: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,15 +43,18 @@ def _weight(qtype: T, rows: int, columns: int, seed: int) -> tuple[torch.Tensor,
 
 
 def _assert_product(x: torch.Tensor, packed: torch.Tensor, qtype: T, weight: torch.Tensor,
-                    bias: torch.Tensor | None) -> None:
-    """The kernel's product in ``x``'s dtype: the q8 reference's to float32 rounding, and
-    bit for bit the same one token at a time."""
-    y = gguf_matmul_cpu.matmul_q8_interleaved(x, packed, int(qtype), bias)
+                    bias: torch.Tensor | None, isa: str) -> None:
+    """The kernel's product in ``x``'s dtype on ``isa``: the q8 reference's to float32
+    rounding, bit for bit the same one token at a time, and (a CPU with both) the same bits
+    on the other instruction set."""
+    y = gguf_matmul_cpu.matmul_q8_interleaved(x, packed, int(qtype), bias, isa=isa)
     assert y.dtype == x.dtype and y.shape == (x.shape[0], packed.shape[0])
     assert_matches_q8_reference(y, x, weight, bias)
-    alone = torch.cat([gguf_matmul_cpu.matmul_q8_interleaved(x[i:i + 1], packed, int(qtype), bias)
+    alone = torch.cat([gguf_matmul_cpu.matmul_q8_interleaved(x[i:i + 1], packed, int(qtype), bias, isa=isa)
                        for i in range(x.shape[0])])
     assert torch.equal(alone, y)
+    for other in ISAS:
+        assert torch.equal(gguf_matmul_cpu.matmul_q8_interleaved(x, packed, int(qtype), bias, isa=other), y)
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
@@ -62,8 +68,9 @@ def test_the_layout_holds_the_same_bytes_and_turns_back_into_the_rows(qtype):
     assert torch.equal(gguf_matmul_cpu.deinterleave(packed[16:32], int(qtype)), raw[16:32])
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_the_kernel_matches_the_q8_reference_and_one_token_at_a_time(qtype):
+def test_the_kernel_matches_the_q8_reference_and_one_token_at_a_time(qtype, isa):
     torch.manual_seed(int(qtype))
     rows, columns = 48, 96
     raw, weight = _weight(qtype, rows, columns, 10 + int(qtype))
@@ -73,11 +80,14 @@ def test_the_kernel_matches_the_q8_reference_and_one_token_at_a_time(qtype):
         for batch in (1, 3, 4, 7, 24):
             x = (torch.randn(batch, columns) * torch.rand(batch, 1) * 4).to(dtype)
             x[0, :32] = 0                                    # an all-zero block: scale 0
-            _assert_product(x, packed, qtype, weight, bias if batch % 2 else None)
+            if qtype == T.Q8_0:   # codes -128 and 127 against activations of +-127: the extremes
+                x[-1, 32:64] = torch.tensor([4.0, -4.0] * 16)
+            _assert_product(x, packed, qtype, weight, bias if batch % 2 else None, isa)
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_rows_wider_than_4096_columns_match_the_q8_reference(qtype):
+def test_rows_wider_than_4096_columns_match_the_q8_reference(qtype, isa):
     """Qwen2.5-0.5B's down_proj width (4,864) and 8,192 + 32 (an odd number of blocks)."""
     torch.manual_seed(30 + int(qtype))
     rows = 32
@@ -87,7 +97,7 @@ def test_rows_wider_than_4096_columns_match_the_q8_reference(qtype):
         bias = torch.randn(rows)
         for dtype, batch in ((torch.bfloat16, 1), (torch.float16, 7)):
             x = (torch.randn(batch, columns) * torch.rand(batch, 1) * 4).to(dtype)
-            _assert_product(x, packed, qtype, weight, bias)
+            _assert_product(x, packed, qtype, weight, bias, isa)
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
@@ -146,6 +156,7 @@ def test_a_layer_chooses_the_layout_and_serves_both_paths(monkeypatch):
     q41, q80 = int(T.Q4_1), int(T.Q8_0)
     assert interleaves(torch.bfloat16, [32, 16], [q41, q80])
     assert not interleaves(torch.float32, [32], [q41])             # the exact float path stays
+    assert interleaves(torch.float32, [32], [q41], float32_q8=True)   # --dtype auto, no bf16
     assert not interleaves(torch.bfloat16, [40], [q41])            # not whole groups
     assert not interleaves(torch.bfloat16, [32], [int(T.Q5_1)])
     monkeypatch.setenv(gguf_matmul_cpu.Q8_ENV, "0")
@@ -185,3 +196,58 @@ def test_an_interleaved_embedding_looks_up_the_files_rows(qtype):
         expected = gguf_embedding(ids, raw.reshape(-1), rows_layout, dtype)
         assert torch.equal(gguf_embedding(ids, packed, packed_layout, dtype), expected)
         assert torch.allclose(expected.double(), weight[ids].to(dtype).double())
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_the_float_product_matches_float64_over_the_files_values(qtype):
+    """``matmul_interleaved_float``: the few float rows of a prompt step (a float32 model's LM
+    head, a prompt's last tokens after a prefix hit) times the file's values, no 8-bit
+    activations: float64 ``x @ W.T + b`` to float32 rounding, any number of rows, rows wider
+    than a block pair, bfloat16 input converted."""
+    torch.manual_seed(40 + int(qtype))
+    for rows, columns in ((48, 96), (32, 4864)):
+        raw, weight = _weight(qtype, rows, columns, 40 + int(qtype))
+        packed = gguf_matmul_cpu.interleave(raw, int(qtype))
+        bias = torch.randn(rows)
+        for batch in (1, 3, 4, 5, 16):
+            x = torch.randn(batch, columns) * torch.rand(batch, 1) * 4
+            for b in (bias, None):
+                y = gguf_matmul_cpu.matmul_interleaved_float(x, packed, int(qtype), b)
+                truth = x.double() @ weight.T + (0 if b is None else b.double())
+                assert y.dtype == torch.float32 and y.shape == (batch, rows)
+                assert (y.double() - truth).abs().max() <= 2e-6 * truth.abs().max()
+                alone = torch.cat([gguf_matmul_cpu.matmul_interleaved_float(x[i:i + 1], packed, int(qtype), b)
+                                   for i in range(batch)])
+                assert torch.equal(alone, y)
+        half = x.to(torch.bfloat16)
+        assert torch.equal(gguf_matmul_cpu.matmul_interleaved_float(half, packed, int(qtype)),
+                           gguf_matmul_cpu.matmul_interleaved_float(half.float(), packed, int(qtype)))
+    with pytest.raises(RuntimeError, match="columns"):
+        gguf_matmul_cpu.matmul_interleaved_float(torch.randn(2, 64), packed, int(qtype))
+
+
+def test_a_float32_layer_takes_the_float_product_for_few_prompt_rows(monkeypatch):
+    """A float32 layer loaded with ``float32_q8`` (``--dtype auto`` without native bfloat16):
+    decode rows on the q8 kernel; inside ``float_activations`` (a prompt step) up to
+    ``MAX_VECTOR_BATCH`` rows on the float product, more on tiles for ``F.linear``."""
+    monkeypatch.delenv(gguf_matmul_cpu.Q8_ENV, raising=False)
+    q41 = int(T.Q4_1)
+    raw, weight = _weight(T.Q4_1, 32, 256, 5)
+    layout = build_layout(256, [32], [q41], interleaved=True, float32_q8=True)
+    flat = gguf_matmul_cpu.interleave(raw, q41).reshape(-1)
+    calls = []
+    for name in ("matmul_q8_interleaved", "matmul_interleaved_float"):
+        real = getattr(gguf_matmul_cpu, name)
+        monkeypatch.setattr(gguf_matmul_cpu, name,
+                            lambda *a, _name=name, _real=real, **k: calls.append(_name) or _real(*a, **k))
+    small, large = gguf_matmul_cpu.MAX_VECTOR_BATCH, gguf_matmul_cpu.MAX_VECTOR_BATCH + 1
+    for batch, prompt, expected in ((1, False, ["matmul_q8_interleaved"]), (small, True, ["matmul_interleaved_float"]),
+                                    (large, True, [])):
+        calls.clear()
+        x = torch.randn(batch, 256)
+        with gguf_linear_module.float_activations(prompt):
+            y = gguf_linear(x, flat, None, layout)
+        assert calls == expected and y.dtype == torch.float32
+        truth = x.double() @ weight.T
+        tolerance = 3e-2 if not prompt else 2e-6   # 8-bit activations, or float ones
+        assert (y.double() - truth).abs().max() <= tolerance * truth.abs().max()

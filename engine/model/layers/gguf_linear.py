@@ -14,27 +14,38 @@ Forward (``gguf_linear``) takes one of three paths per run of rows of one type:
   Q4_1, Q5_0, Q5_1, Q8_0) and up to ``gguf_matmul_cpu.Q8_MAX_BATCH`` tokens: the q8 path
   (``gguf_matmul_cpu.matmul_q8``, llama.cpp's way): activations quantized per block to
   int8, integer dot products with the weight codes, the result written in the activation
-  dtype. It rounds the activations to 8 bits (as llama.cpp does), so it is used only
-  where the model already runs in a 16-bit dtype; a float32 model keeps the exact float
-  path below, token-identical to transformers in float32. ``$KVPILOT_GGUF_Q8=0`` turns
+  dtype. It rounds the activations to 8 bits (as llama.cpp does), so it is used where the
+  model already runs in a 16-bit dtype, and in a float32 model only when the layer was
+  loaded with ``float32_q8`` (``--dtype auto`` chose float32 for a GGUF file on a CPU
+  without native bfloat16, ``ModelConfig.gguf_float32_q8``: there 16-bit matmuls are slow,
+  and without it every decode step took the float kernel, 73 ms on the built-in model
+  against about 5.5 ms). An explicit float32 model keeps the exact float path below,
+  token-identical to transformers in float32. ``$KVPILOT_GGUF_Q8=0`` turns
   it off (the measured numerics: ``gguf_matmul_cpu``'s docstring). Prompt tokens never
   take it: inside ``float_activations()`` (the model's forward for a step that computes
-  prompt tokens, ``AttentionMetadata.computes_prompt``) the float paths below run,
-  whatever the row count. Otherwise a prompt whose prefix came from the cache would
-  compute its last few tokens in 8 bits where the cold prompt, too long for the q8 path,
-  computed them in 16 bits: a different KV, and on the built-in SmolLM2 a different answer to
-  the README's question the second time it was asked.
+  prompt tokens, ``AttentionMetadata.computes_prompt``, and its LM head's logits) the
+  float paths below run, whatever the row count. Otherwise a prompt whose prefix came
+  from the cache would compute its last few tokens in 8 bits where the cold prompt, too
+  long for the q8 path, computed them in 16 bits: a different KV, and on the built-in
+  SmolLM2 a different answer to the README's question the second time it was asked. The
+  head counts too: that question's first answer token is a near tie ("The" against "L",
+  0.08 nats apart in float32), which the 8-bit rounding of the last hidden state flipped
+  in a float32 model.
 - otherwise up to ``gguf_matmul_cpu.MAX_VECTOR_BATCH`` tokens: the float kernel that
   decodes one block at a time into registers and multiplies every token by it (float32
   accumulation, result in the activation dtype): the weight bytes are read once, and no
-  dequantized matrix exists.
+  dequantized matrix exists. For an interleaved weight that is
+  ``matmul_interleaved_float``, in a float32 model (a prompt step's LM head rows: 2.2 ms
+  for SmolLM2's head where decoding it into tiles would cost more); a 16-bit one keeps
+  the tiles below.
 - more tokens (prefill): a tile of rows at a time is decoded to the activation dtype and
   handed to ``F.linear`` (a transient of ``TILE_ELEMENTS`` values, not the layer).
 
-Where the model runs in bfloat16/float16 on an AVX512-VNNI CPU and every part is Q4_0,
-Q4_1 or Q8_0 with a multiple of 16 rows, the layer holds its bytes in the kernel's
-interleaved layout instead (``gguf_matmul_cpu.interleave``, as they load; the same size):
-the q8 path then takes ``matmul_q8_interleaved`` (about twice ``matmul_q8``'s speed) for up
+Where the layer's decode tokens take the q8 path (above) on an AVX512-VNNI or AVX2 CPU and
+every part is Q4_0, Q4_1 or Q8_0 with a multiple of 16 rows, the layer holds its bytes in
+the kernel's interleaved layout instead (``gguf_matmul_cpu.interleave``, as they load; the
+same size): the q8 path then takes ``matmul_q8_interleaved`` (about twice ``matmul_q8``'s
+speed with VNNI; on AVX2 about 9x: 3.9 against 36 GB/s for SmolLM2's gate/up) for up
 to ``Q8_INTERLEAVED_MAX_BATCH`` tokens, and
 the tile path decodes each tile straight into rows (``dequantize_interleaved``).
 
@@ -106,6 +117,7 @@ class GgufLayout:
     parts: tuple[GgufPart, ...]
     segments: tuple[GgufPart, ...]
     interleaved: bool = False   # the bytes in the kernel's interleaved layout (module docstring)
+    float32_q8: bool = False    # float32 activations take the q8 path too (module docstring)
 
     @property
     def rows(self) -> int:
@@ -125,9 +137,10 @@ def qtype_name(qtype: int) -> str:
 
 
 def build_layout(columns: int, part_rows: Sequence[int], qtypes: Sequence[int],
-                 interleaved: bool = False) -> GgufLayout:
+                 interleaved: bool = False, float32_q8: bool = False) -> GgufLayout:
     """The layout of parts of ``part_rows`` rows and types ``qtypes`` (each with a kernel;
-    ``columns`` a whole number of each type's blocks), interleaved or as the file's rows."""
+    ``columns`` a whole number of each type's blocks), interleaved or as the file's rows;
+    ``float32_q8``: float32 activations take the q8 path too."""
     parts, row, byte = [], 0, 0
     for rows, qtype in zip(part_rows, qtypes, strict=True):
         _, block, type_size = gguf_matmul_cpu.QTYPES[qtype]
@@ -144,14 +157,22 @@ def build_layout(columns: int, part_rows: Sequence[int], qtypes: Sequence[int],
                                     last.bytes_per_row)
         else:
             segments.append(p)
-    return GgufLayout(columns, tuple(parts), tuple(segments), interleaved)
+    return GgufLayout(columns, tuple(parts), tuple(segments), interleaved, float32_q8)
 
 
-def interleaves(dtype: torch.dtype, part_rows: Sequence[int], qtypes: Sequence[int]) -> bool:
+def q8_activations(dtype: torch.dtype, float32_q8: bool = False) -> bool:
+    """Whether activations of ``dtype`` may take the q8 path: 16-bit ones, and float32 ones
+    in a layer loaded with ``float32_q8`` (module docstring)."""
+    return dtype in Q8_DTYPES or (float32_q8 and dtype == torch.float32)
+
+
+def interleaves(dtype: torch.dtype, part_rows: Sequence[int], qtypes: Sequence[int],
+                float32_q8: bool = False) -> bool:
     """Whether a layer of ``dtype`` with these parts keeps its bytes interleaved (module
-    docstring): only where every call of up to ``Q8_INTERLEAVED_MAX_BATCH`` 16-bit tokens
-    takes the q8 path (the type, whole groups of rows, AVX512-VNNI, the q8 path switched on)."""
-    return dtype in Q8_DTYPES and all(
+    docstring): only where every call of up to ``Q8_INTERLEAVED_MAX_BATCH`` decode tokens
+    takes the q8 path (the dtype, the type, whole groups of rows, AVX512-VNNI or AVX2, the
+    q8 path switched on)."""
+    return q8_activations(dtype, float32_q8) and all(
         gguf_matmul_cpu.interleaves(q, rows) for rows, q in zip(part_rows, qtypes, strict=True))
 
 
@@ -171,11 +192,12 @@ def fast_path_reason(linear: nn.Module, qtypes: Sequence[int], device: torch.dev
 
 
 def use_gguf_weight(linear: nn.Module, qtype: int | Sequence[int],
-                    device: torch.device | str = "cpu") -> str | None:
+                    device: torch.device | str = "cpu", *, float32_q8: bool = False) -> str | None:
     """Give a (meta-device) linear layer GGUF storage for blocks of ``qtype`` (one type, or
     one per part of a fused layer) to run on ``device``. Returns None when it did, else
     why not (the layer then keeps its model-dtype weight and ``load_gguf_weight``
-    dequantizes into it); the reason is logged."""
+    dequantizes into it); the reason is logged. ``float32_q8``: float32 decode tokens take
+    the q8 path too (module docstring)."""
     parts = getattr(linear, "output_sizes", None) or [linear.weight.shape[0]]
     qtypes = [qtype] * len(parts) if isinstance(qtype, int) else list(qtype)
     if len(qtypes) != len(parts):
@@ -185,7 +207,7 @@ def use_gguf_weight(linear: nn.Module, qtype: int | Sequence[int],
     if reason is None:
         try:
             layout = build_layout(columns, parts, qtypes,
-                                  interleaves(linear.weight.dtype, parts, qtypes))
+                                  interleaves(linear.weight.dtype, parts, qtypes, float32_q8), float32_q8)
         except ValueError as exc:
             reason = str(exc)
     if reason is not None:
@@ -198,7 +220,8 @@ def use_gguf_weight(linear: nn.Module, qtype: int | Sequence[int],
     return None
 
 
-def use_gguf_embedding(embedding: nn.Module, qtype: int, device: torch.device | str = "cpu") -> str | None:
+def use_gguf_embedding(embedding: nn.Module, qtype: int, device: torch.device | str = "cpu", *,
+                       float32_q8: bool = False) -> str | None:
     """GGUF storage for a (meta-device) ``VocabParallelEmbedding`` (the token embedding,
     and the LM head when the two are tied): a lookup decodes only the rows it reads
     (``gguf_embedding``), the LM head multiplies through ``gguf_linear``. None when it
@@ -208,7 +231,7 @@ def use_gguf_embedding(embedding: nn.Module, qtype: int, device: torch.device | 
     if reason is None:
         try:
             layout = build_layout(columns, [rows], [qtype],
-                                  interleaves(embedding.weight.dtype, [rows], [qtype]))
+                                  interleaves(embedding.weight.dtype, [rows], [qtype], float32_q8), float32_q8)
         except ValueError as exc:
             reason = str(exc)
     if reason is not None:
@@ -299,7 +322,7 @@ def gguf_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                 layout: GgufLayout) -> torch.Tensor:
     """``x W^T + b`` for a GGUF ``W`` (see the module docstring for the two paths)."""
     flat = x.reshape(-1, layout.columns)
-    if layout.interleaved and len(layout.segments) == 1 and flat.dtype in Q8_DTYPES \
+    if layout.interleaved and len(layout.segments) == 1 and q8_activations(flat.dtype, layout.float32_q8) \
             and flat.shape[0] <= gguf_matmul_cpu.Q8_INTERLEAVED_MAX_BATCH and not _FLOAT_ACTIVATIONS.get():
         # a decode step's call, straight to the kernel: this path runs ~120 times a step,
         # where the general one's Python cost (~12 us a call) came to a tenth of a step
@@ -313,11 +336,13 @@ def gguf_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return y.to(x.dtype).reshape(*x.shape[:-1], layout.rows)
 
 
-def uses_q8(dtype: torch.dtype, qtype: int, tokens: int, *, interleaved: bool = False) -> bool:
+def uses_q8(dtype: torch.dtype, qtype: int, tokens: int, *, interleaved: bool = False,
+            float32_q8: bool = False) -> bool:
     """Whether ``tokens`` activations of ``dtype`` take the q8 path through a ``qtype``
-    weight (of any width), held ``interleaved`` or not, here (module docstring)."""
+    weight (of any width), held ``interleaved`` or not, in a layer loaded with or without
+    ``float32_q8``, here (module docstring)."""
     bound = gguf_matmul_cpu.Q8_INTERLEAVED_MAX_BATCH if interleaved else gguf_matmul_cpu.Q8_MAX_BATCH
-    return (dtype in Q8_DTYPES and not _FLOAT_ACTIVATIONS.get() and qtype in gguf_matmul_cpu.Q8_TYPES
+    return (q8_activations(dtype, float32_q8) and not _FLOAT_ACTIVATIONS.get() and qtype in gguf_matmul_cpu.Q8_TYPES
             and gguf_matmul_cpu.q8_enabled()
             and tokens <= bound
             and gguf_matmul_cpu.q8_isa() is not None)
@@ -329,13 +354,17 @@ def _segment(flat: torch.Tensor, weight: torch.Tensor, seg: GgufPart, layout: Gg
     dtype): the activation dtype from the q8 path and tiles, float32 from the float kernel."""
     columns = layout.columns
     rows = weight[seg.byte_offset:seg.byte_offset + seg.num_bytes].view(seg.rows, seg.bytes_per_row)
-    if uses_q8(flat.dtype, seg.qtype, flat.shape[0], interleaved=layout.interleaved):
+    if uses_q8(flat.dtype, seg.qtype, flat.shape[0], interleaved=layout.interleaved,
+               float32_q8=layout.float32_q8):
         if layout.interleaved:
             return gguf_matmul_cpu.matmul_q8_interleaved(flat, rows, seg.qtype, bias)
         return gguf_matmul_cpu.matmul_q8(flat, rows, seg.qtype, bias)
     if flat.shape[0] <= gguf_matmul_cpu.MAX_VECTOR_BATCH and not layout.interleaved:
         out = gguf_matmul_cpu.matmul(flat, rows, seg.qtype)
         return out if bias is None else out + bias
+    if flat.shape[0] <= gguf_matmul_cpu.MAX_VECTOR_BATCH and flat.dtype == torch.float32:
+        # interleaved, a float32 model: its few float rows without decoding every tile
+        return gguf_matmul_cpu.matmul_interleaved_float(flat, rows, seg.qtype, bias)
     tile = max(1, TILE_ELEMENTS // columns)
     decode = gguf_matmul_cpu.dequantize
     if layout.interleaved:   # whole groups of rows, decoded straight into rows

@@ -107,9 +107,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         hidden = self.embed_tokens(input_ids)
         return hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype).item()
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+    def compute_logits(self, hidden: torch.Tensor, metadata=None) -> torch.Tensor | None:
         """Llama's float32 logits, soft-capped where the config asks for it."""
-        logits = super().compute_logits(hidden)
+        logits = super().compute_logits(hidden, metadata)
         cap = self.cfg.final_logit_softcapping
         if logits is None or cap is None:
             return logits

@@ -21,6 +21,7 @@ layers are plain linear / embedding layers.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -47,6 +48,11 @@ from kvpilot.engine.model.parallel.linear import (
 from kvpilot.engine.model.parallel.sharding import even_shard, kv_head_shard
 from kvpilot.kernels.attention_metadata import AttentionMetadata
 
+
+def computes_prompt(metadata: AttentionMetadata | Sequence[AttentionMetadata]) -> bool:
+    """Whether a step computes prompt tokens (its metadata: one for every layer, or each
+    layer's, a hybrid model's KV cache groups, which share the flag)."""
+    return (metadata if isinstance(metadata, AttentionMetadata) else metadata[0]).computes_prompt
 
 class Attention(nn.Module):
     """This rank's query heads and KV heads (all of them at one rank)."""
@@ -178,6 +184,9 @@ class LlamaForCausalLM(nn.Module):
         self.loaded_kv_scales = False
         # All layers in one native call for the decode steps it takes (``use_fused_decode``).
         self.fused_decode = None
+        # Some layer (or the head) holds GGUF blocks (the loader sets it): a step that
+        # computes prompt tokens keeps their activations float (``gguf_linear``).
+        self.holds_gguf = False
 
     def load_kv_scales(self, scales: dict[tuple[int, str], float]) -> None:
         """The checkpoint's fp8 KV scales, ``(layer, "k" | "v") -> scale`` (``layer``: this
@@ -206,12 +215,18 @@ class LlamaForCausalLM(nn.Module):
         if fused is not None:
             hidden, residual = fused
         else:   # prompt tokens: no 8-bit activations (gguf_linear)
-            prompt = (metadata if isinstance(metadata, AttentionMetadata) else metadata[0]).computes_prompt
-            with float_activations(prompt):
+            with self._prompt_activations(metadata):
                 hidden, residual = self._run_layers(positions, hidden, residual, kv_caches, metadata, backend)
         if not self._is_last_stage:
             return hidden, residual
         return self.norm(hidden, residual)[0]
+
+    def _prompt_activations(self, metadata):
+        """Float activations for the GGUF layers of a step that computes prompt tokens
+        (``gguf_linear.float_activations``); nothing to do for other steps or models."""
+        if metadata is not None and self.holds_gguf and computes_prompt(metadata):
+            return float_activations()
+        return nullcontext()
 
     def _run_layers(self, positions, hidden, residual, kv_caches, metadata, backend):
         per_layer = not isinstance(metadata, AttentionMetadata)
@@ -298,14 +313,19 @@ class LlamaForCausalLM(nn.Module):
         return sum(module.use_packed_weight() for module in self.modules()
                    if isinstance(module, (ColumnParallelLinear, RowParallelLinear)))
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+    def compute_logits(self, hidden: torch.Tensor, metadata=None) -> torch.Tensor | None:
         """Float32 logits ``[rows, vocab]`` on the driver; None on other ranks, which must
-        call it too (the logits are gathered from every rank's vocabulary shard)."""
+        call it too (the logits are gathered from every rank's vocabulary shard).
+        ``metadata``: the step's (one, or each layer's); where the step computes prompt
+        tokens (``AttentionMetadata.computes_prompt``) a GGUF head keeps float activations, as
+        the layers did (``gguf_linear``), so that a prompt's first output token does not hang
+        on the 8-bit rounding of its last hidden state."""
         transposed = getattr(self, "output_weight_t", None)
         packed = getattr(self, "output_weight_packed", None)
         head = self.output_module
         if head.gguf is not None:
-            local = gguf_linear(hidden, head.weight, None, head.gguf)
+            with self._prompt_activations(metadata):
+                local = gguf_linear(hidden, head.weight, None, head.gguf)
         elif packed is not None:
             local = packed_linear(hidden, packed)
         elif transposed is not None:

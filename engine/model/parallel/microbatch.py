@@ -112,7 +112,7 @@ def pipelined_forward(forward, step: StepInputs, kv_caches, num_microbatches: in
         if not pp.is_last:
             pending.append(pp.isend_next(*out, microbatch=i))
         elif mb.num_logits:
-            local = model.compute_logits(out[part.logits_indices])
+            local = model.compute_logits(out[part.logits_indices], part.metadata)
             if local is not None:
                 pending.append(pp.isend_logits(local, microbatch=i))
     for work, _ in pending:

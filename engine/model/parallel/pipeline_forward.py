@@ -64,7 +64,7 @@ class PipelineForward:
         if num_logits == 0:
             return None
         rows = logits_indices % out.shape[0] if wrap else logits_indices
-        logits = self.model.compute_logits(out[rows])
+        logits = self.model.compute_logits(out[rows], metadata)
         if logits is not None:   # the last stage's first rank; the driver is on stage 0
             pp.send_logits(logits)
         return None
