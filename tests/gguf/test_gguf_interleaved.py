@@ -229,7 +229,7 @@ def test_the_float_product_matches_float64_over_the_files_values(qtype):
 def test_a_float32_layer_takes_the_float_product_for_few_prompt_rows(monkeypatch):
     """A float32 layer loaded with ``float32_q8`` (``--dtype auto`` without native bfloat16):
     decode rows on the q8 kernel; inside ``float_activations`` (a prompt step) up to
-    ``MAX_VECTOR_BATCH`` rows on the float product, more on tiles for ``F.linear``."""
+    ``INTERLEAVED_FLOAT_MAX_BATCH`` rows on the float product, more on tiles for ``F.linear``."""
     monkeypatch.delenv(gguf_matmul_cpu.Q8_ENV, raising=False)
     q41 = int(T.Q4_1)
     raw, weight = _weight(T.Q4_1, 32, 256, 5)
@@ -240,7 +240,7 @@ def test_a_float32_layer_takes_the_float_product_for_few_prompt_rows(monkeypatch
         real = getattr(gguf_matmul_cpu, name)
         monkeypatch.setattr(gguf_matmul_cpu, name,
                             lambda *a, _name=name, _real=real, **k: calls.append(_name) or _real(*a, **k))
-    small, large = gguf_matmul_cpu.MAX_VECTOR_BATCH, gguf_matmul_cpu.MAX_VECTOR_BATCH + 1
+    small, large = gguf_matmul_cpu.INTERLEAVED_FLOAT_MAX_BATCH, gguf_matmul_cpu.INTERLEAVED_FLOAT_MAX_BATCH + 1
     for batch, prompt, expected in ((1, False, ["matmul_q8_interleaved"]), (small, True, ["matmul_interleaved_float"]),
                                     (large, True, [])):
         calls.clear()

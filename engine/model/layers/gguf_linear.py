@@ -35,9 +35,10 @@ Forward (``gguf_linear``) takes one of three paths per run of rows of one type:
   decodes one block at a time into registers and multiplies every token by it (float32
   accumulation, result in the activation dtype): the weight bytes are read once, and no
   dequantized matrix exists. For an interleaved weight that is
-  ``matmul_interleaved_float``, in a float32 model (a prompt step's LM head rows: 2.2 ms
-  for SmolLM2's head where decoding it into tiles would cost more); a 16-bit one keeps
-  the tiles below.
+  ``matmul_interleaved_float``, in a float32 model and up to
+  ``INTERLEAVED_FLOAT_MAX_BATCH`` rows (a prompt step's LM head rows: 2.2 ms for SmolLM2's
+  head where decoding it into tiles would cost more; the last tokens of a prompt after a
+  prefix hit); a 16-bit one keeps the tiles below.
 - more tokens (prefill): a tile of rows at a time is decoded to the activation dtype and
   handed to ``F.linear`` (a transient of ``TILE_ELEMENTS`` values, not the layer).
 
@@ -362,7 +363,8 @@ def _segment(flat: torch.Tensor, weight: torch.Tensor, seg: GgufPart, layout: Gg
     if flat.shape[0] <= gguf_matmul_cpu.MAX_VECTOR_BATCH and not layout.interleaved:
         out = gguf_matmul_cpu.matmul(flat, rows, seg.qtype)
         return out if bias is None else out + bias
-    if flat.shape[0] <= gguf_matmul_cpu.MAX_VECTOR_BATCH and flat.dtype == torch.float32:
+    if (layout.interleaved and flat.dtype == torch.float32
+            and flat.shape[0] <= gguf_matmul_cpu.INTERLEAVED_FLOAT_MAX_BATCH):
         # interleaved, a float32 model: its few float rows without decoding every tile
         return gguf_matmul_cpu.matmul_interleaved_float(flat, rows, seg.qtype, bias)
     tile = max(1, TILE_ELEMENTS // columns)
