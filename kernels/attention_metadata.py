@@ -50,4 +50,3 @@ class AttentionMetadata:
     # the others. Not an argument, so ``dataclasses.replace`` (a KV cache group's metadata
     # with other block tables) starts with an empty one.
     torch_scratch: dict = field(default_factory=dict, init=False, repr=False, compare=False)
-

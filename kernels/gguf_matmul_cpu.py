@@ -36,15 +36,19 @@ embedding lookup) without turning the bytes back into rows first; ``matmul_inter
 multiplies a few float32 rows by them without 8-bit activations (AVX2).
 
 The engine takes it (``gguf_linear``) where the model runs in bfloat16/float16 (the
-serving default on a CPU with AVX512-BF16, ``--dtype auto``), for up to ``Q8_MAX_BATCH``
-decode tokens (prompt tokens never: ``gguf_linear.float_activations``); a float32 model
-always keeps the exact float path (token-identical to transformers). ``$KVPILOT_GGUF_Q8=0`` turns it off
+serving default on a CPU with AVX512-BF16, ``--dtype auto``), or in float32 where
+``--dtype auto`` chose float32 for a GGUF file (a CPU without native bfloat16), for up to
+``Q8_MAX_BATCH`` decode tokens (prompt tokens never, nor the logits of a prompt's last
+token: ``gguf_linear.float_activations``); an explicit float32 model always keeps the
+exact float path (token-identical to transformers). ``$KVPILOT_GGUF_Q8=0`` turns it off
 (``q8_enabled``). Measured on SmolLM2-135M-Instruct.Q4_1 in bfloat16: it moves the first
 answer token's log-probabilities by up to ~0.3 nats against the float path (twice
 bfloat16's own shift from float32); run over the whole 37-token prompt of the README's
 "What is the capital of France?" it flips a near tie (0.08 nats in float32) and the
 answer derails, which is why prompt tokens keep the float/tile paths, however few of them a
 step computes (after a prefix-cache hit, the last 5 of those 37: once the same derailment).
+In float32 the same tie flipped in the LM head alone, 8-bit activations over the last
+prompt token's hidden state: hence its logits are the float ones too.
 """
 
 from __future__ import annotations

@@ -124,7 +124,7 @@ class _StepProbe:
         return self._timed(self._forward, *args, **kwargs)
 
     def logits(self, hidden, metadata=None):
-        return self._timed(self._logits, hidden)
+        return self._timed(self._logits, hidden, metadata)
 
 
 def measure(model_dir: str, batch_size: int, prompt_len: int = 64, output_len: int = 128,

@@ -54,6 +54,7 @@ def computes_prompt(metadata: AttentionMetadata | Sequence[AttentionMetadata]) -
     layer's, a hybrid model's KV cache groups, which share the flag)."""
     return (metadata if isinstance(metadata, AttentionMetadata) else metadata[0]).computes_prompt
 
+
 class Attention(nn.Module):
     """This rank's query heads and KV heads (all of them at one rank)."""
 
