@@ -740,8 +740,15 @@ class KubeEmulator(kmock.RawHandler):
                     break
                 async with self._changed:
                     if position >= len(self._log) and not self._closing:
+                        # asyncio.timeout, not wait_for: on Python 3.11, a handler cancelled (its
+                        # client gone) while wait_for was cancelling the timed-out wait() left
+                        # before wait() had taken the lock back, and the `async with` then
+                        # released a lock it did not hold ("Lock is not acquired", a CI teardown
+                        # failure of test_operator_faults); here wait() runs in this task and
+                        # takes the lock back before any exception leaves it
                         with contextlib.suppress(TimeoutError):
-                            await asyncio.wait_for(self._changed.wait(), timeout=min(remaining, 1.0))
+                            async with asyncio.timeout(min(remaining, 1.0)):
+                                await self._changed.wait()
             await response.write_eof()
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
             pass
