@@ -6,7 +6,7 @@ SmolLM2-135M-Instruct.Q4_1's GGUF matrices (30 layers of qkv 960x576, o 576x576,
   ``MAX_VECTOR_BATCH`` tokens the prefill path: tiles decoded for bfloat16 ``F.linear``);
 - ``q8``: the q8-activation kernel (``gguf_matmul_cpu.matmul_q8``, bfloat16 in and out);
 - ``q8i``: the same over the interleaved layout (``matmul_q8_interleaved``; AVX512-VNNI
-  only, else left out), as the engine's 16-bit layers hold such weights;
+  or AVX2, else left out), as the engine's q8 layers hold such weights;
 - ``bf16``: ``F.linear`` over dense bfloat16 weights of the same shapes (4x the bytes).
 
 Rounds alternate the methods (the machine may be shared); the median round is reported
@@ -32,10 +32,10 @@ class PassResult:
 
 
 def methods() -> tuple[str, ...]:
-    """The methods this machine runs (``q8i`` needs AVX512-VNNI)."""
+    """The methods this machine runs (``q8i`` needs AVX512-VNNI or AVX2)."""
     from kvpilot.kernels import gguf_matmul_cpu as g
 
-    return METHODS if g.q8_isa() == "vnni" else tuple(m for m in METHODS if m != "q8i")
+    return METHODS if g.q8_isa() is not None else tuple(m for m in METHODS if m != "q8i")
 
 
 def _weights(rng):
