@@ -77,7 +77,7 @@ def test_the_kernel_matches_the_q8_reference_and_one_token_at_a_time(qtype, isa)
     packed = gguf_matmul_cpu.interleave(raw, int(qtype))
     bias = torch.randn(rows)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        for batch in (1, 3, 4, 7, 24):
+        for batch in (1, 3, 4, 7, 8, 9, 24, 70):   # AVX2: tiles up to 8, chunks of 64 above
             x = (torch.randn(batch, columns) * torch.rand(batch, 1) * 4).to(dtype)
             x[0, :32] = 0                                    # an all-zero block: scale 0
             if qtype == T.Q8_0:   # codes -128 and 127 against activations of +-127: the extremes
