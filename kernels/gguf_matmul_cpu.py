@@ -28,11 +28,15 @@ so that ``matmul_q8_interleaved`` multiplies 4 codes of 16 rows by one instructi
 same bits) and keeps each row's sum in its own lane: no tile is decoded and stored, no
 horizontal sum is taken. On SmolLM2-135M's matrices it streams the weights about twice as
 fast as ``matmul_q8`` at 1 to 16 tokens (``kvpilot bench gguf-matmul --model-pass``), on
-an AVX2 EPYC about 9x at 1 token (36 against 3.9 GB/s, SmolLM2's gate/up). Its
+an AVX2 EPYC about 9x at 1 token (36 against 3.9 GB/s, SmolLM2's gate/up). On AVX2 the
+tiles of up to 8 tokens prefetch 4 KiB ahead (a core streaming from memory otherwise waited
+on it), and larger batches take one half-group at a time over chunks of 64 tokens (the
+tiles' codes do not fit AVX2's 16 registers); the sums, and so the bits, are the same. Its
 results are ``matmul_q8``'s up to the float32 order of the per-block terms, and a token's
 result does not depend on how many tokens share the call. ``dequantize_interleaved`` decodes
 an interleaved weight's values in the file's row order (the large-batch path's tiles, the
-embedding lookup) without turning the bytes back into rows first; ``matmul_interleaved_float``
+embedding lookup) without turning the bytes back into rows first (whole groups into float32
+with AVX2, a float32 model's prefill tiles); ``matmul_interleaved_float``
 multiplies a few float32 rows by them without 8-bit activations (AVX2).
 
 The engine takes it (``gguf_linear``) where the model runs in bfloat16/float16 (the
