@@ -32,19 +32,20 @@ def _run(code: str, env: dict) -> subprocess.CompletedProcess:
                           timeout=300)
 
 
-# Built by the test: two of ``CPU_KERNELS``. Every kernel's ``load()`` goes through one
+# Built by the test: one of ``CPU_KERNELS``. Every kernel's ``load()`` goes through one
 # ``load_cpu_extension`` (the prebuilt lookup) and every build through one ``_build_one``, so
-# two show both; each build compiles torch's extension headers (about a minute of a core on
-# a 2-core EPYC), and the other two kernels' builds are left out to keep the suite short.
-BUILT = (paged_decode_cpu, cpu_layer_ops)
-NOT_BUILT = tuple(k for k in (gguf_matmul_cpu, fused_decode_cpu) if k not in BUILT)
+# one shows both; each build compiles torch's extension headers (about a minute of a core on
+# a 2-core EPYC, over two beside another test), and the other kernels' builds are left out to
+# keep the suite short (``test_every_cpu_kernel_module_is_built_and_found_under_its_variant_name``).
+BUILT = (paged_decode_cpu,)
+NOT_BUILT = (gguf_matmul_cpu, cpu_layer_ops, fused_decode_cpu)
 
 
 def test_the_cpu_kernel_prebuilt_loads_where_nothing_can_compile(tmp_path, monkeypatch):
     isa = torch.backends.cpu.get_cpu_capability()
-    path, ops_path = build_cpu_kernels(tmp_path, isas=(isa,), kernels=tuple(k.__name__ for k in BUILT))
+    (path,) = build_cpu_kernels(tmp_path, isas=(isa,), kernels=tuple(k.__name__ for k in BUILT))
     name, flags = paged_decode_cpu.variant(isa)
-    assert ops_path.name.startswith(cpu_layer_ops.variant(isa)[0])
+    assert path.name.startswith(name)
     monkeypatch.setenv("KVPILOT_PREBUILT_KERNELS", str(tmp_path))
     assert find_cpu_kernel(name, flags, paged_decode_cpu.SOURCE) == path
     # other flags: not this build
@@ -67,18 +68,13 @@ def test_the_cpu_kernel_prebuilt_loads_where_nothing_can_compile(tmp_path, monke
             want = torch.softmax(q[i][:, None, :] @ k.transpose(1, 2) * 32 ** -0.5, -1) @ v
             worst = max(worst, float((got[i] - want[:, 0]).abs().max()))
         print("close", worst < 1e-5, worst)
-        from kvpilot.kernels import cpu_layer_ops
-        ops = cpu_layer_ops.load()
-        assert ops is not None and ops.__file__.startswith({str(tmp_path)!r}), ops
-        h, w = torch.randn(3, 40).bfloat16(), torch.rand(40).bfloat16()
-        print("ops", torch.equal(cpu_layer_ops.add_rms_norm(h, w, 1e-6), cpu_layer_ops.add_rms_norm_ref(h, w, 1e-6)))
         # not prebuilt, and nothing to build with: None, and the engine takes the torch path
         from kvpilot.kernels import {", ".join(k.__name__.rsplit(".", 1)[1] for k in NOT_BUILT)}
         print("unbuilt", [{", ".join(k.__name__.rsplit(".", 1)[1] + ".load()" for k in NOT_BUILT)}])
     """
     done = _run(check, {**NO_COMPILER, "KVPILOT_PREBUILT_KERNELS": str(tmp_path)})
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "close True" in done.stdout and "ops True" in done.stdout, done.stdout
+    assert "close True" in done.stdout, done.stdout
     assert f"unbuilt {[None] * len(NOT_BUILT)}" in done.stdout, done.stdout
     stale = _run("from kvpilot.kernels import paged_decode_cpu; print(paged_decode_cpu.load())",
                  {**NO_COMPILER, "KVPILOT_PREBUILT_KERNELS": str(tmp_path / "elsewhere")})
