@@ -924,8 +924,9 @@ KVPILOT_AVX2 void dequantize_groups_avx2(const uint8_t* src, float* dst, int64_t
               __m256i v = _mm256_cvtepu8_epi32(k % 2 ? _mm_srli_si128(halves[k / 2], 8) : halves[k / 2]);
               if (I::offset) v = _mm256_sub_epi32(v, _mm256_set1_epi32(I::offset));
               const __m256 f = _mm256_cvtepi32_ps(v);
-              _mm256_storeu_ps(y + 8 * k, I::scales == 2 ? _mm256_fmadd_ps(d, f, _mm256_set1_ps(half(group + 32 + 2 * r)))
-                                                         : _mm256_mul_ps(d, f));
+              _mm256_storeu_ps(y + 8 * k, I::scales == 2
+                                              ? _mm256_fmadd_ps(d, f, _mm256_set1_ps(half(group + 32 + 2 * r)))
+                                              : _mm256_mul_ps(d, f));
             }
           } else {                // Q8_0: byte k is value k, stored xor 0x80
             for (int k = 0; k < 2; ++k) {
@@ -1094,15 +1095,15 @@ KVPILOT_AVX2 void interleaved_tile_avx2(const uint8_t* gp, const QuantizedX& q, 
 // half-group, live in L1 on the stack).
 constexpr int64_t kAvx2ChunkFrom = 9, kAvx2TokenChunk = 64;
 
-// The tiles' product for larger batches. AVX2 has 16 vector registers, which one block's
-// two halves of codes alone fill, so above the tiles spill them: here one half at a time,
-// its codes unpacked once per block into 8 registers and multiplied into every token of
-// the chunk (tokens t0..t0+nt), whose sums wait in L1 (acc) between blocks. Per token and
-// half the sums are the same terms in the same order as the tiles', so the same bits. On a
-// 2-core AVX2 EPYC, SmolLM2-135M's matrices at 32 tokens: 34 against 39 ms a pass; at 1 to
-// 4 tokens the tiles are 10-20% faster, at 8 the two are even.
-// One half (h) of a group: a function of its own, not inlined, so that the compiler keeps
-// the halves apart (unrolled into one loop, the two halves' codes spill again).
+// The tiles' product for larger batches, one half (h) of a group. AVX2 has 16 vector
+// registers, which one block's two halves of codes alone fill, so the tiles spill them:
+// here a half's codes are unpacked once per block into 8 registers and multiplied into
+// every token of the chunk (tokens t0..t0+nt), whose sums wait in L1 (acc) between blocks.
+// Per token and half the sums are the same terms in the same order as the tiles', so the
+// same bits. A function of its own, not inlined: GCC at -O3 otherwise jams the two halves
+// into one loop, and their codes spill again. On a 2-core AVX2 EPYC, SmolLM2-135M's
+// matrices at 32 tokens: 34 against 39 ms a pass; at 1 to 4 tokens the tiles are 10-20%
+// faster, at 8 the two are even.
 template <int Type, typename T>
 KVPILOT_AVX2 __attribute__((noinline)) void interleaved_half_avx2(const uint8_t* gp, const QuantizedX& q, int64_t t0,
                                                                   int64_t nt, int h, const float* bias, int64_t r0,
@@ -1112,54 +1113,52 @@ KVPILOT_AVX2 __attribute__((noinline)) void interleaved_half_avx2(const uint8_t*
   alignas(32) __m256 acc[kAvx2TokenChunk];
   const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-  {
-    for (int64_t t = 0; t < nt; ++t) acc[t] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < q.nb; ++b) {
-      const uint8_t* bp = gp + b * block_bytes;
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bp + 16 * h)));
-      __m256 m = _mm256_setzero_ps();
-      if (I::scales == 2) m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bp + 32 + 16 * h)));
-      const uint8_t* cp = bp + 32 * I::scales;
-      __m256i w[8];   // w[j] pairs with the activation codes 4j..4j+3 of the block
-      if (I::chunks == 4) {
-        for (int j = 0; j < 4; ++j) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cp + 64 * j + 32 * h));
-          w[j] = _mm256_and_si256(v, nibble);
-          w[4 + j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-        }
-      } else {
-        for (int j = 0; j < 8; ++j)
-          w[j] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(cp + 64 * j + 32 * h)), flip);
+  for (int64_t t = 0; t < nt; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < q.nb; ++b) {
+    const uint8_t* bp = gp + b * block_bytes;
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bp + 16 * h)));
+    __m256 m = _mm256_setzero_ps();
+    if (I::scales == 2) m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bp + 32 + 16 * h)));
+    const uint8_t* cp = bp + 32 * I::scales;
+    __m256i w[8];   // w[j] pairs with the activation codes 4j..4j+3 of the block
+    if (I::chunks == 4) {
+      for (int j = 0; j < 4; ++j) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cp + 64 * j + 32 * h));
+        w[j] = _mm256_and_si256(v, nibble);
+        w[4 + j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
       }
-      for (int64_t t = 0; t < nt; ++t) {
-        const int64_t k = (t0 + t) * q.nbp + b;
-        const int8_t* a = q.a.data() + (t0 + t) * q.kp + b * 32;
-        __m256i s;
-        if (I::chunks == 4) {
-          __m256i p = _mm256_maddubs_epi16(w[0], broadcast_word_avx2(a));
-          for (int j = 1; j < 8; ++j) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w[j], broadcast_word_avx2(a + 4 * j)));
-          s = _mm256_madd_epi16(p, ones);
-          if (I::offset) s = _mm256_sub_epi32(s, _mm256_set1_epi32(I::offset * q.sum[k]));
-        } else {
-          s = _mm256_setzero_si256();
-          for (int j = 0; j < 8; ++j) {
-            const __m256i av = broadcast_word_avx2(a + 4 * j);
-            s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w[j], w[j]),
-                                                                          _mm256_sign_epi8(av, w[j])),
-                                                      ones));
-          }
-        }
-        __m256 sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(q.dx[k])), acc[t]);
-        if (I::scales == 2) sum = _mm256_fmadd_ps(m, _mm256_set1_ps(q.sx[(t0 + t) * q.ns + b]), sum);
-        acc[t] = sum;
-      }
+    } else {
+      for (int j = 0; j < 8; ++j)
+        w[j] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(cp + 64 * j + 32 * h)), flip);
     }
     for (int64_t t = 0; t < nt; ++t) {
-      alignas(32) float v[8];
-      _mm256_store_ps(v, acc[t]);
-      T* o = out + (t0 + t) * rows + r0 + 8 * h;
-      for (int r = 0; r < 8; ++r) store(o + r, v[r] + (bias ? bias[r0 + 8 * h + r] : 0.f));
+      const int64_t k = (t0 + t) * q.nbp + b;
+      const int8_t* a = q.a.data() + (t0 + t) * q.kp + b * 32;
+      __m256i s;
+      if (I::chunks == 4) {
+        __m256i p = _mm256_maddubs_epi16(w[0], broadcast_word_avx2(a));
+        for (int j = 1; j < 8; ++j) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w[j], broadcast_word_avx2(a + 4 * j)));
+        s = _mm256_madd_epi16(p, ones);
+        if (I::offset) s = _mm256_sub_epi32(s, _mm256_set1_epi32(I::offset * q.sum[k]));
+      } else {
+        s = _mm256_setzero_si256();
+        for (int j = 0; j < 8; ++j) {
+          const __m256i av = broadcast_word_avx2(a + 4 * j);
+          s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w[j], w[j]),
+                                                                        _mm256_sign_epi8(av, w[j])),
+                                                    ones));
+        }
+      }
+      __m256 sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(q.dx[k])), acc[t]);
+      if (I::scales == 2) sum = _mm256_fmadd_ps(m, _mm256_set1_ps(q.sx[(t0 + t) * q.ns + b]), sum);
+      acc[t] = sum;
     }
+  }
+  for (int64_t t = 0; t < nt; ++t) {
+    alignas(32) float v[8];
+    _mm256_store_ps(v, acc[t]);
+    T* o = out + (t0 + t) * rows + r0 + 8 * h;
+    for (int r = 0; r < 8; ++r) store(o + r, v[r] + (bias ? bias[r0 + 8 * h + r] : 0.f));
   }
 }
 
