@@ -1013,13 +1013,53 @@ KVPILOT_VNNI void interleaved_group(const uint8_t* gp, const QuantizedX& q, int6
 // KiB did as well with 2 threads, 4 KiB best with 1; nothing changed at 4 tokens.
 constexpr int kPrefetchAhead = 4096;
 
+// One half (h: rows 8h..8h+7) of an interleaved block's codes at cp, as the AVX2 products
+// multiply them: w[j] pairs with the activation codes 4j..4j+3 (Q8_0: the signed codes).
+template <int Type>
+KVPILOT_AVX2 inline void unpack_half_avx2(const uint8_t* cp, int h, __m256i* w) {
+  if (Interleaved<Type>::chunks == 4) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    for (int j = 0; j < 4; ++j) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cp + 64 * j + 32 * h));
+      w[j] = _mm256_and_si256(v, nibble);
+      w[4 + j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+    }
+  } else {
+    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+    for (int j = 0; j < 8; ++j)
+      w[j] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(cp + 64 * j + 32 * h)), flip);
+  }
+}
+
+// The 8 rows' integer sums of one half's codes w times a token's activation words av[j]
+// (each broadcast to every lane); sum: that token's block sum of codes (Q4_0's offset).
+// Q4: each code byte pair times its activations is at most 2 x 15 x 127, so all 8 products
+// of a block add up in int16 (at most 30,480) before one madd widens them. Q8_0: |q| times
+// sign(q) * a, each chunk's int16 pairs widened at once (2 x 128 x 127 leaves no room for a
+// second).
+template <int Type>
+KVPILOT_AVX2 inline __m256i half_sums_avx2(const __m256i* w, const __m256i* av, int32_t sum) {
+  using I = Interleaved<Type>;
+  const __m256i ones = _mm256_set1_epi16(1);
+  if (I::chunks == 4) {
+    __m256i p = _mm256_maddubs_epi16(w[0], av[0]);
+    for (int j = 1; j < 8; ++j) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w[j], av[j]));
+    __m256i s = _mm256_madd_epi16(p, ones);
+    if (I::offset) s = _mm256_sub_epi32(s, _mm256_set1_epi32(I::offset * sum));
+    return s;
+  }
+  __m256i s = _mm256_setzero_si256();
+  for (int j = 0; j < 8; ++j)
+    s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w[j], w[j]),
+                                                                    _mm256_sign_epi8(av[j], w[j])),
+                                              ones));
+  return s;
+}
+
 // The same product on AVX2 (no VNNI): a 256-bit register holds 8 rows' int32 lanes, so a
-// group is two halves, and maddubs + madd stand in for dpbusd. The integer sums are the
-// VNNI kernel's exactly and the float terms are added in its order, so the outputs are its
-// bits. Q4: each code byte pair times its activations is at most 2 x 15 x 127, so all 8
-// products of a block add up in int16 (at most 30,480) before one madd widens them.
-// Q8_0: the signed codes (the stored ones xor 0x80), |q| times sign(q) * a, each chunk's
-// int16 pairs widened at once (2 x 128 x 127 leaves no room for a second).
+// group is two halves, and maddubs + madd stand in for dpbusd (half_sums_avx2). The integer
+// sums are the VNNI kernel's exactly and the float terms are added in its order, so the
+// outputs are its bits.
 template <int Type, int NT, typename T>
 KVPILOT_AVX2 void interleaved_tile_avx2(const uint8_t* gp, const QuantizedX& q, int64_t t0, const float* bias,
                                         int64_t r0, T* out, int64_t rows) {
@@ -1027,8 +1067,6 @@ KVPILOT_AVX2 void interleaved_tile_avx2(const uint8_t* gp, const QuantizedX& q, 
   constexpr int block_bytes = kInterleave * Codes<Type>::type_size;
   __m256 acc[NT][2];
   for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
-  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
   for (int64_t b = 0; b < q.nb; ++b) {
     const uint8_t* bp = gp + b * block_bytes;
     for (int l = 0; l < block_bytes; l += 64)
@@ -1039,43 +1077,16 @@ KVPILOT_AVX2 void interleaved_tile_avx2(const uint8_t* gp, const QuantizedX& q, 
       if (I::scales == 2) m[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bp + 32 + 16 * h)));
     }
     const uint8_t* cp = bp + 32 * I::scales;
-    __m256i w[8][2];   // w[j][h] pairs with the activation codes 4j..4j+3 of the block
-    for (int h = 0; h < 2; ++h) {
-      if (I::chunks == 4) {
-        for (int j = 0; j < 4; ++j) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cp + 64 * j + 32 * h));
-          w[j][h] = _mm256_and_si256(v, nibble);
-          w[4 + j][h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-        }
-      } else {
-        for (int j = 0; j < 8; ++j)
-          w[j][h] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(cp + 64 * j + 32 * h)), flip);
-      }
-    }
+    __m256i w[2][8];   // w[h]: half h's codes (unpack_half_avx2)
+    for (int h = 0; h < 2; ++h) unpack_half_avx2<Type>(cp, h, w[h]);
     for (int t = 0; t < NT; ++t) {
       const int64_t k = (t0 + t) * q.nbp + b;
       const int8_t* a = q.a.data() + (t0 + t) * q.kp + b * 32;
       __m256i av[8];
-      for (int j = 0; j < 8; ++j) {
-        int32_t word;
-        std::memcpy(&word, a + 4 * j, 4);
-        av[j] = _mm256_set1_epi32(word);
-      }
+      for (int j = 0; j < 8; ++j) av[j] = broadcast_word_avx2(a + 4 * j);
       const __m256 dx = _mm256_set1_ps(q.dx[k]);
       for (int h = 0; h < 2; ++h) {
-        __m256i s;
-        if (I::chunks == 4) {
-          __m256i p = _mm256_maddubs_epi16(w[0][h], av[0]);
-          for (int j = 1; j < 8; ++j) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w[j][h], av[j]));
-          s = _mm256_madd_epi16(p, ones);
-          if (I::offset) s = _mm256_sub_epi32(s, _mm256_set1_epi32(I::offset * q.sum[k]));
-        } else {
-          s = _mm256_setzero_si256();
-          for (int j = 0; j < 8; ++j)
-            s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w[j][h], w[j][h]),
-                                                                            _mm256_sign_epi8(av[j], w[j][h])),
-                                                      ones));
-        }
+        const __m256i s = half_sums_avx2<Type>(w[h], av, I::offset ? q.sum[k] : 0);
         acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d[h], dx), acc[t][h]);
         if (I::scales == 2) acc[t][h] = _mm256_fmadd_ps(m[h], _mm256_set1_ps(q.sx[(t0 + t) * q.ns + b]), acc[t][h]);
       }
@@ -1111,8 +1122,6 @@ KVPILOT_AVX2 __attribute__((noinline)) void interleaved_half_avx2(const uint8_t*
   using I = Interleaved<Type>;
   constexpr int block_bytes = kInterleave * Codes<Type>::type_size;
   alignas(32) __m256 acc[kAvx2TokenChunk];
-  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
   for (int64_t t = 0; t < nt; ++t) acc[t] = _mm256_setzero_ps();
   for (int64_t b = 0; b < q.nb; ++b) {
     const uint8_t* bp = gp + b * block_bytes;
@@ -1120,35 +1129,14 @@ KVPILOT_AVX2 __attribute__((noinline)) void interleaved_half_avx2(const uint8_t*
     __m256 m = _mm256_setzero_ps();
     if (I::scales == 2) m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bp + 32 + 16 * h)));
     const uint8_t* cp = bp + 32 * I::scales;
-    __m256i w[8];   // w[j] pairs with the activation codes 4j..4j+3 of the block
-    if (I::chunks == 4) {
-      for (int j = 0; j < 4; ++j) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cp + 64 * j + 32 * h));
-        w[j] = _mm256_and_si256(v, nibble);
-        w[4 + j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-      }
-    } else {
-      for (int j = 0; j < 8; ++j)
-        w[j] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(cp + 64 * j + 32 * h)), flip);
-    }
+    __m256i w[8];
+    unpack_half_avx2<Type>(cp, h, w);
     for (int64_t t = 0; t < nt; ++t) {
       const int64_t k = (t0 + t) * q.nbp + b;
       const int8_t* a = q.a.data() + (t0 + t) * q.kp + b * 32;
-      __m256i s;
-      if (I::chunks == 4) {
-        __m256i p = _mm256_maddubs_epi16(w[0], broadcast_word_avx2(a));
-        for (int j = 1; j < 8; ++j) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w[j], broadcast_word_avx2(a + 4 * j)));
-        s = _mm256_madd_epi16(p, ones);
-        if (I::offset) s = _mm256_sub_epi32(s, _mm256_set1_epi32(I::offset * q.sum[k]));
-      } else {
-        s = _mm256_setzero_si256();
-        for (int j = 0; j < 8; ++j) {
-          const __m256i av = broadcast_word_avx2(a + 4 * j);
-          s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w[j], w[j]),
-                                                                        _mm256_sign_epi8(av, w[j])),
-                                                    ones));
-        }
-      }
+      __m256i av[8];
+      for (int j = 0; j < 8; ++j) av[j] = broadcast_word_avx2(a + 4 * j);
+      const __m256i s = half_sums_avx2<Type>(w, av, I::offset ? q.sum[k] : 0);
       __m256 sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(q.dx[k])), acc[t]);
       if (I::scales == 2) sum = _mm256_fmadd_ps(m, _mm256_set1_ps(q.sx[(t0 + t) * q.ns + b]), sum);
       acc[t] = sum;
