@@ -231,14 +231,23 @@ class AdapterLoader:
         reason = f"loaded on {serving} of {len(pods)} ready pods" + (f"; last: {tries.reason}" if tries.reason else "")
         return AdapterStatus(target.name, LOADING, reason, serving, tries.attempts)
 
+    @property
+    def policy(self) -> LoaderPolicy:
+        return self._policy
+
     def forget(self, service: tuple[str, str]) -> None:
         self._services.pop(service, None)
 
     @classmethod
     def from_settings(cls, settings: OperatorSettings) -> AdapterLoader | None:
-        """A loader that reaches the pods directly (``KVPILOT_ENGINE_METRICS=pod``, the default);
-        None otherwise (adapters then load at pod start only, once verified)."""
-        return cls(HttpAdapterClient()) if settings.engine_metrics == "pod" else None
+        """A loader that reaches the pods directly (``KVPILOT_ENGINE_METRICS=pod``, the default),
+        with the settings' attempts and first backoff; None otherwise (adapters then load at
+        pod start only, once verified)."""
+        if settings.engine_metrics != "pod":
+            return None
+        policy = LoaderPolicy(max_attempts=settings.adapter_load_attempts,
+                              base_backoff_s=settings.adapter_load_backoff_seconds)
+        return cls(HttpAdapterClient(), policy)
 
     async def close(self) -> None:
         await self._client.close()

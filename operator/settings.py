@@ -31,6 +31,8 @@
 | KVPILOT_ENGINE_SCRAPE_TIMEOUT   | 2 (seconds one read of a pod's /metrics may take) |
 | KVPILOT_ENGINE_SCRAPES_PER_PASS | 4 (engine pods read at most per pass of a service) |
 | KVPILOT_SIZING_DRIFT_THRESHOLD  | 0.02 (relative error of observed vs planned KV capacity that sets SizingDrift) |
+| KVPILOT_ADAPTER_LOAD_ATTEMPTS   | 5 (loads of a LoRA adapter before it is Failed) |
+| KVPILOT_ADAPTER_LOAD_BACKOFF_SECONDS | 2 (the first wait between loads; doubling, at most 60) |
 | KVPILOT_ALLOWED_IMAGES          | "" (only KVPILOT_ENGINE_IMAGE); comma-separated globs of spec.image |
 | KVPILOT_ALLOWED_SERVICE_ACCOUNTS | "" (only the per-service account); comma-separated names |
 | KVPILOT_ALLOWED_SECRETS         | * (any declared Secret); comma-separated globs; "" = none |
@@ -99,6 +101,9 @@ class OperatorSettings:
             cache (``engine_observer``): ``pod`` (directly), ``apiserver`` (pod proxy) or ``off``.
         engine_scrape_timeout / engine_scrapes_per_pass: seconds per read; reads per pass.
         sizing_drift_threshold: observed vs planned KV capacity error that sets ``SizingDrift``.
+        adapter_load_attempts / adapter_load_backoff_seconds: how often the operator loads a
+            LoRA adapter into the ready pods before the adapter is ``Failed``, and the first
+            wait between tries (doubling up to ``adapter_loader.LoaderPolicy.max_backoff_s``).
         policy: what a spec may ask for: images, service accounts, Secrets (``security``).
         fence: the engine pods' NetworkPolicy (``security.NetworkFence``).
         gpu_node_label: node label whose value names the GPU product (GPU feature
@@ -142,6 +147,8 @@ class OperatorSettings:
     engine_scrape_timeout: float = 2.0
     engine_scrapes_per_pass: int = 4
     sizing_drift_threshold: float = 0.02
+    adapter_load_attempts: int = 5
+    adapter_load_backoff_seconds: float = 2.0
     router_image: str = "ghcr.io/kvpilot/router:0.1.17"
     policy: SpecPolicy = SpecPolicy()
     fence: NetworkFence = field(default_factory=NetworkFence)
@@ -174,6 +181,9 @@ class OperatorSettings:
             raise ValueError("KVPILOT_ENGINE_SCRAPE_TIMEOUT must be > 0 and KVPILOT_ENGINE_SCRAPES_PER_PASS >= 1")
         if not 0 < self.sizing_drift_threshold < 1:
             raise ValueError(f"KVPILOT_SIZING_DRIFT_THRESHOLD must be in (0, 1), got {self.sizing_drift_threshold}")
+        if self.adapter_load_attempts < 1 or self.adapter_load_backoff_seconds <= 0:
+            raise ValueError("KVPILOT_ADAPTER_LOAD_ATTEMPTS must be >= 1 and KVPILOT_ADAPTER_LOAD_BACKOFF_SECONDS "
+                             f"> 0, got {self.adapter_load_attempts} and {self.adapter_load_backoff_seconds}")
         if not isinstance(logging.getLevelName(self.log_level.upper()), int):
             raise ValueError(f"KVPILOT_LOG_LEVEL: unknown level {self.log_level!r}")
         for gpu, values in self.gpu_node_values.items():
@@ -272,6 +282,9 @@ class OperatorSettings:
             engine_scrapes_per_pass=int(number("KVPILOT_ENGINE_SCRAPES_PER_PASS",
                                                defaults.engine_scrapes_per_pass)),
             sizing_drift_threshold=number("KVPILOT_SIZING_DRIFT_THRESHOLD", defaults.sizing_drift_threshold),
+            adapter_load_attempts=int(number("KVPILOT_ADAPTER_LOAD_ATTEMPTS", defaults.adapter_load_attempts)),
+            adapter_load_backoff_seconds=number("KVPILOT_ADAPTER_LOAD_BACKOFF_SECONDS",
+                                                defaults.adapter_load_backoff_seconds),
             policy=SpecPolicy.from_env(env),
             fence=NetworkFence.from_env(env),
         )

@@ -97,9 +97,10 @@ def test_greedy_identical_under_preemption(oracle):
 
 
 def test_ngram_speculation_is_token_identical_in_the_serving_dtype():
-    """In bfloat16 (the serving default on a CPU with AVX512-BF16; the q8 matmul path), greedy
-    decoding with n-gram speculation gives the same tokens as without it, on copy-heavy chat
-    prompts where drafts are accepted. The verification step attends each of its tokens as
+    """In the serving dtype (``--dtype auto``: bfloat16 on a CPU with AVX512-BF16, float32 with
+    8-bit activations elsewhere; the q8 matmul path either way), greedy decoding with n-gram
+    speculation gives the same tokens as without it, on copy-heavy chat prompts where drafts
+    are accepted. The verification step attends each of its tokens as
     a decode row (the decode kernel), so its numerics are a plain decode step's; through the
     masked prefill path instead, these two answers diverged at their 4th and 29th tokens."""
     from kvpilot.engine.bench.spec_workloads import copy_heavy
@@ -109,13 +110,16 @@ def test_ngram_speculation_is_token_identical_in_the_serving_dtype():
     conversations = [copy_heavy(0), copy_heavy(2)]
     answers, drafts = {}, 0
     for name, config in (("plain", None), ("ngram", spec)):
-        llm = LLM(str(packaged_smollm2()), dtype="bfloat16", max_model_len=1024, max_num_seqs=4,
+        llm = LLM(str(packaged_smollm2()), dtype="auto", max_model_len=1024, max_num_seqs=4,
                   speculative_config=config)
         try:
             answers[name] = [llm.chat(c, params)[0].outputs[0].token_ids for c in conversations]
             if config:
                 drafts = llm.llm_engine.get_stats().spec_decoding.num_accepted_tokens
+                dtype, q8 = llm.llm_engine.model_config.dtype, llm.llm_engine.model_config.gguf_float32_q8
         finally:
             llm.llm_engine.close()
     assert [list(a) for a in answers["ngram"]] == [list(a) for a in answers["plain"]]
     assert drafts > 0   # speculation did take drafts
+    assert dtype == "bfloat16" or q8, (dtype, q8)     # either way the q8 matmul path
+    print(f"\nn-gram speculation in {dtype} (float32 q8: {q8}): {drafts} drafted tokens accepted")

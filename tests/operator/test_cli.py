@@ -8,6 +8,7 @@ import urllib.request
 
 import pytest
 
+from kvpilot.operator.adapter_loader import AdapterLoader
 from kvpilot.operator.settings import OperatorSettings
 
 from support import crd_schema
@@ -51,6 +52,17 @@ def test_bad_settings_exit_with_a_message():
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 1
     assert "KVPILOT_RESYNC_SECONDS must be > 0" in run.stderr
+
+
+def test_the_adapter_loads_are_settings():
+    assert (OperatorSettings().adapter_load_attempts, OperatorSettings().adapter_load_backoff_seconds) == (5, 2.0)
+    s = OperatorSettings.from_env({"KVPILOT_ADAPTER_LOAD_ATTEMPTS": "3",
+                                   "KVPILOT_ADAPTER_LOAD_BACKOFF_SECONDS": "0.5"})
+    policy = AdapterLoader.from_settings(s).policy
+    assert (policy.max_attempts, [policy.backoff(n) for n in (1, 2, 3)]) == (3, [0.5, 1.0, 2.0])
+    for env in ({"KVPILOT_ADAPTER_LOAD_ATTEMPTS": "0"}, {"KVPILOT_ADAPTER_LOAD_BACKOFF_SECONDS": "0"}):
+        with pytest.raises(ValueError, match="KVPILOT_ADAPTER_LOAD_ATTEMPTS must be >= 1"):
+            OperatorSettings.from_env(env)
 
 
 def test_the_metrics_bind_address_is_a_setting():

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -35,9 +36,10 @@ from support import pod_root
 from support.harness import free_port, wait_for
 from support.kubelet import DEMO_MODEL_IN_IMAGE, Kubelet, engine_container
 from support.lora_adapters import build_adapter
-from support.operator_cluster import NS
+from support.operator_cluster import NS, Cluster, running_cluster
 
 pytestmark = pytest.mark.slow
+BACKOFF_S = 0.25    # the operator's first wait between loads (KVPILOT_ADAPTER_LOAD_BACKOFF_SECONDS)
 
 NAME, CLAIM = "qwen", "lora"
 GOOD = {"sql": 8, "chat": 16, "legal": 8}
@@ -54,6 +56,15 @@ def _spec(port: int) -> dict:
         "adapters": [{"name": n, "source": f"pvc://{CLAIM}/{n}", "rank": r} for n, r in GOOD.items()]
         + [{"name": BAD, "source": f"pvc://{CLAIM}/{BAD}"}],
     }
+
+
+@pytest.fixture(scope="module")
+def shared_cluster(tmp_path_factory) -> Iterator[Cluster]:
+    """The operator with a short first backoff: the bad adapter's tries wait 0.25 + 0.5 + 1 + 2 s
+    instead of the default 2 + 4 + 8 + 16 s."""
+    env = {"KVPILOT_ADAPTER_LOAD_BACKOFF_SECONDS": str(BACKOFF_S)}
+    with running_cluster(tmp_path_factory.mktemp("operator"), env=env) as cluster:
+        yield cluster
 
 
 @pytest.fixture
@@ -121,6 +132,8 @@ def test_three_adapters_ready_a_bad_one_failed_and_a_new_pod_serves_them_before_
     figures["failed_after_pod_ready_s"] = round(time.monotonic() - ready, 1)
     figures["failed_attempts"], figures["failed_reason"] = bad["attempts"], bad["reason"]
     assert bad["attempts"] == LoaderPolicy().max_attempts > 1
+    policy = LoaderPolicy(base_backoff_s=BACKOFF_S)     # the tries waited as the setting says
+    assert figures["failed_after_pod_ready_s"] >= sum(policy.backoff(n) for n in range(1, bad["attempts"]))
     assert bad["reason"].startswith(f"refused {bad['attempts']} times: HTTP 400: ")
     assert f"rank {BAD_RANK} exceeds --max-lora-rank 16" in bad["reason"], bad["reason"]   # the engine's words
     assert _served(kubelet, first) == set(GOOD)

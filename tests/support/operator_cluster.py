@@ -144,12 +144,13 @@ class Cluster:
 
 
 @contextlib.contextmanager
-def running_cluster(tmp: Path) -> Iterator[Cluster]:
-    """An emulator holding the CRD, and the operator watching it."""
+def running_cluster(tmp: Path, env: dict[str, str] | None = None) -> Iterator[Cluster]:
+    """An emulator holding the CRD, and the operator watching it (``env``: its KVPILOT_*
+    settings beside the harness's)."""
     with EmulatorThread([crd_schema.load_crd()]) as emu:
         kubeconfig = write_kubeconfig(emu.kubeconfig(NS), tmp)
         kubectl = Kubectl(kubeconfig, tmp, NS)
-        operator = OperatorProcess(kubeconfig, tmp / "operator.log")
+        operator = OperatorProcess(kubeconfig, tmp / "operator.log", env=env)
         operator.start()
         try:
             yield Cluster(emu, kubectl, operator)
