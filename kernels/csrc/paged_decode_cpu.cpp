@@ -1,11 +1,16 @@
 // Paged decode attention on CPU: one query token per sequence, keys and values read in
 // place from the paged KV cache (no gathered copy), two passes per (sequence, KV head):
-// scores, then the softmax-weighted sum of values. The query heads that share a KV head
-// are computed together, so each key and value row is loaded once for all of them.
-// Accumulation is in at::opmath_type (float for 16-bit inputs, double for double). Past
-// kChunk keys a (sequence, KV head) is split into chunks that run in parallel (one long
-// sequence would otherwise keep one thread per KV head busy), each with its own softmax
-// maximum and sum, merged by rescaling to the overall maximum.
+// scores, then the softmax-weighted sum of values. Both passes go a block at a time and,
+// within a block, one query head at a time over the block's rows (in L1 after the first
+// head): its query (scores) or output (values) stays in registers, four rows' scores are
+// independent chains. Accumulation is in at::opmath_type (float for 16-bit inputs, double
+// for double). A work item is a sequence's every KV head where the batch has sequences
+// enough for every thread (a block's rows are then one contiguous run, asked of the memory
+// a block ahead in slices between the query heads), else one (sequence, KV head). Past
+// kChunk keys it is split into chunks that run in parallel (one long sequence would
+// otherwise keep one thread busy), each with its own softmax maximum and sum, merged by
+// rescaling to the overall maximum. A (sequence, KV head)'s arithmetic, and so its bits,
+// never depend on the batch, the work items or the threads.
 
 #include <torch/extension.h>
 #include <ATen/OpMathType.h>
@@ -56,13 +61,17 @@ using vec_lanes::VecF;
 constexpr int64_t kChunk = 256;
 
 struct Item {
-  int64_t seq, kv_head, lo, hi;   // keys lo .. hi - 1
-  int64_t part;                   // its chunk's slot in the partial results; -1: the whole sequence
+  int64_t seq, kv_head, kv_heads;   // KV heads kv_head .. kv_head + kv_heads - 1
+  int64_t lo, hi;                   // keys lo .. hi - 1
+  int64_t part;                     // its first head's slot in the partial results (its other
+                                    // heads' follow); -1: the whole sequence
 };
 
-struct Split {
-  int64_t seq, kv_head, first_part, num_parts;
+struct Split {   // a (sequence, KV head) in chunks: its parts first_part + c * part_step
+  int64_t seq, kv_head, first_part, part_step, num_parts;
 };
+// Sequences per thread from which a work item takes every KV head of its sequence.
+constexpr int64_t kSequencesPerThread = 2;
 
 constexpr int64_t kLanes = vec_lanes::kVecLanes;   // the vector path's lanes (vec_lanes.h)
 
@@ -70,6 +79,30 @@ inline float lane_sum(VecF v) {   // -ffast-math: a tree of shuffles and adds
   float total = 0;
   for (int64_t i = 0; i < kLanes; ++i) total += v[i];
   return total;
+}
+
+// Rows whose scores one pass computes at once: independent chains of fmas.
+constexpr int64_t kScoreRows = 4;
+
+// The lane sums of kScoreRows vectors into out[0..kScoreRows-1]: what lane_sum gives for each.
+inline void store_sums(const VecF* sums, float* out) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  // lane_sum's tree (GCC, -ffast-math, 8 lanes): (v0+v4, v1+v5, v2+v6, v3+v7), then
+  // (w0+w2, w1+w3), then x0+x1: the same pairs, four vectors at a time
+  const __m256 v0 = sums[0], v1 = sums[1], v2 = sums[2], v3 = sums[3];
+  const __m256 a01 = _mm256_add_ps(_mm256_permute2f128_ps(v0, v1, 0x20), _mm256_permute2f128_ps(v0, v1, 0x31));
+  const __m256 a23 = _mm256_add_ps(_mm256_permute2f128_ps(v2, v3, 0x20), _mm256_permute2f128_ps(v2, v3, 0x31));
+  // per 128-bit lane: [w0, w1, w0', w1'] + [w2, w3, w2', w3'] (w of rows 0 | 1, w' of rows 2 | 3)
+  const __m256 b = _mm256_add_ps(_mm256_shuffle_ps(a01, a23, 0x44), _mm256_shuffle_ps(a01, a23, 0xEE));
+  // per 128-bit lane: [x0, x0', .., ..] + [x1, x1', .., ..]
+  const __m256 c = _mm256_add_ps(_mm256_shuffle_ps(b, b, 0x08), _mm256_shuffle_ps(b, b, 0x0D));
+  out[0] = c[0];
+  out[2] = c[1];
+  out[1] = c[4];
+  out[3] = c[5];
+#else
+  for (int64_t u = 0; u < kScoreRows; ++u) out[u] = lane_sum(sums[u]);
+#endif
 }
 
 // The scalar types the vector path reads (float16 and double take the generic loop).
@@ -80,8 +113,9 @@ constexpr int64_t kMaxHeadVectors = 16;
 
 // Blocks ahead whose rows a pass asks the memory for before it reads them: in a decode step
 // the cache is cold (the layer's weights streamed through since this layer last ran), and
-// a head's rows are short runs at a stride that the hardware prefetcher does not follow.
-constexpr int64_t kPrefetchBlocks = 2;
+// blocks lie anywhere (a head's rows are short runs at a stride besides) where the hardware
+// prefetcher does not follow. One block: two or more were no faster on a 2-core EPYC.
+constexpr int64_t kPrefetchBlocks = 1;
 
 // Asks for the rows lo..hi-1 of one block of one head (`row_bytes` each), into every cache level.
 template <typename scalar_t>
@@ -122,15 +156,29 @@ inline void with_head_vectors(int64_t nvec, Fn fn) {
 #endif
 }
 
-// The keys and values of one (sequence, KV head) visited a block at a time: fn(row, t)
-// for t = 0..count-1, row the cache row of token first + t (no division per token). The rows
-// of the next kPrefetchBlocks blocks are requested before a block's are read.
+// The cache lines of one block's rows that a pass asks for a slice at a time, spread over
+// its work on the block before (all at once they would fill the miss buffers and stall it).
+struct Ahead {
+  const char* from = nullptr;   // contiguous rows: first byte; nullptr: nothing to ask for
+  int64_t lines = 0;
+  void slice(int64_t k, int64_t of) const {
+    for (int64_t line = k * lines / of; line < (k + 1) * lines / of; ++line)
+      __builtin_prefetch(from + line * 64, 0, 3);
+  }
+};
+
+// The blocks of one work item's keys first .. len-1, in order: fn(base, lo, hi, t, ahead) with
+// base the block's first row of the item's first head, its rows lo .. hi-1 (within the block)
+// the item's tokens t .. t + hi - lo - 1, and ahead the block kPrefetchBlocks on when the
+// item's rows are contiguous (every head), for fn to ask for in slices. Otherwise (one head's
+// rows at a stride) the rows of the block kPrefetchBlocks on are asked for before fn runs.
 template <typename scalar_t, typename Fn>
-inline void for_each_row(const scalar_t* cache, const int32_t* table, int64_t first, int64_t len,
-                         int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t head_offset,
-                         int64_t head_dim, Fn fn) {
+inline void for_each_block(const scalar_t* cache, const int32_t* table, int64_t first, int64_t len,
+                           int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t head_offset,
+                           int64_t span, Fn fn) {
   const int64_t first_block = first / block_size, end_block = (len + block_size - 1) / block_size;
-  const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(scalar_t));
+  const int64_t span_bytes = span * static_cast<int64_t>(sizeof(scalar_t));
+  const bool contiguous = span == token_stride;
   auto rows = [&](int64_t b, int64_t* lo, int64_t* hi) {
     *lo = std::max<int64_t>(first, b * block_size) - b * block_size;
     *hi = std::min<int64_t>(len, (b + 1) * block_size) - b * block_size;
@@ -139,36 +187,24 @@ inline void for_each_row(const scalar_t* cache, const int32_t* table, int64_t fi
   int64_t lo, hi;
   for (int64_t b = first_block; b < std::min(end_block, first_block + kPrefetchBlocks); ++b) {
     const scalar_t* base = rows(b, &lo, &hi);
-    prefetch_rows(base, lo, hi, token_stride, row_bytes);
+    prefetch_rows(base, lo, hi, token_stride, span_bytes);
   }
   int64_t t = 0;
   for (int64_t b = first_block; b < end_block; ++b) {
+    Ahead ahead;
     if (b + kPrefetchBlocks < end_block) {
-      const scalar_t* ahead = rows(b + kPrefetchBlocks, &lo, &hi);
-      prefetch_rows(ahead, lo, hi, token_stride, row_bytes);
+      const scalar_t* next = rows(b + kPrefetchBlocks, &lo, &hi);
+      if (contiguous) {
+        ahead.from = reinterpret_cast<const char*>(next + lo * token_stride);
+        ahead.lines = ((hi - lo) * span_bytes + 63) / 64;
+      } else {
+        prefetch_rows(next, lo, hi, token_stride, span_bytes);
+      }
     }
     const scalar_t* base = rows(b, &lo, &hi);
-    for (int64_t i = lo; i < hi; ++i, ++t) fn(base + i * token_stride, t);
+    fn(base, lo, hi, t, ahead);
+    t += hi - lo;
   }
-}
-
-// The vector path's visit of those rows: fn(vecs, t, n), vecs row t's n = nvec vectors as
-// float lanes, n a compile-time constant where with_head_vectors knows the width (the
-// callers' loops over n unroll once fn is inlined).
-template <typename scalar_t, typename Fn>
-inline void for_each_row_vectors(int64_t nvec, const scalar_t* cache, const int32_t* table, int64_t first, int64_t len,
-                                 int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t head_offset,
-                                 Fn fn) {
-  with_head_vectors(nvec, [&](auto width) {
-    constexpr int64_t kWidth = decltype(width)::value;
-    const int64_t n = kWidth ? kWidth : nvec;
-    for_each_row(cache, table, first, len, block_size, block_stride, token_stride, head_offset, n * kLanes,
-                 [&](const scalar_t* row, int64_t t) {
-      VecF vecs[kMaxHeadVectors];
-      for (int64_t j = 0; j < n; ++j) vecs[j] = load_lanes(row + j * kLanes);
-      fn(vecs, t, n);
-    });
-  });
 }
 
 template <typename scalar_t>
@@ -204,70 +240,105 @@ void decode_rows(const torch::Tensor& query, const torch::Tensor& key_cache,
     }
   }
 
-  // Work items: one (sequence, KV head) over its visible keys, or, past kChunk keys, over one
-  // chunk of them (both threads busy on one long sequence), the chunks merged after.
+  // Work items: a sequence's visible keys, or past kChunk keys one chunk of them (the chunks
+  // merged after), over every KV head where the batch has sequences enough to keep each
+  // thread busy (a block's rows are then one contiguous run), else over one KV head each.
+  // A (sequence, KV head)'s arithmetic is the same either way.
+  const int64_t heads_per_item = num_seqs >= kSequencesPerThread * at::get_num_threads() ? num_kv_heads : 1;
   std::vector<Item> items;
   std::vector<Split> splits;
   int64_t num_parts = 0;
   for (int64_t seq = 0; seq < num_seqs; ++seq) {
     const int64_t len = lens[seq];
     const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
-    for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
-      if (len - first <= kChunk) {
-        items.push_back({seq, kv_head, first, len, -1});
-        continue;
-      }
-      splits.push_back({seq, kv_head, num_parts, 0});
-      for (int64_t lo = first; lo < len; lo += kChunk, ++splits.back().num_parts)
-        items.push_back({seq, kv_head, lo, std::min(len, lo + kChunk), num_parts++});
+    if (len - first <= kChunk) {
+      for (int64_t h = 0; h < num_kv_heads; h += heads_per_item) items.push_back({seq, h, heads_per_item, first, len, -1});
+      continue;
     }
+    const int64_t chunks = (len - first + kChunk - 1) / kChunk;
+    for (int64_t h = 0; h < num_kv_heads; ++h) splits.push_back({seq, h, num_parts + h, num_kv_heads, chunks});
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t lo = first + c * kChunk;
+      for (int64_t h = 0; h < num_kv_heads; h += heads_per_item)
+        items.push_back({seq, h, heads_per_item, lo, std::min(len, lo + kChunk), num_parts + c * num_kv_heads + h});
+    }
+    num_parts += chunks * num_kv_heads;
   }
   // a chunk's softmax maximum and sum, and its unnormalised output, per query head
   std::vector<acc_t> part_max(num_parts * group), part_sum(num_parts * group), part_acc(num_parts * group * head_dim);
 
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    // per chunk of work items: the scaled queries of one KV head's group, their output
+    // per chunk of work items: the scaled queries of the item's heads, their output
     // accumulators and scores (one row of ``count`` per query head)
-    std::vector<acc_t> q_rows(group * head_dim), acc(group * head_dim), scores;
-    std::vector<VecF> q_vecs(vector_path ? group * nvec : 0), acc_vecs(vector_path ? group * nvec : 0);
+    const int64_t width = heads_per_item * group;   // query heads of an item
+    std::vector<acc_t> q_rows(width * head_dim), acc(width * head_dim), scores;
+    std::vector<VecF> q_vecs(vector_path ? width * nvec : 0), acc_vecs(vector_path ? width * nvec : 0);
     for (int64_t index = begin; index < end; ++index) {
       const Item& item = items[index];
-      const int64_t seq = item.seq, kv_head = item.kv_head, first = item.lo, len = item.hi;
+      const int64_t seq = item.seq, h0 = item.kv_head, heads = item.kv_heads, first = item.lo, len = item.hi;
       const int64_t count = len - first;
       const int32_t* table = tables + seq * max_blocks;
-      const int64_t head_offset = kv_head * head_dim;
-      for (int64_t g = 0; g < group; ++g) {
-        const scalar_t* src = q + (seq * num_heads + kv_head * group + g) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) q_rows[g * head_dim + d] = static_cast<acc_t>(src[d]) * sm_scale;
+      const int64_t head_offset = h0 * head_dim;
+      for (int64_t r = 0; r < heads * group; ++r) {
+        const scalar_t* src = q + (seq * num_heads + h0 * group + r) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) q_rows[r * head_dim + d] = static_cast<acc_t>(src[d]) * sm_scale;
       }
-      scores.resize(group * count);
+      scores.resize(heads * group * count);
       if constexpr (kVectorType<scalar_t>) {
         if (vector_path) {
-          for (int64_t i = 0; i < group * nvec; ++i) q_vecs[i] = load_lanes(q_rows.data() + i * kLanes);
-          for_each_row_vectors(nvec, k_cache, table, first, len, block_size, block_stride, token_stride, head_offset,
-                               [&](const VecF* kv, int64_t t, int64_t n) {
-            for (int64_t g = 0; g < group; ++g) {
-              const VecF* qg = q_vecs.data() + g * n;
-              VecF sum = qg[0] * kv[0];
-              for (int64_t j = 1; j < n; ++j) sum = fma_lanes(qg[j], kv[j], sum);
-              scores[g * count + t] = lane_sum(sum);
-            }
+          for (int64_t i = 0; i < heads * group * nvec; ++i) q_vecs[i] = load_lanes(q_rows.data() + i * kLanes);
+          with_head_vectors(nvec, [&](auto w) {
+            constexpr int64_t kWidth = decltype(w)::value;
+            const int64_t n = kWidth ? kWidth : nvec;
+            for_each_block(k_cache, table, first, len, block_size, block_stride, token_stride, head_offset,
+                           heads * head_dim, [&](const scalar_t* base, int64_t lo, int64_t hi, int64_t t0, const Ahead& ahead) {
+              // one query head at a time (its vectors in registers) over the block's rows,
+              // kScoreRows rows at once (independent chains); each score is the same chain
+              for (int64_t r = 0; r < heads * group; ++r) {
+                ahead.slice(r, heads * group);
+                const scalar_t* rows = base + (r / group) * head_dim;
+                acc_t* out_scores = scores.data() + r * count + t0 - lo;
+                VecF qv[kMaxHeadVectors];
+                for (int64_t j = 0; j < n; ++j) qv[j] = q_vecs[r * n + j];
+                int64_t i = lo;
+                for (; i + kScoreRows <= hi; i += kScoreRows) {
+                  VecF sum[kScoreRows];
+                  for (int64_t u = 0; u < kScoreRows; ++u) sum[u] = qv[0] * load_lanes(rows + (i + u) * token_stride);
+                  for (int64_t j = 1; j < n; ++j)
+                    for (int64_t u = 0; u < kScoreRows; ++u)
+                      sum[u] = fma_lanes(qv[j], load_lanes(rows + (i + u) * token_stride + j * kLanes), sum[u]);
+                  store_sums(sum, out_scores + i);
+                }
+                for (; i < hi; ++i) {
+                  const scalar_t* row = rows + i * token_stride;
+                  VecF sum = qv[0] * load_lanes(row);
+                  for (int64_t j = 1; j < n; ++j) sum = fma_lanes(qv[j], load_lanes(row + j * kLanes), sum);
+                  out_scores[i] = lane_sum(sum);
+                }
+              }
+            });
           });
         }
       }
       if (!vector_path) {
-        for_each_row(k_cache, table, first, len, block_size, block_stride, token_stride, head_offset, head_dim,
-                     [&](const scalar_t* k, int64_t t) {
-          for (int64_t g = 0; g < group; ++g) scores[g * count + t] = dot(q_rows.data() + g * head_dim, k, head_dim);
+        for_each_block(k_cache, table, first, len, block_size, block_stride, token_stride, head_offset,
+                       heads * head_dim, [&](const scalar_t* base, int64_t lo, int64_t hi, int64_t t0, const Ahead& ahead) {
+          ahead.slice(0, 1);
+          for (int64_t h = 0; h < heads; ++h)
+            for (int64_t i = lo; i < hi; ++i)
+              for (int64_t g = 0; g < group; ++g)
+                scores[(h * group + g) * count + t0 + i - lo] =
+                    dot(q_rows.data() + (h * group + g) * head_dim, base + i * token_stride + h * head_dim, head_dim);
         });
       }
-      for (int64_t g = 0; g < group; ++g) {   // a chunk keeps its exp(s - max) and their sum unnormalised
-        acc_t* s = scores.data() + g * count;
+      for (int64_t r = 0; r < heads * group; ++r) {   // a chunk keeps its exp(s - max) and their sum unnormalised
+        acc_t* s = scores.data() + r * count;
         const acc_t best = *std::max_element(s, s + count);
         const acc_t total = exp_shifted(s, count, best);
         if (item.part >= 0) {
-          part_max[item.part * group + g] = best;
-          part_sum[item.part * group + g] = total;
+          const int64_t part = item.part + r / group;
+          part_max[part * group + r % group] = best;
+          part_sum[part * group + r % group] = total;
           continue;
         }
         const acc_t inv_total = acc_t(1) / total;
@@ -276,36 +347,58 @@ void decode_rows(const torch::Tensor& query, const torch::Tensor& key_cache,
       if constexpr (kVectorType<scalar_t>) {
         if (vector_path) {
           std::fill(acc_vecs.begin(), acc_vecs.end(), VecF{});
-          for_each_row_vectors(nvec, v_cache, table, first, len, block_size, block_stride, token_stride, head_offset,
-                               [&](const VecF* vv, int64_t t, int64_t n) {
-            for (int64_t g = 0; g < group; ++g) {
-              const float p = scores[g * count + t];
-              VecF* a = acc_vecs.data() + g * n;
-              for (int64_t j = 0; j < n; ++j) a[j] += p * vv[j];
-            }
+          with_head_vectors(nvec, [&](auto w) {
+            constexpr int64_t kWidth = decltype(w)::value;
+            const int64_t n = kWidth ? kWidth : nvec;
+            for_each_block(v_cache, table, first, len, block_size, block_stride, token_stride, head_offset,
+                           heads * head_dim, [&](const scalar_t* base, int64_t lo, int64_t hi, int64_t t0, const Ahead& ahead) {
+              // one query head at a time over the block's rows (in L1 after the first): its
+              // n accumulators stay in registers; each is the same chain of fmas in row order
+              for (int64_t r = 0; r < heads * group; ++r) {
+                ahead.slice(r, heads * group);
+                const scalar_t* rows = base + (r / group) * head_dim;
+                const acc_t* p = scores.data() + r * count + t0 - lo;
+                VecF a[kMaxHeadVectors];
+                for (int64_t j = 0; j < n; ++j) a[j] = acc_vecs[r * n + j];
+                for (int64_t i = lo; i < hi; ++i) {
+                  const VecF pi = VecF{} + p[i];
+                  const scalar_t* row = rows + i * token_stride;
+                  for (int64_t j = 0; j < n; ++j) a[j] = fma_lanes(pi, load_lanes(row + j * kLanes), a[j]);
+                }
+                for (int64_t j = 0; j < n; ++j) acc_vecs[r * n + j] = a[j];
+              }
+            });
           });
-          for (int64_t i = 0; i < group * nvec; ++i) std::memcpy(acc.data() + i * kLanes, &acc_vecs[i], sizeof(VecF));
+          for (int64_t i = 0; i < heads * group * nvec; ++i)
+            std::memcpy(acc.data() + i * kLanes, &acc_vecs[i], sizeof(VecF));
         }
       }
       if (!vector_path) {
         std::fill(acc.begin(), acc.end(), acc_t(0));
-        for_each_row(v_cache, table, first, len, block_size, block_stride, token_stride, head_offset, head_dim,
-                     [&](const scalar_t* v, int64_t t) {
-          for (int64_t g = 0; g < group; ++g) {
-            const acc_t p = scores[g * count + t];
-            acc_t* a = acc.data() + g * head_dim;
+        for_each_block(v_cache, table, first, len, block_size, block_stride, token_stride, head_offset,
+                       heads * head_dim, [&](const scalar_t* base, int64_t lo, int64_t hi, int64_t t0, const Ahead& ahead) {
+          ahead.slice(0, 1);
+          for (int64_t h = 0; h < heads; ++h)
+            for (int64_t i = lo; i < hi; ++i) {
+              const scalar_t* v = base + i * token_stride + h * head_dim;
+              for (int64_t g = 0; g < group; ++g) {
+                const acc_t p = scores[(h * group + g) * count + t0 + i - lo];
+                acc_t* a = acc.data() + (h * group + g) * head_dim;
 #pragma omp simd
-            for (int64_t d = 0; d < head_dim; ++d) a[d] += p * static_cast<acc_t>(v[d]);
-          }
+                for (int64_t d = 0; d < head_dim; ++d) a[d] += p * static_cast<acc_t>(v[d]);
+              }
+            }
         });
       }
       if (item.part >= 0) {
-        std::copy(acc.begin(), acc.end(), part_acc.begin() + item.part * group * head_dim);
+        for (int64_t h = 0; h < heads; ++h)
+          std::copy(acc.begin() + h * group * head_dim, acc.begin() + (h + 1) * group * head_dim,
+                    part_acc.begin() + (item.part + h) * group * head_dim);
         continue;
       }
-      for (int64_t g = 0; g < group; ++g) {
-        scalar_t* dst = o + (seq * num_heads + kv_head * group + g) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[g * head_dim + d]);
+      for (int64_t r = 0; r < heads * group; ++r) {
+        scalar_t* dst = o + (seq * num_heads + h0 * group + r) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[r * head_dim + d]);
       }
     }
   });
@@ -315,11 +408,12 @@ void decode_rows(const torch::Tensor& query, const torch::Tensor& key_cache,
   for (const Split& split : splits) {
     for (int64_t g = 0; g < group; ++g) {
       acc_t best = -std::numeric_limits<acc_t>::infinity();
-      for (int64_t c = 0; c < split.num_parts; ++c) best = std::max(best, part_max[(split.first_part + c) * group + g]);
+      for (int64_t c = 0; c < split.num_parts; ++c)
+        best = std::max(best, part_max[(split.first_part + c * split.part_step) * group + g]);
       acc_t total = 0;
       std::fill(merged.begin(), merged.end(), acc_t(0));
       for (int64_t c = 0; c < split.num_parts; ++c) {
-        const int64_t part = (split.first_part + c) * group + g;
+        const int64_t part = (split.first_part + c * split.part_step) * group + g;
         const acc_t weight = std::exp(part_max[part] - best);
         total += weight * part_sum[part];
         const acc_t* a = part_acc.data() + part * head_dim;

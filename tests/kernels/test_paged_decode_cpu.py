@@ -72,12 +72,14 @@ def test_decode_rows_match_the_dense_reference(dtype, num_heads, num_kv_heads, h
     assert_attention_close(_kernel(batch), attend(batch, unified_attention_ref), dtype)
 
 
-def test_a_rows_result_depends_on_neither_its_batch_nor_the_threads():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_rows_result_depends_on_neither_its_batch_nor_the_threads(dtype):
     """Long rows are split into chunks that run in parallel and are merged: the chunks
     follow the row's length only, so a row alone, in a batch, on one or two threads, gives
-    the same bits (speculative verification relies on it: its rows equal decode rows)."""
+    the same bits (speculative verification relies on it: its rows equal decode rows). A
+    batch of nine takes every KV head of a sequence per work item, a row alone one KV head."""
     batch = stored(make_paged_batch(DECODE, num_heads=6, num_kv_heads=2, head_dim=64, block_size=16,
-                                     dtype=torch.bfloat16, num_padding_tokens=0))
+                                     dtype=dtype, num_padding_tokens=0))
     m = batch.metadata
     together = _kernel(batch)
     threads = torch.get_num_threads()
