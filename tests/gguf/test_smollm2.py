@@ -100,9 +100,9 @@ def test_ngram_speculation_is_token_identical_in_the_serving_dtype():
     """In the serving dtype (``--dtype auto``: bfloat16 on a CPU with AVX512-BF16, float32 with
     8-bit activations elsewhere; the q8 matmul path either way), greedy decoding with n-gram
     speculation gives the same tokens as without it, on copy-heavy chat prompts where drafts
-    are accepted. The verification step attends each of its tokens as
-    a decode row (the decode kernel), so its numerics are a plain decode step's; through the
-    masked prefill path instead, these two answers diverged at their 4th and 29th tokens."""
+    are accepted. The verification step attends each of its tokens as a decode row (the
+    decode kernel), so its numerics are a plain decode step's; through the masked prefill
+    path instead, these two answers diverged (in bfloat16) at their 4th and 29th tokens."""
     from kvpilot.engine.bench.spec_workloads import copy_heavy
 
     spec = {"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
