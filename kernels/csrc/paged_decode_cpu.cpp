@@ -297,7 +297,7 @@ void decode_rows(const torch::Tensor& query, const torch::Tensor& key_cache,
               for (int64_t r = 0; r < heads * group; ++r) {
                 ahead.slice(r, heads * group);
                 const scalar_t* rows = base + (r / group) * head_dim;
-                acc_t* out_scores = scores.data() + r * count + t0 - lo;
+                acc_t* out_scores = scores.data() + r * count + t0;   // row i's: [i - lo]
                 VecF qv[kMaxHeadVectors];
                 for (int64_t j = 0; j < n; ++j) qv[j] = q_vecs[r * n + j];
                 int64_t i = lo;
@@ -307,13 +307,13 @@ void decode_rows(const torch::Tensor& query, const torch::Tensor& key_cache,
                   for (int64_t j = 1; j < n; ++j)
                     for (int64_t u = 0; u < kScoreRows; ++u)
                       sum[u] = fma_lanes(qv[j], load_lanes(rows + (i + u) * token_stride + j * kLanes), sum[u]);
-                  store_sums(sum, out_scores + i);
+                  store_sums(sum, out_scores + (i - lo));
                 }
                 for (; i < hi; ++i) {
                   const scalar_t* row = rows + i * token_stride;
                   VecF sum = qv[0] * load_lanes(row);
                   for (int64_t j = 1; j < n; ++j) sum = fma_lanes(qv[j], load_lanes(row + j * kLanes), sum);
-                  out_scores[i] = lane_sum(sum);
+                  out_scores[i - lo] = lane_sum(sum);
                 }
               }
             });
@@ -357,11 +357,11 @@ void decode_rows(const torch::Tensor& query, const torch::Tensor& key_cache,
               for (int64_t r = 0; r < heads * group; ++r) {
                 ahead.slice(r, heads * group);
                 const scalar_t* rows = base + (r / group) * head_dim;
-                const acc_t* p = scores.data() + r * count + t0 - lo;
+                const acc_t* p = scores.data() + r * count + t0;   // row i's: [i - lo]
                 VecF a[kMaxHeadVectors];
                 for (int64_t j = 0; j < n; ++j) a[j] = acc_vecs[r * n + j];
                 for (int64_t i = lo; i < hi; ++i) {
-                  const VecF pi = VecF{} + p[i];
+                  const VecF pi = VecF{} + p[i - lo];
                   const scalar_t* row = rows + i * token_stride;
                   for (int64_t j = 0; j < n; ++j) a[j] = fma_lanes(pi, load_lanes(row + j * kLanes), a[j]);
                 }
