@@ -61,7 +61,7 @@ using vec_lanes::VecF;
 constexpr int64_t kChunk = 256;
 
 struct Item {
-  int64_t seq, kv_head, kv_heads;   // KV heads kv_head .. kv_head + kv_heads - 1
+  int64_t seq, kv_head;             // KV heads kv_head .. kv_head + heads_per_item - 1
   int64_t lo, hi;                   // keys lo .. hi - 1
   int64_t part;                     // its first head's slot in the partial results (its other
                                     // heads' follow); -1: the whole sequence
@@ -207,6 +207,32 @@ inline void for_each_block(const scalar_t* cache, const int32_t* table, int64_t 
   }
 }
 
+// The vector path's visit of one work item's rows: for every block, and within it every
+// query head r of the item in turn, fn(w, r, rows, lo, hi, t) with rows the first row of r's
+// KV head in the block (see for_each_block for lo, hi and t); the next block is asked for
+// in slices between the heads. w is with_head_vectors' width (head_vectors(w, nvec)).
+template <typename scalar_t, typename Fn>
+inline void for_each_query_head_block(int64_t nvec, int64_t group, int64_t heads, const scalar_t* cache,
+                                      const int32_t* table, int64_t first, int64_t len, int64_t block_size,
+                                      int64_t block_stride, int64_t token_stride, int64_t head_offset,
+                                      int64_t head_dim, Fn fn) {
+  with_head_vectors(nvec, [&](auto w) {
+    for_each_block(cache, table, first, len, block_size, block_stride, token_stride, head_offset, heads * head_dim,
+                   [&](const scalar_t* base, int64_t lo, int64_t hi, int64_t t0, const Ahead& ahead) {
+      for (int64_t r = 0; r < heads * group; ++r) {
+        ahead.slice(r, heads * group);
+        fn(w, r, base + (r / group) * head_dim, lo, hi, t0);
+      }
+    });
+  });
+}
+
+// Vectors per head row: with_head_vectors' compile-time width where it has one, else nvec.
+template <typename W>
+constexpr int64_t head_vectors(W, int64_t nvec) {
+  return W::value ? W::value : nvec;
+}
+
 template <typename scalar_t>
 void decode_rows(const torch::Tensor& query, const torch::Tensor& key_cache,
                  const torch::Tensor& value_cache, const torch::Tensor& block_tables,
@@ -252,7 +278,7 @@ void decode_rows(const torch::Tensor& query, const torch::Tensor& key_cache,
     const int64_t len = lens[seq];
     const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
     if (len - first <= kChunk) {
-      for (int64_t h = 0; h < num_kv_heads; h += heads_per_item) items.push_back({seq, h, heads_per_item, first, len, -1});
+      for (int64_t h = 0; h < num_kv_heads; h += heads_per_item) items.push_back({seq, h, first, len, -1});
       continue;
     }
     const int64_t chunks = (len - first + kChunk - 1) / kChunk;
@@ -260,7 +286,7 @@ void decode_rows(const torch::Tensor& query, const torch::Tensor& key_cache,
     for (int64_t c = 0; c < chunks; ++c) {
       const int64_t lo = first + c * kChunk;
       for (int64_t h = 0; h < num_kv_heads; h += heads_per_item)
-        items.push_back({seq, h, heads_per_item, lo, std::min(len, lo + kChunk), num_parts + c * num_kv_heads + h});
+        items.push_back({seq, h, lo, std::min(len, lo + kChunk), num_parts + c * num_kv_heads + h});
     }
     num_parts += chunks * num_kv_heads;
   }
@@ -275,7 +301,7 @@ void decode_rows(const torch::Tensor& query, const torch::Tensor& key_cache,
     std::vector<VecF> q_vecs(vector_path ? width * nvec : 0), acc_vecs(vector_path ? width * nvec : 0);
     for (int64_t index = begin; index < end; ++index) {
       const Item& item = items[index];
-      const int64_t seq = item.seq, h0 = item.kv_head, heads = item.kv_heads, first = item.lo, len = item.hi;
+      const int64_t seq = item.seq, h0 = item.kv_head, heads = heads_per_item, first = item.lo, len = item.hi;
       const int64_t count = len - first;
       const int32_t* table = tables + seq * max_blocks;
       const int64_t head_offset = h0 * head_dim;
@@ -287,36 +313,30 @@ void decode_rows(const torch::Tensor& query, const torch::Tensor& key_cache,
       if constexpr (kVectorType<scalar_t>) {
         if (vector_path) {
           for (int64_t i = 0; i < heads * group * nvec; ++i) q_vecs[i] = load_lanes(q_rows.data() + i * kLanes);
-          with_head_vectors(nvec, [&](auto w) {
-            constexpr int64_t kWidth = decltype(w)::value;
-            const int64_t n = kWidth ? kWidth : nvec;
-            for_each_block(k_cache, table, first, len, block_size, block_stride, token_stride, head_offset,
-                           heads * head_dim, [&](const scalar_t* base, int64_t lo, int64_t hi, int64_t t0, const Ahead& ahead) {
-              // one query head at a time (its vectors in registers) over the block's rows,
-              // kScoreRows rows at once (independent chains); each score is the same chain
-              for (int64_t r = 0; r < heads * group; ++r) {
-                ahead.slice(r, heads * group);
-                const scalar_t* rows = base + (r / group) * head_dim;
-                acc_t* out_scores = scores.data() + r * count + t0;   // row i's: [i - lo]
-                VecF qv[kMaxHeadVectors];
-                for (int64_t j = 0; j < n; ++j) qv[j] = q_vecs[r * n + j];
-                int64_t i = lo;
-                for (; i + kScoreRows <= hi; i += kScoreRows) {
-                  VecF sum[kScoreRows];
-                  for (int64_t u = 0; u < kScoreRows; ++u) sum[u] = qv[0] * load_lanes(rows + (i + u) * token_stride);
-                  for (int64_t j = 1; j < n; ++j)
-                    for (int64_t u = 0; u < kScoreRows; ++u)
-                      sum[u] = fma_lanes(qv[j], load_lanes(rows + (i + u) * token_stride + j * kLanes), sum[u]);
-                  store_sums(sum, out_scores + (i - lo));
-                }
-                for (; i < hi; ++i) {
-                  const scalar_t* row = rows + i * token_stride;
-                  VecF sum = qv[0] * load_lanes(row);
-                  for (int64_t j = 1; j < n; ++j) sum = fma_lanes(qv[j], load_lanes(row + j * kLanes), sum);
-                  out_scores[i - lo] = lane_sum(sum);
-                }
-              }
-            });
+          // one query head at a time (its vectors in registers) over the block's rows,
+          // kScoreRows rows at once (independent chains); each score is the same chain
+          for_each_query_head_block(nvec, group, heads, k_cache, table, first, len, block_size, block_stride,
+                                    token_stride, head_offset, head_dim,
+                                    [&](auto w, int64_t r, const scalar_t* rows, int64_t lo, int64_t hi, int64_t t0) {
+          const int64_t n = head_vectors(w, nvec);
+          acc_t* out_scores = scores.data() + r * count + t0;   // row i's: [i - lo]
+          VecF qv[kMaxHeadVectors];
+          for (int64_t j = 0; j < n; ++j) qv[j] = q_vecs[r * n + j];
+          int64_t i = lo;
+          for (; i + kScoreRows <= hi; i += kScoreRows) {
+            VecF sum[kScoreRows];
+            for (int64_t u = 0; u < kScoreRows; ++u) sum[u] = qv[0] * load_lanes(rows + (i + u) * token_stride);
+            for (int64_t j = 1; j < n; ++j)
+              for (int64_t u = 0; u < kScoreRows; ++u)
+                sum[u] = fma_lanes(qv[j], load_lanes(rows + (i + u) * token_stride + j * kLanes), sum[u]);
+            store_sums(sum, out_scores + (i - lo));
+          }
+          for (; i < hi; ++i) {
+            const scalar_t* row = rows + i * token_stride;
+            VecF sum = qv[0] * load_lanes(row);
+            for (int64_t j = 1; j < n; ++j) sum = fma_lanes(qv[j], load_lanes(row + j * kLanes), sum);
+            out_scores[i - lo] = lane_sum(sum);
+          }
           });
         }
       }
@@ -347,27 +367,21 @@ void decode_rows(const torch::Tensor& query, const torch::Tensor& key_cache,
       if constexpr (kVectorType<scalar_t>) {
         if (vector_path) {
           std::fill(acc_vecs.begin(), acc_vecs.end(), VecF{});
-          with_head_vectors(nvec, [&](auto w) {
-            constexpr int64_t kWidth = decltype(w)::value;
-            const int64_t n = kWidth ? kWidth : nvec;
-            for_each_block(v_cache, table, first, len, block_size, block_stride, token_stride, head_offset,
-                           heads * head_dim, [&](const scalar_t* base, int64_t lo, int64_t hi, int64_t t0, const Ahead& ahead) {
-              // one query head at a time over the block's rows (in L1 after the first): its
-              // n accumulators stay in registers; each is the same chain of fmas in row order
-              for (int64_t r = 0; r < heads * group; ++r) {
-                ahead.slice(r, heads * group);
-                const scalar_t* rows = base + (r / group) * head_dim;
-                const acc_t* p = scores.data() + r * count + t0;   // row i's: [i - lo]
-                VecF a[kMaxHeadVectors];
-                for (int64_t j = 0; j < n; ++j) a[j] = acc_vecs[r * n + j];
-                for (int64_t i = lo; i < hi; ++i) {
-                  const VecF pi = VecF{} + p[i - lo];
-                  const scalar_t* row = rows + i * token_stride;
-                  for (int64_t j = 0; j < n; ++j) a[j] = fma_lanes(pi, load_lanes(row + j * kLanes), a[j]);
-                }
-                for (int64_t j = 0; j < n; ++j) acc_vecs[r * n + j] = a[j];
-              }
-            });
+          // one query head at a time over the block's rows (in L1 after the first): its
+          // n accumulators stay in registers; each is the same chain of fmas in row order
+          for_each_query_head_block(nvec, group, heads, v_cache, table, first, len, block_size, block_stride,
+                                    token_stride, head_offset, head_dim,
+                                    [&](auto w, int64_t r, const scalar_t* rows, int64_t lo, int64_t hi, int64_t t0) {
+          const int64_t n = head_vectors(w, nvec);
+          const acc_t* p = scores.data() + r * count + t0;   // row i's: [i - lo]
+          VecF a[kMaxHeadVectors];
+          for (int64_t j = 0; j < n; ++j) a[j] = acc_vecs[r * n + j];
+          for (int64_t i = lo; i < hi; ++i) {
+            const VecF pi = VecF{} + p[i - lo];
+            const scalar_t* row = rows + i * token_stride;
+            for (int64_t j = 0; j < n; ++j) a[j] = fma_lanes(pi, load_lanes(row + j * kLanes), a[j]);
+          }
+          for (int64_t j = 0; j < n; ++j) acc_vecs[r * n + j] = a[j];
           });
           for (int64_t i = 0; i < heads * group * nvec; ++i)
             std::memcpy(acc.data() + i * kLanes, &acc_vecs[i], sizeof(VecF));
