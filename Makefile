@@ -11,7 +11,8 @@ serve:
 	.venv/bin/kvpilot serve $(ARGS)
 
 # Two pytest workers, a test file each at a time (its module fixtures built once): much of
-# the suite waits on servers and emulators, so two files share two cores well.
+# the suite waits on servers and emulators, so two files share two cores well. Each worker,
+# and what its tests start, gets its share of the CPUs as threads (tests/conftest.py).
 # `make test JOBS=0` runs it in one process.
 JOBS ?= 2
 

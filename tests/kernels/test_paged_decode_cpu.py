@@ -81,9 +81,10 @@ def test_a_rows_result_depends_on_neither_its_batch_nor_the_threads(dtype):
     batch = stored(make_paged_batch(DECODE, num_heads=6, num_kv_heads=2, head_dim=64, block_size=16,
                                      dtype=dtype, num_padding_tokens=0))
     m = batch.metadata
-    together = _kernel(batch)
     threads = torch.get_num_threads()
     try:
+        torch.set_num_threads(2)
+        together = _kernel(batch)
         torch.set_num_threads(1)
         alone = [paged_decode_cpu.paged_decode(batch.query[i:i + 1], batch.kv_cache, m.block_tables[i:i + 1],
                                                m.seq_lens[i:i + 1], batch.scale)[0]
