@@ -20,10 +20,11 @@ from pathlib import Path
 
 import pytest
 
+from kvpilot.engine.model.cpu_info import usable_cpus  # torch-free
+
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
 if _WORKERS > 1:
-    _CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, _CPUS // _WORKERS)))
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, usable_cpus() // _WORKERS)))
 
 import torch  # noqa: E402 - after the thread count, which torch reads as it loads
 

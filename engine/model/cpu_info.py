@@ -35,6 +35,11 @@ class CPUInfo:
         return f"{self.model} ({self.num_cpus} CPUs; {' '.join(notable) or 'no SIMD flags'})"
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity where the system has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def cpu_info(cpuinfo: Path = Path("/proc/cpuinfo")) -> CPUInfo:
     """This machine's CPU, from /proc/cpuinfo (on other systems: the platform's name, no flags)."""
     model, flags = platform.processor() or platform.machine(), frozenset()
@@ -49,5 +54,4 @@ def cpu_info(cpuinfo: Path = Path("/proc/cpuinfo")) -> CPUInfo:
             model = value.strip()
         elif key == "flags" and not flags:
             flags = frozenset(value.split())
-    return CPUInfo(model, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                   else os.cpu_count() or 1, flags)
+    return CPUInfo(model, usable_cpus(), flags)
