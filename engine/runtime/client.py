@@ -207,7 +207,9 @@ class EngineClient:
         if self._loop is None or self._stopping:
             return
         self._stopping = True
-        self._transport.close(timeout)
+        # a core still starting has no work to finish, and its start can wait minutes on
+        # a kernel build: it is stopped at once rather than after ``timeout``
+        self._transport.close(timeout if self._ready else 0.0)
         with contextlib.suppress(RuntimeError):   # the loop is closed already
             self._loop.call_soon_threadsafe(self._release)
 

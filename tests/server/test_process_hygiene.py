@@ -4,8 +4,9 @@ Each test runs a small test file in a nested pytest (with ``support.process_hygi
 pyproject loads it for the suite) whose test starts ``kvpilot serve`` through
 ``launch_server``, and ends that session the hard way: a pytest-timeout (its ``signal``
 method, where finalizers run, and its ``thread`` method, which ends pytest with
-``os._exit``), or ``kill -9`` of pytest while the server's engine core waits on a kernel
-build. The oracle is the process table: every process seen below the nested pytest is
+``os._exit``), or ``kill -9`` of pytest. Either way the server's engine core is waiting
+on a kernel build whose lock the outer test holds, so the session ends while the server
+starts. The oracle is the process table: every process seen below the nested pytest is
 gone afterwards.
 """
 
@@ -74,18 +75,24 @@ class Descendants:
 
 
 @pytest.mark.parametrize("method", ["signal", "thread"])
-def test_a_test_that_times_out_leaves_no_server_behind(tmp_path, demo_model_dir, method):
-    inner = _nested_pytest(tmp_path, 2, method, dict(os.environ))
-    below = Descendants(inner)
-    try:
-        while inner.poll() is None:
-            below.look()
-            time.sleep(0.1)
-        output = inner.stdout.read()
-    finally:
-        if inner.poll() is None:
-            inner.kill()
-        inner.wait(30)
+def test_a_test_that_times_out_leaves_no_server_behind(tmp_path, demo_model_dir, method, monkeypatch):
+    """The server's engine core waits on a kernel build this test holds the lock of, so the
+    server is still starting when the nested test's timeout fires, however slow the machine
+    (with a bare 2 s timeout a loaded machine could time out before the server was spawned)."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "kernels"))
+    monkeypatch.delenv("KVPILOT_PREBUILT_KERNELS", raising=False)
+    with holding_every_kernel_build():
+        inner = _nested_pytest(tmp_path, 6, method, dict(os.environ))
+        below = Descendants(inner)
+        try:
+            while inner.poll() is None:
+                below.look()
+                time.sleep(0.1)
+            output = inner.stdout.read()
+        finally:
+            if inner.poll() is None:
+                inner.kill()
+            inner.wait(30)
     assert inner.returncode != 0 and "Timeout" in output, output[-3000:]
     assert below.any(" serve "), below.seen   # the server had started
     below.assert_all_gone()
@@ -116,4 +123,38 @@ def test_a_killed_session_takes_its_server_and_engine_core_along(tmp_path, demo_
             if inner.poll() is None:
                 inner.kill()
                 inner.wait(30)
+    below.assert_all_gone()
+
+
+def test_a_server_stopped_while_its_core_starts_exits_at_once(tmp_path, demo_model_dir, monkeypatch):
+    """SIGTERM while the engine core waits on a kernel build: the core has nothing to
+    finish, so the server and its core exit at once (a core that serves gets 10 s to
+    finish its background work; a start-up waiting on a build would have used them all)."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "kernels"))
+    monkeypatch.delenv("KVPILOT_PREBUILT_KERNELS", raising=False)
+    log = tmp_path / "serve.log"
+    with holding_every_kernel_build(), log.open("wb") as out:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "kvpilot.engine.cli.main", "serve", "--model", "demo", "--port", "0",
+             "--max-model-len", "256", "--kv-cache-memory-bytes", str(8 << 20)],
+            stdout=out, stderr=subprocess.STDOUT)
+        below = Descendants(server)
+        try:
+            deadline = time.monotonic() + 180
+            while "is being built by" not in log.read_text(errors="replace"):
+                assert server.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
+                below.look()
+                time.sleep(0.2)
+            below.look()
+            assert below.any(CORE), below.seen
+            started = time.monotonic()
+            server.terminate()
+            server.wait(30)
+            took = time.monotonic() - started
+        finally:
+            if server.poll() is None:
+                server.kill()
+                server.wait(30)
+    assert server.returncode == 0, log.read_text(errors="replace")[-3000:]
+    assert took < 5.0, (took, log.read_text(errors="replace")[-3000:])
     below.assert_all_gone()
