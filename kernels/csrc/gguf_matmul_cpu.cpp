@@ -899,46 +899,53 @@ void dequantize_interleaved_as(const uint8_t* src, Out* dst, int64_t rows, int64
 // values at a time (the portable loop above decodes byte by byte, 2.4 G values/s on a Zen 3
 // core: 45 ms of a 128-token float32 prefill of SmolLM2-135M). The values are the row
 // decoder's: Q4_1 is d * q + m in one rounding as the decoders contract it (-ffast-math; the
-// AVX-512 ones call fmadd), Q4_0 and Q8_0 one product.
+// AVX-512 ones call fmadd), Q4_0 and Q8_0 one product. Here groups g0 .. g1 - 1: a function
+// of its own, called from dequantize_groups_avx2's parallel loop (a lambda would not carry
+// KVPILOT_AVX2's target, and a build for an older CPU would not compile it).
 template <int Type>
-KVPILOT_AVX2 void dequantize_groups_avx2(const uint8_t* src, float* dst, int64_t groups, int64_t bpr) {
+KVPILOT_AVX2 void dequantize_group_range_avx2(const uint8_t* src, float* dst, int64_t g0, int64_t g1, int64_t bpr) {
   using I = Interleaved<Type>;
   constexpr int ts = Codes<Type>::type_size;
   const int64_t nb = bpr / ts, cols = nb * 32;
-  at::parallel_for(0, groups, std::max<int64_t>(1, grain_rows(bpr) / kInterleave), [&](int64_t g0, int64_t g1) {
-    const __m128i low4 = _mm_set1_epi8(0x0F), flip = _mm_set1_epi8(static_cast<char>(0x80));
-    for (int64_t g = g0; g < g1; ++g)
-      for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* group = src + g * kInterleave * bpr + b * kInterleave * ts;
-        const uint8_t* codes = group + 32 * I::scales;
-        for (int r = 0; r < kInterleave; ++r) {
-          float* y = dst + (g * kInterleave + r) * cols + b * 32;
-          const __m256 d = _mm256_set1_ps(half(group + 2 * r));
-          int32_t word[8];
-          for (int c = 0; c < I::chunks; ++c) std::memcpy(&word[c], codes + c * 64 + r * 4, 4);
-          if (I::chunks == 4) {   // byte k: value k (low nibble) and k + 16 (high)
-            const __m128i q = _mm_setr_epi32(word[0], word[1], word[2], word[3]);
-            const __m128i lo = _mm_and_si128(q, low4), hi = _mm_and_si128(_mm_srli_epi16(q, 4), low4);
-            const __m128i halves[2] = {lo, hi};
-            for (int k = 0; k < 4; ++k) {
-              __m256i v = _mm256_cvtepu8_epi32(k % 2 ? _mm_srli_si128(halves[k / 2], 8) : halves[k / 2]);
-              if (I::offset) v = _mm256_sub_epi32(v, _mm256_set1_epi32(I::offset));
-              const __m256 f = _mm256_cvtepi32_ps(v);
-              _mm256_storeu_ps(y + 8 * k, I::scales == 2
-                                              ? _mm256_fmadd_ps(d, f, _mm256_set1_ps(half(group + 32 + 2 * r)))
-                                              : _mm256_mul_ps(d, f));
-            }
-          } else {                // Q8_0: byte k is value k, stored xor 0x80
-            for (int k = 0; k < 2; ++k) {
-              const __m128i q = _mm_xor_si128(_mm_setr_epi32(word[4 * k], word[4 * k + 1], word[4 * k + 2],
-                                                             word[4 * k + 3]), flip);
-              _mm256_storeu_ps(y + 16 * k, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q))));
-              _mm256_storeu_ps(y + 16 * k + 8,
-                               _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)))));
-            }
+  const __m128i low4 = _mm_set1_epi8(0x0F), flip = _mm_set1_epi8(static_cast<char>(0x80));
+  for (int64_t g = g0; g < g1; ++g)
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* group = src + g * kInterleave * bpr + b * kInterleave * ts;
+      const uint8_t* codes = group + 32 * I::scales;
+      for (int r = 0; r < kInterleave; ++r) {
+        float* y = dst + (g * kInterleave + r) * cols + b * 32;
+        const __m256 d = _mm256_set1_ps(half(group + 2 * r));
+        int32_t word[8];
+        for (int c = 0; c < I::chunks; ++c) std::memcpy(&word[c], codes + c * 64 + r * 4, 4);
+        if (I::chunks == 4) {   // byte k: value k (low nibble) and k + 16 (high)
+          const __m128i q = _mm_setr_epi32(word[0], word[1], word[2], word[3]);
+          const __m128i lo = _mm_and_si128(q, low4), hi = _mm_and_si128(_mm_srli_epi16(q, 4), low4);
+          const __m128i halves[2] = {lo, hi};
+          for (int k = 0; k < 4; ++k) {
+            __m256i v = _mm256_cvtepu8_epi32(k % 2 ? _mm_srli_si128(halves[k / 2], 8) : halves[k / 2]);
+            if (I::offset) v = _mm256_sub_epi32(v, _mm256_set1_epi32(I::offset));
+            const __m256 f = _mm256_cvtepi32_ps(v);
+            _mm256_storeu_ps(y + 8 * k, I::scales == 2
+                                            ? _mm256_fmadd_ps(d, f, _mm256_set1_ps(half(group + 32 + 2 * r)))
+                                            : _mm256_mul_ps(d, f));
+          }
+        } else {                // Q8_0: byte k is value k, stored xor 0x80
+          for (int k = 0; k < 2; ++k) {
+            const __m128i q = _mm_xor_si128(_mm_setr_epi32(word[4 * k], word[4 * k + 1], word[4 * k + 2],
+                                                           word[4 * k + 3]), flip);
+            _mm256_storeu_ps(y + 16 * k, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q))));
+            _mm256_storeu_ps(y + 16 * k + 8,
+                             _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)))));
           }
         }
       }
+    }
+}
+
+template <int Type>
+void dequantize_groups_avx2(const uint8_t* src, float* dst, int64_t groups, int64_t bpr) {
+  at::parallel_for(0, groups, std::max<int64_t>(1, grain_rows(bpr) / kInterleave), [&](int64_t g0, int64_t g1) {
+    dequantize_group_range_avx2<Type>(src, dst, g0, g1, bpr);
   });
 }
 
