@@ -1,4 +1,4 @@
-"""Fused per-layer CPU ops: residual add + RMSNorm, rotary in place, SiLU(gate) * up, KV store.
+"""Fused per-layer CPU ops: residual add + RMSNorm (Llama's, Gemma's), rotary in place, SiLU(gate) * up, KV store.
 
 A single-stream decode step on CPU spends about as long dispatching a decoder layer's small
 torch ops (a norm is nine of them, rope fourteen) as in its matrix products. Each op here is
@@ -78,6 +78,31 @@ def add_rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     normed = weight * h.to(x.dtype)
+    return (normed, x) if residual is not None else normed
+
+
+def gemma_rms_norm(x: torch.Tensor,                 # [rows, dim] or [tokens, heads, dim], last dim contiguous
+                   gain: torch.Tensor,              # [dim] float32: 1 + the norm's weight
+                   eps: float,
+                   residual: torch.Tensor | None = None,   # [rows, dim] like a 2-D x
+                   ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``norm(x)``, or ``(norm(x + residual), x + residual)``: Gemma's RMSNorm (float32 math
+    times ``gain``, rounded to the dtype once), new contiguous tensors; inputs left unchanged."""
+    if not supports(x):
+        raise ValueError(f"needs a CPU tensor of one of {DTYPES}; got {x.dtype} on {x.device}")
+    out = _module().gemma_rms_norm(x, residual, gain, eps)
+    return (out[0], out[1]) if residual is not None else out[0]
+
+
+def gemma_rms_norm_ref(x: torch.Tensor, gain: torch.Tensor, eps: float,
+                       residual: torch.Tensor | None = None):
+    """The torch code ``gemma_rms_norm`` replaces (``GemmaRMSNorm.forward``'s, ``gain`` its
+    ``1.0 + weight.float()``)."""
+    if residual is not None:
+        x = x + residual
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    normed = (h * gain).to(x.dtype)
     return (normed, x) if residual is not None else normed
 
 

@@ -32,7 +32,7 @@ LDFLAGS = ("-lm",)
 # The kernels it calls, by the module that exports each (``entry_points()``).
 ENTRY_POINTS = {
     gguf_matmul_cpu: ("matmul_q8", "matmul_q8_interleaved"),
-    cpu_layer_ops: ("add_rms_norm", "rotary_inplace", "silu_mul", "store_kv"),
+    cpu_layer_ops: ("add_rms_norm", "gemma_rms_norm", "rotary_inplace", "silu_mul", "store_kv"),
     paged_decode_cpu: ("paged_decode",),
 }
 

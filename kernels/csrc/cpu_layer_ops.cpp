@@ -1,5 +1,5 @@
-// Fused per-layer CPU ops of a decoder layer: residual add + RMSNorm, rotary embedding in
-// place on q and k, SiLU(gate) * up, and the KV-cache store. Each replaces several torch
+// Fused per-layer CPU ops of a decoder layer: residual add + RMSNorm (Llama's and Gemma's),
+// rotary embedding in place on q and k, SiLU(gate) * up, and the KV-cache store. Each replaces several torch
 // ops whose dispatch, not their arithmetic, is most of a single-stream decode step.
 //
 // NUMERICS: each op rounds where the torch code it replaces (HF transformers' arithmetic)
@@ -7,6 +7,8 @@
 //   - add + RMSNorm: sum = T(x + r); var = sum(float(sum)^2) / hidden in float32, summed in
 //     the order of torch's CPU sum (sum_of_squares below); h = float(sum) * (1 / sqrt(var +
 //     float(eps))); out = T(float(w) * float(T(h))).
+//   - Gemma's RMSNorm: the same sum and mean; out = T((float(sum) * (1 / sqrt(var + float(eps))))
+//     * gain), gain = float32 `1 + weight` (one rounding, at the end).
 //   - rotary: c = T(cos), s = T(sin) (cos_table[p].to(q.dtype)); x1' = T(T(x1 c) + T(-x2 s)),
 //     x2' = T(T(x2 c) + T(x1 s)).
 //   - SiLU * up: T(float(T(g / (1 + exp(-g)))) * float(u)), exp a Cephes-style polynomial
@@ -158,6 +160,30 @@ void add_rms_norm_rows(const torch::Tensor& x, const torch::Tensor* residual, co
         const float h = round_to<T>(to_float(src[k]) * inv);
         orow[k] = from_float<T>(to_float(wp[k]) * h);
       }
+    }
+  });
+}
+
+// Gemma's RMSNorm (GemmaRMSNorm._norm) over rows of x, each row `dim` contiguous values at
+// row_offset(r) elements from the start: h = float(x) (x + residual first, rounded to T),
+// out = T((h * (1 / sqrt(mean(h^2) + eps))) * gain), gain = float32 `1 + weight`.
+template <typename T, typename Offset>
+void gemma_norm_rows(const T* xp, int64_t rows, int64_t dim, Offset row_offset, const T* rp, int64_t r_stride,
+                     const float* gain, double eps, T* op, T* sp) {
+  const float eps_f = static_cast<float>(eps);
+  at::parallel_for(0, rows, kGrainRows, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const T* src = xp + row_offset(row);
+      if (rp) {
+        const T* rr = rp + row * r_stride;
+        T* srow = sp + row * dim;
+        for (int64_t i = 0; i < dim; ++i) srow[i] = from_float<T>(to_float(src[i]) + to_float(rr[i]));
+        src = srow;
+      }
+      const float var = sum_of_squares<T>(src, dim) / static_cast<float>(dim);
+      const float inv = 1.0f / std::sqrt(var + eps_f);
+      T* orow = op + row * dim;
+      for (int64_t k = 0; k < dim; ++k) orow[k] = from_float<T>((to_float(src[k]) * inv) * gain[k]);
     }
   });
 }
@@ -324,6 +350,49 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Te
   return result;
 }
 
+// Gemma's RMSNorm: x [rows, dim] or [tokens, heads, dim] (a view of a fused projection: any
+// leading strides, the last dim contiguous), gain float32 [dim] (`1 + weight`), residual None
+// or [rows, dim] like a 2-D x. Returns norm(x) or (norm(x + residual), x + residual), new
+// contiguous tensors of x's shape.
+std::vector<torch::Tensor> gemma_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual,
+                                          torch::Tensor gain, double eps) {
+  check_cpu(x, "x");
+  check_float_dtype(x, "x");
+  TORCH_CHECK((x.dim() == 2 || x.dim() == 3) && x.stride(-1) == 1,
+              "x must be [rows, dim] or [tokens, heads, dim] with a contiguous last dim; got ", x.sizes(),
+              " strides ", x.strides());
+  const int64_t dim = x.size(-1);
+  TORCH_CHECK(gain.dim() == 1 && gain.size(0) == dim && gain.is_contiguous() &&
+                  gain.scalar_type() == at::kFloat && gain.device().is_cpu(),
+              "gain must be a contiguous float32 CPU [", dim, "] (1 + weight); got ", gain.scalar_type(), " ",
+              gain.sizes());
+  if (residual.has_value()) {
+    const auto& r = *residual;
+    TORCH_CHECK(x.dim() == 2, "a residual needs a 2-D x; got ", x.sizes());
+    TORCH_CHECK(r.device().is_cpu() && r.scalar_type() == x.scalar_type() && r.sizes() == x.sizes() &&
+                    r.stride(1) == 1,
+                "residual must be a CPU tensor like x ", x.sizes(), " ", x.scalar_type(), "; got ", r.sizes(),
+                " ", r.scalar_type());
+  }
+  auto out = torch::empty(x.sizes(), x.options());
+  std::vector<torch::Tensor> result{out};
+  torch::Tensor summed;
+  if (residual.has_value()) {
+    summed = torch::empty(x.sizes(), x.options());
+    result.push_back(summed);
+  }
+  const int64_t heads = x.dim() == 3 ? x.size(1) : 1, rows = x.numel() / std::max<int64_t>(dim, 1);
+  const int64_t s0 = x.stride(0), s1 = x.dim() == 3 ? x.stride(1) : 0;
+  auto offset = [heads, s0, s1](int64_t row) { return (row / heads) * s0 + (row % heads) * s1; };
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "gemma_rms_norm", [&] {
+    gemma_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), rows, dim, offset,
+                              residual ? residual->data_ptr<scalar_t>() : nullptr, residual ? residual->stride(0) : 0,
+                              gain.data_ptr<float>(), eps, out.data_ptr<scalar_t>(),
+                              residual ? summed.data_ptr<scalar_t>() : nullptr);
+  });
+  return result;
+}
+
 // positions [tokens] int64; q [tokens, heads, head_dim], k [tokens, kv_heads, head_dim] (any
 // token and head strides, dims contiguous), rotated in place on their first rotary_dim dims;
 // cos, sin [table_len, >= rotary_dim] float32 with contiguous rows.
@@ -414,12 +483,15 @@ void store_kv(torch::Tensor key, torch::Tensor value, torch::Tensor kv_cache, to
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual add + RMSNorm (HF rounding)", py::arg("x"), py::arg("residual"),
         py::arg("weight"), py::arg("eps"));
+  m.def("gemma_rms_norm", &gemma_rms_norm, "residual add + Gemma's RMSNorm (a 1 + weight gain, rounded once)",
+        py::arg("x"), py::arg("residual"), py::arg("gain"), py::arg("eps"));
   m.def("rotary_inplace", &rotary_inplace, "rotate-half rotary embedding of q and k, in place");
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up of a fused gate_up projection");
   m.def("store_kv", &store_kv, "write K and V rows into their cache slots");
   m.def("entry_points", [] {
     py::dict d;
     d["add_rms_norm"] = entry_points::wrap<entry_points::AddRmsNorm>(&add_rms_norm, entry_points::kAddRmsNorm);
+    d["gemma_rms_norm"] = entry_points::wrap<entry_points::AddRmsNorm>(&gemma_rms_norm, entry_points::kGemmaRmsNorm);
     d["rotary_inplace"] = entry_points::wrap<entry_points::RotaryInplace>(&rotary_inplace,
                                                                           entry_points::kRotaryInplace);
     d["silu_mul"] = entry_points::wrap<entry_points::SiluMul>(&silu_mul, entry_points::kSiluMul);

@@ -34,6 +34,7 @@ using PagedDecode = torch::Tensor (*)(torch::Tensor query, torch::Tensor key_cac
 constexpr const char* kMatmulQ8 = "kvpilot.matmul_q8/1";
 constexpr const char* kMatmulQ8Interleaved = "kvpilot.matmul_q8_interleaved/2";
 constexpr const char* kAddRmsNorm = "kvpilot.add_rms_norm/1";
+constexpr const char* kGemmaRmsNorm = "kvpilot.gemma_rms_norm/1";   // an AddRmsNorm: the weight is `1 + w` in float32
 constexpr const char* kRotaryInplace = "kvpilot.rotary_inplace/1";
 constexpr const char* kSiluMul = "kvpilot.silu_mul/1";
 constexpr const char* kStoreKv = "kvpilot.store_kv/1";

@@ -9,9 +9,9 @@
 // entry_points.h, so each keeps its own compiler flags): the result is bit for bit the
 // Python path's. The GIL is released while it runs.
 //
-// Each layer has its options, as the model's layer has them: the norm form (Llama's, the
-// compiled op; Gemma's `(1 + w)` gain in float32, which the Python layer computes with torch
-// ops, called here as the same ATen ops), Gemma 3's sandwich norms (after attention and after
+// Each layer has its options, as the model's layer has them: the norm form (Llama's, or
+// Gemma's `(1 + w)` gain in float32: each its compiled op, as the layers' norms call them),
+// Gemma 3's sandwich norms (after attention and after
 // the MLP, before the residual add), the activation (SiLU * up through the compiled op; GELU
 // through ATen's, as the layer calls it), its sliding window, its rotary tables and its KV
 // cache group (a hybrid model's windowed layers have block tables of their own).
@@ -44,7 +44,7 @@ struct Linear {
 };
 
 // A norm's form: Llama's (cpu_layer_ops' add_rms_norm, rounded before the weight), or Gemma's
-// (GemmaRMSNorm: float32 times `1 + weight`, rounded once; torch ops in the Python layer).
+// (its gemma_rms_norm: float32 times `1 + weight`, rounded once).
 enum class NormForm { kLlama, kGemma };
 // The MLP's activation of [gate | up]: SiLU * up (cpu_layer_ops' silu_mul), or GELU (tanh or
 // exact) * up as torch computes it (layers/activation.py's ACTIVATIONS).
@@ -102,13 +102,6 @@ Activation parse_activation(const std::string& name) {
   TORCH_CHECK(false, "an activation is \"silu\", \"gelu_tanh\" or \"gelu\"; got \"", name, "\"");
 }
 
-// GemmaRMSNorm._norm (layers/norm.py), op for op: `gain` is its `1.0 + weight.float()`.
-torch::Tensor gemma_norm(const torch::Tensor& x, const torch::Tensor& gain, double eps) {
-  auto h = x.to(torch::kFloat);
-  h = h * torch::rsqrt(h.pow(2).mean({-1}, true) + eps);
-  return (h * gain).to(x.scalar_type());
-}
-
 }  // namespace
 
 class DecodeLayers {
@@ -123,6 +116,8 @@ class DecodeLayers {
     matmul_q8i_ = entry_points::unwrap<entry_points::MatmulQ8Interleaved>(ops["matmul_q8_interleaved"],
                                                                            entry_points::kMatmulQ8Interleaved);
     add_rms_norm_ = entry_points::unwrap<entry_points::AddRmsNorm>(ops["add_rms_norm"], entry_points::kAddRmsNorm);
+    gemma_rms_norm_ = entry_points::unwrap<entry_points::AddRmsNorm>(ops["gemma_rms_norm"],
+                                                                     entry_points::kGemmaRmsNorm);
     rotary_ = entry_points::unwrap<entry_points::RotaryInplace>(ops["rotary_inplace"], entry_points::kRotaryInplace);
     silu_mul_ = entry_points::unwrap<entry_points::SiluMul>(ops["silu_mul"], entry_points::kSiluMul);
     store_kv_ = entry_points::unwrap<entry_points::StoreKv>(ops["store_kv"], entry_points::kStoreKv);
@@ -246,16 +241,14 @@ class DecodeLayers {
   std::vector<torch::Tensor> norm(const Layer& L, const torch::Tensor& x, const c10::optional<torch::Tensor>& residual,
                                   const torch::Tensor& weight) const {
     if (L.norm_form == NormForm::kLlama) return add_rms_norm_(x, residual, weight, L.eps);
-    if (!residual) return {gemma_norm(x, weight, L.eps)};
-    auto summed = x + *residual;
-    return {gemma_norm(summed, weight, L.eps), summed};
+    return gemma_rms_norm_(x, residual, weight, L.eps);
   }
 
   // A per-head norm of q or k ([tokens, heads, head_dim], a view of the projection) as the
   // layer's norm module computes it: RMSNorm.forward's kernel on a flat copy, viewed back;
   // GemmaRMSNorm on the view itself.
   torch::Tensor head_norm(const Layer& L, const torch::Tensor& x, const torch::Tensor& weight) const {
-    if (L.norm_form == NormForm::kGemma) return gemma_norm(x, weight, L.eps);
+    if (L.norm_form == NormForm::kGemma) return gemma_rms_norm_(x, c10::nullopt, weight, L.eps)[0];
     return add_rms_norm_(x.reshape({-1, head_dim_}), c10::nullopt, weight, L.eps)[0].view(x.sizes());
   }
 
@@ -279,7 +272,7 @@ class DecodeLayers {
   std::vector<Layer> layers_;
   entry_points::MatmulQ8 matmul_q8_;
   entry_points::MatmulQ8Interleaved matmul_q8i_;
-  entry_points::AddRmsNorm add_rms_norm_;
+  entry_points::AddRmsNorm add_rms_norm_, gemma_rms_norm_;
   entry_points::RotaryInplace rotary_;
   entry_points::SiluMul silu_mul_;
   entry_points::StoreKv store_kv_;

@@ -7,8 +7,9 @@
 // for double). A work item is a sequence's every KV head where the batch has sequences
 // enough for every thread (a block's rows are then one contiguous run, asked of the memory
 // a block ahead in slices between the query heads), else one (sequence, KV head). Past
-// kChunk keys it is split into chunks that run in parallel (one long sequence would
-// otherwise keep one thread busy), each with its own softmax maximum and sum, merged by
+// 16384 key values (256 keys of a 64-wide head, 64 of a 256-wide one) it is split into
+// near-equal chunks that run in parallel (one long sequence would otherwise keep one
+// thread busy), each with its own softmax maximum and sum, merged by
 // rescaling to the overall maximum. A (sequence, KV head)'s arithmetic, and so its bits,
 // never depend on the batch, the work items or the threads.
 
@@ -56,9 +57,17 @@ acc_t dot(const acc_t* q, const scalar_t* k, int64_t n) {
 
 using vec_lanes::load_lanes;
 using vec_lanes::VecF;
-// Keys per work item past which a (sequence, KV head) is split into chunks: a function of
-// the sequence's length only, so a row's result never depends on its batch or the threads.
-constexpr int64_t kChunk = 256;
+// Key values (keys x head_dim) per work item past which a (sequence, KV head) is split into
+// chunks of near-equal keys: 256 keys of 64-wide heads, 64 of 256-wide ones. The chunks are
+// a function of the sequence's length and the head width only, so a row's result never
+// depends on its batch or the threads.
+constexpr int64_t kChunkValues = 256 * 64;
+
+// The chunks of `count` keys: chunk c is keys [count * c / chunks, count * (c + 1) / chunks).
+inline int64_t num_chunks(int64_t count, int64_t head_dim) {
+  const int64_t most = std::max<int64_t>(16, kChunkValues / head_dim);
+  return (count + most - 1) / most;
+}
 
 struct Item {
   int64_t seq, kv_head;             // KV heads kv_head .. kv_head + heads_per_item - 1
@@ -108,8 +117,11 @@ inline void store_sums(const VecF* sums, float* out) {
 // The scalar types the vector path reads (float16 and double take the generic loop).
 template <typename scalar_t>
 constexpr bool kVectorType = std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>;
-// The widest head the vector path holds in registers (head_dim / kLanes vectors per row).
-constexpr int64_t kMaxHeadVectors = 16;
+// The widest head the vector path takes, in vectors (head_dim / kLanes per row): 256 values
+// (Gemma's heads) with AVX2's 8 lanes. Up to 16 stay in registers; wider rows spill a
+// query's or an output's vectors to the stack, which still beats the generic loop (its
+// scores are per-row horizontal sums, its query re-read per key).
+constexpr int64_t kMaxHeadVectors = 32;
 
 // Blocks ahead whose rows a pass asks the memory for before it reads them: in a decode step
 // the cache is cold (the layer's weights streamed through since this layer last ran), and
@@ -140,7 +152,7 @@ inline VecF fma_lanes(VecF a, VecF b, VecF c) {
 }
 
 // fn(std::integral_constant<int64_t, W>) with W = nvec where it is a common head width in
-// vectors (64 or 128 values, with AVX2 or AVX-512), else W = 0 (the width at run time): a
+// vectors (64, 128 or 256 values, with AVX2 or AVX-512), else W = 0 (the width at run time): a
 // known width unrolls a row's loops and keeps its vectors in registers.
 template <typename Fn>
 inline void with_head_vectors(int64_t nvec, Fn fn) {
@@ -148,6 +160,7 @@ inline void with_head_vectors(int64_t nvec, Fn fn) {
   switch (nvec * kLanes) {
     case 64: return fn(std::integral_constant<int64_t, 64 / kLanes>{});
     case 128: return fn(std::integral_constant<int64_t, 128 / kLanes>{});
+    case 256: return fn(std::integral_constant<int64_t, 256 / kLanes>{});
     default: return fn(std::integral_constant<int64_t, 0>{});
   }
 #else
@@ -266,7 +279,7 @@ void decode_rows(const torch::Tensor& query, const torch::Tensor& key_cache,
     }
   }
 
-  // Work items: a sequence's visible keys, or past kChunk keys one chunk of them (the chunks
+  // Work items: a sequence's visible keys, or past kChunkValues one chunk of them (the chunks
   // merged after), over every KV head where the batch has sequences enough to keep each
   // thread busy (a block's rows are then one contiguous run), else over one KV head each.
   // A (sequence, KV head)'s arithmetic is the same either way.
@@ -277,16 +290,16 @@ void decode_rows(const torch::Tensor& query, const torch::Tensor& key_cache,
   for (int64_t seq = 0; seq < num_seqs; ++seq) {
     const int64_t len = lens[seq];
     const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
-    if (len - first <= kChunk) {
+    const int64_t count = len - first, chunks = num_chunks(count, head_dim);
+    if (chunks == 1) {
       for (int64_t h = 0; h < num_kv_heads; h += heads_per_item) items.push_back({seq, h, first, len, -1});
       continue;
     }
-    const int64_t chunks = (len - first + kChunk - 1) / kChunk;
     for (int64_t h = 0; h < num_kv_heads; ++h) splits.push_back({seq, h, num_parts + h, num_kv_heads, chunks});
     for (int64_t c = 0; c < chunks; ++c) {
-      const int64_t lo = first + c * kChunk;
+      const int64_t lo = first + count * c / chunks, hi = first + count * (c + 1) / chunks;
       for (int64_t h = 0; h < num_kv_heads; h += heads_per_item)
-        items.push_back({seq, h, lo, std::min(len, lo + kChunk), num_parts + c * num_kv_heads + h});
+        items.push_back({seq, h, lo, hi, num_parts + c * num_kv_heads + h});
     }
     num_parts += chunks * num_kv_heads;
   }

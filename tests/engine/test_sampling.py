@@ -193,3 +193,20 @@ def test_mixed_parameters_in_one_batch_match_each_request_alone(llm):
                 assert got.keys() == ref.keys()
                 assert all(got[t].logprob == pytest.approx(ref[t].logprob, abs=1e-4)
                            and got[t].rank == ref[t].rank for t in got)
+
+
+def test_greedy_tokens_are_torchs_argmax():
+    """NumPy's argmax on CPU float32 logits picks torch's index: the first of equal maxima,
+    the first NaN, the first +inf; other dtypes and layouts take torch's own."""
+    from kvpilot.engine.model.sampler import greedy_tokens
+
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 262144, generator=gen)
+    logits[1, [10, 20]] = float("nan")
+    logits[2] = 3.0
+    logits[3, [7, 9]] = float("inf")
+    logits[4, [5, 50]] = logits[4].max() + 1
+    logits[5] = float("-inf")
+    for x in (logits, logits[:, ::2], logits.to(torch.bfloat16)):
+        got = greedy_tokens(x)
+        assert got.dtype == torch.int64 and torch.equal(got, x.argmax(dim=-1)), (got, x.argmax(dim=-1))

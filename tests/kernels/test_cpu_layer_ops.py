@@ -1,9 +1,9 @@
 """The fused C++ CPU layer ops against their pure-torch references (the torch code they replace).
 
 Oracles: ``*_ref`` in ``kvpilot.kernels.cpu_layer_ops`` (the layers' own torch code), HF
-transformers' ``Qwen3RMSNorm`` and ``apply_rotary_pos_emb``, and the engine's
-``RotaryEmbedding`` torch path. The ops round where torch rounds and the norm sums in torch's
-order, so the norm and rotary are bit-identical to the torch code in every dtype; SiLU's
+transformers' ``Qwen3RMSNorm``, ``Gemma3RMSNorm`` and ``apply_rotary_pos_emb``, and the
+engine's ``RotaryEmbedding`` torch path. The ops round where torch rounds and the norms sum in
+torch's order, so the norms and rotary are bit-identical to the torch code in every dtype; SiLU's
 exp is another polynomial, so its results are within an ulp (a few 16-bit elements round
 the other way). Odd shapes on purpose: hidden sizes that are no multiple of 8, strided
 rows (views of a fused projection), token counts of 1 and primes, partial rotary.
@@ -82,6 +82,68 @@ def test_add_rms_norm_rejects_bad_arguments():
         ops.add_rms_norm(torch.randn(8, 3).t(), torch.ones(8), 1e-6)
     with pytest.raises(ValueError, match="CPU tensor"):
         ops.add_rms_norm(x.double(), torch.ones(8, dtype=torch.float64), 1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "hidden"), [(1, 640), (7, 577), (13, 64), (40, 1000)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_gemma_rms_norm_matches_the_torch_code(dtype, rows, hidden, with_residual):
+    gen = torch.Generator().manual_seed(rows * hidden + 1)
+    x = ((torch.randn(rows, hidden + 5, generator=gen) * 3).to(dtype))[:, :hidden]
+    residual = torch.randn(rows, hidden, generator=gen).to(dtype) if with_residual else None
+    gain = 1.0 + (0.3 * torch.randn(hidden, generator=gen)).to(dtype).float()
+    x_in = x.clone()
+    got = ops.gemma_rms_norm(x, gain, 1e-6, residual)
+    want = ops.gemma_rms_norm_ref(x, gain, 1e-6, residual)
+    if with_residual:
+        assert torch.equal(got[1], want[1]), "the new residual is the plain sum"
+        got, want = got[0], want[0]
+    # rounded once, after the gain, and summed in torch's order: the same bits in every dtype
+    assert torch.equal(got, want), (got.float() - want.float()).abs().max()
+    assert torch.equal(x, x_in), "inputs are left unchanged"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("tokens", "heads", "head_dim"), [(1, 4, 256), (5, 8, 128), (3, 2, 72)])
+def test_gemma_rms_norm_of_heads_in_a_fused_projection(dtype, tokens, heads, head_dim):
+    """q and k norms run on views of the qkv projection ([tokens, heads, head_dim], rows at
+    a stride): the same bits as the torch code on the view."""
+    gen = torch.Generator().manual_seed(tokens * heads)
+    qkv = (torch.randn(tokens, 2 * heads + 2, head_dim, generator=gen) * 2).to(dtype)
+    gain = 1.0 + 0.3 * torch.randn(head_dim, generator=gen)
+    for view in (qkv.narrow(1, 0, heads), qkv.narrow(1, heads, 1), qkv.narrow(1, 2 * heads, 2)):
+        got = ops.gemma_rms_norm(view, gain, 1e-6)
+        assert got.shape == view.shape and got.is_contiguous()
+        assert torch.equal(got, ops.gemma_rms_norm_ref(view, gain, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemma_rms_norm_matches_hf(dtype):
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    gen = torch.Generator().manual_seed(2)
+    x = (torch.randn(5, 640, generator=gen) * 2).to(dtype)
+    norm = Gemma3RMSNorm(640, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(0.3 * torch.randn(640, generator=gen))
+        want = norm(x)
+    assert torch.equal(ops.gemma_rms_norm(x, 1.0 + norm.weight.float(), 1e-6), want)
+
+
+def test_gemma_rms_norm_rejects_bad_arguments():
+    x = torch.randn(3, 8)
+    with pytest.raises(RuntimeError, match="gain must be"):
+        ops.gemma_rms_norm(x, torch.ones(7), 1e-6)
+    with pytest.raises(RuntimeError, match="gain must be"):
+        ops.gemma_rms_norm(x, torch.ones(8, dtype=torch.bfloat16), 1e-6)
+    with pytest.raises(RuntimeError, match="residual must be"):
+        ops.gemma_rms_norm(x, torch.ones(8), 1e-6, torch.randn(2, 8))
+    with pytest.raises(RuntimeError, match="a residual needs a 2-D x"):
+        ops.gemma_rms_norm(x[None], torch.ones(8), 1e-6, x[None])
+    with pytest.raises(RuntimeError, match="contiguous last dim"):
+        ops.gemma_rms_norm(torch.randn(8, 3).t(), torch.ones(8), 1e-6)
+    with pytest.raises(ValueError, match="CPU tensor"):
+        ops.gemma_rms_norm(x.double(), torch.ones(8), 1e-6)
 
 
 def _rope(rope: RopeConfig, head_dim: int) -> RotaryEmbedding:
@@ -193,8 +255,9 @@ def test_store_kv_rejects_bad_arguments():
 
 
 def test_the_model_uses_the_ops_on_cpu_and_keeps_torch_elsewhere():
-    """``use_cpu_layer_ops`` swaps RMSNorm, rotary and SiLU * up; Gemma's norms, other
-    activations and dtypes the ops do not take keep their torch code."""
+    """``use_cpu_layer_ops`` swaps RMSNorm, Gemma's, rotary and SiLU * up, each for an op
+    that gives the same bits; other activations and dtypes the ops do not take keep their
+    torch code."""
     from kvpilot.engine.model.layers.norm import GemmaRMSNorm, RMSNorm
     from kvpilot.engine.model.models.llama import MLP
 
@@ -206,5 +269,12 @@ def test_the_model_uses_the_ops_on_cpu_and_keeps_torch_elsewhere():
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert torch.equal(norm(x[None]), want_3d := RMSNorm(16, 1e-6)(x[None]))   # 3-D: reshaped
     assert want_3d.shape == (1, 3, 16)
-    assert not hasattr(gemma, "_kernel")
+    with torch.no_grad():
+        gemma.weight.normal_(0, 0.3)
+    heads = torch.randn(3, 6, 16)[:, 1:5]   # a view of a fused projection's heads
+    want_gemma = gemma(x, r), gemma(heads)
+    gemma.use_kernel(ops.gemma_rms_norm)
+    got_gemma = gemma(x, r), gemma(heads)
+    assert torch.equal(got_gemma[0][0], want_gemma[0][0]) and torch.equal(got_gemma[0][1], want_gemma[0][1])
+    assert torch.equal(got_gemma[1], want_gemma[1])
     assert hasattr(MLP, "use_act_mul")

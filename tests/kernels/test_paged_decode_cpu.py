@@ -2,7 +2,7 @@
 
 Decode rows (one query per sequence) of lengths 1 to 700, none a block multiple, over
 shuffled block tables with NaN in every unused cache slot (the kernel must never read
-one); head sizes 16/64/80/96/128, MHA, GQA 2/3/4 and MQA; fp32/fp16/bf16 against
+one); head sizes 16/40/64/80/96/128/256, MHA, GQA 2/3/4 and MQA; fp32/fp16/bf16 against
 ``unified_attention_ref`` (fp32 on the same cache) within the shared tolerances, and
 fp64 against the torch path; sliding windows shorter and longer than a sequence; the
 engine's torch backend routing its decode rows and its short multi-token rows (a
@@ -64,6 +64,8 @@ def _windowed_ref(batch, window):
     (torch.float32, 6, 2, 96, 32),     # GQA 3
     (torch.bfloat16, 4, 1, 96, 16),    # MQA
     (torch.bfloat16, 4, 2, 40, 16),    # a head that is not a whole number of 16-lane vectors
+    (torch.float32, 4, 1, 256, 16),    # Gemma 3's heads: 32 vectors of 8 lanes, 64-key chunks
+    (torch.bfloat16, 8, 2, 256, 16),
 ])
 def test_decode_rows_match_the_dense_reference(dtype, num_heads, num_kv_heads, head_dim, block_size):
     batch = stored(make_paged_batch(DECODE, num_heads=num_heads, num_kv_heads=num_kv_heads,
@@ -72,13 +74,14 @@ def test_decode_rows_match_the_dense_reference(dtype, num_heads, num_kv_heads, h
     assert_attention_close(_kernel(batch), attend(batch, unified_attention_ref), dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_a_rows_result_depends_on_neither_its_batch_nor_the_threads(dtype):
+@pytest.mark.parametrize(("dtype", "head_dim"), [(torch.bfloat16, 64), (torch.float32, 64), (torch.float32, 256)])
+def test_a_rows_result_depends_on_neither_its_batch_nor_the_threads(dtype, head_dim):
     """Long rows are split into chunks that run in parallel and are merged: the chunks
-    follow the row's length only, so a row alone, in a batch, on one or two threads, gives
-    the same bits (speculative verification relies on it: its rows equal decode rows). A
-    batch of nine takes every KV head of a sequence per work item, a row alone one KV head."""
-    batch = stored(make_paged_batch(DECODE, num_heads=6, num_kv_heads=2, head_dim=64, block_size=16,
+    follow the row's length and the head width only, so a row alone, in a batch, on one or
+    two threads, gives the same bits (speculative verification relies on it: its rows equal
+    decode rows). A batch of nine takes every KV head of a sequence per work item, a row
+    alone one KV head."""
+    batch = stored(make_paged_batch(DECODE, num_heads=6, num_kv_heads=2, head_dim=head_dim, block_size=16,
                                      dtype=dtype, num_padding_tokens=0))
     m = batch.metadata
     threads = torch.get_num_threads()

@@ -58,17 +58,32 @@ class GemmaRMSNorm(nn.Module):
     transformers' Gemma 3 computes it. The weight is stored as the checkpoint has it
     (zero-centred). ``forward(x, residual)`` adds the residual first, as ``RMSNorm`` does.
 
-    Always torch ops: the Triton RMSNorm kernel has Llama's rounding, so
-    ``use_triton_kernels`` leaves these norms alone.
+    On CPU ``use_kernel`` puts the compiled op (``cpu_layer_ops.gemma_rms_norm``: the same
+    roundings and torch's order of the sum, so the same bits) in place of the torch ops,
+    which are about ten dispatches a call and six calls a layer. The Triton RMSNorm kernel
+    has Llama's rounding, so ``use_triton_kernels`` leaves these norms alone.
     """
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(hidden_size))
         self.eps = eps
+        self._kernel: Callable | None = None
+        self._gain: torch.Tensor | None = None   # the kernel's float32 1 + weight
+
+    def use_kernel(self, kernel: Callable) -> None:
+        """Run ``kernel`` (``kvpilot.kernels.cpu_layer_ops.gemma_rms_norm``) instead of torch
+        ops, with the weight as it is now (call it once the weights are loaded, as
+        ``prepare_for_device`` does)."""
+        with torch.no_grad():
+            self._gain = 1.0 + self.weight.float()
+        self._kernel = kernel
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """``norm(x)``, or with ``residual``: ``(norm(x + residual), x + residual)``."""
+        if self._kernel is not None and x.stride(-1) == 1 and (
+                x.dim() == 2 and (residual is None or residual.stride(-1) == 1) or x.dim() == 3 and residual is None):
+            return self._kernel(x, self._gain, self.eps, residual)
         if residual is not None:
             x = x + residual
             return self._norm(x), x

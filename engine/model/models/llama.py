@@ -35,7 +35,7 @@ from kvpilot.engine.model.attention.torch_backend import FP8_DTYPES
 from kvpilot.engine.model.fused_decode import build_fused_decode
 from kvpilot.engine.model.layers.activation import ACTIVATIONS
 from kvpilot.engine.model.layers.gguf_linear import float_activations, gguf_linear
-from kvpilot.engine.model.layers.norm import RMSNorm
+from kvpilot.engine.model.layers.norm import GemmaRMSNorm, RMSNorm
 from kvpilot.engine.model.layers.packed_linear import can_pack, pack, packed_linear
 from kvpilot.engine.model.layers.rotary import RotaryEmbedding
 from kvpilot.engine.model.parallel.group import TPGroup
@@ -253,10 +253,10 @@ class LlamaForCausalLM(nn.Module):
                 module.use_kernel(rotary_embedding)
 
     def use_cpu_layer_ops(self, dtype: torch.dtype) -> bool:
-        """RMSNorm (+ residual add), rotary and SiLU * up through the fused C++ CPU ops
-        (``kvpilot.kernels.cpu_layer_ops``) for activations of ``dtype``; False, with the
-        torch ops kept, where those ops cannot be built or do not take ``dtype``. Gemma's
-        norms (``GemmaRMSNorm``) and other activations keep their torch code."""
+        """RMSNorm and Gemma's (+ residual add), rotary and SiLU * up through the fused C++
+        CPU ops (``kvpilot.kernels.cpu_layer_ops``) for activations of ``dtype``; False, with
+        the torch ops kept, where those ops cannot be built or do not take ``dtype``. Other
+        activations (GELU) keep their torch code."""
         from kvpilot.kernels import cpu_layer_ops
 
         if dtype not in cpu_layer_ops.DTYPES or cpu_layer_ops.load() is None:
@@ -265,6 +265,9 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, RMSNorm):
                 if module.weight.dtype == dtype and module.weight.device.type == "cpu":
                     module.use_kernel(cpu_layer_ops.add_rms_norm)
+            elif isinstance(module, GemmaRMSNorm):
+                if module.weight.device.type == "cpu":
+                    module.use_kernel(cpu_layer_ops.gemma_rms_norm)
             elif isinstance(module, RotaryEmbedding):
                 module.use_kernel(cpu_layer_ops.rotary_inplace)
             elif isinstance(module, MLP) and module.act is F.silu:
