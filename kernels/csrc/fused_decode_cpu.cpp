@@ -11,10 +11,10 @@
 //
 // Each layer has its options, as the model's layer has them: the norm form (Llama's, or
 // Gemma's `(1 + w)` gain in float32: each its compiled op, as the layers' norms call them),
-// Gemma 3's sandwich norms (after attention and after
-// the MLP, before the residual add), the activation (SiLU * up through the compiled op; GELU
-// through ATen's, as the layer calls it), its sliding window, its rotary tables and its KV
-// cache group (a hybrid model's windowed layers have block tables of their own).
+// Gemma 3's sandwich norms (after attention and after the MLP, before the residual add),
+// the activation (SiLU * up through the compiled op; GELU through ATen's, as the layer
+// calls it), its sliding window, its rotary tables and its KV cache group (a hybrid model's
+// windowed layers have block tables of their own).
 //
 // What it takes (the caller, engine/model/fused_decode.py, checks the step is one): at most
 // a few tokens, each attended as a decode row (its sequence's block table, the length up to
