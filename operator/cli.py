@@ -71,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
 
     import kopf
 
+    from kvpilot.operator import event_loop
     from kvpilot.operator.main import build_registry
 
     logging.getLogger(__name__).info(
@@ -78,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         "the whole cluster" if settings.clusterwide else ", ".join(settings.namespaces),
         settings.engine_image, settings.resync_seconds,
         f"peering {settings.peering!r}" if settings.peering else "standalone")
-    kopf.run(
+    event_loop.run(kopf.operator(
         registry=build_registry(settings),
         clusterwide=settings.clusterwide,
         namespaces=list(settings.namespaces),
@@ -86,5 +87,5 @@ def run(args: argparse.Namespace) -> int:
         peering_name=settings.peering,
         liveness_endpoint=settings.liveness_endpoint,
         memo=kopf.Memo(config=settings),
-    )
+    ))
     return 0

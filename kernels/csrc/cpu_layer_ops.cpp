@@ -1,6 +1,7 @@
 // Fused per-layer CPU ops of a decoder layer: residual add + RMSNorm (Llama's and Gemma's),
-// rotary embedding in place on q and k, SiLU(gate) * up, and the KV-cache store. Each replaces several torch
-// ops whose dispatch, not their arithmetic, is most of a single-stream decode step.
+// rotary embedding in place on q and k, SiLU(gate) * up, and the KV-cache store. Each
+// replaces several torch ops whose dispatch, not their arithmetic, is most of a
+// single-stream decode step.
 //
 // NUMERICS: each op rounds where the torch code it replaces (HF transformers' arithmetic)
 // rounds, so results agree with it to the last bit (SiLU's exp: to an ulp):

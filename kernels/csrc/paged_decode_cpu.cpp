@@ -9,8 +9,8 @@
 // a block ahead in slices between the query heads), else one (sequence, KV head). Past
 // 16384 key values (256 keys of a 64-wide head, 64 of a 256-wide one) it is split into
 // near-equal chunks that run in parallel (one long sequence would otherwise keep one
-// thread busy), each with its own softmax maximum and sum, merged by
-// rescaling to the overall maximum. A (sequence, KV head)'s arithmetic, and so its bits,
+// thread busy), each with its own softmax maximum and sum, merged by rescaling to the
+// overall maximum. A (sequence, KV head)'s arithmetic, and so its bits,
 // never depend on the batch, the work items or the threads.
 
 #include <torch/extension.h>

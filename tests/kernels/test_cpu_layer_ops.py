@@ -273,8 +273,15 @@ def test_the_model_uses_the_ops_on_cpu_and_keeps_torch_elsewhere():
         gemma.weight.normal_(0, 0.3)
     heads = torch.randn(3, 6, 16)[:, 1:5]   # a view of a fused projection's heads
     want_gemma = gemma(x, r), gemma(heads)
-    gemma.use_kernel(ops.gemma_rms_norm)
+    calls = []
+
+    def counted(*args):
+        calls.append(args[0].shape)
+        return ops.gemma_rms_norm(*args)
+
+    gemma.use_kernel(counted)
     got_gemma = gemma(x, r), gemma(heads)
+    assert calls == [x.shape, heads.shape], "both calls took the op (the residual add, a strided 3-D view)"
     assert torch.equal(got_gemma[0][0], want_gemma[0][0]) and torch.equal(got_gemma[0][1], want_gemma[0][1])
     assert torch.equal(got_gemma[1], want_gemma[1])
     assert hasattr(MLP, "use_act_mul")
