@@ -10,9 +10,11 @@ import logging
 from kvpilot.operator import event_loop
 
 
+# Stand-ins named as kopf's: a context that yields again when closed, as its
+# streaming_block can at shutdown, and the watch stream suspended inside it. asyncio closes
+# the two generators in no fixed order, so either may be the one that reports.
 @contextlib.asynccontextmanager
-async def _stubborn_block():
-    """A context that yields again when closed, as kopf's ``streaming_block`` can at shutdown."""
+async def streaming_block():
     try:
         yield
     except GeneratorExit:
@@ -20,12 +22,20 @@ async def _stubborn_block():
 
 
 async def infinite_watch():
-    async with _stubborn_block():
+    async with streaming_block():
         yield "event"
 
 
+@contextlib.asynccontextmanager
+async def other_block():
+    try:
+        yield
+    except GeneratorExit:
+        yield
+
+
 async def other_stream():
-    async with _stubborn_block():
+    async with other_block():
         yield "event"
 
 
