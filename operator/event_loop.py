@@ -7,10 +7,9 @@ the operator stops; closing it then raises ``RuntimeError("generator didn't stop
 athrow()")`` from that context manager (or, where asyncio closes the context's own
 generator first, ``RuntimeError("async generator ignored GeneratorExit")`` from it), and
 asyncio logs it at ERROR with a traceback (seen with kopf 1.45 when a stop met a watch
-mid-event). The operator has already
-finished by then, and nothing is lost: the stream's connection goes with the loop. That
-one message goes to DEBUG; every other exception the loop reports keeps asyncio's
-default handling.
+mid-event). The operator has already finished by then, and nothing is lost: the stream's
+connection goes with the loop. That one message goes to DEBUG; every other exception the
+loop reports keeps asyncio's default handling.
 """
 
 from __future__ import annotations
