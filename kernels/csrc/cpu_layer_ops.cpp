@@ -316,6 +316,21 @@ void check_float_dtype(const torch::Tensor& t, const char* name) {
               " must be float32, bfloat16 or float16; got ", dt);
 }
 
+// A norm's outputs: {out} or, with a residual (checked: a CPU tensor like x, rows
+// contiguous), {out, x + residual}, new tensors of x's shape.
+std::vector<torch::Tensor> norm_outputs(const torch::Tensor& x, const c10::optional<torch::Tensor>& residual) {
+  std::vector<torch::Tensor> result{torch::empty(x.sizes(), x.options())};
+  if (residual.has_value()) {
+    const auto& r = *residual;
+    TORCH_CHECK(r.device().is_cpu() && r.scalar_type() == x.scalar_type() && r.sizes() == x.sizes() &&
+                    r.stride(-1) == 1,
+                "residual must be a CPU tensor like x ", x.sizes(), " ", x.scalar_type(), "; got ", r.sizes(),
+                " ", r.scalar_type());
+    result.push_back(torch::empty(x.sizes(), x.options()));
+  }
+  return result;
+}
+
 }  // namespace
 
 // x [rows, hidden] (rows may be strided, dims contiguous), weight [hidden] of x's dtype,
@@ -330,20 +345,9 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Te
                   weight.scalar_type() == x.scalar_type() && weight.device().is_cpu(),
               "weight must be a contiguous CPU [", x.size(1), "] of x's dtype ", x.scalar_type(), "; got ",
               weight.scalar_type(), " ", weight.sizes());
-  if (residual.has_value()) {
-    const auto& r = *residual;
-    TORCH_CHECK(r.device().is_cpu() && r.scalar_type() == x.scalar_type() && r.sizes() == x.sizes() &&
-                    r.stride(1) == 1,
-                "residual must be a CPU tensor like x ", x.sizes(), " ", x.scalar_type(), "; got ", r.sizes(),
-                " ", r.scalar_type());
-  }
-  auto out = torch::empty(x.sizes(), x.options());
-  std::vector<torch::Tensor> result{out};
-  torch::Tensor summed;
-  if (residual.has_value()) {
-    summed = torch::empty(x.sizes(), x.options());
-    result.push_back(summed);
-  }
+  auto result = norm_outputs(x, residual);
+  torch::Tensor out = result[0];
+  torch::Tensor summed = residual.has_value() ? result[1] : torch::Tensor();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "add_rms_norm", [&] {
     add_rms_norm_rows<scalar_t>(x, residual.has_value() ? &*residual : nullptr, weight, eps, out,
                                 residual.has_value() ? &summed : nullptr);
@@ -367,21 +371,10 @@ std::vector<torch::Tensor> gemma_rms_norm(torch::Tensor x, c10::optional<torch::
                   gain.scalar_type() == at::kFloat && gain.device().is_cpu(),
               "gain must be a contiguous float32 CPU [", dim, "] (1 + weight); got ", gain.scalar_type(), " ",
               gain.sizes());
-  if (residual.has_value()) {
-    const auto& r = *residual;
-    TORCH_CHECK(x.dim() == 2, "a residual needs a 2-D x; got ", x.sizes());
-    TORCH_CHECK(r.device().is_cpu() && r.scalar_type() == x.scalar_type() && r.sizes() == x.sizes() &&
-                    r.stride(1) == 1,
-                "residual must be a CPU tensor like x ", x.sizes(), " ", x.scalar_type(), "; got ", r.sizes(),
-                " ", r.scalar_type());
-  }
-  auto out = torch::empty(x.sizes(), x.options());
-  std::vector<torch::Tensor> result{out};
-  torch::Tensor summed;
-  if (residual.has_value()) {
-    summed = torch::empty(x.sizes(), x.options());
-    result.push_back(summed);
-  }
+  TORCH_CHECK(!residual.has_value() || x.dim() == 2, "a residual needs a 2-D x; got ", x.sizes());
+  auto result = norm_outputs(x, residual);
+  torch::Tensor out = result[0];
+  torch::Tensor summed = residual.has_value() ? result[1] : torch::Tensor();
   const int64_t heads = x.dim() == 3 ? x.size(1) : 1, rows = x.numel() / std::max<int64_t>(dim, 1);
   const int64_t s0 = x.stride(0), s1 = x.dim() == 3 ? x.stride(1) : 0;
   auto offset = [heads, s0, s1](int64_t row) { return (row / heads) * s0 + (row % heads) * s1; };
