@@ -17,13 +17,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvpilot.contract.constants import MODEL_DTYPE_BYTES
-from kvpilot.contract.kv_layout import HybridKVLayout, KVLayout
-from kvpilot.contract.step_cost import StepCostModel
+from kvpilot.engine import kv_side
 from kvpilot.engine.config import SchedulerConfig
 from kvpilot.engine.core.block_hash import root_hash
-from kvpilot.engine.core.hybrid_kv_cache_manager import HybridKVCacheManager
-from kvpilot.engine.core.kv_cache_manager import KVCacheManager
 from kvpilot.engine.core.kv_residency import KVResidencySampler
 from kvpilot.engine.core.request import Request, RequestStatus
 from kvpilot.engine.core.scheduler import Scheduler
@@ -32,7 +28,6 @@ from kvpilot.engine.exceptions import EngineDeadError
 from kvpilot.engine.kv_cache_setup import (
     allocate_kv_cache,
     kv_layout,
-    release_window,
     size_kv_cache,
 )
 from kvpilot.engine.kv_events import start_kv_events
@@ -45,7 +40,7 @@ from kvpilot.engine.model.runner import ModelRunner
 from kvpilot.engine.output_processor import OutputProcessor
 from kvpilot.engine.outputs import RequestOutput
 from kvpilot.engine.sampling_params import SamplingParams
-from kvpilot.engine.stats import EngineStats, StepStats
+from kvpilot.engine.stats import EngineStats, OptionalParts, StepStats, engine_stats, lora_stats
 from kvpilot.engine.structured_output import StructuredOutputManager
 from kvpilot.engine.structured_output.cpu_share import StepThreadShare
 from kvpilot.engine.text.tokenizer import Tokenizer
@@ -140,31 +135,21 @@ class LLMEngine:
         hash_root = root_hash(cache_config.prefix_caching_hash_seed,
                               f"{model_fingerprint(model_config.model)}|{self.cache_info.kv_cache_dtype}"
                               f"|{layout.block_size}")
-        self.kv_offload = self._create_offload(offload_config, layout, hash_root)
-        self._hash_root = hash_root
+        self.kv_offload = kv_side.create_offload(offload_config, self.runner.kv_caches, layout, hash_root)
         self._residency = (KVResidencySampler(args.kv_cache_metrics_sample, seed=args.seed)
                            if args.kv_cache_metrics else None)
-        if isinstance(layout, HybridKVLayout):
-            if self.kv_offload is not None:   # EngineArgs refuses it first; never silently wrong
-                raise ValueError("KV offload is not implemented for hybrid sliding-window models")
-            self._token_reuse(None, hybrid=True)   # only to say why it is off
-            self.kv_cache_manager = HybridKVCacheManager(
-                num_blocks, layout.num_sliding_blocks(num_blocks), layout.block_size,
-                cache_config.enable_prefix_caching, hash_root, layout.sliding_window,
-                residency=self._residency)
-        else:
-            window = release_window(model_config)
-            self.kv_cache_manager = KVCacheManager(
-                num_blocks, layout.block_size, cache_config.enable_prefix_caching, hash_root,
-                record_evictions=self.kv_offload is not None, residency=self._residency,
-                release_window=window, token_reuse=self._token_reuse(window),
-                explain_misses=args.explain_prefix_misses,
-                recompute_last_hit_block=self.speculative_config is not None and self.speculative_config.is_eagle)
-            explainer = self.kv_cache_manager.explainer
-            if explainer is not None and self.kv_offload is not None:
-                self.kv_offload.set_eviction_hook(explainer.on_offload_evict)
-        self.kv_connector = self._create_connector(layout)
-        connector, spec = self.kv_connector, self.speculative_config
+        spec = self.speculative_config
+        self.kv_cache_manager = kv_side.build_kv_cache_manager(
+            layout, num_blocks, model_config, kv_side.ManagerOptions(
+                prefix_caching=cache_config.enable_prefix_caching, hash_root=hash_root,
+                token_granular_reuse=args.token_granular_reuse, explain_misses=args.explain_prefix_misses,
+                split_over_ranks=workers is not None, draft_keeps_kv=spec is not None and spec.uses_model,
+                recompute_last_hit_block=spec is not None and spec.is_eagle),
+            self.kv_offload, self._residency)
+        self.kv_connector = kv_side.create_connector(
+            self.kv_offload, self.kv_transfer_config, self.runner.kv_caches, self.kv_cache_manager, layout,
+            hash_root, self.parallel_config, self.cache_info)
+        connector = self.kv_connector
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager,
                                    connector=connector.scheduler if connector is not None else None,
                                    load_failure_policy=connector.load_failure_policy if connector else "recompute",
@@ -183,36 +168,9 @@ class LLMEngine:
                                                 scheduler_config.stream_interval)
         self._num_steps = 0
         self._iteration_tokens: list[int] = []
-        self._cost_model = self._make_cost_model(layout) if args.enable_mfu_metrics else None
+        self._cost_model = (kv_side.step_cost_model(model_config, self.parallel_config, layout)
+                            if args.enable_mfu_metrics else None)
         self._estimated = [0, 0, 0]   # flops, read bytes, write bytes (per GPU, cumulative)
-
-    def _token_reuse(self, window: int | None, hybrid: bool = False) -> bool:
-        """Whether token-granular reuse can run here (asked for, and it can hold): the copy
-        is made on this rank's cache alone, in one table, and a release window may free its
-        sources."""
-        if not self.args.token_granular_reuse:
-            return False
-        why = ("prefix caching is off" if not self.cache_config.enable_prefix_caching else
-               "the KV cache is split over ranks (tensor / pipeline parallel)" if self.workers is not None else
-               "a hybrid model keeps two block tables (full and sliding-window layers)" if hybrid else
-               "the model's layers all slide (blocks released outside the window)" if window is not None else
-               "a draft model or EAGLE head keeps its own KV beside the target's" if self.speculative_config is not None and self.speculative_config.uses_model else
-               None)
-        if why is not None:
-            logger.warning("token-granular reuse is off: %s", why)
-        return why is None
-
-    def _make_cost_model(self, layout: KVLayout) -> StepCostModel:
-        arch, tp = self.model_config.arch, self.parallel_config.tensor_parallel_size
-        return StepCostModel(
-            num_layers=arch.num_hidden_layers, hidden_size=arch.hidden_size,
-            intermediate_size=arch.intermediate_size, num_heads=arch.num_attention_heads,
-            num_kv_heads=arch.num_key_value_heads, head_dim=arch.head_dim,
-            vocab_size=arch.vocab_size,
-            # FP8 checkpoints read their (dominant) linear weights at one byte each
-            weight_bytes=1 if arch.quantization is not None else MODEL_DTYPE_BYTES[self.model_config.dtype],
-            kv_bytes_per_token=layout.bytes_per_token * tp, tensor_parallel_size=tp,
-            num_sliding_layers=len(arch.sliding_window_layers), sliding_window=arch.sliding_window)
 
     # ---- start-up steps -----------------------------------------------------
     def _start_workers(self) -> WorkerGroup | None:
@@ -243,29 +201,6 @@ class LLMEngine:
     def list_loras(self) -> list:
         """The loaded adapters (``registry.AdapterInfo``)."""
         return [] if self.lora is None else self.lora.adapters()
-
-    def _create_offload(self, offload_config, layout: KVLayout, hash_root: bytes):
-        """The KV offload backend over the allocated cache, or None when offload is off."""
-        if offload_config is None:
-            return None
-        from kvpilot.engine.offload import create_kv_offload
-
-        return create_kv_offload(offload_config, kv_caches=self.runner.kv_caches,
-                                 block_size=layout.block_size, hash_root=hash_root)
-
-    def _create_connector(self, layout: KVLayout):
-        """The KV connector (``kv_transfer.base.KVConnector``): the offload tiers, the one
-        ``--kv-transfer-config`` names, or None."""
-        if self.kv_offload is not None:
-            from kvpilot.engine.offload.connector import offload_connector
-
-            return offload_connector(self.kv_offload, self.kv_cache_manager.pool, layout.block_size)
-        if self.kv_transfer_config is None or not self.kv_transfer_config.is_kv_transfer_instance:
-            return None
-        from kvpilot.engine.kv_transfer.factory import create_kv_connector
-
-        return create_kv_connector(self.kv_transfer_config, self.runner.kv_caches, self.kv_cache_manager,
-                                   layout, self._hash_root, self.parallel_config, self.cache_info)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -499,50 +434,15 @@ class LLMEngine:
         return self.scheduler.unfinished_request_ids()
 
     def get_stats(self) -> EngineStats:
-        kv = self.kv_cache_manager
-        sources = self.scheduler.prompt_token_sources
-        return EngineStats(
-            num_running_reqs=self.scheduler.num_running,
-            num_waiting_reqs=self.scheduler.num_waiting,
-            num_waiting_for_remote_kvs=self.scheduler.num_waiting_for_remote_kvs,
-            kv_cache_usage=kv.usage,
-            num_gpu_blocks=self.cache_info.num_gpu_blocks,
-            num_free_blocks=kv.num_free_blocks,
-            prefix_cache_queries=kv.stats.queries,
-            prefix_cache_hits=kv.stats.hits,
-            num_preemptions=self.scheduler.num_preemptions,
-            prompt_tokens=self.output_processor.prompt_tokens,
-            computed_prompt_tokens=self.scheduler.num_computed_prompt_tokens,
-            generation_tokens=self.output_processor.generation_tokens,
-            num_steps=self._num_steps,
-            prompt_tokens_local_compute=sources.local_compute,
-            prompt_tokens_local_cache_hit=sources.local_cache_hit,
-            prompt_tokens_external_kv_transfer=sources.external_kv_transfer,
-            prompt_tokens_recomputed=sources.recomputed,
-            **self._cached_by_tier(sources),
-            **self._miss_fields(),
-            num_corrupted_reqs=self.scheduler.num_corrupted if self.args.compute_nans_in_logits else None,
-            **(dict(zip(("estimated_flops", "estimated_read_bytes", "estimated_write_bytes"),
-                        self._estimated, strict=True)) if self._cost_model is not None else {}),
-            **(self.kv_offload.stats().engine_stat_fields() if self.kv_offload is not None else {}),
-            kv_transfer=self._kv_transfer_stats(),
-            lora=self._lora_stats() if self.lora is not None else None,
-            spec_decoding=(self.scheduler.spec_stats.snapshot()
-                           if self.scheduler.spec_stats is not None else None),
-        )
-
-    def _cached_by_tier(self, sources) -> dict[str, int]:
-        """The connector-served prompt tokens by tier, for the tiers the connector has."""
-        if self.kv_connector is None:
-            return {}
-        return {f"prompt_tokens_cached_{tier}": getattr(sources, f"cached_{tier}")
-                for tier in self.kv_connector.scheduler.cache_tiers}
-
-    def _miss_fields(self) -> dict[str, int]:
-        explainer = getattr(self.kv_cache_manager, "explainer", None)
-        if explainer is None:
-            return {}
-        return {f"prefix_miss_{reason}": tokens for reason, tokens in explainer.miss_tokens.items()}
+        lora = (lora_stats(self.lora, self.lora_config.max_loras, self.scheduler, self._lora_counters)
+                if self.lora is not None else None)
+        parts = OptionalParts(
+            kv_connector=self.kv_connector, kv_offload=self.kv_offload,
+            count_nans=self.args.compute_nans_in_logits,
+            estimated=self._estimated if self._cost_model is not None else None, lora=lora)
+        return engine_stats(self.scheduler, self.kv_cache_manager, self.output_processor,
+                            num_gpu_blocks=self.cache_info.num_gpu_blocks, num_steps=self._num_steps,
+                            parts=parts)
 
     def explain_prefix(self, prompt: str | list[int], cache_salt: str | None = None,
                        lora_name: str | None = None) -> dict:
@@ -563,14 +463,6 @@ class LLMEngine:
         return explanation(ids, hit, miss, self.kv_cache_manager.block_size, self.tokenizer,
                            caching=self.cache_config.enable_prefix_caching,
                            explained=getattr(self.kv_cache_manager, "explainer", None) is not None)
-
-    def _kv_transfer_stats(self):
-        """The inter-engine KV transfer figures (``kv_transfer.stats``); None without them."""
-        stats = getattr(self.kv_connector.worker, "stats", None) if self.kv_connector is not None else None
-        if stats is None:
-            return None
-        external = self.scheduler.external
-        return stats().with_scheduler_counts(external.num_failed_loads, external.num_recomputed_tokens)
 
     def _fail_requests(self, failed: dict[str, BaseException]) -> None:
         """Abort the requests a step failed for on their own (their grammar, detokenizing,
@@ -596,14 +488,6 @@ class LLMEngine:
         them alone; the caller fails them, and only them."""
         failed, self._failed_requests = self._failed_requests, []
         return failed
-
-    def _lora_stats(self):
-        from kvpilot.engine.lora.stats import LoRAStats, adapter_names
-
-        lora = self.lora
-        return LoRAStats(self.lora_config.max_loras, adapter_names(self.scheduler.running),
-                         adapter_names(self.scheduler.waiting), self._lora_counters.snapshot(),
-                         len(lora.adapters()), lora.num_device_resident, lora.num_host_resident)
 
     def take_step_stats(self) -> StepStats:
         """What the steps since the previous call did (tokens per step, sampled KV block

@@ -1,15 +1,19 @@
 """Frozen snapshots of the engine's state and counters (``EngineStats``) and of what its
-steps did since the previous look (``StepStats``)."""
+steps did since the previous look (``StepStats``), and how the engine's parts make an
+``EngineStats`` (``engine_stats``: the scheduler's queues and prompt-token sources, the block
+manager's pool and prefix-cache counters, the output counts, and the optional parts' own
+figures: offload tiers, KV transfers, LoRA, speculative decoding, the step cost estimate)."""
 
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 from kvpilot.engine.core.kv_residency import BlockResidency
 from kvpilot.engine.core.spec_stats import SpecDecodingStats
 from kvpilot.engine.kv_transfer.stats import KVTransferStats
-from kvpilot.engine.lora.stats import LoRAStats
+from kvpilot.engine.lora.stats import LoRAStats, adapter_names
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,3 +133,80 @@ class StepStats:
 
     iteration_tokens: tuple[int, ...] = ()
     kv_block_residency: tuple[BlockResidency, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class OptionalParts:
+    """The engine's optional parts a snapshot reads (None: not running)."""
+
+    kv_connector: object | None = None
+    kv_offload: object | None = None
+    count_nans: bool = False                    # ``--compute-nans-in-logits``
+    estimated: Sequence[int] | None = None      # flops, read bytes, write bytes (the cost model's)
+    lora: LoRAStats | None = None
+
+
+def engine_stats(scheduler, kv_cache_manager, output_processor, *, num_gpu_blocks: int, num_steps: int,
+                 parts: OptionalParts) -> EngineStats:
+    """The engine's state now: the scheduler's queues and sources, the block manager
+    (``KVCacheManager`` or the hybrid one), the output processor's counts, and ``parts``."""
+    kv, sources = kv_cache_manager, scheduler.prompt_token_sources
+    return EngineStats(
+        num_running_reqs=scheduler.num_running,
+        num_waiting_reqs=scheduler.num_waiting,
+        num_waiting_for_remote_kvs=scheduler.num_waiting_for_remote_kvs,
+        kv_cache_usage=kv.usage,
+        num_gpu_blocks=num_gpu_blocks,
+        num_free_blocks=kv.num_free_blocks,
+        prefix_cache_queries=kv.stats.queries,
+        prefix_cache_hits=kv.stats.hits,
+        num_preemptions=scheduler.num_preemptions,
+        prompt_tokens=output_processor.prompt_tokens,
+        computed_prompt_tokens=scheduler.num_computed_prompt_tokens,
+        generation_tokens=output_processor.generation_tokens,
+        num_steps=num_steps,
+        prompt_tokens_local_compute=sources.local_compute,
+        prompt_tokens_local_cache_hit=sources.local_cache_hit,
+        prompt_tokens_external_kv_transfer=sources.external_kv_transfer,
+        prompt_tokens_recomputed=sources.recomputed,
+        **_cached_by_tier(parts.kv_connector, sources),
+        **_miss_fields(kv),
+        num_corrupted_reqs=scheduler.num_corrupted if parts.count_nans else None,
+        **(dict(zip(("estimated_flops", "estimated_read_bytes", "estimated_write_bytes"),
+                    parts.estimated, strict=True)) if parts.estimated is not None else {}),
+        **(parts.kv_offload.stats().engine_stat_fields() if parts.kv_offload is not None else {}),
+        kv_transfer=_kv_transfer_stats(parts.kv_connector, scheduler),
+        lora=parts.lora,
+        spec_decoding=scheduler.spec_stats.snapshot() if scheduler.spec_stats is not None else None,
+    )
+
+
+def lora_stats(lora, max_loras: int, scheduler, counters) -> LoRAStats:
+    """The adapters' figures: which the running and waiting requests use, the load counters,
+    and how many are loaded, on the device and in host memory."""
+    return LoRAStats(max_loras, adapter_names(scheduler.running), adapter_names(scheduler.waiting),
+                     counters.snapshot(), len(lora.adapters()), lora.num_device_resident, lora.num_host_resident)
+
+
+def _cached_by_tier(kv_connector, sources) -> dict[str, int]:
+    """The connector-served prompt tokens by tier, for the tiers the connector has."""
+    if kv_connector is None:
+        return {}
+    return {f"prompt_tokens_cached_{tier}": getattr(sources, f"cached_{tier}")
+            for tier in kv_connector.scheduler.cache_tiers}
+
+
+def _miss_fields(kv_cache_manager) -> dict[str, int]:
+    explainer = getattr(kv_cache_manager, "explainer", None)
+    if explainer is None:
+        return {}
+    return {f"prefix_miss_{reason}": tokens for reason, tokens in explainer.miss_tokens.items()}
+
+
+def _kv_transfer_stats(kv_connector, scheduler):
+    """The inter-engine KV transfer figures (``kv_transfer.stats``); None without them."""
+    stats = getattr(kv_connector.worker, "stats", None) if kv_connector is not None else None
+    if stats is None:
+        return None
+    external = scheduler.external
+    return stats().with_scheduler_counts(external.num_failed_loads, external.num_recomputed_tokens)
