@@ -1,9 +1,11 @@
-"""The scheduler's side of the KV cache at start-up: the block manager over the allocated
-blocks, the offload tiers, the KV connector, and the step cost model.
+"""The scheduler's side of the KV cache at start-up: the offload tiers, the block manager
+over the allocated blocks, the KV connector, and the step cost model (per-step FLOPs and
+bytes from the KV layout).
 
-Each is a function of the configs and of what ``kv_cache_setup`` allocated; ``LLMEngine``
-calls them in this order after the allocation (the manager first: the connector of the
-offload tiers reads its pool). Nothing here keeps state.
+Each is a function of the configs and of what ``kv_cache_setup`` allocated. ``LLMEngine``
+calls them after the allocation, in that order: the manager records evictions for the
+offload tiers, and the offload tiers' connector reads the manager's pool. Nothing here
+keeps state.
 """
 
 from __future__ import annotations
