@@ -132,6 +132,21 @@ float sum_of_squares(const T* x, int64_t n) {
   return parts[0];
 }
 
+// The row a norm normalises: x itself, or x + residual rounded to T, written to `sum`.
+template <typename T>
+const T* summed_row(const T* x, const T* residual, T* sum, int64_t n) {
+  if (!residual) return x;
+  for (int64_t i = 0; i < n; ++i) sum[i] = from_float<T>(to_float(x[i]) + to_float(residual[i]));
+  return sum;
+}
+
+// 1 / sqrt(mean(x^2) + eps) in float32, the sum in torch's order (sum_of_squares).
+template <typename T>
+float inverse_rms(const T* x, int64_t n, float eps) {
+  const float var = sum_of_squares<T>(x, n) / static_cast<float>(n);
+  return 1.0f / std::sqrt(var + eps);
+}
+
 template <typename T>
 void add_rms_norm_rows(const torch::Tensor& x, const torch::Tensor* residual, const torch::Tensor& weight,
                        double eps, torch::Tensor& out, torch::Tensor* sum_out) {
@@ -146,17 +161,10 @@ void add_rms_norm_rows(const torch::Tensor& x, const torch::Tensor* residual, co
   const float eps_f = static_cast<float>(eps);
   at::parallel_for(0, rows, kGrainRows, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
-      const T* xr = xp + row * x_stride;
       T* orow = op + row * hidden;
-      const T* src = xr;   // the row to normalise: x, or the rounded sum written to sum_out
-      if (rp) {
-        const T* rr = rp + row * r_stride;
-        T* srow = sp + row * hidden;
-        for (int64_t i = 0; i < hidden; ++i) srow[i] = from_float<T>(to_float(xr[i]) + to_float(rr[i]));
-        src = srow;
-      }
-      const float var = sum_of_squares<T>(src, hidden) / static_cast<float>(hidden);
-      const float inv = 1.0f / std::sqrt(var + eps_f);
+      const T* src = summed_row<T>(xp + row * x_stride, rp ? rp + row * r_stride : nullptr,
+                                   sp ? sp + row * hidden : nullptr, hidden);
+      const float inv = inverse_rms<T>(src, hidden, eps_f);
       for (int64_t k = 0; k < hidden; ++k) {
         const float h = round_to<T>(to_float(src[k]) * inv);
         orow[k] = from_float<T>(to_float(wp[k]) * h);
@@ -174,15 +182,9 @@ void gemma_norm_rows(const T* xp, int64_t rows, int64_t dim, Offset row_offset, 
   const float eps_f = static_cast<float>(eps);
   at::parallel_for(0, rows, kGrainRows, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
-      const T* src = xp + row_offset(row);
-      if (rp) {
-        const T* rr = rp + row * r_stride;
-        T* srow = sp + row * dim;
-        for (int64_t i = 0; i < dim; ++i) srow[i] = from_float<T>(to_float(src[i]) + to_float(rr[i]));
-        src = srow;
-      }
-      const float var = sum_of_squares<T>(src, dim) / static_cast<float>(dim);
-      const float inv = 1.0f / std::sqrt(var + eps_f);
+      const T* src = summed_row<T>(xp + row_offset(row), rp ? rp + row * r_stride : nullptr,
+                                   sp ? sp + row * dim : nullptr, dim);
+      const float inv = inverse_rms<T>(src, dim, eps_f);
       T* orow = op + row * dim;
       for (int64_t k = 0; k < dim; ++k) orow[k] = from_float<T>((to_float(src[k]) * inv) * gain[k]);
     }
